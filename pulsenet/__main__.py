@@ -1,0 +1,5 @@
+import sys
+
+from pulsenet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""The one ``pulsenet`` command. Each subcommand group lives in its own module with a ``register``.
+
+Modules register lazily-imported handlers so ``pulsenet --help`` stays fast (no torch import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from pulsenet.errors import PulsenetError
+
+# Each module exposes ``register(subparsers)``; add new groups here.
+_MODULES = ("pulsenet.cli.patch", "pulsenet.cli.bench", "pulsenet.cli.s3", "pulsenet.cli.sync")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pulsenet", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:  # a real missing dependency, not an absent module
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except PulsenetError as e:
+        print(f"pulsenet: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("pulsenet: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The whole pulsenet error hierarchy, in one place.
+
+Dual inheritance lets callers catch either the pulsenet type or the builtin it refines
+(``PatchError`` is a ``ValueError``; ``StoreTimeout`` is a ``TimeoutError``).
+"""
+
+
+class PulsenetError(Exception):
+    """Base of every error pulsenet raises on purpose."""
+
+
+class ConfigError(PulsenetError, ValueError):
+    """A config file, URL or CLI argument is invalid."""
+
+
+# --- codec -----------------------------------------------------------------
+
+
+class PatchError(PulsenetError, ValueError):
+    """A patch cannot be encoded, parsed or applied."""
+
+
+class PatchFormatError(PatchError):
+    """The bytes are not a well-formed patch: bad magic, version, header or section bounds."""
+
+
+class PatchCorruptError(PatchError):
+    """The patch is well formed but its content is inconsistent (indices, sizes, decompression)."""
+
+
+class PatchSizeLimitError(PatchCorruptError):
+    """A section would decompress past its declared or allowed size (zstd bomb guard)."""
+
+
+class BaseMismatchError(PatchError):
+    """The patch was made against a different base (names, dtypes, shapes or digest differ)."""
+
+
+class DigestMismatchError(PatchError):
+    """The rebuilt weights do not hash to the digest the patch promises."""
+
+
+class PayloadError(PulsenetError, ValueError):
+    """A PULSELoCo sparse payload is malformed or fails validation."""
+
+
+# --- store -----------------------------------------------------------------
+
+
+class StoreError(PulsenetError):
+    """An object-store operation failed."""
+
+
+class ObjectNotFound(StoreError, KeyError):
+    """The key does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable.
+        return str(self.args[0]) if self.args else "object not found"
+
+
+class ConditionFailed(StoreError):
+    """A conditional request failed (If-None-Match on an existing key, If-Match mismatch; 412 or 404)."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """An object-store operation ran past its timeout."""
+
+
+class StoreUnavailable(StoreError, ConnectionError):
+    """The object store could not be reached after retries."""
+
+
+# --- protocols -------------------------------------------------------------
+
+
+class ManifestError(PulsenetError, ValueError):
+    """A manifest is malformed, unsigned, signed by an untrusted key, or inconsistent."""
+
+
+class SignatureError(ManifestError):
+    """A signature does not verify against any trusted key."""
+
+
+class ReplayError(ManifestError):
+    """A manifest would move a version backwards."""
+
+
+class VerificationError(PulsenetError):
+    """Rebuilt weights or a fetched payload failed verification; nothing was swapped in."""
+
+
+class RoundError(PulsenetError):
+    """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
