@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except PulsenetError as e:
         print(f"pulsenet: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # missing files, permissions: say which path, no traceback
+        print(f"pulsenet: error: {e.strerror or e}: {e.filename or ''}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("pulsenet: interrupted", file=sys.stderr)
         return 130

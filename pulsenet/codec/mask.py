@@ -1,0 +1,343 @@
+"""Sparse tensor change coding conditioned on the base: *which* entries changed, and *by how much*.
+
+At RL learning rates a BF16 weight changes only when its update crosses the weight's rounding
+cell, whose width is set by the weight's exponent: small weights change almost always, large ones
+rarely. The receiver holds the base, so both sides split entries into *contexts* by the base
+value's magnitude bits, ``bin = (bits & ~sign) >> (mantissa_bits - 1)`` (two bins per binade;
+integer dtypes have a single bin). The encoder groups adjacent bins into at most ``MAX_ZONES``
+*zones* and codes each zone's change flags in the zone's own rank space (its members in position
+order), as
+
+- ``bitmap``: one bit per member (change rates near 1/2),
+- ``ones``:   gaps between the ranks of changed members (rare changes),
+- ``zeros``:  gaps between the ranks of unchanged members (zones that nearly all change),
+
+choosing boundaries and modes by dynamic programming on exact per-bin counts. Each changed entry's
+value is ``zigzag(ordered(new) - ordered(old))`` (kernels._code), grouped by zone so entries with
+similar statistics sit together for zstd. Everything here is pure: arrays in, bytes out.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from pulsenet.codec import kernels
+from pulsenet.codec.coding import (
+    UINT,
+    from_planes,
+    narrowest_width,
+    ordered,
+    to_planes,
+    unordered,
+    unzigzag,
+    zigzag,
+)
+from pulsenet.errors import PatchCorruptError
+
+MODES = ("bitmap", "ones", "zeros")
+MAX_ZONES = 12
+ZONE_OVERHEAD_BITS = 96  # a zone's entry in the table, compressed
+MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
+
+
+@dataclass(slots=True)
+class Zone:
+    """``hi``: exclusive upper context bin. ``count``: listed ranks (ones/zeros) or members (bitmap).
+    ``width``: gap width for ones/zeros, 0 for bitmap. ``size``: bytes in the mask section.
+    ``nnz``: changed entries in the zone (its share of the values section)."""
+
+    hi: int
+    mode: str
+    count: int
+    width: int
+    size: int
+    nnz: int
+
+    def to_json(self) -> list:
+        return [self.hi, self.mode, self.count, self.width, self.size, self.nnz]
+
+    @classmethod
+    def from_json(cls, v: object) -> Zone:
+        if not (isinstance(v, list) and len(v) == 6 and v[1] in MODES):
+            raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {v!r}")
+        hi, mode, count, width, size, nnz = v
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 62) for x in (hi, count, width, size, nnz)):
+            raise PatchCorruptError(f"invalid zone entry {v!r}")
+        if mode != "bitmap" and width not in (1, 2, 4, 8):
+            raise PatchCorruptError(f"zone gap width {width} is not 1, 2, 4 or 8")
+        return cls(hi, mode, count, width, size, nnz)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """How a dtype's base bits map to context bins."""
+
+    magmask: int
+    shift: int
+    nbins: int
+    signmag: bool
+    width: int
+
+    @classmethod
+    def of(cls, dtype: str, width: int) -> Context:
+        mant = MANTISSA_BITS.get(dtype)
+        if mant is None:  # integers and bool: one context
+            return cls(0, 0, 1, False, width)
+        mag = (1 << (8 * width - 1)) - 1
+        shift = max(mant - 1, 0)
+        return cls(mag, shift, (mag >> shift) + 1, True, width)
+
+    @property
+    def M(self) -> np.uint64:
+        return np.uint64((1 << (8 * self.width)) - 1)
+
+    @property
+    def top(self) -> np.uint64:
+        return np.uint64(8 * self.width - 1)
+
+    @property
+    def S(self) -> np.uint64:
+        return np.uint64(1 << (8 * self.width - 1))
+
+
+def _gap_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(k > 0, k * (np.log2(n / np.maximum(k, 1) + 1) + 1.6) + 8, 0.0)
+
+
+def _zone_costs(n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Estimated bits and best mode for zones with n members, k of them changed."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.clip(k / np.maximum(n, 1), 1e-12, 1 - 1e-12)
+        h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    costs = np.stack([n * np.maximum(h, 0.03) * 1.03 + 8, _gap_bits(n, k), _gap_bits(n, n - k)])
+    return costs.min(axis=0) + ZONE_OVERHEAD_BITS, costs.argmin(axis=0)
+
+
+def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES) -> list[tuple[int, str]]:
+    """Zone boundaries (exclusive upper bins) and modes minimising the estimated mask size.
+
+    Dynamic programming over the non-empty bins: best[z][j] = cheapest cover of the first j
+    non-empty bins by z zones. Empty bins join the zone above them.
+    """
+    bins = np.flatnonzero(n_bin)
+    B = bins.size
+    N = np.concatenate([[0.0], np.cumsum(n_bin[bins].astype(np.float64))])
+    K = np.concatenate([[0.0], np.cumsum(k_bin[bins].astype(np.float64))])
+    i, j = np.triu_indices(B + 1, k=1)
+    zc, zm = _zone_costs(N[j] - N[i], K[j] - K[i])
+    cost = np.full((B + 1, B + 1), np.inf)
+    mode = np.zeros((B + 1, B + 1), dtype=np.int64)
+    cost[i, j], mode[i, j] = zc, zm
+    best = np.full(B + 1, np.inf)
+    best[0] = 0.0
+    backs, finals = [], []
+    for _ in range(min(max_zones, B)):
+        tot = best[:, None] + cost
+        backs.append(tot.argmin(axis=0))
+        best = tot.min(axis=0)
+        finals.append(best[B])
+    z = int(np.argmin(finals)) + 1
+    ends, j_ = [], B
+    for back in reversed(backs[:z]):
+        ends.append(j_)
+        j_ = int(back[j_])
+    ends.reverse()
+    plan, start = [], 0
+    for end in ends:
+        plan.append((int(bins[end - 1]) + 1, MODES[int(mode[start, end])]))
+        start = end
+    plan[-1] = (int(n_bin.size), plan[-1][1])
+    return plan
+
+
+def _lut(ctx: Context, his: list[int]) -> np.ndarray:
+    lut = np.empty(ctx.nbins, dtype=np.int32)
+    lo = 0
+    for z, hi in enumerate(his):
+        lut[lo:hi] = z
+        lo = hi
+    return lut
+
+
+def encode_sparse(
+    a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES
+) -> tuple[list[Zone], bytes, np.ndarray]:
+    """Code the change a -> b (same dtype and size, at least one entry differs).
+
+    ``max_zones=1`` skips the context model (no histogram pass, no per-element kernel): faster,
+    larger where the base predicts the change well.
+
+    Returns (zones, raw mask section, value codes in zone order as unsigned ints of the width).
+    """
+    ctx = Context.of(dtype, a.dtype.itemsize)
+    if max_zones == 1 or ctx.nbins == 1:
+        k = int(np.count_nonzero(a != b))
+        _, mode = _zone_costs(np.array([a.size]), np.array([k]))
+        return _encode_one_zone(a, b, dtype, MODES[int(mode[0])])
+    n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
+    plan = plan_zones(n_bin, k_bin, max_zones)
+    if len(plan) == 1:
+        return _encode_one_zone(a, b, dtype, plan[0][1])
+    his = [hi for hi, _ in plan]
+    zmode = np.array([MODES.index(m) for _, m in plan], dtype=np.int8)
+    lo = [0, *his[:-1]]
+    n_z = np.array([n_bin[lo_:hi].sum() for lo_, hi in zip(lo, his, strict=True)], dtype=np.int64)
+    k_z = np.array([k_bin[lo_:hi].sum() for lo_, hi in zip(lo, his, strict=True)], dtype=np.int64)
+    is_bm = zmode == kernels.BITMAP
+    bm_len = np.where(is_bm, (n_z + 7) // 8, 0)
+    rk_cnt = np.select([zmode == kernels.ONES, zmode == kernels.ZEROS], [k_z, n_z - k_z], 0)
+    # every region gets one slot of slack (kernels.encode_pass writes unconditionally)
+    bm_off, bm_buf = _regions(bm_len + 1, np.uint8, 0)
+    rk_off, rk_buf = _regions(rk_cnt + 1, np.int64, -1)
+    val_off, vals = _regions(k_z + 1, a.dtype, 0)
+    rank, listed, nval = kernels.encode_pass(
+        a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), _lut(ctx, his), zmode,
+        bm_off, np.where(is_bm, -1, 0), bm_buf, rk_off, rk_buf, val_off, vals, ctx.signmag, ctx.M, ctx.S, ctx.top,
+    )
+    assert (rank == n_z).all() and (listed == rk_cnt).all() and (nval == k_z).all()
+    vals = np.concatenate([vals[o : o + k] for o, k in zip(val_off, k_z, strict=True)])
+    zones, chunks = [], []
+    for z, (hi, m) in enumerate(plan):
+        if m == "bitmap":
+            raw = bm_buf[bm_off[z] : bm_off[z] + bm_len[z]].tobytes()
+            zones.append(Zone(hi, m, int(n_z[z]), 0, len(raw), int(k_z[z])))
+        else:
+            ranks = rk_buf[rk_off[z] : rk_off[z] + rk_cnt[z]]
+            gaps = np.diff(ranks, prepend=-1) - 1
+            width = narrowest_width(int(gaps.max())) if gaps.size else 1
+            raw = to_planes(gaps.astype(UINT[width]))
+            zones.append(Zone(hi, m, int(rk_cnt[z]), width, len(raw), int(k_z[z])))
+        chunks.append(raw)
+    return zones, b"".join(chunks), vals
+
+
+def _codes(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype in MANTISSA_BITS:
+        return zigzag(ordered(b) - ordered(a))
+    return zigzag(b - a)
+
+
+def _encode_one_zone(a: np.ndarray, b: np.ndarray, dtype: str, mode: str) -> tuple[list[Zone], bytes, np.ndarray]:
+    """Vectorised path for a single zone (no context gain to take): no per-element kernel."""
+    ne = a != b
+    pos = np.flatnonzero(ne)
+    nbins = Context.of(dtype, a.dtype.itemsize).nbins
+    if mode == "bitmap":
+        raw = np.packbits(ne, bitorder="little").tobytes()
+        zone = Zone(nbins, mode, int(a.size), 0, len(raw), int(pos.size))
+    else:
+        ranks = pos if mode == "ones" else np.flatnonzero(~ne)
+        gaps = np.diff(ranks, prepend=-1) - 1
+        width = narrowest_width(int(gaps.max())) if gaps.size else 1
+        raw = to_planes(gaps.astype(UINT[width]))
+        zone = Zone(nbins, mode, int(ranks.size), width, len(raw), int(pos.size))
+    return [zone], raw, _codes(a[pos], b[pos], dtype)
+
+
+def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.ndarray) -> np.ndarray:
+    if z.mode == "bitmap":
+        if z.count != a.size:
+            raise PatchCorruptError(f"bitmap covers {z.count} entries, the base has {a.size}")
+        flags = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")
+        if flags[a.size :].any():
+            raise PatchCorruptError("bitmap padding bits are not zero")
+        pos = np.flatnonzero(flags[: a.size])
+    else:
+        gaps = from_planes(mask, z.width, z.count).astype(np.int64)
+        ranks = np.cumsum(gaps + 1) - 1
+        if ranks.size and (int(gaps.max()) >= a.size or int(ranks[-1]) >= a.size):
+            raise PatchCorruptError(f"rank {int(ranks[-1])} out of range for a tensor of {a.size} entries")
+        if z.mode == "ones":
+            pos = ranks
+        else:
+            keep = np.ones(a.size, dtype=bool)
+            keep[ranks] = False
+            pos = np.flatnonzero(keep)
+    if pos.size != codes.size:
+        raise PatchCorruptError(f"mask decodes to {pos.size} changes, table says {codes.size}")
+    old = a[pos]
+    if dtype in MANTISSA_BITS:
+        new = unordered(ordered(old) + unzigzag(codes))
+    else:
+        new = old + unzigzag(codes)
+    out = a.copy()
+    out[pos] = new
+    return out
+
+
+def check_zones(zones: list[Zone], dtype: str, width: int, numel: int, nnz: int, mask_size: int) -> None:
+    """Table-level checks, before any decoding."""
+    ctx = Context.of(dtype, width)
+    if not 1 <= len(zones) <= MAX_ZONES:
+        raise PatchCorruptError(f"{len(zones)} zones, expected 1..{MAX_ZONES}")
+    his = [z.hi for z in zones]
+    if any(b <= a for a, b in itertools.pairwise(his)) or his[0] <= 0 or his[-1] != ctx.nbins:
+        raise PatchCorruptError(f"zone bounds {his} must increase and end at {ctx.nbins}")
+    if sum(z.nnz for z in zones) != nnz:
+        raise PatchCorruptError(f"zones hold {sum(z.nnz for z in zones)} changes, table says {nnz}")
+    if sum(z.size for z in zones) != mask_size:
+        raise PatchCorruptError(f"zones declare {sum(z.size for z in zones)} mask bytes, section has {mask_size}")
+    for z in zones:
+        if z.count > numel or z.nnz > numel:
+            raise PatchCorruptError(f"zone counts {z.count}/{z.nnz} exceed the tensor's {numel} entries")
+        want = (z.count + 7) // 8 if z.mode == "bitmap" else z.count * z.width
+        if z.size != want:
+            raise PatchCorruptError(f"{z.mode} zone of {z.count} declares {z.size} bytes, expected {want}")
+
+
+def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, codes: np.ndarray) -> np.ndarray:
+    """Rebuild the new bits from base ``a``; validates everything, never touches ``a``."""
+    if codes.size != sum(z.nnz for z in zones) or not codes.all():
+        raise PatchCorruptError("values section disagrees with the zones, or a changed entry carries a zero change")
+    if len(zones) == 1:
+        return _decode_one_zone(a, dtype, zones[0], mask, codes)
+    ctx = Context.of(dtype, a.dtype.itemsize)
+    zmode = np.array([MODES.index(z.mode) for z in zones], dtype=np.int8)
+    is_bm = zmode == kernels.BITMAP
+    bm_len = np.array([z.size if z.mode == "bitmap" else 0 for z in zones], dtype=np.int64)
+    rk_cnt = np.array([0 if z.mode == "bitmap" else z.count for z in zones], dtype=np.int64)
+    val_cnt = np.array([z.nnz for z in zones], dtype=np.int64)
+    # regions padded as decode_pass expects: a 0 byte after each bitmap, a -1 after each rank list,
+    # a 0 code after each zone's values
+    bm_off, bm_buf = _regions(bm_len + 1, np.uint8, 0)
+    rk_off, rk_buf = _regions(rk_cnt + 1, np.int64, -1)
+    val_off, vals = _regions(val_cnt + 1, a.dtype, 0)
+    off, voff = 0, 0
+    for i, z in enumerate(zones):
+        raw = mask[off : off + z.size]
+        off += z.size
+        if z.mode == "bitmap":
+            bm_buf[bm_off[i] : bm_off[i] + z.size] = np.frombuffer(raw, dtype=np.uint8)
+        elif z.count:
+            gaps = from_planes(raw, z.width, z.count).astype(np.int64)
+            if int(gaps.max()) >= a.size:
+                raise PatchCorruptError(f"rank gap {int(gaps.max())} exceeds tensor size {a.size}")
+            rk_buf[rk_off[i] : rk_off[i] + z.count] = np.cumsum(gaps + 1) - 1
+        vals[val_off[i] : val_off[i] + z.nnz] = codes[voff : voff + z.nnz]
+        voff += z.nnz
+    out = np.empty_like(a)
+    members, consumed, changed = kernels.decode_pass(
+        a, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), _lut(ctx, [z.hi for z in zones]), zmode,
+        bm_off, bm_len, np.where(is_bm, -1, 0), bm_buf, rk_off, rk_buf, val_off, val_cnt, vals,
+        ctx.signmag, ctx.M, ctx.S, ctx.top,
+    )
+    for i, z in enumerate(zones):
+        if z.mode == "bitmap" and z.count != members[i]:
+            raise PatchCorruptError(f"bitmap zone {i} has {z.count} flags, the base has {members[i]} members")
+        if z.mode == "bitmap" and members[i] & 7 and bm_buf[bm_off[i] + z.size - 1] >> (members[i] & 7):
+            raise PatchCorruptError(f"bitmap zone {i} has non-zero padding bits")
+        if consumed[i] != rk_cnt[i]:
+            raise PatchCorruptError(f"zone {i} lists ranks outside the base's {members[i]} members")
+        if changed[i] != val_cnt[i]:
+            raise PatchCorruptError(f"zone {i} decodes {changed[i]} changes, table says {val_cnt[i]}")
+    return out
+
+
+def _regions(sizes: np.ndarray, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets of consecutive regions of the given sizes, and one buffer holding them all."""
+    ends = np.cumsum(sizes)
+    return ends - sizes, np.full(int(ends[-1]) if ends.size else 0, fill, dtype=dtype)

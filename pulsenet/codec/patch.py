@@ -1,0 +1,416 @@
+"""PULSESync patch format v1: the exact change from model state A to state B, tensor by tensor.
+
+Wire format (full spec: docs/format.md)::
+
+    offset  size  field
+    0       8     magic  b"PULSEPAT"
+    8       2     version (u16 LE) = 1
+    10      2     flags (u16 LE) = 0
+    12      4     table_size (u32 LE): bytes of the zstd-compressed table
+    16      4     table_raw (u32 LE): bytes of the table JSON once decompressed (<= 64 MiB)
+    20      8     body_size (u64 LE)
+    28      ...   table: one zstd frame holding UTF-8 JSON (tensors sorted by name)
+    28+ts   ...   body: the sections the table points to as [offset, size, raw_size]
+
+A tensor is ``keep`` (identical), ``full`` (byte planes of its raw values, zstd), or ``sparse``:
+a change mask coded against the base (codec/mask.py) plus, for each changed entry in zone order,
+``zigzag(ordered(B) - ordered(A))`` as a wrapping integer of the element width, byte planes, zstd.
+Integer arithmetic on bit patterns makes the rebuild exact: -0.0, NaN payloads, subnormals and
+sign flips all round-trip. The table carries the SHA-256 of every tensor of B and the model digest
+of A and B (codec/digest.py).
+
+The decoder parses and cross-checks the whole table against the base before it produces any
+tensor, never writes into the base, and checks each rebuilt tensor's SHA-256 before handing it out.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pulsenet.codec import mask as maskcode
+from pulsenet.codec.bf16 import bits, from_bits
+from pulsenet.codec.coding import (
+    compress,
+    decompress,
+    from_planes,
+    to_planes,
+)
+from pulsenet.codec.digest import model_digest_from_records, sha256_array, tensor_record
+from pulsenet.codec.dtypes import dtype_from_name, dtype_name
+from pulsenet.errors import (
+    BaseMismatchError,
+    DigestMismatchError,
+    PatchCorruptError,
+    PatchError,
+    PatchFormatError,
+    PatchSizeLimitError,
+)
+
+MAGIC = b"PULSEPAT"
+VERSION = 1
+_HEADER = struct.Struct("<8sHHIIQ")
+HEADER_SIZE = _HEADER.size  # 28
+MAX_TABLE_RAW = 64 << 20
+FULL_CHECK_RATE = 0.25  # above this change rate, also try the full encoding and keep the smaller
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+@dataclass(slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    sha256: str
+    op: str  # keep | full | sparse
+    nnz: int = 0
+    zones: list[maskcode.Zone] = field(default_factory=list)
+    sections: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # name -> (off, size, raw)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=dtype_from_name(self.dtype)).element_size()
+
+    def to_json(self) -> dict:
+        d: dict = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "sha256": self.sha256, "op": self.op}
+        if self.op == "sparse":
+            d["nnz"] = self.nnz
+            d["zones"] = [z.to_json() for z in self.zones]
+        d.update({k: list(v) for k, v in self.sections.items()})
+        return d
+
+
+@dataclass(slots=True)
+class Patch:
+    """A parsed, structurally validated patch; ``body`` sections are decompressed on demand."""
+
+    base_digest: str
+    target_digest: str
+    tensors: list[TensorEntry]
+    removed: list[str]
+    body: memoryview
+    size: int
+
+    def section(self, entry: TensorEntry, name: str) -> bytes:
+        off, size, raw = entry.sections[name]
+        try:
+            return decompress(bytes(self.body[off : off + size]), raw)
+        except PatchError as e:
+            raise type(e)(f"tensor {entry.name!r} section {name!r}: {e}") from None
+
+
+# --------------------------------------------------------------------------- encoder
+
+
+@dataclass(slots=True)
+class _Encoded:
+    entry: TensorEntry
+    blobs: dict[str, bytes]
+    record: bytes
+    base_record: bytes | None
+
+
+class PatchEncoder:
+    """Encode the change A -> B. Tensors are read one at a time from the (lazy) mappings, so
+    memory stays near ``threads`` x 2 tensors plus the payload, whatever the model size."""
+
+    def __init__(self, *, level: int = 3, threads: int = 2, max_zones: int = maskcode.MAX_ZONES) -> None:
+        """``max_zones``: context zones per tensor (1 = no context model: fastest, largest)."""
+        if not 1 <= max_zones <= maskcode.MAX_ZONES:
+            raise ValueError(f"max_zones must be in 1..{maskcode.MAX_ZONES}, got {max_zones}")
+        self.level = level
+        self.threads = max(1, threads)
+        self.max_zones = max_zones
+
+    def encode(
+        self,
+        old: StateDict,
+        new: StateDict,
+        *,
+        base_digest: str | None = None,
+        progress: Callable[[str, int], None] | None = None,
+    ) -> bytes:
+        """Patch bytes. ``base_digest``: the caller's known digest of ``old`` (skips hashing it)."""
+        names = sorted(new, key=lambda n: n.encode("utf-8"))
+        removed = sorted((n for n in old if n not in new), key=lambda n: n.encode("utf-8"))
+        hash_base = base_digest is None
+
+        def one(name: str) -> _Encoded:
+            enc = self._encode_tensor(name, old.get(name, None), new[name], hash_base)
+            if progress is not None:
+                progress(name, enc.entry.numel * enc.entry.itemsize)
+            return enc
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            encoded = list(pool.map(one, names))
+            base_records = {e.entry.name: e.base_record for e in encoded if e.base_record is not None}
+            if hash_base:
+                extra = [n for n in old if n not in new or n not in base_records]
+                for n, rec in zip(extra, pool.map(lambda n: _record(n, old[n]), extra), strict=True):
+                    base_records[n] = rec
+        if base_digest is None:
+            base_digest = model_digest_from_records(base_records)
+        target_digest = model_digest_from_records({e.entry.name: e.record for e in encoded})
+
+        body: list[bytes] = []
+        off = 0
+        for e in encoded:
+            for key, blob in e.blobs.items():
+                off0 = off
+                body.append(blob)
+                off += len(blob)
+                e.entry.sections[key] = (off0, len(blob), e.entry.sections[key][2])
+        table = {
+            "format": "pulsenet-patch",
+            "version": VERSION,
+            "base_digest": base_digest,
+            "target_digest": target_digest,
+            "tensors": [e.entry.to_json() for e in encoded],
+            "removed": removed,
+        }
+        raw = json.dumps(table, separators=(",", ":")).encode()
+        if len(raw) > MAX_TABLE_RAW:
+            raise PatchError(f"patch table is {len(raw)} bytes, over the {MAX_TABLE_RAW}-byte limit")
+        ztable = compress(raw, self.level)
+        header = _HEADER.pack(MAGIC, VERSION, 0, len(ztable), len(raw), off)
+        return b"".join([header, ztable, *body])
+
+    def _encode_tensor(self, name: str, a_t: torch.Tensor | None, b_t: torch.Tensor, hash_base: bool) -> _Encoded:
+        dt = dtype_name(b_t.dtype)
+        shape = tuple(b_t.shape)
+        b = bits(b_t)
+        digest = sha256_array(b)
+        record = tensor_record(name, dt, shape, digest)
+        entry = TensorEntry(name, dt, shape, digest.hex(), "full")
+        base_record = None
+        if a_t is not None and hash_base:
+            base_record = _record(name, a_t)
+        if a_t is None or a_t.dtype != b_t.dtype or tuple(a_t.shape) != shape:
+            return _Encoded(entry, self._full(entry, b), record, base_record)  # added or replaced
+        a = bits(a_t)
+        changed = np.count_nonzero(a != b)
+        if changed == 0:
+            entry.op = "keep"
+            return _Encoded(entry, {}, record, base_record)
+        entry.op, entry.nnz = "sparse", int(changed)
+        entry.zones, mask_raw, codes = maskcode.encode_sparse(a, b, dt, self.max_zones)
+        values = to_planes(codes)
+        blobs = {"mask": compress(mask_raw, self.level), "values": compress(values, self.level)}
+        entry.sections = {"mask": (0, 0, len(mask_raw)), "values": (0, 0, len(values))}
+        if changed > FULL_CHECK_RATE * a.size:
+            full_entry = TensorEntry(name, dt, shape, entry.sha256, "full")
+            full = self._full(full_entry, b)
+            if len(full["data"]) < sum(len(v) for v in blobs.values()):
+                return _Encoded(full_entry, full, record, base_record)
+        return _Encoded(entry, blobs, record, base_record)
+
+    def _full(self, entry: TensorEntry, b: np.ndarray) -> dict[str, bytes]:
+        raw = to_planes(b)
+        entry.op = "full"
+        entry.sections = {"data": (0, 0, len(raw))}
+        return {"data": compress(raw, self.level)}
+
+
+def _record(name: str, t: torch.Tensor) -> bytes:
+    return tensor_record(name, dtype_name(t.dtype), tuple(t.shape), sha256_array(bits(t)))
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_patch(data: bytes | memoryview, *, max_table_raw: int = MAX_TABLE_RAW) -> Patch:
+    """Parse and structurally validate a patch (no base needed). Raises PatchFormatError/CorruptError."""
+    mv = memoryview(data)
+    if len(mv) < HEADER_SIZE:
+        raise PatchFormatError(f"patch is {len(mv)} bytes, shorter than the {HEADER_SIZE}-byte header")
+    magic, version, flags, tsize, traw, bsize = _HEADER.unpack_from(mv)
+    if magic != MAGIC:
+        raise PatchFormatError(f"bad magic {bytes(magic)!r}: not a pulsenet patch")
+    if version != VERSION:
+        raise PatchFormatError(f"patch format version {version} is not supported (this build reads {VERSION})")
+    if flags != 0:
+        raise PatchFormatError(f"unknown header flags {flags:#x}")
+    if HEADER_SIZE + tsize + bsize != len(mv):
+        raise PatchFormatError(
+            f"header declares {HEADER_SIZE + tsize + bsize} bytes (table {tsize}, body {bsize}), "
+            f"patch has {len(mv)}: truncated or padded"
+        )
+    if traw > max_table_raw:
+        raise PatchSizeLimitError(f"table declares {traw} bytes, over the {max_table_raw}-byte limit")
+    try:
+        table = json.loads(decompress(bytes(mv[HEADER_SIZE : HEADER_SIZE + tsize]), traw))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PatchCorruptError(f"patch table is not valid JSON: {e}") from None
+    body = mv[HEADER_SIZE + tsize :]
+    try:
+        return _parse_table(table, body, len(mv))
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, PatchError):
+            raise
+        raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {e}") from None
+
+
+def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
+    if not isinstance(table, dict) or table.get("format") != "pulsenet-patch" or table.get("version") != VERSION:
+        raise PatchCorruptError("table is not a pulsenet-patch v1 table")
+    tensors: list[TensorEntry] = []
+    prev: bytes | None = None
+    for d in table["tensors"]:
+        name = d["name"]
+        if not isinstance(name, str) or not name:
+            raise PatchCorruptError(f"bad tensor name {name!r}")
+        key = name.encode("utf-8")
+        if prev is not None and key <= prev:
+            raise PatchCorruptError(f"tensor names not strictly sorted at {name!r}")
+        prev = key
+        dtype_from_name(d["dtype"])
+        shape = tuple(d["shape"])
+        if not all(isinstance(s, int) and 0 <= s < (1 << 48) for s in shape) or len(shape) > 8:
+            raise PatchCorruptError(f"tensor {name!r}: bad shape {d['shape']!r}")
+        sha = d["sha256"]
+        if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+            raise PatchCorruptError(f"tensor {name!r}: bad sha256 {sha!r}")
+        e = TensorEntry(name, d["dtype"], shape, sha, d["op"])
+        want = {"keep": (), "full": ("data",), "sparse": ("mask", "values")}.get(e.op)
+        if want is None:
+            raise PatchCorruptError(f"tensor {name!r}: unknown op {e.op!r}")
+        for s in want:
+            off, sz, raw = d[s]
+            if not all(isinstance(x, int) and x >= 0 for x in (off, sz, raw)) or off + sz > len(body):
+                raise PatchCorruptError(f"tensor {name!r}: section {s} [{off}, {sz}] outside the {len(body)}-byte body")
+            e.sections[s] = (off, sz, raw)
+        n, w = e.numel, e.itemsize
+        if e.op == "full" and e.sections["data"][2] != n * w:
+            raise PatchCorruptError(f"tensor {name!r}: full data declares {e.sections['data'][2]} bytes, expected {n * w}")
+        if e.op == "sparse":
+            e.nnz = d["nnz"]
+            if not (isinstance(e.nnz, int) and 0 < e.nnz <= n):
+                raise PatchCorruptError(f"tensor {name!r}: nnz {e.nnz!r} outside 1..{n}")
+            e.zones = [maskcode.Zone.from_json(z) for z in d["zones"]]
+            if e.sections["values"][2] != e.nnz * w:
+                raise PatchCorruptError(f"tensor {name!r}: values declare {e.sections['values'][2]} bytes for nnz {e.nnz}")
+            try:
+                maskcode.check_zones(e.zones, e.dtype, w, n, e.nnz, e.sections["mask"][2])
+            except PatchCorruptError as err:
+                raise PatchCorruptError(f"tensor {name!r}: {err}") from None
+        tensors.append(e)
+    removed = table["removed"]
+    if not all(isinstance(r, str) for r in removed) or set(removed) & {t.name for t in tensors}:
+        raise PatchCorruptError("removed list is malformed or names a tensor the patch also carries")
+    digests = (table["base_digest"], table["target_digest"])
+    if not all(isinstance(x, str) and len(x) == 64 for x in digests):
+        raise PatchCorruptError("base/target digest missing or malformed")
+    return Patch(digests[0], digests[1], tensors, list(removed), body, size)
+
+
+# --------------------------------------------------------------------------- decoder
+
+
+def check_base(patch: Patch, base: StateDict) -> None:
+    """Names, dtypes and shapes of the base against the table, before anything is rebuilt."""
+    carried = {e.name for e in patch.tensors}
+    for e in patch.tensors:
+        if e.op == "full":
+            continue
+        if e.name not in base:
+            raise BaseMismatchError(f"base has no tensor {e.name!r}: this patch was made against another model")
+        t = base[e.name]
+        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != e.shape:
+            raise BaseMismatchError(
+                f"base tensor {e.name!r} is {dtype_name(t.dtype)}{list(t.shape)}, patch expects {e.dtype}{list(e.shape)}"
+            )
+    missing = [r for r in patch.removed if r not in base]
+    if missing:
+        raise BaseMismatchError(f"patch removes tensors the base does not have: {missing[:5]}")
+    unknown = [n for n in base if n not in carried and n not in patch.removed]
+    if unknown:
+        raise BaseMismatchError(f"base has tensors the patch does not account for: {sorted(unknown)[:5]}")
+
+
+def iter_apply(
+    base: StateDict,
+    patch: Patch | bytes,
+    *,
+    base_digest: str | None = None,
+    threads: int = 2,
+    prefetch: int = 2,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
+
+    ``base_digest``: the caller's verified digest of ``base``; compared with the patch's instead of
+    hashing the base. Pass None to hash the base first (a wrong base is then named as such). The
+    final model digest is checked after the last tensor: consume the whole iterator before trusting
+    (or renaming into place) anything it produced. The base is only read, never written.
+    """
+    if not isinstance(patch, Patch):
+        patch = parse_patch(patch)
+    check_base(patch, base)
+    if base_digest is None:
+        from pulsenet.codec.digest import model_digest
+
+        base_digest = model_digest(base, threads)
+    if base_digest != patch.base_digest:
+        raise BaseMismatchError(
+            f"base digest {base_digest[:16]}… does not match the patch's base {patch.base_digest[:16]}…: "
+            "this patch applies to a different version"
+        )
+    records: dict[str, bytes] = {}
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        window: list[Future] = []
+        entries = iter(patch.tensors)
+        for e in entries:
+            window.append(pool.submit(_rebuild, patch, e, base.get(e.name)))
+            if len(window) > prefetch:
+                break
+        while window:
+            entry, t = window.pop(0).result()
+            records[entry.name] = tensor_record(entry.name, entry.dtype, entry.shape, bytes.fromhex(entry.sha256))
+            nxt = next(entries, None)
+            if nxt is not None:
+                window.append(pool.submit(_rebuild, patch, nxt, base.get(nxt.name)))
+            yield entry.name, t
+    if model_digest_from_records(records) != patch.target_digest:
+        raise DigestMismatchError(f"rebuilt model digest does not match the patch's target {patch.target_digest[:16]}…")
+
+
+def apply_patch(base: StateDict, patch: Patch | bytes, **kw) -> dict[str, torch.Tensor]:
+    """Rebuild B in memory (unchanged tensors are shared with ``base``, never copied or mutated)."""
+    return dict(iter_apply(base, patch, **kw))
+
+
+def _rebuild(patch: Patch, e: TensorEntry, base_t: torch.Tensor | None) -> tuple[TensorEntry, torch.Tensor]:
+    dtype = dtype_from_name(e.dtype)
+    w = e.itemsize
+    if e.op == "keep":
+        assert base_t is not None  # check_base guarantees it
+        out_bits, out = bits(base_t), base_t
+    elif e.op == "full":
+        out_bits = from_planes(patch.section(e, "data"), w, e.numel)
+        out = from_bits(out_bits, dtype, e.shape)
+    else:
+        assert base_t is not None
+        code = from_planes(patch.section(e, "values"), w, e.nnz)
+        try:
+            out_bits = maskcode.decode_sparse(bits(base_t), e.dtype, e.zones, patch.section(e, "mask"), code)
+        except PatchError as err:
+            raise type(err)(f"tensor {e.name!r}: {err}") from None
+        out = from_bits(out_bits, dtype, e.shape)
+    if sha256_array(out_bits).hex() != e.sha256:
+        raise DigestMismatchError(
+            f"tensor {e.name!r}: rebuilt SHA-256 does not match the patch (corrupt patch or wrong base)"
+        )
+    return e, out
