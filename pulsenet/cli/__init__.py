@@ -13,7 +13,14 @@ import sys
 from pulsenet.errors import PulsenetError
 
 # Each module exposes ``register(subparsers)``; add new groups here.
-_MODULES = ("pulsenet.cli.patch", "pulsenet.cli.bench", "pulsenet.cli.s3", "pulsenet.cli.sync")
+_MODULES = (
+    "pulsenet.cli.patch",
+    "pulsenet.cli.keys",
+    "pulsenet.cli.sync",
+    "pulsenet.cli.loco",
+    "pulsenet.cli.s3",
+    "pulsenet.cli.bench",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
