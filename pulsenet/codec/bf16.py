@@ -31,6 +31,10 @@ def bits(t: torch.Tensor) -> np.ndarray:
 def from_bits(u: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
     """Inverse of :func:`bits`: reinterpret unsigned bit patterns as a tensor of ``dtype``."""
     width = u.dtype.itemsize
+    if u.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    if not u.flags.writeable:  # a tensor over a read-only buffer is undefined behaviour in torch
+        u = u.copy()
     t = torch.from_numpy(np.ascontiguousarray(u))
     if dtype == torch.uint8:
         return t.reshape(shape)
