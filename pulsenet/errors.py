@@ -58,6 +58,14 @@ class ObjectNotFound(StoreError, KeyError):
         return str(self.args[0]) if self.args else "object not found"
 
 
+class AccessDenied(StoreError, PermissionError):
+    """The credentials may not perform this operation here (HTTP 403)."""
+
+
+class BucketNotFound(StoreError):
+    """The bucket named in the store URL does not exist."""
+
+
 class ConditionFailed(StoreError):
     """A conditional request failed (If-None-Match on an existing key, If-Match mismatch; 412 or 404)."""
 

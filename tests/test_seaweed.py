@@ -1,0 +1,330 @@
+"""The embedded SeaweedFS server: access scoping, conditional writes, restarts, start-up failures, CLI.
+
+Also pins down what this SeaweedFS does with conditional requests, since the protocols rely on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import botocore.exceptions as bex
+import pytest
+from botocore import UNSIGNED
+from botocore.config import Config
+from conftest import TEST_BUCKET, StoreFactory, unique_prefix
+
+from pulsenet.errors import AccessDenied, ConditionFailed, StoreUnavailable
+from pulsenet.store import S3Store
+from pulsenet.store.seaweed import IDENTITIES_FILE, SeaweedServer, find_weed
+
+pytestmark = pytest.mark.integration
+MiB = 1024 * 1024
+
+
+def _client(server: SeaweedServer, identity: str = "admin", **config: Any) -> Any:
+    cfg = server.config(identity)
+    return boto3.client(
+        "s3",
+        endpoint_url=cfg.endpoint_url,
+        aws_access_key_id=cfg.access_key_id,
+        aws_secret_access_key=cfg.secret_access_key,
+        region_name=cfg.region,
+        config=Config(s3={"addressing_style": "path"}, retries={"total_max_attempts": 1}, **config),
+    )
+
+
+def _status(call: Callable[[], object]) -> int:
+    with pytest.raises(bex.ClientError) as err:
+        call()
+    return int(err.value.response["ResponseMetadata"]["HTTPStatusCode"])
+
+
+def test_weed_binary_is_found() -> None:
+    out = subprocess.run([str(find_weed()), "version"], capture_output=True, text=True, check=True).stdout
+    assert "version" in out
+
+
+# --- access scoping ------------------------------------------------------------------------
+
+
+async def test_reader_cannot_write(s3_factory: StoreFactory) -> None:
+    admin, reader = s3_factory("admin"), s3_factory("reader")
+    await admin.put("published", b"v1")
+    assert await reader.get("published") == b"v1"
+    assert [i.key for i in await reader.list()] == ["published"]
+    with pytest.raises(AccessDenied, match="AccessDenied") as err:
+        await reader.put("x", b"no")
+    assert not isinstance(err.value, StoreUnavailable)  # a 403 is final, not retried
+    with pytest.raises(AccessDenied, match="AccessDenied"):
+        await reader.delete(["published"])
+    with pytest.raises(AccessDenied, match="AccessDenied"):
+        await reader.put("published", b"v2", if_none_match=True)
+    assert await admin.get("published") == b"v1"
+
+
+async def test_site_writer_is_scoped_to_its_bucket(
+    seaweed: SeaweedServer, s3_factory: StoreFactory, tmp_path: Path
+) -> None:
+    prefix = s3_factory().prefix  # type: ignore[attr-defined]
+    own = s3_factory(seaweed.writer("a"), bucket=seaweed.bucket("a"), prefix=prefix)
+    other = s3_factory(seaweed.writer("a"), bucket=seaweed.bucket("b"), prefix=prefix)
+    b_admin = s3_factory("admin", bucket=seaweed.bucket("b"), prefix=prefix)
+    await own.put("patch", b"from a")
+    await own.put("manifest", b"m", if_none_match=True)
+    await b_admin.put("patch", b"from b")
+    assert await other.get("patch") == b"from b"  # reads everywhere
+    for attempt in (other.put("patch", b"forged"), other.put("new", b"forged", if_none_match=True)):
+        with pytest.raises(AccessDenied, match="AccessDenied"):
+            await attempt
+    with pytest.raises(AccessDenied, match="AccessDenied"):
+        await other.delete(["patch"])
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(6 * MiB))
+    with pytest.raises(AccessDenied, match="AccessDenied"):  # the multipart path is scoped too
+        await s3_factory(
+            seaweed.writer("a"),
+            bucket=seaweed.bucket("b"),
+            prefix=prefix,
+            multipart_threshold=5 * MiB,
+            multipart_chunk=5 * MiB,
+        ).put_file("big", big)
+    assert await own.put_file("big", big) == 6 * MiB
+    assert await b_admin.get("patch") == b"from b"
+    assert [i.key for i in await b_admin.list()] == ["patch"]
+    await own.delete(["patch", "manifest", "big"])
+
+
+def test_anonymous_requests_are_denied(seaweed: SeaweedServer) -> None:
+    anon = boto3.client(
+        "s3",
+        endpoint_url=seaweed.endpoint_url,
+        region_name="us-east-1",
+        config=Config(signature_version=UNSIGNED, s3={"addressing_style": "path"}),
+    )
+    assert _status(lambda: anon.list_objects_v2(Bucket=TEST_BUCKET)) == 403
+    assert _status(lambda: anon.put_object(Bucket=TEST_BUCKET, Key="anon", Body=b"x")) == 403
+
+
+# --- what this SeaweedFS does with conditions -----------------------------------------------
+
+
+def test_seaweedfs_conditional_writes(seaweed: SeaweedServer, request: pytest.FixtureRequest) -> None:
+    """If-None-Match on PutObject and on CompleteMultipartUpload: 412 when the key exists.
+
+    If-Match on a missing key: 412 here (moto says 404; the store maps both to ConditionFailed).
+    """
+    s3, key = _client(seaweed), unique_prefix(request)
+    s3.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"1", IfNoneMatch="*")
+    assert _status(lambda: s3.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"2", IfNoneMatch="*")) == 412
+    assert (
+        _status(lambda: s3.put_object(Bucket=TEST_BUCKET, Key=key + "-no", Body=b"2", IfMatch='"00"')) == 412
+    )
+
+    def multipart(k: str) -> Callable[[], object]:
+        up = s3.create_multipart_upload(Bucket=TEST_BUCKET, Key=k)["UploadId"]
+        part = s3.upload_part(Bucket=TEST_BUCKET, Key=k, UploadId=up, PartNumber=1, Body=b"z" * 100)
+        parts = {"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]}
+        return lambda: s3.complete_multipart_upload(
+            Bucket=TEST_BUCKET, Key=k, UploadId=up, MultipartUpload=parts, IfNoneMatch="*"
+        )
+
+    multipart(key + "-mp")()  # a new key: accepted
+    assert _status(multipart(key)) == 412  # an existing key: refused
+    assert s3.get_object(Bucket=TEST_BUCKET, Key=key)["Body"].read() == b"1"
+    uploads = s3.list_multipart_uploads(Bucket=TEST_BUCKET, Prefix=key).get("Uploads", [])
+    for upload in uploads:  # the refused upload can be aborted (S3Store does so)
+        s3.abort_multipart_upload(Bucket=TEST_BUCKET, Key=upload["Key"], UploadId=upload["UploadId"])
+    etag = s3.head_object(Bucket=TEST_BUCKET, Key=key)["ETag"]
+    ranged = s3.get_object(Bucket=TEST_BUCKET, Key=key, Range="bytes=0-0", IfMatch=etag)
+    assert ranged["Body"].read() == b"1"
+    assert (
+        _status(lambda: s3.get_object(Bucket=TEST_BUCKET, Key=key, Range="bytes=0-0", IfMatch='"00"')) == 412
+    )
+    s3.close()
+
+
+async def test_etags_are_s3_style(s3_factory: StoreFactory, tmp_path: Path) -> None:
+    """S3Store recognises its own lost-response writes by ETag; that needs AWS-style ETags."""
+    store = s3_factory(multipart_threshold=5 * MiB, multipart_chunk=5 * MiB)
+    await store.put("small", b"abc")
+    assert (await store.head("small")).etag == hashlib.md5(b"abc").hexdigest()
+    data = os.urandom(11 * MiB)
+    (tmp_path / "f").write_bytes(data)
+    await store.put_file("big", tmp_path / "f")
+    chunks = [data[i : i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
+    expected = hashlib.md5(b"".join(hashlib.md5(c).digest() for c in chunks)).hexdigest() + "-3"
+    assert (await store.head("big")).etag == expected
+
+
+# --- faults: lost responses, restarts, start-up failures -----------------------------------
+
+
+class DropResponse:
+    """A TCP proxy that forwards everything but swallows the response to the first matching request.
+
+    The request reaches the server and takes effect; the client sees its connection drop. That is the
+    case a retried create-only write must not misreport as "already exists".
+    """
+
+    def __init__(self, upstream_port: int, request_line: re.Pattern[bytes]) -> None:
+        self.upstream_port, self.request_line, self.dropped = upstream_port, request_line, 0
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        async with server:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        last_request = [b""]
+
+        async def pump_up() -> None:
+            while data := await client_r.read(65536):
+                if re.match(rb"(GET|PUT|POST|HEAD|DELETE) ", data):
+                    last_request[0] = data.split(b"\r\n", 1)[0]
+                up_w.write(data)
+                await up_w.drain()
+
+        async def pump_down() -> None:
+            while data := await up_r.read(65536):
+                if self.dropped == 0 and self.request_line.search(last_request[0]):
+                    self.dropped += 1
+                    return  # the response dies here; closing both ends below
+                client_w.write(data)
+                await client_w.drain()
+
+        tasks = [asyncio.create_task(pump_up()), asyncio.create_task(pump_down())]
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for w in (client_w, up_w):
+            w.close()
+
+
+@pytest.mark.parametrize("multipart", [False, True], ids=["put", "multipart"])
+async def test_lost_response_to_create_only_write_is_success(
+    seaweed: SeaweedServer, request: pytest.FixtureRequest, tmp_path: Path, multipart: bool
+) -> None:
+    line = rb"^POST .*uploadId=" if multipart else rb"^PUT (?!.*uploadId)"
+    proxy = DropResponse(seaweed.port, re.compile(line))
+    src = tmp_path / "f"
+    src.write_bytes(os.urandom(6 * MiB if multipart else 1000))
+    async with proxy.running() as endpoint:
+        cfg = seaweed.config(multipart_threshold=5 * MiB, multipart_chunk=5 * MiB, backoff_base_s=0.02)
+        cfg = dataclasses.replace(cfg, endpoint_url=endpoint)
+        async with S3Store(TEST_BUCKET, unique_prefix(request), cfg) as store:
+            await store.put_file("manifest", src, if_none_match=True)  # dropped once, retried: still ours
+            assert proxy.dropped == 1
+            with pytest.raises(ConditionFailed):  # somebody else's version stays refused
+                await store.put("manifest", b"different", if_none_match=True)
+            assert (await store.head("manifest")).size == src.stat().st_size
+
+
+async def test_put_survives_server_restart(tmp_path: Path) -> None:
+    with SeaweedServer(tmp_path / "data") as server:
+        server.create_buckets("restart")
+        async with S3Store("restart", "run", server.config(max_retries=10)) as store:
+            await store.put("before", b"1")
+            server.stop()
+            t0 = time.monotonic()
+
+            def start_later() -> None:
+                time.sleep(1.0)
+                server.start()
+
+            restarting = asyncio.create_task(asyncio.to_thread(start_later))
+            await store.put("after", b"2")  # connection refused until the server is back: retried
+            await restarting
+            assert time.monotonic() - t0 >= 1.0
+            assert await store.get("before") == b"1"
+            assert await store.get("after") == b"2"  # same directory and port after the restart
+        # A hung server ignores SIGTERM (a stopped process cannot act on it): stop falls back to SIGKILL.
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        server.stop_grace_s = 0.5
+        t0 = time.monotonic()
+        server.stop()
+        assert time.monotonic() - t0 < 5 and not server.running
+
+
+def test_startup_failure_reports_the_log(tmp_path: Path) -> None:
+    server = SeaweedServer(tmp_path / "bad", startup_timeout_s=30)
+    (server.data_dir / IDENTITIES_FILE).write_text("{not json")  # weed refuses to start on this
+    with pytest.raises(StoreUnavailable, match=r"(?s)exited with code .*fail to load config"):
+        server.start()
+    assert not server.running
+
+
+# --- CLI ---------------------------------------------------------------------------------
+
+
+async def test_cli_serve_prints_working_keys(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pulsenet", "s3", "serve", "--dir", str(tmp_path / "d"), "--sites", "x,y"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = await asyncio.to_thread(proc.stdout.readline)
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            if line.startswith("# ready"):
+                break
+        assert lines and lines[-1].startswith("# ready"), "\n".join(lines) + (
+            proc.stderr.read() if proc.stderr else ""
+        )
+        blocks = _env_blocks(lines)
+        assert set(blocks) == {"admin", "reader", "x", "y"}
+        env = blocks["x"]
+        from pulsenet.store import S3Config, open_store
+
+        cfg = S3Config.from_env(env)
+        async with open_store("s3://pulsenet-x/p", cfg) as store:
+            await store.put("k", b"v")
+            assert await store.get("k") == b"v"
+        async with open_store("s3://pulsenet-y/p", cfg) as store:
+            with pytest.raises(AccessDenied, match="AccessDenied"):
+                await store.put("k", b"v")
+        port = int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    assert proc.returncode == 0, err
+    assert "# stopped" in out
+    with socket.socket() as s:  # the server went away with the CLI
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _env_blocks(lines: list[str]) -> dict[str, dict[str, str]]:
+    """The printed env blocks by role: 'admin', 'reader', or the site name."""
+    blocks: dict[str, dict[str, str]] = {}
+    current = ""
+    for line in lines:
+        if m := re.match(r"# (admin|reader)\b|# writer for site (\S+):", line):
+            current = m.group(1) or m.group(2)
+            blocks[current] = {}
+        elif line.startswith("export ") and current:
+            name, value = line.removeprefix("export ").split("=", 1)
+            blocks[current][name] = value
+    return blocks
