@@ -164,7 +164,7 @@ def _lut(ctx: Context, his: list[int]) -> np.ndarray:
 
 
 def encode_sparse(
-    a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES
+    a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES, ne: np.ndarray | None = None
 ) -> tuple[list[Zone], bytes, np.ndarray]:
     """Code the change a -> b (same dtype and size, at least one entry differs).
 
@@ -175,13 +175,13 @@ def encode_sparse(
     """
     ctx = Context.of(dtype, a.dtype.itemsize)
     if max_zones == 1 or ctx.nbins == 1:
-        k = int(np.count_nonzero(a != b))
-        _, mode = _zone_costs(np.array([a.size]), np.array([k]))
-        return _encode_one_zone(a, b, dtype, MODES[int(mode[0])])
+        ne = a != b if ne is None else ne
+        _, mode = _zone_costs(np.array([a.size]), np.array([np.count_nonzero(ne)]))
+        return _encode_one_zone(a, b, dtype, MODES[int(mode[0])], ne)
     n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
     plan = plan_zones(n_bin, k_bin, max_zones)
     if len(plan) == 1:
-        return _encode_one_zone(a, b, dtype, plan[0][1])
+        return _encode_one_zone(a, b, dtype, plan[0][1], a != b if ne is None else ne)
     his = [hi for hi, _ in plan]
     zmode = np.array([MODES.index(m) for _, m in plan], dtype=np.int8)
     lo = [0, *his[:-1]]
@@ -221,9 +221,10 @@ def _codes(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
     return zigzag(b - a)
 
 
-def _encode_one_zone(a: np.ndarray, b: np.ndarray, dtype: str, mode: str) -> tuple[list[Zone], bytes, np.ndarray]:
+def _encode_one_zone(
+    a: np.ndarray, b: np.ndarray, dtype: str, mode: str, ne: np.ndarray
+) -> tuple[list[Zone], bytes, np.ndarray]:
     """Vectorised path for a single zone (no context gain to take): no per-element kernel."""
-    ne = a != b
     pos = np.flatnonzero(ne)
     nbins = Context.of(dtype, a.dtype.itemsize).nbins
     if mode == "bitmap":
