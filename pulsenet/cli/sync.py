@@ -1,0 +1,311 @@
+"""``pulsenet publish|pull|ls``: PULSESync from the shell.
+
+S3 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``), read here, at the edge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    pub = sub.add_parser(
+        "publish",
+        help="publish a checkpoint as the next version of a channel",
+        description="Rebuild the newest published version from the store, encode MODEL as a patch "
+        "against it (plus an anchor when due), upload, and write the signed manifest last.",
+    )
+    pub.add_argument("model", type=Path, help=".safetensors file or HF directory")
+    _store_args(pub)
+    pub.add_argument("--key", type=Path, required=True, help="Ed25519 private key (pulsenet keygen)")
+    pub.add_argument(
+        "--anchor-every", type=int, default=10, metavar="K", help="a full anchor every K versions"
+    )
+    pub.add_argument(
+        "--keep-anchors",
+        type=int,
+        default=2,
+        metavar="N",
+        help="retention: keep the newest N anchors and their chains (0: keep everything)",
+    )
+    pub.add_argument(
+        "--dtype",
+        choices=("bf16", "keep"),
+        default="bf16",
+        help="publish floating tensors as BF16 (default) or as stored",
+    )
+    pub.add_argument(
+        "--step", type=int, default=None, help="your label for this state (kept in the manifest)"
+    )
+    pub.add_argument(
+        "--zones",
+        type=int,
+        default=None,
+        help="context zones per tensor (default 12: smallest; 1: ~4x faster encode/decode)",
+    )
+    pub.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    pub.set_defaults(func=_publish)
+
+    pull = sub.add_parser(
+        "pull",
+        help="rebuild the newest verified version into a directory",
+        description="Fetch and verify the newest version (signature, payload SHA-256, model digest) and "
+        "write DIR/model.safetensors atomically; prints 'v<version> <digest>'. A failed verification of "
+        "the newest version exits non-zero and leaves DIR as it was. With --follow, keep polling and "
+        "update DIR (failed rounds are logged and retried; the last verified weights stay).",
+    )
+    _store_args(pull)
+    pull.add_argument(
+        "--trust",
+        type=Path,
+        action="append",
+        required=True,
+        metavar="PUBKEY",
+        help="trusted publisher public key (repeatable)",
+    )
+    pull.add_argument("--out", type=Path, required=True, metavar="DIR")
+    pull.add_argument("--follow", action="store_true", help="keep polling until Ctrl-C / SIGTERM")
+    pull.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between polls")
+    pull.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="payload cache (default: ~/.cache/pulsenet/sync/<store>)",
+    )
+    pull.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    pull.set_defaults(func=_pull)
+
+    ls = sub.add_parser("ls", help="list a channel's versions: kind, sizes, ratio to a full checkpoint")
+    _store_args(ls)
+    ls.add_argument(
+        "--trust",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="PUBKEY",
+        help="verify signatures against these keys (default: show unverified)",
+    )
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    ls.set_defaults(func=_ls)
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", required=True, metavar="URL", help="s3://bucket[/prefix] or file:///path")
+    p.add_argument("--channel", default="policy", help="policy stream inside the store (default: policy)")
+    p.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="deadline of each small store call"
+    )
+
+
+def _open(args: argparse.Namespace):
+    from pulsenet.store import S3Config, open_store
+
+    return open_store(args.store, S3Config.from_env(timeout_s=args.timeout))
+
+
+# --- publish ----------------------------------------------------------------------------------
+
+
+def _publish(args: argparse.Namespace) -> int:
+    import torch
+
+    from pulsenet.checkpoint import Checkpoint
+    from pulsenet.signing import load_private_key
+    from pulsenet.sync import Publisher, PublisherConfig
+
+    key = load_private_key(args.key)
+    ckpt = Checkpoint(args.model)
+    state = {}
+    for name in ckpt:
+        t = ckpt[name]
+        state[name] = t.to(torch.bfloat16) if args.dtype == "bf16" and t.is_floating_point() else t
+    config = PublisherConfig(
+        channel=args.channel,
+        anchor_every=args.anchor_every,
+        keep_anchors=args.keep_anchors or None,
+        threads=args.threads,
+        timeout_s=args.timeout,
+        **({"max_zones": args.zones} if args.zones else {}),
+    )
+
+    async def go():
+        async with _open(args) as store:
+            pub = Publisher(store, key, config)
+            await pub.resume()
+            return await pub.publish_now(state, step=args.step)
+
+    rec = asyncio.run(go())
+    sizes = ", ".join(f"{role} {n:,} B" for role, n in rec.payload_bytes.items())
+    print(
+        f"published v{rec.version} ({rec.kind}: {sizes}; {rec.ratio:.1f}x smaller than the "
+        f"{rec.full_bytes:,}-byte checkpoint) in {rec.latency_s:.2f}s"
+    )
+    print(f"v{rec.version} {rec.digest}")
+    return 0
+
+
+# --- pull -------------------------------------------------------------------------------------
+
+
+def default_cache(store_url: str, channel: str, out: Path) -> Path:
+    """One payload cache per (store, channel, output dir): a cache must not be shared by two pulls."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    name = hashlib.sha256(f"{store_url}\n{channel}\n{out.resolve()}".encode()).hexdigest()[:16]
+    return root / "pulsenet" / "sync" / name
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from pulsenet.errors import ObjectNotFound
+    from pulsenet.signing import trusted_keys
+    from pulsenet.sync import Subscriber, SubscriberConfig
+
+    trusted = trusted_keys(args.trust)
+    config = SubscriberConfig(
+        channel=args.channel,
+        interval_s=args.interval,
+        state_dir=args.out,
+        cache_dir=args.cache or default_cache(args.store, args.channel, args.out),
+        timeout_s=args.timeout,
+        threads=args.threads,
+        # A one-shot pull insists on the newest version: if it fails, say so, don't settle for an older one.
+        max_targets=3 if args.follow else 1,
+    )
+
+    def saved(version: int, digest: str) -> None:
+        print(f"v{version} {digest}", flush=True)
+
+    async def go() -> int:
+        async with _open(args) as store, Subscriber(store, trusted, config, on_saved=saved) as sub:
+            if sub.resumed_from is not None:
+                print(f"# resumed v{sub.resumed_from} from {args.out}", file=sys.stderr, flush=True)
+            if not args.follow:
+                await sub.sync_once()
+                if sub.version is None:
+                    raise ObjectNotFound(f"no published versions in {args.store} channel {args.channel!r}")
+                if sub.stats.updates == 0:
+                    print(f"v{sub.version} {sub.digest}", flush=True)  # already current
+                return 0
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await sub.run(stop)
+            return 0
+
+    return asyncio.run(go())
+
+
+# --- ls ---------------------------------------------------------------------------------------
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from pulsenet.errors import ManifestError, ObjectNotFound
+    from pulsenet.signing import trusted_keys
+    from pulsenet.sync.layout import Layout
+    from pulsenet.sync.manifest import read_manifest_unverified, verify_manifest
+
+    layout = Layout(args.channel)
+    trusted = trusted_keys(args.trust) if args.trust else None
+
+    async def go() -> tuple[list[dict], int, int]:
+        async with _open(args) as store:
+            infos = await store.list(f"{layout.channel}/", timeout=args.timeout)
+            rows = []
+            for info in infos:
+                v = layout.manifest_version(info.key)
+                if v is None:
+                    continue
+                row: dict = {"version": v, "key": info.key}
+                try:
+                    data = await store.get(info.key, timeout=args.timeout)
+                    m = (
+                        verify_manifest(data, trusted, key_version=v)
+                        if trusted
+                        else read_manifest_unverified(data)
+                    )
+                    row["verified"] = bool(trusted)
+                except (ManifestError, ObjectNotFound) as e:
+                    row.update(verified=False, error=f"{type(e).__name__}: {e}")
+                    rows.append(row)
+                    continue
+                following = m.patch or m.anchor
+                row.update(
+                    kind=m.kind,
+                    base_version=m.base_version,
+                    digest=m.model_digest,
+                    created=m.created,
+                    step=m.step,
+                    patch_bytes=m.patch.size if m.patch else None,
+                    anchor_bytes=m.anchor.size if m.anchor else None,
+                    full_bytes=m.full_bytes,
+                    ratio=m.full_bytes / max(following.size, 1) if following else None,
+                    publisher=m.publisher,
+                )
+                rows.append(row)
+            return rows, len(infos), sum(i.size for i in infos)
+
+    rows, count, total = asyncio.run(go())
+    if args.json:
+        print(
+            json.dumps(
+                {"channel": args.channel, "objects": count, "bytes": total, "versions": rows}, indent=1
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"{args.store} channel {args.channel}: {len(rows)} versions, {count} objects, {total:,} bytes"
+    )
+    for col in (
+        "version",
+        "kind",
+        "base",
+        "patch",
+        "anchor",
+        "full",
+        "ratio",
+        "digest",
+        "created",
+        "signature",
+    ):
+        table.add_column(
+            col, justify="right" if col in ("version", "base", "patch", "anchor", "full", "ratio") else "left"
+        )
+    for r in rows:
+        if "error" in r:
+            table.add_row(str(r["version"]), "-", "", "", "", "", "", "", "", f"[red]{r['error']}[/]")
+            continue
+        table.add_row(
+            str(r["version"]),
+            r["kind"],
+            "" if r["base_version"] is None else str(r["base_version"]),
+            _size(r["patch_bytes"]),
+            _size(r["anchor_bytes"]),
+            _size(r["full_bytes"]),
+            f"{r['ratio']:.1f}x" if r["ratio"] else "",
+            r["digest"][:16],
+            r["created"][:19],
+            "verified" if r["verified"] else "not checked",
+        )
+    Console(width=max(Console().width, 150)).print(table)
+    return 0
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"

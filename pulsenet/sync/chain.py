@@ -1,0 +1,329 @@
+"""Reading a PULSESync channel: verified manifests, the cheapest path to a version, checked payloads.
+
+Shared by the subscriber (catch-up), the publisher (resume after a restart) and ``pulsenet ls``.
+
+A *path* to version T is the list of payloads to apply in order: either the patches
+``current+1 .. T`` (following each manifest's ``base_version``), or an anchor at A <= T followed by
+the patches ``A+1 .. T``. Manifest sizes give each path's cost before anything is downloaded, so
+a reader takes the cheapest one: a node slightly behind replays patches; one that joined late, fell
+far behind (the patches would cost more than an anchor) or whose chain was retired takes an anchor.
+A path that fails (missing object, wrong bytes, failed digest) marks its payload bad and the next
+path is tried, so a broken link falls back to an anchor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.codec.patch import apply_patch, parse_patch
+from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
+from pulsenet.store.base import ObjectInfo, ObjectStore
+from pulsenet.store.local import TMP_PREFIX
+from pulsenet.sync.layout import Layout
+from pulsenet.sync.manifest import Manifest, PayloadRef, verify_manifest
+
+log = logging.getLogger(__name__)
+
+EMPTY_DIGEST = model_digest({})
+"""Model digest of the empty model: the base of every anchor."""
+
+StateDict = Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Apply ``payload`` (from ``manifest``) to reach ``manifest.version``."""
+
+    manifest: Manifest
+    payload: PayloadRef
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPath:
+    """Payloads that rebuild ``target`` from ``start`` (None: from the empty model via an anchor)."""
+
+    start: int | None
+    steps: tuple[Step, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.payload.size for s in self.steps)
+
+    @property
+    def target(self) -> Manifest:
+        return self.steps[-1].manifest
+
+    def describe(self) -> str:
+        first = self.steps[0]
+        origin = f"anchor v{first.manifest.version}" if self.start is None else f"v{self.start}"
+        return f"{origin} -> v{self.target.version} ({len(self.steps)} payloads, {self.nbytes:,} bytes)"
+
+
+@dataclass(slots=True)
+class ManifestReader:
+    """Lists a channel's manifests and fetches them verified, caching what verified."""
+
+    store: ObjectStore
+    layout: Layout
+    trusted: Mapping[str, Ed25519PublicKey]
+    timeout_s: float | None = 30.0
+    """Deadline of each small store call (list, get)."""
+    _cache: dict[int, Manifest] = field(default_factory=dict)
+
+    async def list_versions(self) -> dict[int, ObjectInfo]:
+        """``version -> listing entry`` for every manifest key in the channel (unverified)."""
+        infos = await self.store.list(self.layout.manifests, timeout=self.timeout_s)
+        out: dict[int, ObjectInfo] = {}
+        for info in infos:
+            v = self.layout.manifest_version(info.key)
+            if v is not None:
+                out[v] = info
+        return out
+
+    async def get(self, version: int, *, current: int | None = None) -> Manifest:
+        """The verified manifest at ``version``: ObjectNotFound, ManifestError, SignatureError, or
+        ReplayError when ``current`` is given and the manifest is not newer than it."""
+        m = self._cache.get(version)
+        if m is None:
+            data = await self.store.get(self.layout.manifest(version), timeout=self.timeout_s)
+            m = await asyncio.to_thread(
+                verify_manifest, data, self.trusted, key_version=version, current=current
+            )
+            self._cache[version] = m
+        if current is not None and m.version <= current:
+            raise ReplayError(
+                f"manifest v{m.version} is not newer than the current v{current}: replay ignored"
+            )
+        return m
+
+    def remember(self, manifest: Manifest) -> None:
+        """Cache a manifest this process wrote (it signed it, so it is verified)."""
+        self._cache[manifest.version] = manifest
+
+    def forget_below(self, version: int) -> None:
+        """Drop cached manifests older than ``version`` (they are retired or no longer needed)."""
+        for v in [v for v in self._cache if v < version]:
+            del self._cache[v]
+
+
+async def candidate_paths(
+    reader: ManifestReader,
+    target: Manifest,
+    current: tuple[int, str] | None,
+    bad: set[str],
+    *,
+    max_anchors: int = 2,
+) -> list[ChainPath]:
+    """Paths to ``target``, cheapest first, avoiding payloads in ``bad``.
+
+    Walks back from ``target`` along ``base_version``: each anchor met gives a path (anchor + the
+    patches after it); reaching ``current`` (version, digest) gives the patch-only path. The walk
+    stops at a missing or unverifiable manifest, a bad payload, ``max_anchors`` anchors, or once the
+    patches behind it already cost more than the best anchor path (no path through them can win).
+    """
+    paths: list[ChainPath] = []
+    tail: list[Step] = []  # patches from the walk position up to target, newest first
+    tail_bytes = 0
+    m = target
+    while True:
+        if m.anchor is not None and m.anchor.key not in bad:
+            paths.append(ChainPath(None, (Step(m, m.anchor), *reversed(tail))))
+        anchors = [p for p in paths if p.start is None]
+        if m.patch is None or m.patch.key in bad or m.base_version is None:
+            break
+        tail.append(Step(m, m.patch))
+        tail_bytes += m.patch.size
+        if current is not None and m.base_version == current[0]:
+            if m.base_digest == current[1]:
+                paths.append(ChainPath(current[0], tuple(reversed(tail))))
+            else:
+                log.warning(
+                    "v%d's patch applies to a v%d with another digest than ours: not using it",
+                    m.version,
+                    current[0],
+                )
+            break
+        reachable = current is not None and m.base_version > current[0]
+        if anchors and (
+            not reachable or len(anchors) >= max_anchors or tail_bytes >= min(p.nbytes for p in anchors)
+        ):
+            break
+        try:
+            m = await reader.get(m.base_version)
+        except (ObjectNotFound, ManifestError) as e:
+            log.info("chain walk from v%d stops at v%d: %s", target.version, m.base_version, e)
+            break
+    return sorted(paths, key=lambda p: (p.nbytes, len(p.steps)))
+
+
+class PayloadCache:
+    """Payloads on local disk, checked against their manifest entry on every read.
+
+    Downloads go through ``ObjectStore.get_file`` (temporary file + rename), so the cache never holds
+    a partial object; a cached file whose size or SHA-256 is wrong (disk corruption, an older
+    crash) is deleted and fetched again.
+    """
+
+    def __init__(self, store: ObjectStore, root: Path, *, timeout_s: float | None = None) -> None:
+        self.store = store
+        self.root = Path(root)
+        self.timeout_s = timeout_s
+        """Deadline of one download (None: the store's transfer default)."""
+        self.downloaded: list[str] = []
+        """Keys fetched from the store, in order (tests and metrics)."""
+        self.bytes_downloaded = 0
+
+    def path(self, ref: PayloadRef) -> Path:
+        return self.root / ref.key.replace("/", "__")
+
+    async def read(self, ref: PayloadRef) -> bytes:
+        """The payload's bytes, verified; ObjectNotFound if it is gone, VerificationError if it is wrong."""
+        path = self.path(ref)
+        data = await asyncio.to_thread(_read_checked, path, ref)
+        if data is not None:
+            return data
+        await self.store.get_file(ref.key, path, timeout=self.timeout_s)
+        self.downloaded.append(ref.key)
+        self.bytes_downloaded += ref.size
+        data = await asyncio.to_thread(_read_checked, path, ref)
+        if data is None:
+            raise VerificationError(
+                f"payload {ref.key} does not match its manifest (size or SHA-256): corrupt or tampered"
+            )
+        return data
+
+    def sweep(self) -> None:
+        """Remove temporary files a killed process left behind (blocking: call in a thread)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for p in self.root.iterdir():
+            if p.name.startswith((TMP_PREFIX, ".")):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+
+    def prune(self, keep: set[str]) -> None:
+        """Delete cached payloads whose keys are not in ``keep`` (blocking: call in a thread)."""
+        wanted = {k.replace("/", "__") for k in keep}
+        for p in self.root.iterdir():
+            if p.name not in wanted and not p.name.startswith(TMP_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+
+
+def _read_checked(path: Path, ref: PayloadRef) -> bytes | None:
+    """The file's bytes if they match ``ref``; None (and the file deleted) if absent or wrong."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.sha256:
+        return data
+    log.warning(
+        "cached payload %s is corrupt (size %d, manifest says %d): deleting it",
+        path.name,
+        len(data),
+        ref.size,
+    )
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return None
+
+
+async def rebuild(
+    path: ChainPath,
+    cache: PayloadCache,
+    base: StateDict | None,
+    *,
+    threads: int = 2,
+    parallel: int = 4,
+    bad: set[str] | None = None,
+    timings: dict[str, float] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights.
+
+    Payloads download in parallel (at most ``parallel`` at once) before any is applied; each is
+    checked against its manifest on read, every rebuilt tensor against its SHA-256 and each version's
+    weights against the manifest's model digest. A payload found missing or wrong is added to
+    ``bad`` and the error raised: ObjectNotFound or VerificationError. Transient store errors
+    propagate as they are (the payload is not to blame). ``timings`` receives ``download_s`` and
+    ``apply_s`` (decode + verify).
+    """
+    bad = bad if bad is not None else set()
+    gate = asyncio.Semaphore(max(1, parallel))
+
+    async def fetch(step: Step) -> bytes:
+        async with gate:
+            try:
+                return await cache.read(step.payload)
+            except (ObjectNotFound, VerificationError):
+                bad.add(step.payload.key)
+                raise
+
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(fetch(s)) for s in path.steps]
+    except BaseExceptionGroup as eg:
+        raise primary_error(eg) from None
+    t1 = time.perf_counter()
+
+    state: StateDict = {} if path.start is None else (base if base is not None else {})
+    digest = EMPTY_DIGEST if path.start is None else path.steps[0].manifest.base_digest
+    for step, task in zip(path.steps, tasks, strict=True):
+        m = step.manifest
+        try:
+            state = await asyncio.to_thread(_apply, state, digest, step, task.result(), threads)
+        except (PatchError, VerificationError) as e:
+            bad.add(step.payload.key)
+            raise VerificationError(
+                f"v{m.version} {step.payload.role} payload {step.payload.key}: {e}"
+            ) from e
+        digest = m.model_digest
+    if timings is not None:
+        timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
+    return dict(state)
+
+
+def _apply(state: StateDict, digest: str | None, step: Step, data: bytes, threads: int) -> dict:
+    """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest."""
+    m = step.manifest
+    expect_base = EMPTY_DIGEST if step.payload.role == "anchor" else m.base_digest
+    patch = parse_patch(data)
+    if digest != expect_base or patch.base_digest != expect_base:
+        raise VerificationError(
+            f"base mismatch: we hold {str(digest)[:16]}…, the manifest expects {str(expect_base)[:16]}…, "
+            f"the patch {patch.base_digest[:16]}…"
+        )
+    if patch.target_digest != m.model_digest:
+        raise VerificationError(
+            f"patch target {patch.target_digest[:16]}… is not the manifest's {m.model_digest[:16]}…"
+        )
+    return apply_patch(state, patch, base_digest=digest, threads=threads)
+
+
+def primary_error(eg: BaseExceptionGroup) -> BaseException:
+    """The first real error in a (nested) group: what a caller of a TaskGroup should see."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        elif not isinstance(e, asyncio.CancelledError):
+            leaves.append(e)
+
+    walk(eg)
+    for extra in leaves[1:]:
+        log.debug("also failed: %s: %s", type(extra).__name__, extra)
+    return leaves[0] if leaves else asyncio.CancelledError()

@@ -1,0 +1,73 @@
+"""PULSESync key layout: where manifests and payloads of a channel live in the store.
+
+::
+
+    {channel}/manifests/v{version:012d}.json                       signed manifest, create-only, written last
+    {channel}/payloads/v{version:012d}-{role}-{sha256[:16]}.pnp    patch bytes; role = "anchor" | "patch"
+
+Versions are zero-padded so a listing sorts them. A payload key carries the first 16 hex digits of
+its own SHA-256: two publishers racing for one version can never overwrite each other's payloads
+(only one manifest wins the create-only write, and it names its own bytes).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pulsenet.errors import ConfigError
+
+ROLES = ("anchor", "patch")
+_MANIFEST = re.compile(r"v(\d{12})\.json")
+_PAYLOAD = re.compile(r"v(\d{12})-(anchor|patch)-([0-9a-f]{16})\.pnp")
+_CHANNEL = re.compile(r"[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*")
+MAX_VERSION = 10**12 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Key names for one channel (a policy stream) under a store."""
+
+    channel: str = "policy"
+
+    def __post_init__(self) -> None:
+        if not _CHANNEL.fullmatch(self.channel) or any(p in (".", "..") for p in self.channel.split("/")):
+            raise ConfigError(f"channel {self.channel!r} must be '/'-separated names of [A-Za-z0-9._-]")
+
+    @property
+    def manifests(self) -> str:
+        """Listing prefix of the manifests."""
+        return f"{self.channel}/manifests/"
+
+    @property
+    def payloads(self) -> str:
+        """Listing prefix of the payloads."""
+        return f"{self.channel}/payloads/"
+
+    def manifest(self, version: int) -> str:
+        return f"{self.manifests}v{_check_version(version):012d}.json"
+
+    def payload(self, version: int, role: str, sha256: str) -> str:
+        if role not in ROLES:
+            raise ValueError(f"payload role must be one of {ROLES}, got {role!r}")
+        return f"{self.payloads}v{_check_version(version):012d}-{role}-{sha256[:16]}.pnp"
+
+    def manifest_version(self, key: str) -> int | None:
+        """The version a manifest key names, or None for any other key."""
+        if not key.startswith(self.manifests):
+            return None
+        m = _MANIFEST.fullmatch(key[len(self.manifests) :])
+        return int(m.group(1)) if m else None
+
+    def payload_version(self, key: str) -> int | None:
+        """The version a payload key names, or None for any other key."""
+        if not key.startswith(self.payloads):
+            return None
+        m = _PAYLOAD.fullmatch(key[len(self.payloads) :])
+        return int(m.group(1)) if m else None
+
+
+def _check_version(version: int) -> int:
+    if not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise ValueError(f"version must be an int in 0..{MAX_VERSION}, got {version!r}")
+    return version

@@ -1,0 +1,127 @@
+"""A subscriber's verified weights on local disk, so a restart (even after SIGKILL) resumes from them.
+
+Layout of the state directory::
+
+    model.safetensors   the weights; its header metadata holds the version and model digest
+    version.json        {"version", "digest", "channel", "updated"}: for people and tools
+
+The weights and the version they are commit together, in one atomic rename of
+``model.safetensors`` (written beside it, fsynced, renamed: ``checkpoint.write_safetensors``). A
+crash leaves the old file or the new one, never a mix. ``version.json`` is written right after and
+may lag by one version after a crash; it is rewritten from the weights file on the next start.
+
+On load the metadata is never trusted on its own: the values are hashed and must give the recorded
+digest, or the state is refused (VerificationError) and the subscriber starts from an anchor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pulsenet.checkpoint import write_safetensors
+from pulsenet.codec.digest import model_digest
+from pulsenet.codec.dtypes import dtype_name
+from pulsenet.errors import VerificationError
+from pulsenet.sync.manifest import now_iso
+
+WEIGHTS = "model.safetensors"
+INFO = "version.json"
+META_FORMAT = "pulsenet-sync-state/1"
+
+
+@dataclass(frozen=True, slots=True)
+class LocalState:
+    version: int
+    digest: str
+    state: dict[str, torch.Tensor]
+
+
+def read_version(directory: Path) -> tuple[int, str] | None:
+    """(version, digest) recorded in the weights file's header, unverified; None if there is none."""
+    path = Path(directory) / WEIGHTS
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("pulsenet.format") != META_FORMAT:
+            return None
+        return int(meta["pulsenet.version"]), str(meta["pulsenet.digest"])
+    except (SafetensorError, KeyError, ValueError) as e:
+        raise VerificationError(f"{path} is unreadable: {type(e).__name__}: {e}") from None
+
+
+def load(directory: Path, *, threads: int = 2) -> LocalState | None:
+    """The persisted state, verified by hashing its values; None if the directory holds none.
+
+    A weights file that is not ours (no pulsenet metadata) counts as none. One whose values do not
+    hash to the recorded digest raises VerificationError.
+    """
+    directory = Path(directory)
+    recorded = read_version(directory)
+    if recorded is None:
+        return None
+    version, digest = recorded
+    try:
+        with safe_open(directory / WEIGHTS, framework="pt") as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    except SafetensorError as e:
+        raise VerificationError(f"{directory / WEIGHTS} is unreadable: {e}") from None
+    actual = model_digest(state, threads)
+    if actual != digest:
+        raise VerificationError(
+            f"{directory / WEIGHTS} claims v{version} digest {digest[:16]}… but its values hash to {actual[:16]}…"
+        )
+    return LocalState(version, digest, state)
+
+
+def save(
+    directory: Path, version: int, digest: str, state: Mapping[str, torch.Tensor], *, channel: str = ""
+) -> None:
+    """Persist verified weights atomically (blocking: call in a thread)."""
+    directory = Path(directory)
+    names = sorted(state, key=lambda n: n.encode("utf-8"))
+    meta = {n: (dtype_name(state[n].dtype), tuple(state[n].shape)) for n in names}
+    metadata = {"pulsenet.format": META_FORMAT, "pulsenet.version": str(version), "pulsenet.digest": digest}
+    write_safetensors(directory / WEIGHTS, meta, ((n, state[n]) for n in names), metadata=metadata)
+    os.chmod(directory / WEIGHTS, 0o644)  # mkstemp made it 0600; a server running as another user reads it
+    write_info(directory, version, digest, channel=channel)
+
+
+def write_info(directory: Path, version: int, digest: str, *, channel: str = "") -> None:
+    """Write ``version.json`` atomically, unless it already says this version and digest."""
+    try:
+        old = json.loads((directory / INFO).read_text())
+        if old.get("version") == version and old.get("digest") == digest and old.get("channel") == channel:
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
+    doc = {"version": version, "digest": digest, "channel": channel, "updated": now_iso()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{INFO}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / INFO)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def sweep(directory: Path) -> None:
+    """Remove temporary files a killed writer left in ``directory`` (blocking)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for p in directory.iterdir():
+        if p.name.startswith((f".{WEIGHTS}.", f".{INFO}.")):
+            p.unlink(missing_ok=True)

@@ -1,0 +1,232 @@
+"""PULSESync manifests: the signed statement that version V exists, what it is, and how to build it.
+
+A manifest is a signed document (``pulsenet.signing``) whose body is::
+
+    {"format": "pulsenet-sync-manifest", "schema": 1,
+     "version": 12, "kind": "anchor" | "patch",
+     "model_digest": "<hex digest of version 12's weights>",
+     "base_version": 11 | null, "base_digest": "<hex digest of version 11>" | null,
+     "payloads": [{"role": "patch" | "anchor", "key": "...", "size": 81234, "sha256": "<hex>"}, ...],
+     "codec_version": 1, "full_bytes": 269060352,
+     "publisher": "<key id of the signer>", "created": "2025-01-01T00:00:00.000000+00:00",
+     "step": 1234 | null}
+
+``kind`` is "anchor" when the version carries an anchor payload (a patch against the empty model,
+i.e. the full weights); an anchor version may also carry a patch from ``base_version``. A "patch"
+version carries only the patch. ``full_bytes`` is the raw size of the weights (for ratios).
+
+The publisher writes a manifest after its payloads, create-only, so an object is trusted only once a
+manifest names it (size and SHA-256) and a version can never be overwritten. Readers accept a
+manifest only if a trusted key signed it, ``publisher`` is that key, and the body's version is the
+one its key names (a copied old manifest is a replay).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from pulsenet.codec.patch import VERSION as CODEC_VERSION
+from pulsenet.errors import ManifestError, ReplayError
+from pulsenet.signing import key_id, sign_document, verify_document
+
+FORMAT = "pulsenet-sync-manifest"
+SCHEMA = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PayloadRef:
+    """One payload object as the manifest names it."""
+
+    role: str
+    """"anchor" (a patch from the empty model) or "patch" (from ``base_version``)."""
+    key: str
+    """Store key, relative to the store URL."""
+    size: int
+    """Exact size in bytes."""
+    sha256: str
+    """Hex SHA-256 of the object's bytes."""
+
+    def to_json(self) -> dict:
+        return {"role": self.role, "key": self.key, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """A validated manifest body (see the module docstring for the wire form)."""
+
+    version: int
+    kind: str
+    """"anchor" if the version carries an anchor payload, else "patch"."""
+    model_digest: str
+    """Model digest of this version's weights (codec/digest.py)."""
+    base_version: int | None
+    """Version the patch payload applies to; None when there is no patch payload."""
+    base_digest: str | None
+    """Model digest of ``base_version``; None when there is no patch payload."""
+    anchor: PayloadRef | None
+    patch: PayloadRef | None
+    full_bytes: int
+    """Raw bytes of the weights (sum of numel x element size): the size of a full checkpoint."""
+    publisher: str
+    """Key id of the signer."""
+    created: str
+    """ISO-8601 UTC time the publisher signed it (informational: ordering comes from versions)."""
+    codec_version: int = CODEC_VERSION
+    step: int | None = None
+    """The publisher's own label for this state (e.g. its optimizer step); informational."""
+
+    @property
+    def payloads(self) -> list[PayloadRef]:
+        return [p for p in (self.anchor, self.patch) if p is not None]
+
+    def to_body(self) -> dict:
+        return {
+            "format": FORMAT,
+            "schema": SCHEMA,
+            "version": self.version,
+            "kind": self.kind,
+            "model_digest": self.model_digest,
+            "base_version": self.base_version,
+            "base_digest": self.base_digest,
+            "payloads": [p.to_json() for p in self.payloads],
+            "codec_version": self.codec_version,
+            "full_bytes": self.full_bytes,
+            "publisher": self.publisher,
+            "created": self.created,
+            "step": self.step,
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping) -> Manifest:
+        """Validate a body's shape and consistency; ManifestError names what is wrong."""
+        try:
+            return _from_body(body)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+
+
+def _from_body(body: Mapping) -> Manifest:
+    if body.get("format") != FORMAT or body.get("schema") != SCHEMA:
+        raise ManifestError(
+            f"not a {FORMAT} v{SCHEMA} manifest (format {body.get('format')!r}, schema {body.get('schema')!r})"
+        )
+    version = _int(body, "version")
+    codec = _int(body, "codec_version")
+    if codec != CODEC_VERSION:
+        raise ManifestError(
+            f"manifest v{version} uses patch codec v{codec}; this build reads v{CODEC_VERSION}"
+        )
+    payloads: dict[str, PayloadRef] = {}
+    for p in body["payloads"]:
+        ref = PayloadRef(role=p["role"], key=p["key"], size=int(p["size"]), sha256=p["sha256"])
+        if ref.role not in ("anchor", "patch") or ref.role in payloads:
+            raise ManifestError(f"manifest v{version}: bad or repeated payload role {ref.role!r}")
+        if not isinstance(ref.key, str) or not ref.key or ref.size < 0 or not _is_hex(ref.sha256):
+            raise ManifestError(f"manifest v{version}: malformed {ref.role} payload {p!r}")
+        payloads[ref.role] = ref
+    base_version, base_digest = body["base_version"], body["base_digest"]
+    if ("patch" in payloads) != (base_version is not None) or (base_version is None) != (base_digest is None):
+        raise ManifestError(
+            f"manifest v{version}: a patch payload needs base_version and base_digest, and only it"
+        )
+    if base_version is not None and not (isinstance(base_version, int) and 0 <= base_version < version):
+        raise ManifestError(f"manifest v{version}: base_version {base_version!r} must be an earlier version")
+    if base_digest is not None and not _is_hex(base_digest):
+        raise ManifestError(f"manifest v{version}: malformed base_digest")
+    kind = body["kind"]
+    if kind not in ("anchor", "patch") or (kind == "anchor") != ("anchor" in payloads) or not payloads:
+        raise ManifestError(
+            f"manifest v{version}: kind {kind!r} does not match its payloads {sorted(payloads)}"
+        )
+    if not _is_hex(body["model_digest"]):
+        raise ManifestError(f"manifest v{version}: malformed model_digest")
+    step = body.get("step")
+    if step is not None and not isinstance(step, int):
+        raise ManifestError(f"manifest v{version}: step must be an int or null")
+    return Manifest(
+        version=version,
+        kind=kind,
+        model_digest=body["model_digest"],
+        base_version=base_version,
+        base_digest=base_digest,
+        anchor=payloads.get("anchor"),
+        patch=payloads.get("patch"),
+        full_bytes=_int(body, "full_bytes"),
+        publisher=str(body["publisher"]),
+        created=str(body["created"]),
+        codec_version=codec,
+        step=step,
+    )
+
+
+def _int(body: Mapping, name: str) -> int:
+    v = body[name]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ManifestError(f"manifest field {name!r} must be a non-negative int, got {v!r}")
+    return v
+
+
+def _is_hex(s: object) -> bool:
+    return isinstance(s, str) and _HEX64.fullmatch(s) is not None
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+
+
+def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> bytes:
+    """The signed envelope bytes; ``manifest.publisher`` must be the key's id."""
+    if manifest.publisher != key_id(key.public_key()):
+        raise ManifestError(
+            f"manifest publisher {manifest.publisher!r} is not the signing key {key_id(key.public_key())!r}"
+        )
+    return sign_document(manifest.to_body(), key)
+
+
+def verify_manifest(
+    data: bytes,
+    trusted: Mapping[str, Ed25519PublicKey],
+    *,
+    key_version: int | None = None,
+    current: int | None = None,
+) -> Manifest:
+    """A manifest a trusted key signed, else SignatureError/ManifestError/ReplayError.
+
+    ``key_version``: the version the object's key names; a body naming another version is a copy of
+    some other manifest: a ReplayError if that version is not newer than ``current`` (the reader's
+    version), else a ManifestError. ``current``: manifests at or below it are ReplayErrors.
+    """
+    body = verify_document(data, trusted)
+    manifest = Manifest.from_body(body)
+    signer = json.loads(data)["key_id"]
+    if manifest.publisher != signer:
+        raise ManifestError(
+            f"manifest v{manifest.version} claims publisher {manifest.publisher!r} but {signer!r} signed it"
+        )
+    if current is not None and manifest.version <= current:
+        raise ReplayError(
+            f"manifest for v{manifest.version} found at v{key_version}, not newer than the current v{current}: replay ignored"
+        )
+    if key_version is not None and manifest.version != key_version:
+        raise ManifestError(
+            f"manifest at v{key_version} is signed for v{manifest.version}: copied or misplaced"
+        )
+    return manifest
+
+
+def read_manifest_unverified(data: bytes) -> Manifest:
+    """Parse a manifest without checking its signature (listings, diagnostics): never trust it."""
+    try:
+        body = json.loads(data)["body"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ManifestError(f"not a signed pulsenet document: {e}") from None
+    return Manifest.from_body(body)

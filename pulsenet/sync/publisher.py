@@ -1,0 +1,573 @@
+"""PULSESync publisher: each new BF16 state becomes the next version, as a patch against the last
+published one, with a full anchor every K versions, uploaded in the background.
+
+``publish(state)`` returns at once; a worker task encodes (in a thread) and uploads while the caller
+keeps training. At most ``pending`` states wait: when uploads fall behind, the oldest waiting state
+is dropped, never the one being uploaded. A patch is always encoded against the last *published*
+state (the one subscribers can hold), so a dropped state leaves no hole in the chain.
+
+Per version: payloads first (content-addressed keys, see layout.py), then the signed manifest,
+create-only. If the manifest write finds the version taken (another publisher, a forged or
+replayed object), the publisher moves to the next free number and uploads again; subscribers follow
+``base_version`` pointers, so a skipped number is no gap. Then retention: everything older than the
+``keep_anchors``-th newest anchor goes (manifests first, so no manifest ever names a deleted payload),
+and so do payloads no manifest will ever name (a crash between payload and manifest).
+
+Anchor versions carry two payloads: the anchor (for nodes that join late or fall behind) and the
+patch from the previous version (so nodes that are following never download the full weights).
+
+Restart: ``start()`` reads the newest manifest this publisher trusts and rebuilds its weights from
+the store (anchor + patches, verified), or takes them from the caller if their digest matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.codec.mask import MAX_ZONES
+from pulsenet.codec.patch import PatchEncoder, parse_patch
+from pulsenet.errors import (
+    ConditionFailed,
+    ManifestError,
+    StoreError,
+    StoreTimeout,
+    StoreUnavailable,
+    VerificationError,
+)
+from pulsenet.signing import key_id
+from pulsenet.store.base import ObjectStore
+from pulsenet.sync.chain import (
+    EMPTY_DIGEST,
+    ChainPath,
+    ManifestReader,
+    PayloadCache,
+    candidate_paths,
+    primary_error,
+    rebuild,
+)
+from pulsenet.sync.layout import Layout
+from pulsenet.sync.manifest import Manifest, PayloadRef, now_iso, sign_manifest, verify_manifest
+
+log = logging.getLogger(__name__)
+
+StateDict = Mapping[str, torch.Tensor]
+MiB = 1 << 20
+_TAKEN_RETRIES = 8
+
+
+@dataclass(kw_only=True, slots=True)
+class PublisherConfig:
+    channel: str = "policy"
+    """Key prefix of this policy stream inside the store (see layout.py)."""
+    anchor_every: int = 10
+    """A full anchor at least every this many versions (1: every version is an anchor)."""
+    keep_anchors: int | None = 2
+    """Retention: keep the newest this many anchors and every version after the oldest of them;
+    None keeps everything."""
+    pending: int = 1
+    """States waiting for upload; publishing into a full queue drops the oldest waiting one."""
+    threads: int = 2
+    """Codec threads (encode, and the rebuild on resume)."""
+    zstd_level: int = 3
+    """zstd level of the patch codec."""
+    max_zones: int = MAX_ZONES
+    """Context zones per tensor in patches (codec/mask.py). The default gives the smallest patches;
+    1 encodes and decodes ~4x faster for ~2x the bytes: better when links are fast and CPUs busy."""
+    timeout_s: float | None = 30.0
+    """Deadline of each small store call (manifest put, get, list, delete)."""
+    transfer_timeout_s: float | None = 600.0
+    """Deadline of one payload upload or download."""
+    spool_threshold: int = 64 * MiB
+    """Payloads this large are written to a temporary file and uploaded with put_file (multipart)."""
+    spool_dir: Path | None = None
+    """Where spooled payloads go; None: the system temp dir."""
+    retry_backoff_s: float = 0.5
+    """First wait after a failed upload (the store was unreachable); doubles per failure."""
+    retry_backoff_cap_s: float = 10.0
+    """Longest wait between upload attempts."""
+
+    def __post_init__(self) -> None:
+        if (
+            self.anchor_every < 1
+            or self.pending < 1
+            or (self.keep_anchors is not None and self.keep_anchors < 1)
+        ):
+            raise ValueError("anchor_every and pending must be >= 1, keep_anchors >= 1 or None")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PublishRecord:
+    """What publishing one version cost."""
+
+    version: int
+    kind: str
+    step: int | None
+    digest: str
+    payload_bytes: dict[str, int]
+    """Role ("patch", "anchor") -> bytes uploaded."""
+    full_bytes: int
+    """Raw size of the weights: what a full checkpoint sync would move."""
+    ratio: float
+    """``full_bytes`` over what a following subscriber downloads (the patch, else the anchor)."""
+    encode_s: float
+    upload_s: float
+    """Payloads and manifest, until the manifest is visible."""
+    queued_s: float
+    """From ``publish()`` until the worker took the state."""
+    latency_s: float
+    """From ``publish()`` until the manifest is visible."""
+    superseded: int
+    """Waiting states dropped since the previous published version."""
+    deleted: int = 0
+    """Objects retention removed after this version."""
+
+
+@dataclass(slots=True)
+class _Item:
+    state: StateDict
+    step: int | None
+    submitted: float
+    superseded: int = 0
+
+
+class _Latest:
+    """A bounded FIFO that keeps the newest items: putting into a full one drops the oldest."""
+
+    def __init__(self, size: int) -> None:
+        self._items: collections.deque[_Item] = collections.deque()
+        self._size = size
+        self._ready = asyncio.Event()
+
+    def put(self, item: _Item) -> int:
+        """Add ``item``; returns how many older items were dropped to make room."""
+        dropped = 0
+        while len(self._items) >= self._size:
+            item.superseded += self._items.popleft().superseded + 1
+            dropped += 1
+        self._items.append(item)
+        self._ready.set()
+        return dropped
+
+    def put_back(self, item: _Item) -> None:
+        """Return a failed item to the front, unless something newer is already waiting."""
+        if not self._items:
+            self._items.append(item)
+            self._ready.set()
+
+    async def get(self) -> _Item:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Publisher:
+    """Publishes versions of one channel; use as ``async with Publisher(...) as pub``."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: Ed25519PrivateKey,
+        config: PublisherConfig | None = None,
+        *,
+        on_record: Callable[[PublishRecord], None] | None = None,
+        trusted: Mapping[str, Ed25519PublicKey] | None = None,
+    ) -> None:
+        """``trusted``: other keys whose manifests count when resuming (the own key always does)."""
+        self.store = store
+        self.config = config = config or PublisherConfig()
+        self.layout = Layout(config.channel)
+        self.key = key
+        self.key_id = key_id(key.public_key())
+        self.trusted = {**(trusted or {}), self.key_id: key.public_key()}
+        self.on_record = on_record
+        self.records: list[PublishRecord] = []
+        """One record per published version, oldest first."""
+        self.version: int | None = None
+        """Last published version (None before the first)."""
+        self.digest: str | None = None
+        self.failures = 0
+        """Upload attempts that failed (each is logged)."""
+        self.dropped = 0
+        """States dropped from the queue because newer ones arrived."""
+        self._state: dict[str, torch.Tensor] | None = None
+        self._anchor_version: int | None = None
+        self._next = 0
+        self._reader = ManifestReader(store, self.layout, self.trusted, config.timeout_s)
+        self._encoder = PatchEncoder(
+            level=config.zstd_level, threads=config.threads, max_zones=config.max_zones
+        )
+        self._queue = _Latest(config.pending)
+        self._lock = asyncio.Lock()  # one version at a time: the worker and publish_now share state
+        self._idle = asyncio.Condition()
+        self._busy = False
+        self._error: BaseException | None = None
+        self._worker: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> dict[str, torch.Tensor] | None:
+        """The last published weights (do not mutate)."""
+        return self._state
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, state: StateDict | None = None) -> None:
+        """Resume from the store, then start the upload worker.
+
+        ``state``: the weights of the newest published version if the caller has them (checked by
+        digest, ManifestError if they differ); otherwise they are rebuilt from the store.
+        """
+        await self.resume(state)
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._run(), name=f"pulsenet-publisher-{self.layout.channel}")
+
+    async def close(self, *, flush_timeout: float | None = None) -> None:
+        """Wait for pending uploads (up to ``flush_timeout``), then stop the worker."""
+        try:
+            if self._worker is not None and not self._worker.done():
+                await self.flush(timeout=flush_timeout)
+        finally:
+            if self._worker is not None:
+                self._worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._worker
+                self._worker = None
+
+    async def __aenter__(self) -> Publisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if et is None:
+            await self.close()
+        else:  # don't wait on uploads when the caller is failing or being cancelled
+            if self._worker is not None:
+                self._worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._worker
+                self._worker = None
+
+    async def resume(self, state: StateDict | None = None) -> None:
+        """Load the newest trusted version from the store (see ``start``)."""
+        listing = await self._reader.list_versions()
+        if not listing:
+            log.info("channel %s is empty: the first version will be v0", self.layout.channel)
+            return
+        self._next = max(max(listing) + 1, self._next)
+        newest: Manifest | None = None
+        for v in sorted(listing, reverse=True):
+            try:
+                newest = await self._reader.get(v)
+                break
+            except (ManifestError, KeyError) as e:  # ObjectNotFound is a KeyError (deleted meanwhile)
+                log.warning("resume: skipping manifest v%d: %s", v, e)
+        if newest is None:
+            log.warning(
+                "resume: no trusted manifest in %s; starting over with an anchor at v%d",
+                self.layout.channel,
+                self._next,
+            )
+            return
+        paths = await candidate_paths(self._reader, newest, None, set(), max_anchors=1)
+        self._anchor_version = paths[0].steps[0].manifest.version if paths else None
+        if state is not None:
+            digest = await asyncio.to_thread(model_digest, state, self.config.threads)
+            if digest != newest.model_digest:
+                raise ManifestError(
+                    f"the given state (digest {digest[:16]}…) is not the newest published v{newest.version} "
+                    f"({newest.model_digest[:16]}…): start without a state to rebuild it from the store"
+                )
+            self._state = dict(state)
+        else:
+            try:
+                self._state = await self._rebuild(paths, newest)
+            except VerificationError as e:
+                # The chain is broken (retired or corrupt): the next version will be a plain anchor.
+                log.error("resume: %s; the next version will be an anchor without a patch", e)
+                self._state = None
+        self.version, self.digest = newest.version, newest.model_digest
+        log.info(
+            "resumed at v%d (%s…), next version v%d", newest.version, newest.model_digest[:16], self._next
+        )
+
+    async def _rebuild(self, paths: list[ChainPath], newest: Manifest) -> dict[str, torch.Tensor]:
+        bad: set[str] = set()
+        with tempfile.TemporaryDirectory(prefix="pulsenet-publisher-") as tmp:
+            cache = PayloadCache(self.store, Path(tmp), timeout_s=self.config.transfer_timeout_s)
+            errors = []
+            for path in paths:
+                try:
+                    return await rebuild(path, cache, None, threads=self.config.threads, bad=bad)
+                except (VerificationError, KeyError) as e:  # ObjectNotFound is a KeyError
+                    errors.append(f"{path.describe()}: {e}")
+        raise VerificationError(
+            f"cannot rebuild the newest published v{newest.version} from the store: {'; '.join(errors) or 'no anchor'}"
+        )
+
+    # --- publishing ----------------------------------------------------------------------------
+
+    def publish(self, state: StateDict, *, step: int | None = None) -> None:
+        """Queue ``state`` as the next version and return at once (call from the event loop thread).
+
+        ``state`` is kept by reference until published and then as the next patch's base: don't
+        mutate it (``LocalTrainer.bf16_state()`` returns fresh tensors).
+        """
+        if self._worker is None or self._worker.done():
+            raise RuntimeError("Publisher is not running: call start() or use 'async with'")
+        dropped = self._queue.put(_Item(state, step, time.perf_counter()))
+        if dropped:
+            self.dropped += dropped
+            log.info("uploads are behind: dropped %d waiting state(s) for a newer one", dropped)
+
+    async def publish_now(self, state: StateDict, *, step: int | None = None) -> PublishRecord:
+        """Publish ``state`` in the caller's task and return its record (errors are raised)."""
+        return await self._publish(_Item(state, step, time.perf_counter()))
+
+    async def flush(self, timeout: float | None = None) -> None:
+        """Wait until every queued state is published; re-raise the error of one that was given up."""
+        async with asyncio.timeout(timeout), self._idle:
+            await self._idle.wait_for(lambda: not self._queue and not self._busy)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    async def _run(self) -> None:
+        backoff = self.config.retry_backoff_s
+        while True:
+            item = await self._queue.get()
+            self._busy = True
+            try:
+                await self._publish(item)
+                backoff = self.config.retry_backoff_s
+            except (StoreTimeout, StoreUnavailable) as e:
+                # The store is unreachable: keep the state (unless a newer one waits) and retry.
+                self.failures += 1
+                log.warning("publishing failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
+                self._queue.put_back(item)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, self.config.retry_backoff_cap_s)
+            except Exception as e:  # the worker's top level: logged, counted, kept for flush()
+                self.failures += 1
+                self._error = e
+                log.exception("publishing failed; this state is dropped")
+            finally:
+                self._busy = False
+                async with self._idle:
+                    self._idle.notify_all()
+
+    async def _publish(self, item: _Item) -> PublishRecord:
+        async with self._lock:
+            started = time.perf_counter()
+            anchor_due = (
+                self.version is None
+                or self._anchor_version is None
+                or self._next - self._anchor_version >= self.config.anchor_every
+            )
+            blobs, hashes, digest = await asyncio.to_thread(self._encode, item.state, anchor_due)
+            encoded = time.perf_counter()
+            full_bytes = sum(t.numel() * t.element_size() for t in item.state.values())
+            for attempt in range(_TAKEN_RETRIES):
+                version = self._next
+                refs = {
+                    role: PayloadRef(
+                        role=role,
+                        key=self.layout.payload(version, role, hashes[role]),
+                        size=len(b),
+                        sha256=hashes[role],
+                    )
+                    for role, b in blobs.items()
+                }
+                await self._upload_all(refs, blobs)
+                manifest = Manifest(
+                    version=version,
+                    kind="anchor" if "anchor" in refs else "patch",
+                    model_digest=digest,
+                    base_version=self.version if "patch" in refs else None,
+                    base_digest=self.digest if "patch" in refs else None,
+                    anchor=refs.get("anchor"),
+                    patch=refs.get("patch"),
+                    full_bytes=full_bytes,
+                    publisher=self.key_id,
+                    created=now_iso(),
+                    step=item.step,
+                )
+                try:
+                    await self.store.put(
+                        self.layout.manifest(version),
+                        sign_manifest(manifest, self.key),
+                        if_none_match=True,
+                        timeout=self.config.timeout_s,
+                    )
+                    break
+                except ConditionFailed:
+                    if await self._is_ours(manifest):
+                        break  # an earlier attempt landed but its reply was lost: that version is this one
+                    listing = await self._reader.list_versions()
+                    self._next = max([version + 1, *(v + 1 for v in listing)])
+                    log.warning(
+                        "v%d is already taken in %s (attempt %d): moving to v%d",
+                        version,
+                        self.layout.channel,
+                        attempt + 1,
+                        self._next,
+                    )
+            else:
+                raise ConditionFailed(
+                    f"could not claim a version in {self.layout.channel} after {_TAKEN_RETRIES} tries"
+                )
+            done = time.perf_counter()
+            self._state, self.version, self.digest, self._next = (
+                dict(item.state),
+                version,
+                digest,
+                version + 1,
+            )
+            self._reader.remember(manifest)
+            if "anchor" in refs:
+                self._anchor_version = version
+            deleted = await self._retain()
+            if self.config.keep_anchors is None and self._anchor_version is not None:
+                self._reader.forget_below(self._anchor_version)  # keep the manifest cache small
+        sizes = {role: len(b) for role, b in blobs.items()}
+        record = PublishRecord(
+            version=version,
+            kind=manifest.kind,
+            step=item.step,
+            digest=digest,
+            payload_bytes=sizes,
+            full_bytes=full_bytes,
+            ratio=full_bytes / max(sizes.get("patch", sizes.get("anchor", 1)), 1),
+            encode_s=encoded - started,
+            upload_s=done - encoded,
+            queued_s=started - item.submitted,
+            latency_s=done - item.submitted,
+            superseded=item.superseded,
+            deleted=deleted,
+        )
+        self.records.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+        log.info(
+            "published v%d (%s, %s bytes, %.0fx) in %.2f s",
+            version,
+            record.kind,
+            sizes,
+            record.ratio,
+            record.latency_s,
+        )
+        return record
+
+    async def _is_ours(self, manifest: Manifest) -> bool:
+        """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""
+        try:
+            data = await self.store.get(self.layout.manifest(manifest.version), timeout=self.config.timeout_s)
+            there = verify_manifest(data, {self.key_id: self.key.public_key()}, key_version=manifest.version)
+        except (ManifestError, KeyError):
+            return False
+        return (there.model_digest, there.payloads, there.base_version) == (
+            manifest.model_digest,
+            manifest.payloads,
+            manifest.base_version,
+        )
+
+    def _encode(self, state: StateDict, anchor: bool) -> tuple[dict[str, bytes], dict[str, str], str]:
+        """Payload bytes and SHA-256 by role, and the model digest (blocking: runs in a thread)."""
+        blobs: dict[str, bytes] = {}
+        if self._state is not None:
+            blobs["patch"] = self._encoder.encode(self._state, state, base_digest=self.digest)
+        if anchor or self._state is None:
+            blobs["anchor"] = self._encoder.encode({}, state, base_digest=EMPTY_DIGEST)
+        hashes = {role: hashlib.sha256(b).hexdigest() for role, b in blobs.items()}
+        return blobs, hashes, parse_patch(next(iter(blobs.values()))).target_digest
+
+    async def _upload_all(self, refs: dict[str, PayloadRef], blobs: dict[str, bytes]) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for role, ref in refs.items():
+                    tg.create_task(self._upload(ref.key, blobs[role]))
+        except BaseExceptionGroup as eg:
+            raise primary_error(eg) from None
+
+    async def _upload(self, key: str, data: bytes) -> None:
+        timeout = self.config.transfer_timeout_s
+        if len(data) < self.config.spool_threshold:
+            await self.store.put(key, data, timeout=timeout)
+            return
+        fd, tmp = tempfile.mkstemp(prefix="pulsenet-payload-", dir=self.config.spool_dir)
+        try:
+            await asyncio.to_thread(_write_fd, fd, data)
+            await self.store.put_file(key, tmp, timeout=timeout)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    # --- retention -----------------------------------------------------------------------------
+
+    async def _retain(self) -> int:
+        """Delete what no kept chain needs; returns how many objects went. Failures are logged only."""
+        if self.config.keep_anchors is None:
+            return 0
+        try:
+            return await self._retain_once(self.config.keep_anchors)
+        except (StoreError, ManifestError) as e:
+            log.warning("retention skipped this time: %s: %s", type(e).__name__, e)
+            return 0
+
+    async def _retain_once(self, keep: int) -> int:
+        infos = await self.store.list(f"{self.layout.channel}/", timeout=self.config.timeout_s)
+        manifests: dict[int, str] = {}
+        payloads: list[tuple[int, str]] = []
+        for info in infos:
+            if (v := self.layout.manifest_version(info.key)) is not None:
+                manifests[v] = info.key
+            elif (v := self.layout.payload_version(info.key)) is not None:
+                payloads.append((v, info.key))
+        if not manifests:
+            return 0
+        anchor_keys = {key for v, key in payloads if "-anchor-" in key and v in manifests}
+        anchors = []
+        for v in sorted({v for v, key in payloads if key in anchor_keys}, reverse=True):
+            if len(anchors) >= keep:
+                break
+            with contextlib.suppress(ManifestError, KeyError):  # untrusted or vanished: not a chain we keep
+                m = await self._reader.get(v)
+                if m.anchor is not None and m.anchor.key in anchor_keys:
+                    anchors.append(v)
+        cutoff = anchors[-1] if len(anchors) >= keep else 0
+        newest = max(manifests)
+        old_manifests = [key for v, key in manifests.items() if v < cutoff]
+        old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]
+        # Manifests first: a manifest must never name a deleted payload.
+        await self.store.delete(old_manifests, timeout=self.config.timeout_s)
+        await self.store.delete(old_payloads, timeout=self.config.timeout_s)
+        self._reader.forget_below(cutoff)
+        if old_manifests or old_payloads:
+            log.info(
+                "retention: kept v%d.. (anchors %s), deleted %d objects",
+                cutoff,
+                anchors,
+                len(old_manifests) + len(old_payloads),
+            )
+        return len(old_manifests) + len(old_payloads)
+
+
+def _write_fd(fd: int, data: bytes) -> None:
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)

@@ -1,0 +1,340 @@
+"""PULSESync subscriber: poll a channel, rebuild the newest version off to the side, verify it,
+then swap it in.
+
+Each round lists the manifests and takes the newest version above the current one whose manifest a
+trusted key signed. It fetches payloads through a local cache, applies them in threads, and checks
+every payload's size and SHA-256 against the manifest, every rebuilt tensor's SHA-256 and the model
+digest of the result. Only then does it swap in the new weights: ``on_update(version, state,
+digest)``. Nothing unverified is ever handed out; a failure leaves the current weights serving.
+
+- **Catch-up** (chain.py): the cheapest verified path: patches from the current version, or the
+  newest anchor plus the patches after it (joined late, fell far behind, chain retired). A missing
+  or corrupt object marks that payload bad and the next path is tried.
+- **Replay**: a manifest that is not newer than the current version (a copied old manifest, a
+  store rolled back) is a ReplayError: logged once, ignored.
+- **Persistence** (``state_dir``): after each swap the weights are written atomically with their
+  version (localstate.py), so a restarted, even SIGKILLed, subscriber resumes from disk and
+  fetches only the patches it missed.
+- **Lifetimes**: ``run()`` polls until ``stop`` is set or it is cancelled; each round runs under
+  ``asyncio.timeout``, every store call has its own deadline, cancellation is never retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+from pulsenet.errors import (
+    ManifestError,
+    ObjectNotFound,
+    PulsenetError,
+    ReplayError,
+    VerificationError,
+)
+from pulsenet.store.base import ObjectStore
+from pulsenet.sync import localstate
+from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
+from pulsenet.sync.layout import Layout
+from pulsenet.sync.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+OnUpdate = Callable[[int, Mapping[str, torch.Tensor], str], Awaitable[None] | None]
+
+
+@dataclass(kw_only=True, slots=True)
+class SubscriberConfig:
+    channel: str = "policy"
+    """Key prefix of the policy stream (see layout.py)."""
+    interval_s: float = 2.0
+    """Time between polls."""
+    jitter: float = 0.2
+    """Each wait is ``interval_s`` times a random factor in [1 - jitter, 1 + jitter], so many
+    subscribers don't poll in lockstep."""
+    state_dir: Path | None = None
+    """Persist the verified weights here and resume from them; None keeps them in memory only."""
+    cache_dir: Path | None = None
+    """Payload cache, owned by this subscriber alone; None: a temporary directory removed on close."""
+    timeout_s: float | None = 30.0
+    """Deadline of each small store call (list, manifest get)."""
+    transfer_timeout_s: float | None = 600.0
+    """Deadline of one payload download."""
+    round_timeout_s: float | None = 1800.0
+    """Deadline of one whole poll-and-update round."""
+    threads: int = 2
+    """Codec threads for applying and verifying."""
+    parallel_downloads: int = 4
+    """Payloads fetched at once when catching up."""
+    max_targets: int = 3
+    """Versions tried per round, newest first, when the newest cannot be built."""
+
+
+@dataclass(slots=True)
+class SubscriberStats:
+    polls: int = 0
+    updates: int = 0
+    rounds_failed: int = 0
+    """Rounds that ended in an error (logged); the current weights kept serving."""
+    manifests_rejected: int = 0
+    """Manifests refused: bad signature, untrusted key, malformed."""
+    replays: int = 0
+    """Manifests refused as not newer than the current version."""
+    payloads_rejected: int = 0
+    """Payloads missing or failing verification."""
+    anchors_applied: int = 0
+    patches_applied: int = 0
+    last_update_s: float | None = None
+    """``time.time()`` of the last swap."""
+    bytes_downloaded: int = 0
+    """Payload bytes fetched from the store."""
+    last_download_s: float = 0.0
+    """Fetching the payloads of the last update."""
+    last_apply_s: float = 0.0
+    """Decoding and verifying the last update."""
+    errors: list[str] = field(default_factory=list)
+    """The last few round errors, newest last."""
+
+
+class Subscriber:
+    """Follows one channel; ``run()`` polls, ``sync_once()`` does one round."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        trusted: Mapping[str, Ed25519PublicKey],
+        config: SubscriberConfig | None = None,
+        *,
+        on_update: OnUpdate | None = None,
+        on_saved: Callable[[int, str], None] | None = None,
+    ) -> None:
+        """``on_update(version, state, digest)``, sync or async, receives only verified weights, as
+        soon as they are verified. Unchanged tensors are shared with the previous state: treat them
+        as read-only. ``on_saved(version, digest)`` runs once they are persisted in ``state_dir``."""
+        if not trusted:
+            raise ManifestError("a subscriber needs at least one trusted publisher key")
+        self.store = store
+        self.config = config = config or SubscriberConfig()
+        self.layout = Layout(config.channel)
+        self.on_update = on_update
+        self.on_saved = on_saved
+        self.stats = SubscriberStats()
+        self.version: int | None = None
+        """Version of the weights serving now (None before the first)."""
+        self.digest: str | None = None
+        self.state: Mapping[str, torch.Tensor] | None = None
+        self.resumed_from: int | None = None
+        """Version loaded from ``state_dir`` at start, if any."""
+        self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s)
+        self._bad_payloads: set[str] = set()
+        self._rejected: dict[str, str] = {}  # manifest key -> etag of a copy we refused
+        self._tmp_cache: tempfile.TemporaryDirectory[str] | None = None
+        self._cache: PayloadCache | None = None
+        self._rng = random.Random()
+        self._started = False
+
+    @property
+    def cache(self) -> PayloadCache:
+        if self._cache is None:
+            raise RuntimeError("Subscriber is not started: call start() or use 'async with'")
+        return self._cache
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Open the cache and resume from ``state_dir`` (calls ``on_update`` with what it loaded)."""
+        if self._started:
+            return
+        cache_dir = self.config.cache_dir
+        if cache_dir is None:
+            self._tmp_cache = tempfile.TemporaryDirectory(prefix="pulsenet-sub-cache-")
+            cache_dir = Path(self._tmp_cache.name)
+        self._cache = PayloadCache(self.store, cache_dir, timeout_s=self.config.transfer_timeout_s)
+        await asyncio.to_thread(self._cache.sweep)
+        self._started = True
+        if self.config.state_dir is None:
+            return
+        state_dir = Path(self.config.state_dir)
+        await asyncio.to_thread(state_dir.mkdir, parents=True, exist_ok=True)
+        await asyncio.to_thread(localstate.sweep, state_dir)
+        try:
+            local = await asyncio.to_thread(localstate.load, state_dir, threads=self.config.threads)
+        except (VerificationError, OSError, ValueError) as e:
+            log.error("local state in %s is unusable (%s): starting from an anchor", state_dir, e)
+            return
+        if local is None:
+            return
+        await asyncio.to_thread(
+            localstate.write_info, state_dir, local.version, local.digest, channel=self.layout.channel
+        )
+        self.resumed_from = local.version
+        log.info("resumed v%d (%s…) from %s", local.version, local.digest[:16], state_dir)
+        await self._swap(local.version, local.state, local.digest, persist=False)
+
+    async def close(self) -> None:
+        if self._tmp_cache is not None:
+            await asyncio.to_thread(self._tmp_cache.cleanup)
+            self._tmp_cache = None
+        self._cache = None
+        self._started = False
+
+    async def __aenter__(self) -> Subscriber:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Poll until ``stop`` is set (or the task is cancelled). Round errors are logged and counted."""
+        await self.start()
+        stop = stop or asyncio.Event()
+        while not stop.is_set():
+            try:
+                async with asyncio.timeout(self.config.round_timeout_s):
+                    await self.sync_once()
+            except (PulsenetError, TimeoutError) as e:
+                self._count_failure(e)
+                log.warning("sync round failed, still serving v%s: %s: %s", self.version, type(e).__name__, e)
+            except Exception as e:  # the task's top level: logged and counted, polling goes on
+                self._count_failure(e)
+                log.exception("unexpected error in a sync round, still serving v%s", self.version)
+            wait = self.config.interval_s * (1 + self.config.jitter * (2 * self._rng.random() - 1))
+            try:
+                async with asyncio.timeout(max(wait, 0.0)):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+
+    # --- one round -----------------------------------------------------------------------------
+
+    async def sync_once(self) -> int | None:
+        """Move to the newest verifiable version; returns it, or None if nothing newer was usable.
+
+        Raises the reason when newer versions exist but none could be verified (ReplayError,
+        SignatureError, ManifestError, VerificationError, ObjectNotFound) and store errors as they
+        are; the current weights stay in place either way.
+        """
+        await self.start()
+        self.stats.polls += 1
+        listing = await self._reader.list_versions()
+        newer = sorted((v for v in listing if self.version is None or v > self.version), reverse=True)
+        errors: list[Exception] = []
+        tried = 0
+        for v in newer:
+            key = self.layout.manifest(v)
+            if self._rejected.get(key) == listing[v].etag:
+                continue  # refused before, unchanged since: don't fetch or log it again
+            if tried >= self.config.max_targets:
+                break
+            tried += 1
+            try:
+                target = await self._reader.get(v, current=self.version)
+            except ReplayError as e:
+                self._reject(key, listing[v].etag, e)
+                self.stats.replays += 1
+                errors.append(e)
+                continue
+            except ManifestError as e:  # includes SignatureError
+                self._reject(key, listing[v].etag, e)
+                self.stats.manifests_rejected += 1
+                errors.append(e)
+                continue
+            except ObjectNotFound as e:  # retired between the listing and the get
+                errors.append(e)
+                continue
+            try:
+                await self._update_to(target)
+                return target.version
+            except (VerificationError, ObjectNotFound) as e:
+                log.warning("cannot build v%d: %s", v, e)
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return None
+
+    async def _update_to(self, target: Manifest) -> None:
+        current = (
+            (self.version, self.digest) if self.version is not None and self.digest is not None else None
+        )
+        paths = await candidate_paths(self._reader, target, current, self._bad_payloads)
+        if not paths:
+            raise VerificationError(
+                f"no usable path to v{target.version}: every anchor or link to it is missing or bad"
+            )
+        failures: list[str] = []
+        for path in paths:
+            if any(s.payload.key in self._bad_payloads for s in path.steps):
+                continue
+            log.info("building %s", path.describe())
+            before = len(self._bad_payloads)
+            timings: dict[str, float] = {}
+            fetched = self.cache.bytes_downloaded
+            try:
+                state = await rebuild(
+                    path,
+                    self.cache,
+                    self.state,
+                    threads=self.config.threads,
+                    parallel=self.config.parallel_downloads,
+                    bad=self._bad_payloads,
+                    timings=timings,
+                )
+            except (VerificationError, ObjectNotFound) as e:
+                self.stats.payloads_rejected += len(self._bad_payloads) - before
+                log.warning("path %s failed: %s; trying the next", path.describe(), e)
+                failures.append(f"{path.describe()}: {e}")
+                continue
+            self.stats.bytes_downloaded += self.cache.bytes_downloaded - fetched
+            self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
+            self.stats.anchors_applied += sum(s.payload.role == "anchor" for s in path.steps)
+            self.stats.patches_applied += sum(s.payload.role == "patch" for s in path.steps)
+            await self._swap(target.version, state, target.model_digest, persist=True)
+            await asyncio.to_thread(self.cache.prune, set())  # all applied: nothing left to resume
+            self._reader.forget_below(target.version)
+            return
+        raise VerificationError(
+            f"v{target.version} could not be verified: {'; '.join(failures) or 'no usable path'}"
+        )
+
+    async def _swap(
+        self, version: int, state: Mapping[str, torch.Tensor], digest: str, *, persist: bool
+    ) -> None:
+        """Make verified weights current: callback first (serving), then disk (resume point)."""
+        self.state, self.version, self.digest = state, version, digest
+        if persist:
+            self.stats.updates += 1
+        self.stats.last_update_s = time.time()
+        if self.on_update is not None:
+            result = self.on_update(version, state, digest)
+            if inspect.isawaitable(result):
+                await result
+        if persist and self.config.state_dir is not None:
+            await asyncio.to_thread(
+                localstate.save,
+                Path(self.config.state_dir),
+                version,
+                digest,
+                state,
+                channel=self.layout.channel,
+            )
+            if self.on_saved is not None:
+                self.on_saved(version, digest)
+        log.info("now at v%d (%s…)", version, digest[:16])
+
+    def _reject(self, key: str, etag: str, e: Exception) -> None:
+        self._rejected[key] = etag
+        log.warning("rejected %s: %s: %s", key, type(e).__name__, e)
+
+    def _count_failure(self, e: BaseException) -> None:
+        self.stats.rounds_failed += 1
+        self.stats.errors = [*self.stats.errors[-9:], f"{type(e).__name__}: {e}"]

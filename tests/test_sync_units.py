@@ -1,0 +1,308 @@
+"""PULSESync pieces on a local-directory store: layout, manifests, local state, publisher queueing,
+resume, catch-up fallbacks and the payload cache. The S3 end-to-end runs are in test_sync.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from sync_support import keypair, perturbed_states, same_bits, train_states
+
+from pulsenet.checkpoint import save_state
+from pulsenet.codec.digest import model_digest
+from pulsenet.errors import ManifestError, ReplayError, SignatureError, VerificationError
+from pulsenet.signing import key_id, sign_document
+from pulsenet.store import LocalStore
+from pulsenet.sync import (
+    Layout,
+    Manifest,
+    PayloadRef,
+    Publisher,
+    PublisherConfig,
+    Subscriber,
+    SubscriberConfig,
+    localstate,
+)
+from pulsenet.sync.chain import PayloadCache
+from pulsenet.sync.manifest import sign_manifest, verify_manifest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict[str, torch.Tensor]]:
+    return train_states(6)
+
+
+# --- layout and manifests --------------------------------------------------------------------------
+
+
+def test_layout_keys_sort_and_parse() -> None:
+    layout = Layout("runs/policy")
+    keys = [layout.manifest(v) for v in (10, 2, 100)]
+    assert sorted(keys) == [layout.manifest(v) for v in (2, 10, 100)]
+    assert layout.manifest_version(layout.manifest(42)) == 42
+    p = layout.payload(7, "patch", "ab" * 32)
+    assert p == "runs/policy/payloads/v000000000007-patch-abababababababab.pnp"
+    assert layout.payload_version(p) == 7 and layout.manifest_version(p) is None
+    assert layout.manifest_version("runs/policy/manifests/junk.json") is None
+    with pytest.raises(ValueError):
+        Layout("../escape")
+
+
+def _manifest(key, version: int = 3, **changes) -> Manifest:
+    sha = "0" * 64
+    m = Manifest(
+        version=version,
+        kind="patch",
+        model_digest="1" * 64,
+        base_version=version - 1,
+        base_digest="2" * 64,
+        anchor=None,
+        patch=PayloadRef(role="patch", key=f"p/v{version}", size=10, sha256=sha),
+        full_bytes=100,
+        publisher=key_id(key.public_key()),
+        created="2025-01-01T00:00:00+00:00",
+    )
+    return dataclasses.replace(m, **changes)
+
+
+def test_manifest_signing_and_every_rejection() -> None:
+    key, trusted = keypair()
+    other, _ = keypair()
+    m = _manifest(key)
+    data = sign_manifest(m, key)
+    assert verify_manifest(data, trusted, key_version=3) == m
+    assert verify_manifest(data, trusted, key_version=3, current=2) == m
+    with pytest.raises(SignatureError):  # signed by a key we don't trust
+        verify_manifest(sign_manifest(_manifest(other), other), trusted)
+    env = json.loads(data)
+    env["body"]["model_digest"] = "9" * 64
+    with pytest.raises(SignatureError):  # body changed after signing
+        verify_manifest(json.dumps(env).encode(), trusted)
+    with pytest.raises(ManifestError, match="copied or misplaced"):  # right signature, wrong place
+        verify_manifest(data, trusted, key_version=9)
+    with pytest.raises(ReplayError):  # an old manifest presented as new
+        verify_manifest(data, trusted, key_version=9, current=5)
+    with pytest.raises(ReplayError):
+        verify_manifest(data, trusted, key_version=3, current=3)
+    body = m.to_body() | {"publisher": "someone-else"}
+    with pytest.raises(ManifestError, match="claims publisher"):
+        verify_manifest(sign_document(body, key), trusted)
+    for bad in (
+        {"codec_version": 99},
+        {"kind": "anchor"},
+        {"base_version": None},
+        {"version": -1},
+        {"model_digest": "xyz"},
+        {"payloads": []},
+    ):
+        with pytest.raises(ManifestError):
+            verify_manifest(sign_document(m.to_body() | bad, key), trusted)
+
+
+# --- local state ---------------------------------------------------------------------------------
+
+
+def test_local_state_round_trip_and_refusals(tmp_path: Path, states: list[dict]) -> None:
+    state = states[1]
+    digest = model_digest(state)
+    assert localstate.load(tmp_path) is None
+    localstate.save(tmp_path, 7, digest, state, channel="policy")
+    loaded = localstate.load(tmp_path)
+    assert (
+        loaded is not None
+        and loaded.version == 7
+        and loaded.digest == digest
+        and same_bits(loaded.state, state)
+    )
+    assert json.loads((tmp_path / "version.json").read_text())["version"] == 7
+    # Values that do not hash to the recorded digest are refused, whatever the header says.
+    raw = bytearray((tmp_path / "model.safetensors").read_bytes())
+    raw[-3] ^= 0x40
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw))
+    with pytest.raises(VerificationError):
+        localstate.load(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(bytes(raw[:100]))  # truncated: unreadable, refused
+    with pytest.raises(VerificationError):
+        localstate.load(tmp_path)
+    # A weights file without our metadata is not a resume point.
+    save_state(tmp_path / "model.safetensors", state)
+    assert localstate.load(tmp_path) is None
+    (tmp_path / ".model.safetensors.abc123").write_bytes(b"partial")
+    localstate.sweep(tmp_path)
+    assert not (tmp_path / ".model.safetensors.abc123").exists()
+
+
+# --- publisher ------------------------------------------------------------------------------------
+
+
+class GatedStore(LocalStore):
+    """A LocalStore whose puts wait for ``gate``: uploads 'fall behind' on demand."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.waiting = 0
+
+    async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
+        self.waiting += 1
+        await self.gate.wait()
+        self.waiting -= 1
+        await super()._put(key, data, if_none_match)
+
+
+async def test_full_queue_drops_oldest_and_next_patch_uses_published_base(
+    tmp_path: Path, states: list[dict]
+) -> None:
+    store = GatedStore(tmp_path / "store")
+    key, trusted = keypair()
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(states[0])
+        store.gate.clear()
+        pub.publish(states[1], step=1)
+        while store.waiting == 0:  # the worker took states[1] and is stuck uploading it
+            await asyncio.sleep(0.01)
+        pub.publish(states[2], step=2)
+        pub.publish(states[3], step=3)  # the queue holds one: states[2] is dropped, never published
+        assert pub.dropped == 1
+        store.gate.set()
+        await pub.flush(timeout=30)
+    assert [(r.version, r.step, r.superseded) for r in pub.records] == [(0, None, 0), (1, 1, 0), (2, 3, 1)]
+    async with Subscriber(store, trusted, SubscriberConfig()) as sub:
+        m2 = await sub._reader.get(2)
+        assert m2.base_version == 1 and m2.base_digest == model_digest(states[1])  # the published base
+        assert await sub.sync_once() == 2
+        assert sub.digest == model_digest(states[3]) and same_bits(sub.state, states[3])
+
+
+async def test_publisher_resumes_and_yields_taken_versions(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    cfg = PublisherConfig(anchor_every=3, keep_anchors=None)
+    first = Publisher(store, key, cfg)
+    await first.start()
+    for s in states[:4]:
+        await first.publish_now(s)
+    await first.close()
+    # A restarted publisher rebuilds v3 from the store (anchor v3), or takes it from its caller.
+    second = Publisher(store, key, cfg)
+    await second.resume()
+    assert (
+        second.version == 3
+        and second.digest == model_digest(states[3])
+        and same_bits(second.state, states[3])
+    )
+    third = Publisher(store, key, cfg)
+    with pytest.raises(ManifestError, match="not the newest"):
+        await third.resume(states[2])
+    await third.resume(states[3])
+    # Both now publish "v4": the second one finds it taken and moves on, with its own base.
+    await second.publish_now(states[4])
+    rec = await third.publish_now(states[5])
+    assert rec.version == 5
+    async with Subscriber(store, trusted) as sub:
+        assert await sub.sync_once() == 5
+        assert sub.digest == model_digest(states[5])
+        assert (await sub._reader.get(5)).base_version == 3
+
+
+# --- subscriber ------------------------------------------------------------------------------------
+
+
+async def test_missing_patch_falls_back_to_anchor_and_resume_skips_it(
+    tmp_path: Path, states: list[dict]
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    seen: list[tuple[int, str]] = []
+
+    def on_update(version: int, state, digest: str) -> None:
+        assert model_digest(state) == digest  # never anything unverified
+        seen.append((version, digest))
+
+    cfg = SubscriberConfig(state_dir=tmp_path / "sub", cache_dir=tmp_path / "cache")
+    async with Publisher(store, key, PublisherConfig(anchor_every=2, keep_anchors=None)) as pub:
+        for s in states[:2]:
+            await pub.publish_now(s)
+        async with Subscriber(store, trusted, cfg, on_update=on_update) as sub:
+            assert await sub.sync_once() == 1
+            rec2 = await pub.publish_now(states[2])  # anchor version: anchor + patch
+            await pub.publish_now(states[3])
+            m2 = await sub._reader.get(2)
+            assert rec2.kind == "anchor" and m2.patch is not None and m2.anchor is not None
+            await store.delete([m2.patch.key])
+            assert await sub.sync_once() == 3  # v1 -> v2 patch is gone: anchor v2 + patch v3
+            assert sub.stats.anchors_applied == 2 and sub.stats.payloads_rejected == 1
+            assert same_bits(sub.state, states[3])
+        # Restart: resumes from disk, announces it, then fetches only the next patch.
+        seen.clear()
+        async with Subscriber(store, trusted, cfg, on_update=on_update) as again:
+            assert again.resumed_from == 3 and seen == [(3, model_digest(states[3]))]
+            await pub.publish_now(states[4])
+            assert await again.sync_once() == 4
+            assert [k.split("/")[-1].split("-")[1] for k in again.cache.downloaded] == ["patch"]
+            assert same_bits(again.state, states[4])
+        # Damaged local weights are never served: the subscriber starts over from an anchor.
+        weights = tmp_path / "sub" / "model.safetensors"
+        raw = bytearray(weights.read_bytes())
+        raw[-1] ^= 0x01
+        weights.write_bytes(bytes(raw))
+        seen.clear()
+        async with Subscriber(store, trusted, cfg, on_update=on_update) as fresh:
+            assert fresh.resumed_from is None and seen == []
+            assert await fresh.sync_once() == 4 and fresh.stats.anchors_applied == 1
+
+
+async def test_followers_take_the_patch_of_an_anchor_version(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    async with (
+        Publisher(store, key, PublisherConfig(anchor_every=3)) as pub,
+        Subscriber(store, trusted) as follower,
+    ):
+        for s in states[:3]:
+            await pub.publish_now(s)
+        assert await follower.sync_once() == 2
+        rec = await pub.publish_now(states[3])
+        assert rec.kind == "anchor" and set(rec.payload_bytes) == {"anchor", "patch"}
+        follower.cache.downloaded.clear()
+        assert await follower.sync_once() == 3
+        assert len(follower.cache.downloaded) == 1 and "-patch-" in follower.cache.downloaded[0]
+        async with Subscriber(store, trusted) as newcomer:  # a late joiner takes the anchor
+            assert await newcomer.sync_once() == 3
+            assert [k.split("-")[-2] for k in newcomer.cache.downloaded] == ["anchor"]
+            assert same_bits(newcomer.state, follower.state)
+
+
+async def test_corrupt_cached_payload_is_deleted_and_refetched(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, _ = keypair()
+    async with Publisher(store, key) as pub:
+        await pub.publish_now(states[0])
+        ref = (await pub._reader.get(0)).anchor
+    assert ref is not None
+    cache = PayloadCache(store, tmp_path / "cache")
+    cache.sweep()
+    for bad in (b"garbage", (await store.get(ref.key))[:-1]):  # wrong bytes, truncated
+        cache.path(ref).write_bytes(bad)
+        data = await cache.read(ref)
+        assert len(data) == ref.size
+    assert cache.downloaded == [ref.key, ref.key]
+    assert await cache.read(ref) == data and len(cache.downloaded) == 2  # a good cached copy is used
+    await store.put(ref.key, data[:-1] + bytes([data[-1] ^ 1]))  # tampered at the source
+    cache.path(ref).unlink()
+    with pytest.raises(VerificationError):
+        await cache.read(ref)
+    assert not cache.path(ref).exists()
+
+
+async def test_perturbed_states_round_trip(tmp_path: Path, states: list[dict]) -> None:
+    """The synthetic states the retention test uses are valid, distinct versions."""
+    chain = perturbed_states(states[0], 3)
+    assert len({model_digest(s) for s in chain}) == 3
