@@ -1,0 +1,309 @@
+"""``pulsenet bench loco``: PULSELoCo vs DiLoCo vs DDP on the same seeds, through a real store.
+
+Each mode runs N real ``LocoTrainer``s in this process against a fresh ``file://`` store in a
+temporary directory: the same code path as ``pulsenet loco train`` (payloads, signed manifests,
+round records, digests), with the heavy phases taking turns on the cores. Bytes are what the
+trainers actually put into the store as payloads (manifests and digests, a few hundred bytes,
+are not counted). DDP is accounting only: one dense FP32 gradient per inner step, H per round.
+
+The learning metric is the loss of the global weights on held-out batches after every round, with
+the trainers' forward (BF16 autocast by default), on the same seeds for DiLoCo and PULSELoCo, plus
+the mean inner training loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pulsenet.errors import ConfigError
+
+RICH_MODES = ("diloco", "pulseloco")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    p.add_argument("--workers", type=int, default=4, help="trainers per mode (default: %(default)s)")
+    p.add_argument(
+        "--H", dest="inner_steps", type=int, default=8, help="inner steps per round (default: %(default)s)"
+    )
+    p.add_argument("--rounds", type=int, default=3, help="outer rounds per mode (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=None, help="inner AdamW lr (default: 3e-6 smollm2, 1e-3 tiny)")
+    p.add_argument("--batch", type=int, default=2, help="rows per inner step (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--fp32-forward",
+        action="store_true",
+        help="FP32 inner forward instead of BF16 autocast (faster on CPUs without BF16)",
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=4, help="held-out batches (of --batch x --seq) per evaluation"
+    )
+    p.add_argument("--modes", default="diloco,pulseloco", help="comma-separated subset of diloco,pulseloco")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--workdir", type=Path, default=None, help="store and keys here (default: a temp dir, deleted)"
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(RICH_MODES):
+        raise ConfigError(f"--modes must be a subset of {','.join(RICH_MODES)}, got {args.modes!r}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for mode in modes:
+            with tempfile.TemporaryDirectory(prefix=f"pulseloco-bench-{mode}-", dir=args.workdir) as tmp:
+                results[mode] = asyncio.run(_run_mode(args, mode, Path(tmp)))
+        doc = _document(args, results, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(threads)
+    _print(doc)
+    return doc
+
+
+async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
+    import torch
+
+    from pulsenet.cli.loco import data_seed
+    from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
+    from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
+    from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
+    from pulsenet.store import LocalStore
+
+    ids = [f"w{k}" for k in range(args.workers)]
+    for tid in ids:
+        generate_keypair(tmp / "keys" / tid)
+    trusted = trusted_keys([tmp / "keys" / f"{t}.pub" for t in ids])
+    config = LocoConfig(
+        mode=mode,
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
+        workers_expected=args.workers,
+        min_quorum=args.workers,  # every round averages every worker: the figures compare like with like
+        deadline_s=24 * 3600.0,
+        round_timeout_s=24 * 3600.0,
+        digest_wait_s=3600.0,
+        poll_s=0.05,
+        state_every=1 << 30,  # genesis only: periodic full states would dominate the disk traffic
+        checkpoint_every=0,
+    )
+    store = LocalStore(tmp / "store", default_timeout=600.0)
+    compute, cache = asyncio.Semaphore(1), PayloadCache()
+    tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
+    lr = args.lr if args.lr is not None else default_lr
+    held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
+    eval_loss: dict[int, float] = {}
+
+    async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
+        # After a round the local weights equal the new global weights; evaluate them in place.
+        async with compute:
+            loss = await asyncio.to_thread(_eval, trainer.local.model, held_out, args)
+        eval_loss[report.round if report is not None else 0] = loss
+
+    trainers = []
+    for k, tid in enumerate(ids):
+        local = LocalTrainer(
+            make_model(),
+            LocalTrainerConfig(
+                lr=lr,
+                batch_size=args.batch,
+                seq_len=args.seq,
+                seed=data_seed(args.seed, tid),
+                forward_dtype=None if args.fp32_forward else torch.bfloat16,
+            ),
+        )
+        task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
+        trainers.append(
+            LocoTrainer(
+                tid, store, load_private_key(tmp / "keys" / tid), trusted, local, task, config,
+                compute=compute, payload_cache=cache, on_round=evaluate if k == 0 else None,
+            )
+        )  # fmt: skip
+    for t in trainers:  # announce all first, so the first start() publishes genesis and the rest find it
+        await t.rs.join()
+    for t in trainers:
+        await t.start()
+    await evaluate(trainers[0], None)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(t.run(args.rounds) for t in trainers))
+    wall = time.perf_counter() - t0
+    n_params = sum(v.numel() for v in trainers[0].state.theta.values())  # type: ignore[union-attr]
+    rounds = []
+    for r in range(1, args.rounds + 1):
+        reps = [next(x for x in t.reports if x.round == r) for t in trainers]
+        trained = [x for x in reps if x.payload_bytes]
+        rounds.append(
+            {
+                "round": r,
+                "bytes_per_worker": statistics.mean(x.payload_bytes for x in trained),
+                "sent_fraction": sum(x.sent for x in trained) / sum(x.total for x in trained),
+                "eval_loss": eval_loss.get(r),
+                "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
+                "digests_equal": len({x.digest for x in reps}) == 1,
+                **{f"{k}_s": statistics.mean(getattr(x, f"{k}_s") for x in trained)
+                   for k in ("inner", "encode", "upload", "wait", "apply", "verify")},
+            }
+        )  # fmt: skip
+    return {
+        "n_params": n_params,
+        "initial_eval_loss": eval_loss[0],
+        "rounds": rounds,
+        "digests_equal": all(x["digests_equal"] for x in rounds) and len({t.digest for t in trainers}) == 1,
+        "final_digest": trainers[0].digest,
+        "wall_s": wall,
+    }
+
+
+def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
+    from pulsenet.rl import build_tiny_model, load_model, load_tokenizer, smollm2_checkpoint
+
+    if name == "tiny":
+        return None, 1e-3, lambda: build_tiny_model(seed)
+    path = smollm2_checkpoint()
+    return load_tokenizer(path), 3e-6, lambda: load_model(path)
+
+
+def _eval(model: Any, task: Any, args: argparse.Namespace) -> float:
+    import torch
+
+    from pulsenet.rl.local import causal_lm_loss
+
+    # The forward the trainers use (BF16 autocast unless --fp32-forward): PULSELoCo withholds exactly
+    # the updates a BF16 forward cannot see, so an FP32 evaluation would credit DiLoCo with them.
+    autocast = contextlib.nullcontext() if args.fp32_forward else torch.autocast("cpu", dtype=torch.bfloat16)
+    model.eval()
+    total = 0.0
+    with torch.no_grad(), autocast:
+        for step in range(args.eval_batches):
+            ids, labels = task.batch(args.batch, args.seq, step=step)
+            total += float(causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels))
+    return total / args.eval_batches
+
+
+def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall: float) -> dict[str, Any]:
+    from pulsenet.loco.algorithm import FP32_BYTES, ddp_bytes
+
+    n_params = next(iter(results.values()))["n_params"]
+    ddp = ddp_bytes(n_params, args.inner_steps)
+    per_round = []
+    for r in range(args.rounds):
+        row: dict[str, Any] = {"round": r + 1, "ddp": {"bytes_per_worker": ddp}}
+        for mode, res in results.items():
+            row[mode] = res["rounds"][r]
+        per_round.append(row)
+    bytes_round = {"ddp": ddp}
+    for mode, res in results.items():
+        bytes_round[mode] = statistics.mean(x["bytes_per_worker"] for x in res["rounds"])
+    summary: dict[str, Any] = {
+        "bytes_per_worker_round": bytes_round,
+        "bytes_per_worker_total": {k: v * args.rounds for k, v in bytes_round.items()},
+        "dense_fp32_bytes": FP32_BYTES * n_params,
+        "digests_equal": all(res["digests_equal"] for res in results.values()),
+        "initial_eval_loss": next(iter(results.values()))["initial_eval_loss"],
+        "final_eval_loss": {m: res["rounds"][-1]["eval_loss"] for m, res in results.items()},
+        "time_s": {
+            m: {
+                k: sum(x[f"{k}_s"] for x in res["rounds"])
+                for k in ("inner", "encode", "upload", "wait", "apply", "verify")
+            }
+            | {"wall": res["wall_s"]}
+            for m, res in results.items()
+        },
+    }
+    if "pulseloco" in results:
+        p = results["pulseloco"]["rounds"]
+        summary["sent_fraction"] = statistics.mean(x["sent_fraction"] for x in p)
+        summary["ratio_vs_ddp"] = ddp / bytes_round["pulseloco"]
+        if "diloco" in results:
+            summary["ratio_vs_diloco"] = bytes_round["diloco"] / bytes_round["pulseloco"]
+        summary["ratio_vs_dense_fp32"] = FP32_BYTES * n_params / bytes_round["pulseloco"]
+    return {
+        "bench": "loco",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": __import__("torch").__version__,
+            "threads": __import__("torch").get_num_threads(),
+        },
+        "n_params": n_params,
+        "rounds": per_round,
+        "summary": summary,
+        "wall_s": wall,
+    }
+
+
+def _print(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    s = doc["summary"]
+    modes = [m for m in RICH_MODES if m in s["bytes_per_worker_round"]]
+    table = Table(title=f"PULSELoCo bench: {doc['config']['model']}, {doc['config']['workers']} workers, "
+                  f"H={doc['config']['inner_steps']}, {doc['n_params']:,} params")  # fmt: skip
+    table.add_column("round", justify="right")
+    table.add_column("DDP MB/worker", justify="right")
+    for m in modes:
+        table.add_column(f"{m} MB/worker", justify="right")
+    if "pulseloco" in modes:
+        table.add_column("sent %", justify="right")
+        table.add_column("x vs DiLoCo", justify="right")
+        table.add_column("x vs DDP", justify="right")
+    for m in modes:
+        table.add_column(f"{m} eval loss", justify="right")
+    for m in modes:
+        table.add_column(f"{m} enc/up/wait s", justify="right")
+
+    def row(label: str, ddp: float, per: dict[str, dict[str, Any]]) -> list[str]:
+        cells = [label, f"{ddp / 1e6:.2f}"]
+        cells += [f"{per[m]['bytes_per_worker'] / 1e6:.3f}" for m in modes]
+        if "pulseloco" in modes:
+            p = per["pulseloco"]
+            cells.append(f"{100 * p['sent_fraction']:.2f}")
+            cells.append(
+                f"{per['diloco']['bytes_per_worker'] / p['bytes_per_worker']:.1f}" if "diloco" in per else "-"
+            )
+            cells.append(f"{ddp / p['bytes_per_worker']:.1f}")
+        cells += [f"{per[m]['eval_loss']:.4f}" if per[m].get("eval_loss") is not None else "-" for m in modes]
+        cells += [f"{per[m]['encode_s']:.1f}/{per[m]['upload_s']:.1f}/{per[m]['wait_s']:.1f}" for m in modes]
+        return cells
+
+    for r in doc["rounds"]:
+        table.add_row(*row(str(r["round"]), r["ddp"]["bytes_per_worker"], r))
+    mean = {
+        m: {
+            "bytes_per_worker": s["bytes_per_worker_round"][m],
+            "sent_fraction": s.get("sent_fraction", 0.0),
+            "eval_loss": s["final_eval_loss"][m],
+            **{f"{k}_s": v / len(doc["rounds"]) for k, v in s["time_s"][m].items()},
+        }
+        for m in modes
+    }
+    table.add_row(*row("mean", s["bytes_per_worker_round"]["ddp"], mean), style="bold")
+    console = Console()
+    console.width = max(console.width, 150)  # the table is wide; let a narrow or piped terminal wrap it
+    console.print(table)
+    console.print(
+        f"initial eval loss {s['initial_eval_loss']:.4f}; digests equal across workers after every round: "
+        f"{s['digests_equal']}; wall {doc['wall_s']:.0f} s"
+    )

@@ -1,0 +1,255 @@
+"""The PULSELoCo algorithm as pure functions (PULSE, arXiv 2602.03839, sparse DiLoCo).
+
+One round, read top to bottom, for every trainer k starting from the same global FP32 weights θ:
+
+1. H inner AdamW steps from θ give the local weights θ_k (``LocalTrainer``; not in this module).
+2. Pseudo-gradient with error feedback: ``s_k = e_k + (θ - θ_k)``          (:func:`pseudo_gradient`)
+3. Visibility gate: send exactly the entries where ``bf16(θ - s_k) != bf16(θ)`` (bit patterns), i.e.
+   where applying the update would change what a BF16 forward pass sees. Payload = (indices, FP32
+   ``s_k`` there); the new error feedback is ``s_k`` with the sent entries zeroed, so nothing is
+   ever lost: ``sent + e_k == s_k`` exactly.                                  (:func:`gate`)
+4. Aggregate: ``Δ = (1/n) Σ_k scatter(payload_k)`` over the n trainers that took part, FP32 on CPU,
+   summed in ascending trainer-id order.                                     (:func:`aggregate`)
+5. Outer Nesterov SGD on θ with momentum buffer m.                           (:func:`outer_step`)
+6. Every trainer resets its local weights to the new θ.
+
+DiLoCo (the dense baseline) is the same path with ``sparse=False``: ``s_k = θ - θ_k``, every entry
+sent, no error feedback. DDP is accounted in bytes only (``ddp_bytes``).
+
+Determinism: steps 4 and 5 must give bit-identical results on every trainer, whatever its CPU.
+They use numpy float32 with one IEEE-754 operation per line (add, multiply, divide, subtract are
+correctly rounded, so any conforming CPU agrees), never a fused multiply-add or a reduction whose
+order depends on threads or SIMD width, and a fixed summation order (trainer ids sorted).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from pulsenet.codec.bf16 import visible_change
+from pulsenet.codec.digest import model_digest
+from pulsenet.errors import PayloadError
+from pulsenet.loco.payload import DENSE, SPARSE, Payload, SparseTensor
+
+StateDict = dict[str, torch.Tensor]
+FP32_BYTES = 4
+
+
+# --- one trainer: pseudo-gradient, gate, error feedback -------------------------------------
+
+
+def pseudo_gradient(theta: torch.Tensor, local: torch.Tensor, error: torch.Tensor | None) -> torch.Tensor:
+    """``s = e + (θ - θ_local)``: two FP32 roundings, in that order (DiLoCo: ``error=None``)."""
+    s = theta - local
+    if error is not None:
+        s = error + s
+    return s
+
+
+def gate(theta: torch.Tensor, s: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+    """Split ``s`` into what is sent and what is kept: ``(indices, values, new_error)``.
+
+    Sent: the entries where ``bf16(θ - s) != bf16(θ)`` (``codec.bf16.visible_change``), as flat
+    int64 indices and their FP32 values. Kept: ``s`` with those entries set to +0.0. ``-0.0`` is
+    never sent (``θ - (-0.0) == θ``), so ``where(sent, s, e)`` rebuilds ``s`` bit for bit.
+    """
+    flat = s.reshape(-1)
+    mask = visible_change(theta.reshape(-1), flat)
+    idx = torch.nonzero(mask, as_tuple=True)[0]
+    values = flat[idx].numpy().astype(np.float32, copy=True)
+    residual = flat.clone()
+    residual[idx] = 0.0
+    return idx.numpy().astype(np.int64, copy=False), values, residual.reshape(s.shape)
+
+
+def make_update(
+    theta: Mapping[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor],
+    error: Mapping[str, torch.Tensor] | None,
+    *,
+    round: int,
+    sparse: bool,
+) -> tuple[Payload, StateDict | None]:
+    """This round's payload and the new error feedback (``None`` for dense DiLoCo, which keeps none).
+
+    Works tensor by tensor, so a large model never holds more than one extra copy of a tensor
+    besides the returned error feedback and the sent values.
+    """
+    tensors: dict[str, SparseTensor] = {}
+    new_error: StateDict | None = {} if sparse else None
+    with torch.no_grad():
+        for name in sorted(theta):
+            th, lo = theta[name], local[name].detach()
+            s = pseudo_gradient(th, lo, error[name] if (sparse and error is not None) else None)
+            if sparse:
+                idx, values, residual = gate(th, s)
+                new_error[name] = residual  # type: ignore[index]
+            else:
+                values, idx = s.reshape(-1).numpy().astype(np.float32, copy=True), None
+            tensors[name] = SparseTensor(shape=tuple(th.shape), indices=idx, values=values)
+    return Payload(round=round, mode=SPARSE if sparse else DENSE, tensors=tensors), new_error
+
+
+def unsend(error: Mapping[str, torch.Tensor], payload: Payload) -> None:
+    """Put a payload's values back into the error feedback, in place: ``e = s`` again, bit for bit.
+
+    For a trainer whose payload the round left out: its update is delayed, not lost. Exact because
+    the gate zeroed exactly the sent entries (``where(sent, s, e) == s``).
+    """
+    for name, t in payload.tensors.items():
+        if t.indices is None:
+            raise PayloadError("unsend needs a sparse payload (dense DiLoCo keeps no error feedback)")
+        error[name].view(-1)[torch.from_numpy(t.indices)] = torch.from_numpy(t.values)
+
+
+def subtract_sent(error: Mapping[str, torch.Tensor], payload: Payload) -> None:
+    """``e -= scatter(payload)`` in place: the error feedback after ``payload`` was averaged in."""
+    for name, t in payload.tensors.items():
+        if t.indices is None:
+            raise PayloadError("subtract_sent needs a sparse payload (dense DiLoCo keeps no error feedback)")
+        flat = error[name].view(-1)
+        idx = torch.from_numpy(t.indices)
+        flat[idx] = flat[idx] - torch.from_numpy(t.values)
+
+
+def ddp_bytes(num_params: int, inner_steps: int) -> int:
+    """What DDP would send per worker over the same H steps: one dense FP32 gradient per step."""
+    return inner_steps * FP32_BYTES * num_params
+
+
+# --- validation ---------------------------------------------------------------------------------
+
+
+def payload_norm(payload: Payload) -> float:
+    """L2 norm of the values a payload carries (float64 accumulation; informational and for screening)."""
+    total = 0.0
+    for t in payload.tensors.values():
+        v = t.values.astype(np.float64)
+        total += float(np.dot(v, v))
+    return math.sqrt(total)
+
+
+def validate(payload: Payload, *, round: int, mode: int) -> float:
+    """Check what decoding cannot (round, mode, finite values); return the payload's L2 norm.
+
+    Shapes and index bounds are checked by ``payload.decode(..., expected=shapes)``.
+    """
+    if payload.round != round:
+        raise PayloadError(f"payload is for round {payload.round}, expected {round}")
+    if payload.mode != mode:
+        raise PayloadError(f"payload mode {payload.mode} but this run uses mode {mode}")
+    for name, t in payload.tensors.items():
+        if not np.isfinite(t.values).all():
+            bad = int((~np.isfinite(t.values)).sum())
+            raise PayloadError(f"{name}: {bad} non-finite value(s) (NaN or inf)")
+    norm = payload_norm(payload)
+    if not math.isfinite(norm):
+        raise PayloadError(f"payload norm overflows ({norm})")
+    return norm
+
+
+def screen_norms(norms: Mapping[str, float], *, factor: float, min_payloads: int) -> dict[str, str]:
+    """Payloads to reject for an outsized norm: ``norm > factor * median`` once ``min_payloads`` are present.
+
+    With fewer payloads the median says nothing about which one is wrong, so nothing is
+    rejected; a zero median (nothing sent by most trainers) disables the rule for the round.
+    Deterministic in the set of norms; the round record carries the decision anyway.
+    """
+    if len(norms) < min_payloads:
+        return {}
+    median = statistics.median(norms[k] for k in sorted(norms))
+    if median <= 0.0:
+        return {}
+    return {
+        k: f"norm {norms[k]:.4g} > {factor:g} x median {median:.4g}"
+        for k in sorted(norms)
+        if norms[k] > factor * median
+    }
+
+
+# --- all trainers: aggregate and outer step ---------------------------------------------------
+
+
+def aggregate(
+    payloads: Mapping[str, Payload], shapes: Mapping[str, tuple[int, ...]]
+) -> Iterator[tuple[str, np.ndarray]]:
+    """``(name, Δ)`` per tensor: the FP32 mean of the payloads, summed in ascending trainer-id order.
+
+    Entries a trainer did not send count as zero; the mean divides by the number of payloads.
+    Indices are unique within a payload, so ``acc[idx] += values`` is one rounding per entry.
+    Yields tensor by tensor (sorted names) so the caller can apply each and drop it.
+    """
+    if not payloads:
+        raise PayloadError("cannot aggregate zero payloads")
+    order = sorted(payloads)
+    n = np.float32(len(order))
+    for name in sorted(shapes):
+        numel = int(np.prod(shapes[name], dtype=np.int64))
+        acc = np.zeros(numel, dtype=np.float32)
+        for tid in order:
+            t = payloads[tid].tensors[name]
+            if t.indices is None:  # dense
+                np.add(acc, t.values, out=acc)
+            else:
+                acc[t.indices] += t.values
+        np.divide(acc, n, out=acc)
+        yield name, acc.reshape(shapes[name])
+
+
+def outer_step(
+    theta: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    deltas: Iterable[tuple[str, np.ndarray]],
+    *,
+    lr: float,
+    mu: float,
+) -> None:
+    """Nesterov SGD on θ in place, PyTorch's convention (``torch.optim.SGD(nesterov=True, dampening=0)``,
+    after Sutskever et al. 2013, as DiLoCo uses it)::
+
+        m = μ·m + Δ
+        θ = θ - lr·(Δ + μ·m)
+
+    ``lr=1, mu=0`` is plain averaging (θ = θ - Δ = mean of the local weights, for dense Δ).
+    Each line below is one correctly rounded float32 operation per element.
+    """
+    lr32, mu32 = np.float32(lr), np.float32(mu)
+    for name, delta in deltas:
+        th, m = theta[name].numpy(), momentum[name].numpy()  # views: updated in place
+        np.multiply(m, mu32, out=m)  # m = μ·m
+        np.add(m, delta, out=m)  # m = μ·m + Δ
+        u = np.multiply(m, mu32)  # μ·m
+        np.add(delta, u, out=u)  # Δ + μ·m
+        np.multiply(u, lr32, out=u)  # lr·(Δ + μ·m)
+        np.subtract(th, u, out=th)  # θ - lr·(Δ + μ·m)
+
+
+def apply_round(
+    theta: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    payloads: Mapping[str, Payload],
+    *,
+    lr: float,
+    mu: float,
+) -> None:
+    """Aggregate ``payloads`` and take the outer step, in place. The same call on every trainer."""
+    shapes = {name: tuple(t.shape) for name, t in theta.items()}
+    outer_step(theta, momentum, aggregate(payloads, shapes), lr=lr, mu=mu)
+
+
+def global_digest(theta: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 model digest (``codec.digest``) of the global weights and the outer momentum together."""
+    tensors = {f"theta/{n}": t for n, t in theta.items()}
+    tensors.update({f"momentum/{n}": t for n, t in momentum.items()})
+    return model_digest(tensors)
+
+
+def sent_fraction(payloads: Sequence[Payload]) -> float:
+    sent = sum(p.sent for p in payloads)
+    total = sum(p.total for p in payloads)
+    return sent / total if total else 0.0

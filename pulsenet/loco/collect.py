@@ -1,0 +1,260 @@
+"""The collect phase of a round: who takes part, decided once, by whoever writes the record first.
+
+While its own payload uploads, a trainer polls the store. Each poll reads ``rounds/<r>/record``
+(if it exists, it decides the round: follow it), lists the members and reads the manifest of
+every member not seen yet. A verified manifest starts a task that fetches the payload, checks its
+size and SHA-256, decodes it against the model's shapes and validates it. When every started
+task is done and either ``workers_expected`` payloads are in or the deadline has passed with a
+quorum of valid ones, the trainer proposes a record (create-only). Losing that race is normal:
+it then reads and follows the winner's record. Why this is safe: docs/loco.md, "Participant-set
+agreement".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Mapping
+
+from pulsenet.errors import (
+    ManifestError,
+    PayloadError,
+    PulsenetError,
+    RoundError,
+    StoreError,
+    VerificationError,
+)
+from pulsenet.loco import algorithm as alg
+from pulsenet.loco import payload as wire
+from pulsenet.loco.config import MODES, LocoConfig
+from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore
+
+log = logging.getLogger(__name__)
+
+Entry = tuple[wire.Payload, float, ObjectRef]
+"""A judged payload: decoded, validated, its L2 norm, and the object it came from."""
+
+
+class PayloadCache:
+    """Decoded payloads by SHA-256, shared by the trainers of one process (benchmarks, simulations).
+
+    One download and one decoded copy per payload instead of one per trainer: a 135M-parameter
+    dense DiLoCo payload decodes to 540 MB, and four simulated trainers each holding four would not
+    fit in memory. Sound because payloads are content-addressed and never mutated once decoded.
+    Bytes put into the store are unaffected.
+    """
+
+    def __init__(self) -> None:
+        self._items: dict[str, wire.Payload] = {}
+
+    def get(self, sha256: str) -> wire.Payload | None:
+        return self._items.get(sha256)
+
+    def put(self, sha256: str, payload: wire.Payload) -> None:
+        self._items[sha256] = payload
+
+    def evict_before(self, round_: int) -> None:
+        for sha in [k for k, p in self._items.items() if p.round < round_]:
+            del self._items[sha]
+
+
+class Collector:
+    """One trainer's collect phase, and the loader of payloads that records name (also used by replay)."""
+
+    def __init__(
+        self,
+        rs: RoundStore,
+        config: LocoConfig,
+        shapes: Mapping[str, tuple[int, ...]],
+        cache: PayloadCache | None = None,
+    ) -> None:
+        self.rs, self.config, self.shapes, self.cache = rs, config, dict(shapes), cache
+        self.id = rs.id
+        self.mode = MODES[config.mode]
+
+    async def collect(
+        self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]], base_digest: str
+    ) -> tuple[Record, dict[str, wire.Payload]]:
+        """The round's record and the decoded payload of every participant it names.
+
+        ``upload`` is our own publish task (returning the bytes that stand in the store and their
+        reference); ``base_digest`` the digest of the state we trained from (goes into a proposal).
+        """
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        deadline, give_up = loop.time() + cfg.deadline_s, loop.time() + cfg.round_timeout_s
+        fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(r, upload))}
+        unreadable: set[str] = set()  # members whose manifest failed verification: warned once, skipped
+        try:
+            while True:
+                try:
+                    record = await self._poll_once(r, fetches, unreadable, deadline, base_digest)
+                except StoreError as e:  # a transient store failure costs a poll, not the round
+                    log.warning("%s: round %d: store error while polling: %s", self.id, r, e)
+                    record = None
+                if record is not None:
+                    break
+                if loop.time() >= give_up:
+                    raise RoundError(
+                        f"round {r}: no quorum of {cfg.quorum} valid payloads within {cfg.round_timeout_s:g} s "
+                        f"(have {sorted(fetches)})"
+                    )
+                await self.sleep()
+            for tid, why in sorted(record.rejected.items()):
+                log.warning("%s: round %d: payload of %s rejected: %s", self.id, r, tid, why)
+            for tid, why in sorted(record.unavailable.items()):
+                log.warning("%s: round %d: payload of %s unavailable: %s", self.id, r, tid, why)
+            if record.base_digest and record.base_digest != base_digest:
+                log.warning(
+                    "%s: round %d: record writer %s trained from base %s, ours is %s",
+                    *(self.id, r, record.writer, record.base_digest[:16], base_digest[:16]),
+                )
+            return record, await self._participants_payloads(r, record, fetches)
+        finally:
+            for t in fetches.values():
+                t.cancel()
+            await asyncio.gather(*fetches.values(), return_exceptions=True)
+
+    async def load(self, ref: ObjectRef) -> wire.Payload:
+        """A payload a record names (judged by the record's writer): from the cache, else fetched and decoded."""
+        cached = self.cache.get(ref.sha256) if self.cache is not None else None
+        return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref)
+
+    async def sleep(self) -> None:
+        """One poll interval, jittered x0.5-1.5 so trainers do not poll in lockstep."""
+        await asyncio.sleep(self.config.poll_s * random.uniform(0.5, 1.5))
+
+    # --- one poll -----------------------------------------------------------------------------
+
+    async def _poll_once(
+        self,
+        r: int,
+        fetches: dict[str, asyncio.Task[Entry]],
+        unreadable: set[str],
+        deadline: float,
+        base_digest: str,
+    ) -> Record | None:
+        """One look at the store: the round's record if it exists (or we just wrote it), else None."""
+        record = await self.rs.read_record(r)
+        if record is not None:
+            self._log_follow(r, record)
+            return record
+        for tid in await self.rs.members():
+            if tid not in fetches and tid not in unreadable:
+                manifest = await self._try_manifest(tid, r, unreadable)
+                if manifest is not None:
+                    fetches[tid] = asyncio.create_task(self._fetch_entry(r, manifest.payload))
+        if not all(t.done() for t in fetches.values()):
+            return None
+        proposal = self._proposal(r, fetches, base_digest)
+        complete = len(fetches) >= self.config.workers_expected
+        if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
+            return None
+        record, won = await self.rs.propose_record(proposal)
+        if won:
+            log.info("%s: round %d: wrote the record %s", self.id, r, sorted(record.participants))
+        else:
+            self._log_follow(r, record)
+        return record
+
+    def _log_follow(self, r: int, record: Record) -> None:
+        if record.writer != self.id:
+            log.info(
+                "%s: round %d: following %s's record %s",
+                self.id,
+                r,
+                record.writer,
+                sorted(record.participants),
+            )
+
+    async def _try_manifest(self, tid: str, r: int, unreadable: set[str]) -> Manifest | None:
+        try:
+            return await self.rs.read_manifest(tid, r)
+        except (
+            ManifestError,
+            VerificationError,
+        ) as e:  # unverifiable: that trainer is out this round, loudly
+            log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
+            unreadable.add(tid)
+            return None
+
+    def _proposal(
+        self, r: int, fetches: Mapping[str, asyncio.Task[Entry]], base_digest: str
+    ) -> Record | None:
+        """The record this trainer would write now, or None if it would not reach the quorum."""
+        norms: dict[str, float] = {}
+        refs: dict[str, ObjectRef] = {}
+        rejected: dict[str, str] = {}
+        unavailable: dict[str, str] = {}
+        for tid, task in sorted(fetches.items()):
+            exc = task.exception()
+            if exc is None:
+                _, norms[tid], refs[tid] = task.result()
+            elif isinstance(exc, PayloadError):
+                rejected[tid] = f"{type(exc).__name__}: {exc}"
+            elif isinstance(exc, PulsenetError):  # store, signature or hash failures: not the payload's fault
+                unavailable[tid] = f"{type(exc).__name__}: {exc}"
+            else:
+                raise exc
+        cfg = self.config
+        for tid, why in alg.screen_norms(
+            norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads
+        ).items():
+            rejected[tid] = f"PayloadError: {why}"
+            del refs[tid]
+        if len(refs) < cfg.quorum:
+            return None
+        return Record(
+            round=r, writer=self.id, participants=refs, rejected=rejected, unavailable=unavailable,
+            base_digest=base_digest,
+        )  # fmt: skip
+
+    # --- fetching and judging payloads ------------------------------------------------------------
+
+    async def _own_entry(self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]]) -> Entry:
+        """Our own payload, judged exactly like a peer's: decoded from the bytes we published."""
+        data, ref = await asyncio.shield(upload)  # cancelling this entry must not cancel the upload
+        return await self._judge(r, data, ref)
+
+    async def _fetch_entry(self, r: int, ref: ObjectRef) -> Entry:
+        cached = self.cache.get(ref.sha256) if self.cache is not None else None
+        if cached is not None:
+            return cached, await asyncio.to_thread(alg.validate, cached, round=r, mode=self.mode), ref
+        return await self._judge(r, await self.rs.fetch(ref), ref)
+
+    async def _judge(self, r: int, data: bytes, ref: ObjectRef) -> Entry:
+        """Decode (format, shapes, index bounds) and validate (round, mode, finite values); returns the norm."""
+        payload = await self._decode(data, ref)
+        norm = await asyncio.to_thread(alg.validate, payload, round=r, mode=self.mode)
+        return payload, norm, ref
+
+    async def _decode(self, data: bytes, ref: ObjectRef) -> wire.Payload:
+        payload = await asyncio.to_thread(wire.decode, data, self.shapes)
+        if self.cache is not None:
+            self.cache.put(ref.sha256, payload)
+        return payload
+
+    async def _participants_payloads(
+        self, r: int, record: Record, fetches: Mapping[str, asyncio.Task[Entry]]
+    ) -> dict[str, wire.Payload]:
+        """The decoded payload of every participant the record names, reusing fetches already done."""
+
+        async def one(tid: str) -> wire.Payload:
+            ref = record.participants[tid]
+            task = fetches.get(tid)
+            if task is not None:
+                with contextlib.suppress(PulsenetError):
+                    payload, _, got = await task
+                    if got == ref:
+                        return payload
+            try:
+                return await self.load(ref)
+            except PulsenetError as e:
+                raise RoundError(
+                    f"round {r}: cannot use participant {tid}'s payload named by the record: {e}"
+                ) from e
+
+        tids = sorted(record.participants)
+        return dict(zip(tids, await asyncio.gather(*(one(t) for t in tids)), strict=True))

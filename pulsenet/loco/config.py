@@ -1,0 +1,100 @@
+"""Settings of a PULSELoCo run and what each round reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pulsenet.errors import ConfigError
+from pulsenet.loco import payload as wire
+from pulsenet.loco.round import Timeouts
+
+MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
+
+
+@dataclass(kw_only=True, slots=True)
+class LocoConfig:
+    """Algorithm and protocol settings of one run; every trainer of the run must use the same."""
+
+    mode: str = "pulseloco"
+    """``pulseloco`` (gated sparse payload + error feedback) or ``diloco`` (dense FP32 baseline)."""
+    inner_steps: int = 8
+    """H: local AdamW steps per round (the inner optimizer is the LocalTrainer's)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov learning rate (DiLoCo's 0.7; 1.0 with momentum 0 is plain averaging)."""
+    outer_momentum: float = 0.9
+    workers_expected: int = 1
+    """A round closes as soon as this many payloads are in, without waiting for the deadline."""
+    min_quorum: int | None = None
+    """Fewest valid payloads a round may close with after the deadline; None: a majority of workers_expected."""
+    join_wait_s: float = 120.0
+    """At start, wait this long for workers_expected trainers to announce themselves (start-up skew)."""
+    deadline_s: float = 60.0
+    """How long a trainer waits for peers after its own payload is ready before closing with a quorum."""
+    round_timeout_s: float = 1800.0
+    """Give up on a round (RoundError) if no quorum has formed by then."""
+    poll_s: float = 0.5
+    """Mean interval between polls of the store (jittered x0.5-1.5 so trainers do not poll in lockstep)."""
+    digest_wait_s: float = 15.0
+    """How long to wait for the participants' post-round digests before judging with those present."""
+    norm_factor: float = 10.0
+    """Reject a payload whose norm exceeds this multiple of the round's median norm ..."""
+    norm_min_payloads: int = 3
+    """... once at least this many valid payloads are present (with fewer, the median proves nothing)."""
+    state_every: int = 10
+    """Publish the agreed global state every this many rounds (repair and catch-up start from it)."""
+    checkpoint_every: int = 5
+    """Upload this trainer's own resume point every this many rounds (0: never; local disk only)."""
+    retain_rounds: int | None = None
+    """Delete own round objects older than this many rounds (None keeps all). Keep it >= 2 x state_every."""
+    max_round_failures: int = 3
+    """Consecutive failed rounds (RoundError) before the trainer gives up."""
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
+        if self.inner_steps < 1 or self.workers_expected < 1 or self.state_every < 1:
+            raise ConfigError("inner_steps, workers_expected and state_every must be >= 1")
+        if self.quorum > self.workers_expected:
+            raise ConfigError(f"min_quorum {self.quorum} exceeds workers_expected {self.workers_expected}")
+
+    @property
+    def quorum(self) -> int:
+        return self.min_quorum if self.min_quorum is not None else self.workers_expected // 2 + 1
+
+    @property
+    def sparse(self) -> bool:
+        return self.mode == "pulseloco"
+
+
+@dataclass(slots=True)
+class RoundReport:
+    """What one round did on one trainer (benchmarks and logs)."""
+
+    round: int
+    trainer: str
+    participants: list[str] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)
+    included: bool = False
+    """Whether this trainer's payload was averaged this round."""
+    record_writer: str = ""
+    sent: int = 0
+    total: int = 0
+    payload_bytes: int = 0
+    """Bytes of this trainer's payload as put into the store (0 if it did not train this round)."""
+    loss: float | None = None
+    """Mean inner training loss over the H steps."""
+    inner_s: float = 0.0
+    encode_s: float = 0.0
+    upload_s: float = 0.0
+    wait_s: float = 0.0
+    """From payload ready to the record decided and every participant's payload in hand."""
+    apply_s: float = 0.0
+    verify_s: float = 0.0
+    digest: str = ""
+    agreed: bool = True
+    """False if some trainer's digest differed from the majority this round."""
+    repaired: bool = False
+    """This trainer's state diverged and was rebuilt from the store."""
+    caught_up_from: int | None = None
+    """Set when the round was not trained but replayed/loaded from the store (from this round)."""

@@ -1,0 +1,163 @@
+"""What a PULSELoCo trainer must not lose, and how it is written so a SIGKILL cannot tear it.
+
+Two kinds of state:
+
+- ``GlobalState`` (θ, outer momentum m, round): identical on every trainer after every round.
+  Shared through the store as a safetensors file (``theta/<name>``, ``momentum/<name>``, round in
+  the metadata), so any trainer can adopt it: genesis, periodic checkpoints, repair, catch-up.
+  safetensors, not pickle, because peers' files are loaded.
+- ``TrainerState``: a trainer's own resume point: the global state plus its error feedback, the
+  inner optimizer, RNGs and step counter. Written after every round to the local state directory
+  (and every few rounds to the trainer's prefix in the store) with ``torch.save`` and read back with
+  ``weights_only=True``.
+
+Local writes are atomic and durable: a temporary file in the same directory, fsync, ``os.replace``,
+fsync of the directory. After a crash the path holds the old file or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import pickle
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from pulsenet.errors import VerificationError
+from pulsenet.loco.algorithm import StateDict, global_digest
+
+STATE_FORMAT = "pulseloco-state-v1"
+TRAINER_FORMAT = "pulseloco-trainer-v1"
+
+
+@dataclass(slots=True)
+class GlobalState:
+    """The agreed state after ``round`` (0 = genesis, before any outer step)."""
+
+    round: int
+    theta: StateDict
+    momentum: StateDict
+
+    @classmethod
+    def genesis(cls, weights: StateDict) -> GlobalState:
+        theta = {n: t.detach().to(torch.float32).clone().contiguous() for n, t in weights.items()}
+        return cls(round=0, theta=theta, momentum={n: torch.zeros_like(t) for n, t in theta.items()})
+
+    def digest(self) -> str:
+        return global_digest(self.theta, self.momentum)
+
+    def copy(self) -> GlobalState:
+        return GlobalState(
+            self.round,
+            {n: t.clone() for n, t in self.theta.items()},
+            {n: t.clone() for n, t in self.momentum.items()},
+        )
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(t.shape) for n, t in self.theta.items()}
+
+    def save(self, path: Path) -> None:
+        """Write as safetensors, atomically."""
+        tensors = {f"theta/{n}": t.contiguous() for n, t in self.theta.items()}
+        tensors.update({f"momentum/{n}": t.contiguous() for n, t in self.momentum.items()})
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": STATE_FORMAT, "round": str(self.round)})
+
+    @classmethod
+    def load(cls, path: Path, shapes: dict[str, tuple[int, ...]]) -> GlobalState:
+        """Read a file written by :meth:`save`; names, shapes and dtypes must match ``shapes``."""
+        try:
+            tensors = load_file(str(path))
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise VerificationError(f"{path}: not a global state file: {e}") from e
+        if meta.get("format") != STATE_FORMAT or not meta.get("round", "").isdigit():
+            raise VerificationError(f"{path}: metadata {meta} is not a {STATE_FORMAT} file")
+        want = {f"{kind}/{n}" for kind in ("theta", "momentum") for n in shapes}
+        if set(tensors) != want:
+            raise VerificationError(f"{path}: tensor names do not match the model")
+        for key, t in tensors.items():
+            if t.dtype != torch.float32 or tuple(t.shape) != tuple(shapes[key.split("/", 1)[1]]):
+                raise VerificationError(
+                    f"{path}: {key} is {t.dtype} {tuple(t.shape)}, not float32 as the model"
+                )
+        theta = {n: tensors[f"theta/{n}"].contiguous() for n in shapes}
+        momentum = {n: tensors[f"momentum/{n}"].contiguous() for n in shapes}
+        return cls(round=int(meta["round"]), theta=theta, momentum=momentum)
+
+
+@dataclass(slots=True)
+class TrainerState:
+    """One trainer's complete resume point after ``global_.round``."""
+
+    global_: GlobalState
+    error: StateDict | None
+    """Error feedback (PULSELoCo); None for DiLoCo."""
+    inner: dict[str, Any]
+    """``{"optimizer", "rng", "steps"}`` from the LocalTrainer (its weights equal θ at a round boundary)."""
+
+    def save(self, path: Path) -> None:
+        obj = {
+            "format": TRAINER_FORMAT,
+            "round": self.global_.round,
+            "theta": self.global_.theta,
+            "momentum": self.global_.momentum,
+            "error": self.error,
+            "inner": self.inner,
+        }
+        with atomic_path(path) as tmp:
+            torch.save(obj, tmp)
+
+    @classmethod
+    def load(cls, path: Path) -> TrainerState:
+        try:
+            obj = torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+            raise VerificationError(f"{path}: unreadable trainer state: {e}") from e
+        if not isinstance(obj, dict) or obj.get("format") != TRAINER_FORMAT:
+            raise VerificationError(f"{path}: not a {TRAINER_FORMAT} file")
+        return cls(GlobalState(obj["round"], obj["theta"], obj["momentum"]), obj["error"], obj["inner"])
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path):  # type: ignore[no-untyped-def]
+    """Yield a temporary path next to ``path``; on success fsync it and move it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()

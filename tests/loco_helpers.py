@@ -1,0 +1,126 @@
+"""Helpers for the PULSELoCo tests: keys, tiny in-process trainers, trainer processes, reading the store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pulsenet.cli.loco import data_seed
+from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
+from pulsenet.loco.round import digest_key
+from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
+from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
+from pulsenet.store.base import ObjectStore
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "loco_worker.py"
+
+
+def make_keys(directory: Path, ids: Sequence[str]) -> tuple[dict[str, Path], list[Path]]:
+    """``(id -> private key path, public key paths)``; every trainer trusts every key."""
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = {}
+    for tid in ids:
+        keys[tid] = directory / tid
+        if not keys[tid].exists():
+            generate_keypair(keys[tid])
+    return keys, [Path(f"{p}.pub") for p in keys.values()]
+
+
+def tiny_trainer(
+    tid: str,
+    store: ObjectStore,
+    keys: dict[str, Path],
+    pubs: list[Path],
+    config: LocoConfig,
+    *,
+    seed: int = 0,
+    lr: float = 1e-3,
+    cls: type[LocoTrainer] = LocoTrainer,
+    **kwargs: Any,
+) -> LocoTrainer:
+    """A trainer on the tiny byte-level Qwen2, same init for every id, its own data stream."""
+    local = LocalTrainer(
+        build_tiny_model(seed),
+        LocalTrainerConfig(lr=lr, batch_size=4, seq_len=32, seed=data_seed(seed, tid)),
+    )
+    task = ArithmeticTask(data_seed(seed, tid))
+    return cls(tid, store, load_private_key(keys[tid]), trusted_keys(pubs), local, task, config, **kwargs)
+
+
+def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:
+    """Loss of the trainer's global weights on held-out batches (a data seed no trainer uses).
+
+    BF16 autocast, like the trainers' forward: PULSELoCo withholds exactly the updates a BF16
+    forward cannot see, so that is the view in which it must match DiLoCo.
+    """
+    from pulsenet.rl.local import causal_lm_loss
+
+    model = trainer.local.model
+    held_out = ArithmeticTask(10_007)
+    saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.local.load_state_fp32(trainer.state.theta)  # type: ignore[union-attr]
+    total = 0.0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for step in range(batches):
+            ids, labels = held_out.batch(16, 32, step=step)
+            total += float(causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels))
+    trainer.local.load_state_fp32(saved)
+    return total / batches
+
+
+async def published_digests(rs: RoundStore, ids: Sequence[str], rounds: range) -> dict[int, dict[str, str]]:
+    """``round -> {trainer: digest}`` for every digest document present in the store."""
+    out: dict[int, dict[str, str]] = {}
+    for r in rounds:
+        out[r] = {}
+        for tid in ids:
+            if await rs.store.exists(digest_key(tid, r)):
+                d = await rs.read_digest(tid, r)
+                assert d is not None
+                out[r][tid] = d
+    return out
+
+
+def trainer_args(
+    store_url: str,
+    tid: str,
+    keys: dict[str, Path],
+    pubs: list[Path],
+    state_dir: Path,
+    *,
+    workers: int,
+    rounds: int,
+    report: Path,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """``pulsenet loco train`` arguments for a fast tiny-model run (the worker script takes the same)."""
+    return [
+        "--store", store_url, "--id", tid, "--key", str(keys[tid]), "--trust", *map(str, pubs),
+        "--workers-expected", str(workers), "--min-quorum", "2", "--H", "4", "--rounds", str(rounds),
+        "--model", "tiny", "--batch", "4", "--seq", "32", "--threads", "1",
+        "--state-dir", str(state_dir), "--poll", "0.1", "--digest-wait", "4", "--state-every", "3",
+        "--checkpoint-every", "2", "--join-wait", "60", "--store-timeout", "20",
+        "--transfer-timeout", "60", "--report", str(report), *extra,
+    ]  # fmt: skip
+
+
+def spawn(
+    argv: Sequence[str], env: dict[str, str], log: Path, *, worker: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``pulsenet -v loco train ARGV`` (or the fault-injecting worker script) with output to ``log``."""
+    cmd = (
+        [sys.executable, str(WORKER), *argv]
+        if worker
+        else [sys.executable, "-m", "pulsenet", "-v", "loco", "train", *argv]
+    )
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
+        )

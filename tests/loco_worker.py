@@ -1,0 +1,41 @@
+"""A ``pulsenet loco train`` process with fault injection, for the PULSELoCo process tests.
+
+Takes every ``pulsenet loco train`` argument, plus:
+
+- ``--hold-round R --hold-s S``: sleep S seconds in round R's inner phase (a straggler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from pulsenet.cli.loco import add_train_arguments, run_trainer
+from pulsenet.loco import LocoTrainer
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    parser.add_argument("--hold-round", type=int, default=None)
+    parser.add_argument("--hold-s", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    class Straggler(LocoTrainer):
+        async def inner_phase(self, round_: int) -> list[float]:
+            losses = await super().inner_phase(round_)
+            if round_ == args.hold_round:
+                logging.warning("%s: holding round %d for %g s", self.id, round_, args.hold_s)
+                await asyncio.sleep(args.hold_s)
+            return losses
+
+    reports = asyncio.run(run_trainer(args, factory=Straggler))
+    print(f"{args.id}: round {reports[-1].round} digest {reports[-1].digest}" if reports else "no rounds")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
