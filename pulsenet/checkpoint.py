@@ -130,6 +130,7 @@ def write_safetensors(
                 raise ValueError("fewer tensors written than declared")
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; weights are read by other users (servers)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
