@@ -9,10 +9,8 @@ or sharded ``model-0000x-of-0000y.safetensors`` with ``model.safetensors.index.j
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from safetensors import safe_open
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.dtypes import dtype_from_name, dtype_name
 from pulsenet.errors import ConfigError
+from pulsenet.fsutil import atomic_path
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -114,27 +113,17 @@ def write_safetensors(
         header["__metadata__"] = metadata
     hb = json.dumps(header, separators=(",", ":")).encode()
     hb += b" " * (-len(hb) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(hb)))
-            f.write(hb)
-            for i, (name, t) in enumerate(tensors):
-                if i >= len(order) or name != order[i]:
-                    raise ValueError(f"tensor {name!r} arrives out of the declared order")
-                if (dtype_name(t.dtype), tuple(t.shape)) != (meta[name][0], tuple(meta[name][1])):
-                    raise ValueError(f"tensor {name!r} does not match its declared dtype/shape")
-                f.write(memoryview(bits(t)).cast("B"))
-            if f.tell() != 8 + len(hb) + offset:
-                raise ValueError("fewer tensors written than declared")
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; weights are read by other users (servers)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for i, (name, t) in enumerate(tensors):
+            if i >= len(order) or name != order[i]:
+                raise ValueError(f"tensor {name!r} arrives out of the declared order")
+            if (dtype_name(t.dtype), tuple(t.shape)) != (meta[name][0], tuple(meta[name][1])):
+                raise ValueError(f"tensor {name!r} does not match its declared dtype/shape")
+            f.write(memoryview(bits(t)).cast("B"))
+        if f.tell() != 8 + len(hb) + offset:
+            raise ValueError("fewer tensors written than declared")
 
 
 def save_state(path: str | Path, state: Mapping[str, torch.Tensor]) -> None:

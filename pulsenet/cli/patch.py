@@ -68,7 +68,9 @@ def _encode(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     enc = PatchEncoder(level=args.level, threads=args.threads, max_zones=args.zones or MAX_ZONES)
     data = enc.encode(old, new, progress=_progress(total, "encode"))
-    _atomic_write(args.output, data)
+    from pulsenet.fsutil import atomic_write_bytes
+
+    atomic_write_bytes(args.output, data)
     dt = time.perf_counter() - t0
     p = parse_patch(data)
     changed = sum(e.nnz for e in p.tensors if e.op == "sparse")
@@ -133,13 +135,3 @@ def _digest(args: argparse.Namespace) -> int:
 
     print(model_digest(Checkpoint(args.model), threads=args.threads))
     return 0
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -17,11 +17,8 @@ fsync of the directory. After a crash the path holds the old file or the new one
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import pickle
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from pulsenet.errors import VerificationError
+from pulsenet.fsutil import atomic_path
 from pulsenet.loco.algorithm import StateDict, global_digest
 
 STATE_FORMAT = "pulseloco-state-v1"
@@ -125,34 +123,6 @@ class TrainerState:
         if not isinstance(obj, dict) or obj.get("format") != TRAINER_FORMAT:
             raise VerificationError(f"{path}: not a {TRAINER_FORMAT} file")
         return cls(GlobalState(obj["round"], obj["theta"], obj["momentum"]), obj["error"], obj["inner"])
-
-
-@contextlib.contextmanager
-def atomic_path(path: Path):  # type: ignore[no-untyped-def]
-    """Yield a temporary path next to ``path``; on success fsync it and move it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def file_sha256(path: Path) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pulsenet.errors import ConditionFailed, ObjectNotFound, StoreError
+from pulsenet.fsutil import fsync_path
 from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key
 from pulsenet.store.ratelimit import RateLimiter, charge
 
@@ -217,14 +218,6 @@ def write_at(path: Path, offset: int, data: bytes) -> None:
         while view:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n
-    finally:
-        os.close(fd)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
     finally:
         os.close(fd)
 

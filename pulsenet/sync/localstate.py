@@ -17,8 +17,6 @@ digest, or the state is refused (VerificationError) and the subscriber starts fr
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +28,7 @@ from pulsenet.checkpoint import write_safetensors
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.dtypes import dtype_name
 from pulsenet.errors import VerificationError
+from pulsenet.fsutil import atomic_write_bytes
 from pulsenet.sync.manifest import now_iso
 
 WEIGHTS = "model.safetensors"
@@ -92,7 +91,6 @@ def save(
     meta = {n: (dtype_name(state[n].dtype), tuple(state[n].shape)) for n in names}
     metadata = {"pulsenet.format": META_FORMAT, "pulsenet.version": str(version), "pulsenet.digest": digest}
     write_safetensors(directory / WEIGHTS, meta, ((n, state[n]) for n in names), metadata=metadata)
-    os.chmod(directory / WEIGHTS, 0o644)  # mkstemp made it 0600; a server running as another user reads it
     write_info(directory, version, digest, channel=channel)
 
 
@@ -105,16 +103,7 @@ def write_info(directory: Path, version: int, digest: str, *, channel: str = "")
     except (OSError, ValueError, AttributeError):
         pass
     doc = {"version": version, "digest": digest, "channel": channel, "updated": now_iso()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{INFO}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / INFO)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(directory / INFO, json.dumps(doc, indent=1).encode())
 
 
 def sweep(directory: Path) -> None:

@@ -1,0 +1,45 @@
+"""Atomic, durable local file writes: the one way pulsenet puts a file in place.
+
+A temporary file in the same directory, fsynced, then ``os.replace``d over the target and the
+directory fsynced: a crash at any point leaves either the old file or the new one, never a torn
+one, and a failure removes the temporary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """fsync a file or a directory (its entries) by path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; when the block succeeds, make it ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        yield tmp
+        os.chmod(tmp, mode)
+        fsync_path(tmp)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
+    with atomic_path(path, mode) as tmp:
+        tmp.write_bytes(data)
