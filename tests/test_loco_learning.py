@@ -22,7 +22,7 @@ from pulsenet.loco import LocoConfig
 from pulsenet.store import LocalStore
 
 SEEDS = (0, 1, 2)
-ROUNDS = 6
+ROUNDS = 5
 WORKERS = ("w0", "w1")
 
 

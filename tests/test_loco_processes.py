@@ -125,7 +125,7 @@ async def test_three_trainer_processes_agree_after_every_round(run: Run) -> None
 
 @pytest.mark.timeout(240)
 async def test_straggler_misses_the_deadline_and_rejoins(run: Run) -> None:
-    rounds, hold_round = 7, 3
+    rounds, hold_round = 6, 3
     for tid in IDS:
         extra = ["--deadline", "3"]
         if tid == "c":
@@ -147,7 +147,7 @@ async def test_straggler_misses_the_deadline_and_rejoins(run: Run) -> None:
 
 @pytest.mark.timeout(240)
 async def test_sigkilled_trainer_resumes_and_ends_digest_equal(run: Run) -> None:
-    rounds, kill_round = 8, 4
+    rounds, kill_round = 7, 4
     for tid in IDS:
         run.start(tid, rounds, ["--deadline", "3"])
     rs = run.round_store()

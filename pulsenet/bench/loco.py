@@ -5,6 +5,8 @@ temporary directory: the same code path as ``pulsenet loco train`` (payloads, si
 round records, digests), with the heavy phases taking turns on the cores. Bytes are what the
 trainers actually put into the store as payloads (manifests and digests, a few hundred bytes,
 are not counted). DDP is accounting only: one dense FP32 gradient per inner step, H per round.
+Phase times exclude the time a trainer queued for the shared cores (reported as ``queued``), but
+``wait`` (for peers' payloads) includes the peers' turns on them, unlike separate machines.
 
 The learning metric is the loss of the global weights on held-out batches after every round, with
 the trainers' forward (BF16 autocast by default), on the same seeds for DiLoCo and PULSELoCo, plus
@@ -159,7 +161,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
                 "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
                 "digests_equal": len({x.digest for x in reps}) == 1,
                 **{f"{k}_s": statistics.mean(getattr(x, f"{k}_s") for x in trained)
-                   for k in ("inner", "encode", "upload", "wait", "apply", "verify")},
+                   for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")},
             }
         )  # fmt: skip
     return {
@@ -222,7 +224,7 @@ def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall
         "time_s": {
             m: {
                 k: sum(x[f"{k}_s"] for x in res["rounds"])
-                for k in ("inner", "encode", "upload", "wait", "apply", "verify")
+                for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")
             }
             | {"wall": res["wall_s"]}
             for m, res in results.items()

@@ -87,10 +87,13 @@ class RoundReport:
     inner_s: float = 0.0
     encode_s: float = 0.0
     upload_s: float = 0.0
+    """Putting our payload and manifest (runs while we already wait for peers)."""
     wait_s: float = 0.0
-    """From payload ready to the record decided and every participant's payload in hand."""
+    """From payload ready to the record decided and every participant's payload in hand, less upload_s."""
     apply_s: float = 0.0
     verify_s: float = 0.0
+    queued_s: float = 0.0
+    """Time spent waiting for cores shared with in-process peers (benchmarks); not in the phase times."""
     digest: str = ""
     agreed: bool = True
     """False if some trainer's digest differed from the majority this round."""

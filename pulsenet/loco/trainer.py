@@ -88,6 +88,7 @@ class LocoTrainer:
         self.collector: Collector | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._failures = 0
+        self._queued_s = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -164,16 +165,16 @@ class LocoTrainer:
         if self.cache is not None:
             self.cache.evict_before(r)  # peers still on an older round fall back to the store
 
-        t0 = time.perf_counter()
+        t0, queued = self._clock(), self._queued_s
         losses = await self.inner_phase(r)
         report.loss = float(np.mean(losses)) if losses else None
-        t1 = time.perf_counter()
+        t1 = self._clock()
         local = dict(self.local.model.named_parameters())
         own, new_error = await self._heavy(
             alg.make_update, state.theta, local, self.error, round=r, sparse=cfg.sparse
         )
         data = await self._heavy(self.encode_payload, own)
-        t2 = time.perf_counter()
+        t2 = self._clock()
         report.inner_s, report.encode_s = t1 - t0, t2 - t1
         report.sent, report.total, report.payload_bytes = own.sent, own.total, len(data)
         if not cfg.sparse:
@@ -192,7 +193,7 @@ class LocoTrainer:
             raise published
         else:
             stood = published[0]
-        t3 = time.perf_counter()
+        t3 = self._clock()
         report.wait_s = t3 - t2 - report.upload_s
 
         await self._apply(state, payloads)
@@ -201,14 +202,15 @@ class LocoTrainer:
         self.digest = await asyncio.to_thread(state.digest)
         if new_error is not None:
             self.error = self._settle_error(record, own, new_error, payloads, reproduced=stood is data)
-        t4 = time.perf_counter()
+        t4 = self._clock()
         report.apply_s = t4 - t3
         report.participants = sorted(record.participants)
         report.rejected = dict(record.rejected)
         report.included = self.id in record.participants
         report.record_writer = record.writer
         await self._finish_round(record, report)
-        report.verify_s = time.perf_counter() - t4
+        report.verify_s = self._clock() - t4
+        report.queued_s = self._queued_s - queued
         return await self._report(report)
 
     async def inner_phase(self, round_: int) -> list[float]:
@@ -518,8 +520,14 @@ class LocoTrainer:
         """Run CPU-heavy work in a thread, taking turns with in-process peers if ``compute`` is shared."""
         if self.compute is None:
             return await asyncio.to_thread(fn, *args, **kwargs)
+        t = time.perf_counter()
         async with self.compute:
+            self._queued_s += time.perf_counter() - t
             return await asyncio.to_thread(fn, *args, **kwargs)
+
+    def _clock(self) -> float:
+        """Seconds, not counting time spent queued for shared cores (so phase times mean work)."""
+        return time.perf_counter() - self._queued_s
 
     def _spawn(self, coro: Awaitable[None], what: str) -> None:
         async def guarded() -> None:
