@@ -110,6 +110,27 @@ def test_round_trip_realistic_bf16_and_beats_paper(lr, zones):
         assert len(data) < paper_patch_size(a, b) / 1.5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [50_001, 50_003, 50_007])  # tails of 1..7 entries past the last 64-bit word
+def test_zoned_kernels_every_mode_and_tail(dtype, n):
+    """Realistic small-lr changes (bitmap/"zeros" zones among small weights) plus rare changes of
+    large weights (a "ones" zone), with changed entries in the unaligned tail."""
+    rng = np.random.default_rng(n)
+    master = torch.from_numpy(rng.standard_normal(n) * 0.02)
+    master[rng.choice(n, 500, replace=False)] *= 1e-4  # a population of tiny weights: all change
+    step = {torch.bfloat16: 2e-6, torch.float16: 2e-7, torch.float32: 3e-11, torch.float64: 1e-19}[dtype]
+    a = master.to(dtype)
+    new = master - step * torch.from_numpy(np.sign(rng.standard_normal(n)))
+    b = new.to(dtype)
+    big = torch.from_numpy(rng.choice(n, 40, replace=False))
+    b[big] = -b[big]  # rare large changes
+    b[-3:] = b[-3:] + 1  # the tail changes too
+    patch = PatchEncoder().encode({"w": a}, {"w": b})
+    modes = {z.mode for z in parse_patch(patch).tensors[0].zones if z.nnz}
+    assert {"bitmap", "ones"} <= modes or {"zeros", "ones"} <= modes, modes
+    assert same(apply_patch({"w": a}, patch)["w"], b)
+
+
 def test_special_values_bit_exact():
     specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 1.0, -1.0])
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):

@@ -132,17 +132,10 @@ def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES)
     cost = np.full((B + 1, B + 1), np.inf)
     mode = np.zeros((B + 1, B + 1), dtype=np.int64)
     cost[i, j], mode[i, j] = zc, zm
-    best = np.full(B + 1, np.inf)
-    best[0] = 0.0
-    backs, finals = [], []
-    for _ in range(min(max_zones, B)):
-        tot = best[:, None] + cost
-        backs.append(tot.argmin(axis=0))
-        best = tot.min(axis=0)
-        finals.append(best[B])
+    backs, finals = kernels.zone_dp(cost, min(max_zones, B))
     z = int(np.argmin(finals)) + 1
     ends, j_ = [], B
-    for back in reversed(backs[:z]):
+    for back in backs[:z][::-1]:
         ends.append(j_)
         j_ = int(back[j_])
     ends.reverse()
@@ -154,13 +147,17 @@ def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES)
     return plan
 
 
-def _lut(ctx: Context, his: list[int]) -> np.ndarray:
-    lut = np.empty(ctx.nbins, dtype=np.int32)
-    lo = 0
-    for z, hi in enumerate(his):
-        lut[lo:hi] = z
-        lo = hi
-    return lut
+def _zone_args(ctx: Context, los: np.ndarray, his: np.ndarray, zmode: np.ndarray) -> tuple:
+    """Kernel arguments locating the coded zones: magnitude mask, bin shift, zone bounds and
+    modes, the magnitude range [lo, hi) spanned by the bitmap and "zeros" zones and a bin -> zone
+    table for them (other bins -> len(los): discarded)."""
+    lut = np.full(ctx.nbins, los.size, dtype=np.int32)
+    dense = np.flatnonzero(zmode != kernels.ONES)
+    for z in dense:
+        lut[los[z] : his[z]] = z
+    shift = np.uint64(ctx.shift)
+    lo, hi = (int(los[dense].min()), int(his[dense].max())) if dense.size else (0, 0)
+    return np.uint64(ctx.magmask), shift, los, his, zmode, np.uint64(lo) << shift, np.uint64(hi) << shift, lut
 
 
 def encode_sparse(
@@ -182,37 +179,42 @@ def encode_sparse(
     plan = plan_zones(n_bin, k_bin, max_zones)
     if len(plan) == 1:
         return _encode_one_zone(a, b, dtype, plan[0][1], a != b if ne is None else ne)
-    his = [hi for hi, _ in plan]
+    his = np.array([hi for hi, _ in plan], dtype=np.int64)
+    los = np.concatenate([[0], his[:-1]])
     zmode = np.array([MODES.index(m) for _, m in plan], dtype=np.int8)
-    lo = [0, *his[:-1]]
-    n_z = np.array([n_bin[lo_:hi].sum() for lo_, hi in zip(lo, his, strict=True)], dtype=np.int64)
-    k_z = np.array([k_bin[lo_:hi].sum() for lo_, hi in zip(lo, his, strict=True)], dtype=np.int64)
-    is_bm = zmode == kernels.BITMAP
-    bm_len = np.where(is_bm, (n_z + 7) // 8, 0)
+    n_z = np.array([n_bin[lo:hi].sum() for lo, hi in zip(los, his, strict=True)], dtype=np.int64)
+    k_z = np.array([k_bin[lo:hi].sum() for lo, hi in zip(los, his, strict=True)], dtype=np.int64)
     rk_cnt = np.select([zmode == kernels.ONES, zmode == kernels.ZEROS], [k_z, n_z - k_z], 0)
-    # every region gets one slot of slack (kernels.encode_pass writes unconditionally)
-    bm_off, bm_buf = _regions(bm_len + 1, np.uint8, 0)
-    rk_off, rk_buf = _regions(rk_cnt + 1, np.int64, -1)
-    val_off, vals = _regions(k_z + 1, a.dtype, 0)
-    rank, listed, nval = kernels.encode_pass(
-        a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), _lut(ctx, his), zmode,
-        bm_off, np.where(is_bm, -1, 0), bm_buf, rk_off, rk_buf, val_off, vals, ctx.signmag, ctx.M, ctx.S, ctx.top,
+    # Only zones with changes are coded ("ones" with nothing listed says the rest). Every region
+    # gets one slot of slack: the kernel stores unconditionally.
+    act = np.flatnonzero(k_z)
+    is_bm = zmode[act] == kernels.BITMAP
+    bm_off, bm = _regions(np.where(is_bm, n_z[act] // 64 + 1, 0), np.uint64, 0)
+    rk_off, ranks = _regions(rk_cnt[act] + 1, np.int64, -1)
+    val_off, vals = _regions(k_z[act] + 1, a.dtype, 0)
+    (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
+    members, listed, nval = kernels.encode_zones(
+        a, b, aw, bw, *_zone_args(ctx, los[act], his[act], zmode[act]), bm, bm_off, ranks, rk_off, vals, val_off, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )
-    assert (rank == n_z).all() and (listed == rk_cnt).all() and (nval == k_z).all()
-    vals = np.concatenate([vals[o : o + k] for o, k in zip(val_off, k_z, strict=True)])
-    zones, chunks = [], []
+    assert (members == n_z[act]).all() and (listed == rk_cnt[act]).all() and (nval == k_z[act]).all()
+    slot = {int(z): i for i, z in enumerate(act)}
+    zones, chunks, codes = [], [], []
     for z, (hi, m) in enumerate(plan):
+        i = slot.get(z)
+        if i is None:
+            zones.append(Zone(hi, "ones", 0, 1, 0, 0))
+            continue
+        codes.append(vals[val_off[i] : val_off[i] + k_z[z]])
         if m == "bitmap":
-            raw = bm_buf[bm_off[z] : bm_off[z] + bm_len[z]].tobytes()
+            raw = bm[bm_off[i] :].view(np.uint8)[: (n_z[z] + 7) // 8].tobytes()
             zones.append(Zone(hi, m, int(n_z[z]), 0, len(raw), int(k_z[z])))
         else:
-            ranks = rk_buf[rk_off[z] : rk_off[z] + rk_cnt[z]]
-            gaps = np.diff(ranks, prepend=-1) - 1
+            gaps = np.diff(ranks[rk_off[i] : rk_off[i] + rk_cnt[z]], prepend=-1) - 1
             width = narrowest_width(int(gaps.max())) if gaps.size else 1
             raw = to_planes(gaps.astype(UINT[width]))
             zones.append(Zone(hi, m, int(rk_cnt[z]), width, len(raw), int(k_z[z])))
         chunks.append(raw)
-    return zones, b"".join(chunks), vals
+    return zones, b"".join(chunks), np.concatenate(codes)
 
 
 def _codes(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
@@ -297,45 +299,57 @@ def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, cod
     if len(zones) == 1:
         return _decode_one_zone(a, dtype, zones[0], mask, codes)
     ctx = Context.of(dtype, a.dtype.itemsize)
-    zmode = np.array([MODES.index(z.mode) for z in zones], dtype=np.int8)
-    is_bm = zmode == kernels.BITMAP
-    bm_len = np.array([z.size if z.mode == "bitmap" else 0 for z in zones], dtype=np.int64)
-    rk_cnt = np.array([0 if z.mode == "bitmap" else z.count for z in zones], dtype=np.int64)
-    val_cnt = np.array([z.nnz for z in zones], dtype=np.int64)
-    # regions padded as decode_pass expects: a 0 byte after each bitmap, a -1 after each rank list,
-    # a 0 code after each zone's values
-    bm_off, bm_buf = _regions(bm_len + 1, np.uint8, 0)
-    rk_off, rk_buf = _regions(rk_cnt + 1, np.int64, -1)
+    # Zones that list nothing in "ones" mode have no changes: only the others are visited.
+    act = [i for i, z in enumerate(zones) if z.mode != "ones" or z.count]
+    sel = [zones[i] for i in act]
+    his = np.array([z.hi for z in zones], dtype=np.int64)
+    los = np.concatenate([[0], his[:-1]])
+    zmode = np.array([MODES.index(z.mode) for z in sel], dtype=np.int8)
+    bm_words = np.array([(z.count + 63) // 64 if z.mode == "bitmap" else 0 for z in sel], dtype=np.int64)
+    rk_cnt = np.array([0 if z.mode == "bitmap" else z.count for z in sel], dtype=np.int64)
+    val_cnt = np.array([z.nnz for z in sel], dtype=np.int64)
+    # regions padded as decode_zones expects: a zero word after each bitmap, a -1 after each rank
+    # list, a 0 code after each zone's values
+    bm_off, bm = _regions(bm_words + 1, np.uint64, 0)
+    rk_off, ranks = _regions(rk_cnt + 1, np.int64, -1)
     val_off, vals = _regions(val_cnt + 1, a.dtype, 0)
-    off, voff = 0, 0
+    off, voff, j = 0, 0, 0
     for i, z in enumerate(zones):
         raw = mask[off : off + z.size]
         off += z.size
+        if i != (act[j] if j < len(act) else -1):
+            if z.nnz:
+                raise PatchCorruptError(f"zone {i} lists no changes but declares {z.nnz} values")
+            continue
         if z.mode == "bitmap":
-            bm_buf[bm_off[i] : bm_off[i] + z.size] = np.frombuffer(raw, dtype=np.uint8)
+            bm[bm_off[j] :].view(np.uint8)[: z.size] = np.frombuffer(raw, dtype=np.uint8)
         elif z.count:
             gaps = from_planes(raw, z.width, z.count).astype(np.int64)
             if int(gaps.max()) >= a.size:
                 raise PatchCorruptError(f"rank gap {int(gaps.max())} exceeds tensor size {a.size}")
-            rk_buf[rk_off[i] : rk_off[i] + z.count] = np.cumsum(gaps + 1) - 1
-        vals[val_off[i] : val_off[i] + z.nnz] = codes[voff : voff + z.nnz]
+            ranks[rk_off[j] : rk_off[j] + z.count] = np.cumsum(gaps + 1) - 1
+        vals[val_off[j] : val_off[j] + z.nnz] = codes[voff : voff + z.nnz]
         voff += z.nnz
-    out = np.empty_like(a)
-    members, consumed, changed = kernels.decode_pass(
-        a, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), _lut(ctx, [z.hi for z in zones]), zmode,
-        bm_off, bm_len, np.where(is_bm, -1, 0), bm_buf, rk_off, rk_buf, val_off, val_cnt, vals,
-        ctx.signmag, ctx.M, ctx.S, ctx.top,
+        j += 1
+    a, aw = kernels.packed_words(a)
+    out = a.copy()
+    members, consumed, changed = kernels.decode_zones(
+        a, aw, out, *_zone_args(ctx, los[act], his[act], zmode), bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )
-    for i, z in enumerate(zones):
-        if z.mode == "bitmap" and z.count != members[i]:
-            raise PatchCorruptError(f"bitmap zone {i} has {z.count} flags, the base has {members[i]} members")
-        if z.mode == "bitmap" and members[i] & 7 and bm_buf[bm_off[i] + z.size - 1] >> (members[i] & 7):
+    for j, (i, z) in enumerate(zip(act, sel, strict=True)):
+        if z.mode == "bitmap" and z.count != members[j]:
+            raise PatchCorruptError(f"bitmap zone {i} has {z.count} flags, the base has {members[j]} members")
+        if z.mode == "bitmap" and z.count & 7 and mask_byte(bm, bm_off[j], z.size - 1) >> (z.count & 7):
             raise PatchCorruptError(f"bitmap zone {i} has non-zero padding bits")
-        if consumed[i] != rk_cnt[i]:
-            raise PatchCorruptError(f"zone {i} lists ranks outside the base's {members[i]} members")
-        if changed[i] != val_cnt[i]:
-            raise PatchCorruptError(f"zone {i} decodes {changed[i]} changes, table says {val_cnt[i]}")
+        if consumed[j] != rk_cnt[j]:
+            raise PatchCorruptError(f"zone {i} lists ranks outside the base's {members[j]} members")
+        if changed[j] != val_cnt[j]:
+            raise PatchCorruptError(f"zone {i} decodes {changed[j]} changes, table says {val_cnt[j]}")
     return out
+
+
+def mask_byte(words: np.ndarray, off: int, k: int) -> int:
+    return int(words[off:].view(np.uint8)[k])
 
 
 def _regions(sizes: np.ndarray, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
