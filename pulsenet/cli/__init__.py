@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+from collections.abc import Mapping
 
 from pulsenet.errors import PulsenetError
 
@@ -26,6 +28,12 @@ _MODULES = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pulsenet", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "--config",
+        metavar="TOML",
+        help="command defaults from a file (configs/*.toml; env PULSENET_CONFIG); "
+        "PULSENET_<OPTION> env vars override it, command-line flags override both",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _MODULES:
         try:
@@ -38,9 +46,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_cli(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """Parse ``argv`` with defaults from ``--config`` and ``PULSENET_*`` (pulsenet/config.py)."""
+    from pulsenet.config import apply_defaults, config_from_argv
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    config, source = config_from_argv(argv, environ)
+    apply_defaults(parser, argv, config, environ, source)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_cli(argv)
+    except PulsenetError as e:
+        print(f"pulsenet: error: {e}", file=sys.stderr)
+        return 2
     from pulsenet.runtime import return_large_buffers_to_os
 
     return_large_buffers_to_os()
