@@ -44,11 +44,42 @@ def bin_histogram(a, b, magmask, shift, nbins):
     return n_bin, k_bin
 
 
+ZONE_OVERHEAD_BITS = 96.0  # a zone's entry in the table, compressed
+
+
+@njit(inline="always")
+def _gap_bits(n, k):
+    return k * (np.log2(n / max(k, 1.0) + 1.0) + 1.6) + 8.0 if k > 0 else 0.0
+
+
 @njit(nogil=True, cache=True)
-def zone_dp(cost, max_zones):
-    """best[z][j] = cheapest cover of the first j bins by z zones, ``cost[i, j]`` the cost of one
-    zone over bins i..j-1. Returns the argmin back-pointers of every z and best[z][all bins]."""
-    B = cost.shape[0] - 1
+def zone_cost(n, k):
+    """Estimated bits of a zone with n members, k of them changed, and its cheapest mode."""
+    p = min(max(k / max(n, 1.0), 1e-12), 1 - 1e-12)
+    h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    bitmap, ones, zeros = n * max(h, 0.03) * 1.03 + 8.0, _gap_bits(n, k), _gap_bits(n, n - k)
+    best, mode = bitmap, BITMAP
+    if ones < best:
+        best, mode = ones, ONES
+    if zeros < best:
+        best, mode = zeros, ZEROS
+    return best + ZONE_OVERHEAD_BITS, mode
+
+
+@njit(nogil=True, cache=True)
+def zone_dp(N, K, max_zones):
+    """Cheapest split of bins into at most ``max_zones`` zones of consecutive bins.
+
+    ``N``/``K``: cumulative members and changes over the bins (leading 0). best[z][j] = cheapest
+    cover of the first j bins by z zones. Returns each z's argmin back-pointers, best[z][all bins]
+    and the mode of every candidate zone (bins i..j-1 -> mode[i, j]).
+    """
+    B = N.size - 1
+    cost = np.full((B + 1, B + 1), np.inf)
+    mode = np.zeros((B + 1, B + 1), dtype=np.int64)
+    for j in range(1, B + 1):
+        for i in range(j):
+            cost[i, j], mode[i, j] = zone_cost(N[j] - N[i], K[j] - K[i])
     best = np.full(B + 1, np.inf)
     best[0] = 0.0
     backs = np.zeros((max_zones, B + 1), dtype=np.int64)
@@ -63,7 +94,7 @@ def zone_dp(cost, max_zones):
                     backs[z, j] = i
         best = nxt
         finals[z] = best[B]
-    return backs, finals
+    return backs, finals, mode
 
 
 @njit(inline="always")

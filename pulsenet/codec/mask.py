@@ -39,7 +39,6 @@ from pulsenet.errors import PatchCorruptError
 
 MODES = ("bitmap", "ones", "zeros")
 MAX_ZONES = 12
-ZONE_OVERHEAD_BITS = 96  # a zone's entry in the table, compressed
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
 
 
@@ -103,20 +102,6 @@ class Context:
         return np.uint64(1 << (8 * self.width - 1))
 
 
-def _gap_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(k > 0, k * (np.log2(n / np.maximum(k, 1) + 1) + 1.6) + 8, 0.0)
-
-
-def _zone_costs(n: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Estimated bits and best mode for zones with n members, k of them changed."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.clip(k / np.maximum(n, 1), 1e-12, 1 - 1e-12)
-        h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
-    costs = np.stack([n * np.maximum(h, 0.03) * 1.03 + 8, _gap_bits(n, k), _gap_bits(n, n - k)])
-    return costs.min(axis=0) + ZONE_OVERHEAD_BITS, costs.argmin(axis=0)
-
-
 def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES) -> list[tuple[int, str]]:
     """Zone boundaries (exclusive upper bins) and modes minimising the estimated mask size.
 
@@ -124,15 +109,17 @@ def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES)
     non-empty bins by z zones. Empty bins join the zone above them.
     """
     bins = np.flatnonzero(n_bin)
+    ch = np.flatnonzero(k_bin[bins])
+    # Runs of unchanged bins at either end merge into one bin each: splitting them never pays.
+    starts = np.unique(np.concatenate([[0], np.arange(ch[0], ch[-1] + 2)])) if ch.size else np.zeros(1, np.int64)
+    starts = starts[starts < bins.size]
+    n = np.add.reduceat(n_bin[bins].astype(np.float64), starts)
+    k = np.add.reduceat(k_bin[bins].astype(np.float64), starts)
+    bins = bins[np.append(starts[1:], bins.size) - 1]  # each group's last bin
     B = bins.size
-    N = np.concatenate([[0.0], np.cumsum(n_bin[bins].astype(np.float64))])
-    K = np.concatenate([[0.0], np.cumsum(k_bin[bins].astype(np.float64))])
-    i, j = np.triu_indices(B + 1, k=1)
-    zc, zm = _zone_costs(N[j] - N[i], K[j] - K[i])
-    cost = np.full((B + 1, B + 1), np.inf)
-    mode = np.zeros((B + 1, B + 1), dtype=np.int64)
-    cost[i, j], mode[i, j] = zc, zm
-    backs, finals = kernels.zone_dp(cost, min(max_zones, B))
+    N = np.concatenate([[0.0], np.cumsum(n)])
+    K = np.concatenate([[0.0], np.cumsum(k)])
+    backs, finals, mode = kernels.zone_dp(N, K, min(max_zones, B))
     z = int(np.argmin(finals)) + 1
     ends, j_ = [], B
     for back in backs[:z][::-1]:
@@ -161,24 +148,30 @@ def _zone_args(ctx: Context, los: np.ndarray, his: np.ndarray, zmode: np.ndarray
 
 
 def encode_sparse(
-    a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES, ne: np.ndarray | None = None
-) -> tuple[list[Zone], bytes, np.ndarray]:
-    """Code the change a -> b (same dtype and size, at least one entry differs).
+    a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES
+) -> tuple[list[Zone], bytes, np.ndarray] | None:
+    """Code the change a -> b (same dtype and size); None if nothing changed.
 
     ``max_zones=1`` skips the context model (no histogram pass, no per-element kernel): faster,
     larger where the base predicts the change well.
 
-    Returns (zones, raw mask section, value codes in zone order as unsigned ints of the width).
+    Returns (zones, raw mask section, value codes in zone order as unsigned ints of the width);
+    the number of changed entries is ``codes.size``.
     """
     ctx = Context.of(dtype, a.dtype.itemsize)
     if max_zones == 1 or ctx.nbins == 1:
-        ne = a != b if ne is None else ne
-        _, mode = _zone_costs(np.array([a.size]), np.array([np.count_nonzero(ne)]))
-        return _encode_one_zone(a, b, dtype, MODES[int(mode[0])], ne)
+        ne = a != b
+        k = np.count_nonzero(ne)
+        if k == 0:
+            return None
+        _, mode = kernels.zone_cost(float(a.size), float(k))
+        return _encode_one_zone(a, b, dtype, MODES[mode], ne)
     n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
+    if not k_bin.any():
+        return None
     plan = plan_zones(n_bin, k_bin, max_zones)
     if len(plan) == 1:
-        return _encode_one_zone(a, b, dtype, plan[0][1], a != b if ne is None else ne)
+        return _encode_one_zone(a, b, dtype, plan[0][1], a != b)
     his = np.array([hi for hi, _ in plan], dtype=np.int64)
     los = np.concatenate([[0], his[:-1]])
     zmode = np.array([MODES.index(m) for _, m in plan], dtype=np.int8)

@@ -202,13 +202,13 @@ class PatchEncoder:
         if a_t is None or a_t.dtype != b_t.dtype or tuple(a_t.shape) != shape:
             return _Encoded(entry, self._full(entry, b), record, base_record)  # added or replaced
         a = bits(a_t)
-        ne = a != b
-        changed = np.count_nonzero(ne)
-        if changed == 0:
+        coded = maskcode.encode_sparse(a, b, dt, self.max_zones)
+        if coded is None:
             entry.op = "keep"
             return _Encoded(entry, {}, record, base_record)
+        entry.zones, mask_raw, codes = coded
+        changed = codes.size
         entry.op, entry.nnz = "sparse", int(changed)
-        entry.zones, mask_raw, codes = maskcode.encode_sparse(a, b, dt, self.max_zones, ne)
         values = to_planes(codes)
         blobs = {"mask": compress(mask_raw, self.level), "values": compress(values, self.level)}
         entry.sections = {"mask": (0, 0, len(mask_raw)), "values": (0, 0, len(values))}
