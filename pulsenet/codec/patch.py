@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -348,7 +349,7 @@ def iter_apply(
     *,
     base_digest: str | None = None,
     threads: int = 2,
-    prefetch: int = 2,
+    window_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
 
@@ -356,6 +357,10 @@ def iter_apply(
     hashing the base. Pass None to hash the base first (a wrong base is then named as such). The
     final model digest is checked after the last tensor: consume the whole iterator before trusting
     (or renaming into place) anything it produced. The base is only read, never written.
+
+    Workers run ahead of the consumer by up to ``window_bytes`` of rebuilt tensors (default: twice
+    the largest), so a big tensor at the head of the line does not idle the other threads while
+    memory stays bounded whatever the model size.
     """
     if not isinstance(patch, Patch):
         patch = parse_patch(patch)
@@ -369,20 +374,25 @@ def iter_apply(
             f"base digest {base_digest[:16]}… does not match the patch's base {patch.base_digest[:16]}…: "
             "this patch applies to a different version"
         )
+    threads = max(1, threads)
+    sizes = [0 if e.op == "keep" else e.numel * e.itemsize for e in patch.tensors]  # keep: shared, no copy
+    limit = window_bytes if window_bytes is not None else 2 * max(sizes, default=0)
     records: dict[str, bytes] = {}
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        window: list[Future] = []
-        entries = iter(patch.tensors)
-        for e in entries:
-            window.append(pool.submit(_rebuild, patch, e, base.get(e.name)))
-            if len(window) > prefetch:
+    with ThreadPoolExecutor(threads) as pool:
+        window: deque[tuple[Future, int]] = deque()
+        ahead, nxt = 0, 0
+        while True:
+            while nxt < len(sizes) and (len(window) <= threads or ahead + sizes[nxt] <= limit):
+                e = patch.tensors[nxt]
+                window.append((pool.submit(_rebuild, patch, e, base.get(e.name)), sizes[nxt]))
+                ahead += sizes[nxt]
+                nxt += 1
+            if not window:
                 break
-        while window:
-            entry, t = window.pop(0).result()
+            future, size = window.popleft()
+            entry, t = future.result()
+            ahead -= size
             records[entry.name] = tensor_record(entry.name, entry.dtype, entry.shape, bytes.fromhex(entry.sha256))
-            nxt = next(entries, None)
-            if nxt is not None:
-                window.append(pool.submit(_rebuild, patch, nxt, base.get(nxt.name)))
             yield entry.name, t
     if model_digest_from_records(records) != patch.target_digest:
         raise DigestMismatchError(f"rebuilt model digest does not match the patch's target {patch.target_digest[:16]}…")
