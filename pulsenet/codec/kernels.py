@@ -174,6 +174,12 @@ def _changed_lanes(d, lows, signs):
 
 
 @njit(inline="always")
+def _member_buffers(nz):
+    """Scratch for :func:`_sort_members`: member words, per-zone member rows (+ the discard row)."""
+    return np.empty(CHUNK, dtype=np.int64), np.empty((nz + 1, CHUNK), dtype=np.int32), np.zeros(nz + 1, dtype=np.int64)
+
+
+@njit(inline="always")
 def _sort_members(a, aw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt):
     """Bucket the chunk's entries with magnitude in [lo, hi) by zone, in position order.
 
@@ -306,9 +312,7 @@ def encode_zones(
             dense += 1
     if dense == 0:
         return rank, listed, nval
-    words = np.empty(CHUNK, dtype=np.int64)
-    lists = np.empty((nz + 1, CHUNK), dtype=np.int32)
-    cnt = np.zeros(nz + 1, dtype=np.int64)
+    words, lists, cnt = _member_buffers(nz)
     n, lanes = a.size, 8 // a.itemsize
     for c0 in range(0, n, CHUNK):
         _sort_members(a, aw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt)
@@ -368,9 +372,7 @@ def decode_zones(
             dense += 1
     if dense == 0:
         return rank, ptr, nval
-    words = np.empty(CHUNK, dtype=np.int64)
-    lists = np.empty((nz + 1, CHUNK), dtype=np.int32)
-    cnt = np.zeros(nz + 1, dtype=np.int64)
+    words, lists, cnt = _member_buffers(nz)
     n, lanes = a.size, 8 // a.itemsize
     for c0 in range(0, n, CHUNK):
         _sort_members(a, aw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt)
