@@ -187,8 +187,9 @@ def encode_sparse(
     val_off, vals = _regions(k_z[act] + 1, a.dtype, 0)
     (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
     members, listed, nval = kernels.encode_zones(
-        a, b, aw, bw, *_zone_args(ctx, los[act], his[act], zmode[act]), bm, bm_off, ranks, rk_off, vals, val_off, ctx.signmag, ctx.M, ctx.S, ctx.top,
-    )
+        a, b, aw, bw, *_zone_args(ctx, los[act], his[act], zmode[act]),
+        bm, bm_off, ranks, rk_off, vals, val_off, ctx.signmag, ctx.M, ctx.S, ctx.top,
+    )  # fmt: skip
     assert (members == n_z[act]).all() and (listed == rk_cnt[act]).all() and (nval == k_z[act]).all()
     slot = {int(z): i for i, z in enumerate(act)}
     zones, chunks, codes = [], [], []
@@ -306,15 +307,19 @@ def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, cod
     bm_off, bm = _regions(bm_words + 1, np.uint64, 0)
     rk_off, ranks = _regions(rk_cnt + 1, np.int64, -1)
     val_off, vals = _regions(val_cnt + 1, a.dtype, 0)
-    off, voff, j = 0, 0, 0
+    slot = {i: j for j, i in enumerate(act)}
+    off, voff = 0, 0
     for i, z in enumerate(zones):
         raw = mask[off : off + z.size]
         off += z.size
-        if i != (act[j] if j < len(act) else -1):
+        j = slot.get(i)
+        if j is None:
             if z.nnz:
                 raise PatchCorruptError(f"zone {i} lists no changes but declares {z.nnz} values")
             continue
         if z.mode == "bitmap":
+            if z.count & 7 and raw[-1] >> (z.count & 7):
+                raise PatchCorruptError(f"bitmap zone {i} has non-zero padding bits")
             bm[bm_off[j] :].view(np.uint8)[: z.size] = np.frombuffer(raw, dtype=np.uint8)
         elif z.count:
             gaps = from_planes(raw, z.width, z.count).astype(np.int64)
@@ -323,26 +328,20 @@ def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, cod
             ranks[rk_off[j] : rk_off[j] + z.count] = np.cumsum(gaps + 1) - 1
         vals[val_off[j] : val_off[j] + z.nnz] = codes[voff : voff + z.nnz]
         voff += z.nnz
-        j += 1
     a, aw = kernels.packed_words(a)
     out = a.copy()
     members, consumed, changed = kernels.decode_zones(
-        a, aw, out, *_zone_args(ctx, los[act], his[act], zmode), bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
-    )
+        a, aw, out, *_zone_args(ctx, los[act], his[act], zmode),
+        bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
+    )  # fmt: skip
     for j, (i, z) in enumerate(zip(act, sel, strict=True)):
         if z.mode == "bitmap" and z.count != members[j]:
             raise PatchCorruptError(f"bitmap zone {i} has {z.count} flags, the base has {members[j]} members")
-        if z.mode == "bitmap" and z.count & 7 and mask_byte(bm, bm_off[j], z.size - 1) >> (z.count & 7):
-            raise PatchCorruptError(f"bitmap zone {i} has non-zero padding bits")
         if consumed[j] != rk_cnt[j]:
             raise PatchCorruptError(f"zone {i} lists ranks outside the base's {members[j]} members")
         if changed[j] != val_cnt[j]:
             raise PatchCorruptError(f"zone {i} decodes {changed[j]} changes, table says {val_cnt[j]}")
     return out
-
-
-def mask_byte(words: np.ndarray, off: int, k: int) -> int:
-    return int(words[off:].view(np.uint8)[k])
 
 
 def _regions(sizes: np.ndarray, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
