@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from pulsenet.errors import ConfigError
@@ -48,11 +48,15 @@ def apply_defaults(
     config: Mapping | None,
     environ: Mapping[str, str],
     source: str = "config",
-) -> None:
-    """Set the selected command's defaults from ``config`` (its table) and ``environ``."""
+) -> Callable[[argparse.Namespace], argparse.Namespace]:
+    """Set the selected command's defaults from ``config`` (its table) and ``environ``.
+
+    Returns the step to run on the parsed namespace: argparse appends a repeatable option's
+    command-line values to its default list, where the command line should replace it.
+    """
     chain = command_path(parser, argv)
     if not chain:
-        return
+        return lambda args: args
     name = ".".join(n for n, _ in chain)
     target = chain[-1][1]
     options = {a.dest: a for a in target._actions if a.option_strings and a.dest != "help"}
@@ -72,6 +76,19 @@ def apply_defaults(
     for dest, value in values.items():
         options[dest].required = False
         options[dest].default = value
+    appended = {
+        dest: len(value)
+        for dest, value in values.items()
+        if isinstance(options[dest], argparse._AppendAction)
+        and any(t == o or t.startswith(o + "=") for t in argv for o in options[dest].option_strings)
+    }
+
+    def replace_appended(args: argparse.Namespace) -> argparse.Namespace:
+        for dest, n in appended.items():
+            setattr(args, dest, getattr(args, dest)[n:])
+        return args
+
+    return replace_appended
 
 
 def _table(config: Mapping, path: list[str], source: str) -> Mapping:

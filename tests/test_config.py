@@ -35,6 +35,8 @@ def test_precedence_flag_over_env_over_file(tmp_path):
     assert (args.store, [str(t) for t in args.trust], args.follow) == ("s3://from-env", ["x.pub", "y.pub"], True)
     args = parse_cli(["--config", str(cfg), "pull", "--store", "s3://from-flag"], env)
     assert args.store == "s3://from-flag"
+    args = parse_cli(["--config", str(cfg), "pull", "--trust", "z.pub"], env)  # repeatable: replaced
+    assert [str(t) for t in args.trust] == ["z.pub"]
 
 
 def test_env_alone_satisfies_required_options():

@@ -53,8 +53,8 @@ def parse_cli(argv: list[str] | None = None, environ: Mapping[str, str] = os.env
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     config, source = config_from_argv(argv, environ)
-    apply_defaults(parser, argv, config, environ, source)
-    return parser.parse_args(argv)
+    finish = apply_defaults(parser, argv, config, environ, source)
+    return finish(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
