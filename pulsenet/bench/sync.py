@@ -72,14 +72,14 @@ def make_checkpoints(args: argparse.Namespace, workdir: Path, log) -> tuple[list
     return paths, losses, (time.perf_counter() - t0) / max(args.steps, 1)
 
 
-def best_time(fn, repeat: int):
-    """(fastest of ``repeat`` runs in seconds, the last result): on a shared machine the fastest run
-    is the one least disturbed by other work."""
+def best_time(repeat: int, fn, *args, **kwargs):
+    """(fastest of ``repeat`` calls of ``fn(*args, **kwargs)`` in seconds, the last result): on a
+    shared machine the fastest run is the one least disturbed by other work."""
     best, result = float("inf"), None
     for _ in range(repeat):
         result = None  # let the previous result go before the next run allocates its own
         t = time.perf_counter()
-        result = fn()
+        result = fn(*args, **kwargs)
         best = min(best, time.perf_counter() - t)
     return best, result
 
@@ -116,8 +116,8 @@ def measure_pair(old_path: Path, new_path: Path, threads: int, repeat: int = 3) 
     for label, zones in (("pulsenet_v1", 12), ("pulsenet_v1_fast", 1)):
         enc = PatchEncoder(threads=threads, max_zones=zones)
         enc.encode(old, new, base_digest=base_digest)  # warm (JIT cache load, page faults)
-        t_enc, data = best_time(lambda: enc.encode(old, new, base_digest=base_digest), repeat)
-        t_dec, out = best_time(lambda: apply_patch(old, data, base_digest=base_digest, threads=threads), repeat)
+        t_enc, data = best_time(repeat, enc.encode, old, new, base_digest=base_digest)
+        t_dec, out = best_time(repeat, apply_patch, old, data, base_digest=base_digest, threads=threads)
         exact = all(np.array_equal(bits(out[k]), bits(new[k])) for k in new) and set(out) == set(new)
         row["bytes"][label] = len(data)
         row[label] = {"encode_MBps": nbytes / t_enc / 1e6, "decode_apply_verify_MBps": nbytes / t_dec / 1e6,
