@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import io
+import math
 import os
 import random
 import re
@@ -13,6 +15,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from pulsenet.cli import loco as cli_loco
+from pulsenet.errors import ConfigError
 from pulsenet.rl import (
     ArithmeticTask,
     LocalTrainer,
@@ -24,6 +28,7 @@ from pulsenet.rl import (
     reward,
     smollm2_checkpoint,
 )
+from pulsenet.rl.local import FORWARDS, causal_lm_loss
 from pulsenet.rl.models import save_model
 from pulsenet.rl.tasks import IGNORE_INDEX
 
@@ -180,9 +185,66 @@ def test_checkpoint_restore_continues_bit_identically() -> None:
     assert ref_draw[1] == resumed.rng.random()
 
 
-def test_fp32_forward_option_runs() -> None:
-    trainer, task = _trainer(0, lr=1e-3, forward_dtype=None)
-    assert trainer.train_step(task) > 0
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_every_forward_mode_learns(forward: str) -> None:
+    trainer, task = _trainer(0, lr=1e-3, forward=forward)
+    losses = [trainer.train_step(task) for _ in range(6)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+
+
+def test_unknown_forward_mode_is_refused() -> None:
+    assert FORWARDS == cli_loco.FORWARDS  # the CLI spells them out to stay torch-free
+    with pytest.raises(ConfigError):
+        LocalTrainerConfig(forward="bf16")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bf16_weights_forward_sees_bf16_weights_and_grads_reach_the_master(tied: bool) -> None:
+    """Loss and gradients equal plain FP32 ones on a copy whose weights were rounded to BF16."""
+    model = build_tiny_model(0, tie_word_embeddings=tied)
+    with torch.no_grad():  # master weights off the BF16 grid, as after a few small AdamW steps
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-4 * p.abs().mean())
+    master = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in master.values())
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    ids, labels = ArithmeticTask(0).batch(4, 32, step=0)
+    ref_loss = causal_lm_loss(reference(input_ids=ids, use_cache=False).logits, labels)
+    ref_loss.backward()
+
+    trainer = LocalTrainer(model, LocalTrainerConfig(lr=1e-3, forward="bf16-weights"))
+    assert trainer.step(ids, labels) == float(ref_loss.detach())
+    ref_grads = dict(reference.named_parameters())
+    for name, p in trainer.model.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, ref_grads[name].grad), name
+    # The step moved the FP32 master (not a rounded copy) from where it was.
+    moved = trainer.state_fp32()
+    assert all(not torch.equal(moved[n], master[n]) for n in master)
+    assert (trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight) is tied
+    fp32 = LocalTrainer(copy.deepcopy(model), LocalTrainerConfig(forward="fp32"))
+    bf16w = LocalTrainer(copy.deepcopy(model), LocalTrainerConfig(forward="bf16-weights"))
+    batch = [ArithmeticTask(1).batch(4, 32, step=0)]
+    assert bf16w.eval_loss(iter(batch)) != fp32.eval_loss(iter(batch))  # it really sees other weights
+
+
+def test_bf16_weights_forward_ignores_sub_bf16_updates() -> None:
+    """An update that stays inside every weight's BF16 cell leaves the bf16-weights loss unchanged."""
+    trainer, _ = _trainer(0, forward="bf16-weights")
+    batch = [ArithmeticTask(1).batch(4, 32, step=0)]
+    before = trainer.eval_loss(iter(batch))
+    state = trainer.state_fp32()
+    nudged = {n: t.to(torch.bfloat16).float() for n, t in state.items()}  # on the grid: exact
+    trainer.load_state_fp32(nudged)
+    assert trainer.eval_loss(iter(batch)) == before
+    # Moving each weight by a quarter of a BF16 cell stays in the cell (round to nearest).
+    quarter = {n: t + torch.sign(t) * t.abs() * 2.0**-10 for n, t in nudged.items()}
+    assert all(torch.equal(quarter[n].to(torch.bfloat16), t.to(torch.bfloat16)) for n, t in nudged.items())
+    trainer.load_state_fp32(quarter)
+    assert trainer.eval_loss(iter(batch)) == before
 
 
 # --- SmolLM2 (slow: ~35 s conversion + ~60 s BF16 step on 2 AVX2 cores) -------

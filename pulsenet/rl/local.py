@@ -1,9 +1,19 @@
-"""The local inner loop: FP32 master weights, AdamW, BF16 autocast forward (default), FP32 loss.
+"""The local inner loop: FP32 master weights, AdamW, a BF16-faithful forward, FP32 loss.
 
 Shared by the benchmarks and by PULSELoCo trainers, which read the local weights after H steps
 (``state_fp32``) and reset them to the new global weights (``load_state_fp32``) while keeping
 the optimizer state. Everything a restart needs to continue bit-identically is exposed:
 weights, optimizer state, RNG state and the step counter (``checkpoint`` / ``restore``).
+
+Forward modes (``LocalTrainerConfig.forward``), all with FP32 master weights and an FP32 loss:
+
+- ``autocast-bf16``: ``torch.autocast(bfloat16)``, as GPU mixed-precision training runs. BF16
+  weights *and* activations; very slow on CPUs without native BF16 matmuls (AVX512-BF16/AMX).
+- ``bf16-weights``: the forward sees each master weight rounded to BF16, ``fp32(bf16(θ))``, with
+  FP32 matmuls and activations; the gradient passes straight through the rounding to the FP32
+  master. Fast on any CPU, and it sees exactly the BF16 weights the PULSE visibility gate is
+  about, so a sub-BF16 update is invisible to it as it would be to a BF16 forward.
+- ``fp32``: plain FP32; sees updates smaller than a BF16 cell, which the gate withholds.
 
 Determinism: on CPU the same inputs, weights and thread count give bit-identical results;
 nothing here changes ``torch.set_num_threads``. Set it once per process, before training.
@@ -14,14 +24,20 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
+from pulsenet.errors import ConfigError
 from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.tasks import IGNORE_INDEX, ArithmeticTask
+
+FORWARDS = ("bf16-weights", "autocast-bf16", "fp32")
+"""Forward modes; see the module docstring."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -42,9 +58,14 @@ class LocalTrainerConfig:
     """Max global grad norm; None disables clipping."""
     seed: int = 0
     """Seeds the trainer's own torch/python generators (sampling on its behalf)."""
-    forward_dtype: torch.dtype | None = torch.bfloat16
-    """Autocast dtype of the forward; None runs it in FP32. BF16 matches GPU training but is
-    ~5x slower on CPUs without AVX512-BF16/AMX (SmolLM2, batch 4x64, 2 AVX2 cores: ~60-90 s vs ~3-18 s a step)."""
+    forward: str = "autocast-bf16"
+    """One of ``FORWARDS``. ``autocast-bf16`` matches GPU training but is very slow on CPUs without
+    AVX512-BF16/AMX (SmolLM2, batch 4x64, 2 AVX2 cores: ~60-170 s a step); ``bf16-weights`` sees the
+    same BF16 weights at FP32 speed (~1-2 s a step at batch 2x32)."""
+
+    def __post_init__(self) -> None:
+        if self.forward not in FORWARDS:
+            raise ConfigError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -56,8 +77,29 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
+class _RoundToBF16(torch.autograd.Function):
+    """``fp32(bf16(x))`` forward, identity backward: the straight-through estimator of mixed precision.
+
+    The FP32 master gets the full FP32 gradient of the loss with respect to the rounded weight it
+    was used as (autograd through ``.to(bfloat16)`` would round the gradient to BF16 as well).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.bfloat16).to(torch.float32)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def bf16_rounded(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every FP32 parameter as the BF16 value a BF16 forward would use, in FP32, gradients straight through."""
+    return {name: _RoundToBF16.apply(p) for name, p in params.items()}
+
+
 class LocalTrainer:
-    """AdamW on FP32 master weights with a (by default BF16) autocast forward on CPU."""
+    """AdamW on FP32 master weights with a BF16-faithful forward (``LocalTrainerConfig.forward``)."""
 
     def __init__(self, model: torch.nn.Module, config: LocalTrainerConfig | None = None) -> None:
         self.config = config if config is not None else LocalTrainerConfig()
@@ -85,18 +127,48 @@ class LocalTrainer:
         """One AdamW step on a batch; returns the FP32 loss before the update."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        dtype = self.config.forward_dtype
-        autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with autocast:
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
-        # The loss leaves autocast: BF16 logits are upcast so the softmax/log run in FP32.
-        loss = causal_lm_loss(logits, labels)
+        loss = self.loss(input_ids, labels)
         loss.backward()
         if self.config.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self._params.values(), self.config.grad_clip)
         self.optimizer.step()
         self.steps += 1
         return float(loss.detach())
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The FP32 loss of the current weights through the configured forward (autograd as the caller's mode)."""
+        with self._forward_context():
+            logits = self._forward(input_ids).logits
+        # The loss runs outside autocast: BF16 logits are upcast so the softmax/log run in FP32.
+        return causal_lm_loss(logits, labels)
+
+    def eval_loss(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean loss over ``(input_ids, labels)`` batches, without gradients, through the trainer's forward.
+
+        Evaluate with the forward you train with: PULSELoCo withholds exactly the updates a BF16
+        forward cannot see, so an FP32 evaluation would credit a dense baseline with them.
+        """
+        self.model.eval()
+        losses = []
+        with torch.no_grad():
+            for input_ids, labels in batches:
+                losses.append(float(self.loss(input_ids, labels)))
+        return sum(losses) / len(losses)
+
+    def _forward(self, input_ids: torch.Tensor) -> Any:
+        if self.config.forward != "bf16-weights":
+            return self.model(input_ids=input_ids, use_cache=False)
+        # tie_weights: the tied lm_head (absent from _params) uses the rounded embedding too;
+        # strict=False: buffers (rotary frequencies) are not parameters and stay as they are.
+        return functional_call(
+            self.model, bf16_rounded(self._params), (), {"input_ids": input_ids, "use_cache": False},
+            tie_weights=True, strict=False,
+        )  # fmt: skip
+
+    def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.forward == "autocast-bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     def train_step(self, task: ArithmeticTask) -> float:
         """Step on ``task``'s batch for the current step index, so a restored trainer resumes its data too."""
