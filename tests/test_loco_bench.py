@@ -30,10 +30,17 @@ def test_bench_loco_tiny_json(tmp_path: Path) -> None:
     assert main([*argv, "--workdir", str(tmp_path), "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     s = doc["summary"]
-    assert set(s["bytes_per_worker_round"]) == {"ddp", "diloco", "pulseloco"}
+    b = s["bytes_per_worker_round"]
+    assert set(b) == {"ddp", "diloco", "diloco_zstd", "pulseloco"}
     assert s["digests_equal"] is True
     assert 0 < s["sent_fraction"] <= 1
-    assert s["bytes_per_worker_round"]["ddp"] == 2 * 4 * doc["n_params"]
+    # DDP and DiLoCo on one basis (raw FP32 as published); diloco_zstd is what the workers put.
+    assert b["ddp"] == 2 * 4 * doc["n_params"] and b["diloco"] == 4 * doc["n_params"]
+    assert 0 < b["diloco_zstd"] < b["diloco"] + 4096
+    for base in ("ddp", "diloco", "diloco_zstd"):
+        assert s[f"ratio_vs_{base}"] == b[base] / b["pulseloco"]
     assert s["ratio_vs_ddp"] > 1
+    assert doc["config"]["forward"] == "bf16-weights"
+    assert [len(v) for v in s["eval_loss"].values()] == [2, 2]
     assert len(doc["rounds"]) == 2 and all(r["pulseloco"]["eval_loss"] is not None for r in doc["rounds"])
     assert list(tmp_path.glob("pulseloco-bench-*")) == []  # the temporary stores are gone

@@ -2,22 +2,22 @@
 
 Each mode runs N real ``LocoTrainer``s in this process against a fresh ``file://`` store in a
 temporary directory: the same code path as ``pulsenet loco train`` (payloads, signed manifests,
-round records, digests), with the heavy phases taking turns on the cores. Bytes are what the
-trainers actually put into the store as payloads (manifests and digests, a few hundred bytes,
-are not counted). DDP is accounting only: one dense FP32 gradient per inner step, H per round.
+round records, digests), with the heavy phases taking turns on the cores. Bytes per worker per
+round: DDP and DiLoCo are accounting on one basis, raw FP32 as the methods are published (H dense
+gradients; one dense pseudo-gradient); ``diloco_zstd`` and ``pulseloco`` are the payloads the
+trainers actually put into the store (manifests and digests, a few hundred bytes, not counted).
 Phase times exclude the time a trainer queued for the shared cores (reported as ``queued``), but
 ``wait`` (for peers' payloads) includes the peers' turns on them, unlike separate machines.
 
 The learning metric is the loss of the global weights on held-out batches after every round, with
-the trainers' forward (BF16 autocast by default), on the same seeds for DiLoCo and PULSELoCo, plus
-the mean inner training loss.
+the trainers' forward (``--forward``; by default FP32 maths on the BF16-rounded weights), on the
+same seeds for DiLoCo and PULSELoCo, plus the mean inner training loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import platform
 import statistics
@@ -32,6 +32,8 @@ RICH_MODES = ("diloco", "pulseloco")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pulsenet.cli.loco import add_forward_argument
+
     p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     p.add_argument("--workers", type=int, default=4, help="trainers per mode (default: %(default)s)")
     p.add_argument(
@@ -44,11 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--fp32-forward",
-        action="store_true",
-        help="FP32 inner forward instead of BF16 autocast (faster on CPUs without BF16)",
-    )
+    add_forward_argument(p)
     p.add_argument(
         "--eval-batches", type=int, default=4, help="held-out batches (of --batch x --seq) per evaluation"
     )
@@ -81,7 +79,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
-    import torch
 
     from pulsenet.cli.loco import data_seed
     from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
@@ -117,7 +114,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
         # After a round the local weights equal the new global weights; evaluate them in place.
         async with compute:
-            loss = await asyncio.to_thread(_eval, trainer.local.model, held_out, args)
+            loss = await asyncio.to_thread(_eval, trainer.local, held_out, args)
         eval_loss[report.round if report is not None else 0] = loss
 
     trainers = []
@@ -129,7 +126,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
                 batch_size=args.batch,
                 seq_len=args.seq,
                 seed=data_seed(args.seed, tid),
-                forward_dtype=None if args.fp32_forward else torch.bfloat16,
+                forward=args.forward,
             ),
         )
         task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
@@ -155,7 +152,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         rounds.append(
             {
                 "round": r,
-                "bytes_per_worker": statistics.mean(x.payload_bytes for x in trained),
+                "payload_bytes": statistics.mean(x.payload_bytes for x in trained),
                 "sent_fraction": sum(x.sent for x in trained) / sum(x.total for x in trained),
                 "eval_loss": eval_loss.get(r),
                 "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
@@ -183,60 +180,50 @@ def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
     return load_tokenizer(path), 3e-6, lambda: load_model(path)
 
 
-def _eval(model: Any, task: Any, args: argparse.Namespace) -> float:
-    import torch
-
-    from pulsenet.rl.local import causal_lm_loss
-
-    # The forward the trainers use (BF16 autocast unless --fp32-forward): PULSELoCo withholds exactly
-    # the updates a BF16 forward cannot see, so an FP32 evaluation would credit DiLoCo with them.
-    autocast = contextlib.nullcontext() if args.fp32_forward else torch.autocast("cpu", dtype=torch.bfloat16)
-    model.eval()
-    total = 0.0
-    with torch.no_grad(), autocast:
-        for step in range(args.eval_batches):
-            ids, labels = task.batch(args.batch, args.seq, step=step)
-            total += float(causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels))
-    return total / args.eval_batches
+def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:
+    # The trainers' own forward (--forward): PULSELoCo withholds exactly the updates a BF16 forward
+    # cannot see, so an FP32 evaluation would credit DiLoCo with them.
+    return local.eval_loss(task.batch(args.batch, args.seq, step=step) for step in range(args.eval_batches))
 
 
 def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall: float) -> dict[str, Any]:
-    from pulsenet.loco.algorithm import FP32_BYTES, ddp_bytes
-
     n_params = next(iter(results.values()))["n_params"]
-    ddp = ddp_bytes(n_params, args.inner_steps)
+    bytes_round = _bytes_per_worker_round(args, results, n_params)
     per_round = []
     for r in range(args.rounds):
-        row: dict[str, Any] = {"round": r + 1, "ddp": {"bytes_per_worker": ddp}}
-        for mode, res in results.items():
-            row[mode] = res["rounds"][r]
+        row: dict[str, Any] = {"round": r + 1, "ddp": {"bytes_per_worker": bytes_round["ddp"]}}
+        row["diloco"] = {"bytes_per_worker": bytes_round["diloco"]}
+        if "diloco" in results:
+            res = results["diloco"]["rounds"][r]
+            row["diloco"] |= {k: v for k, v in res.items() if k != "round"}
+            row["diloco_zstd"] = {"bytes_per_worker": res["payload_bytes"]}
+        if "pulseloco" in results:
+            res = results["pulseloco"]["rounds"][r]
+            row["pulseloco"] = {k: v for k, v in res.items() if k != "round"}
+            row["pulseloco"]["bytes_per_worker"] = res["payload_bytes"]
         per_round.append(row)
-    bytes_round = {"ddp": ddp}
-    for mode, res in results.items():
-        bytes_round[mode] = statistics.mean(x["bytes_per_worker"] for x in res["rounds"])
     summary: dict[str, Any] = {
         "bytes_per_worker_round": bytes_round,
         "bytes_per_worker_total": {k: v * args.rounds for k, v in bytes_round.items()},
-        "dense_fp32_bytes": FP32_BYTES * n_params,
         "digests_equal": all(res["digests_equal"] for res in results.values()),
         "initial_eval_loss": next(iter(results.values()))["initial_eval_loss"],
+        "eval_loss": {m: [x["eval_loss"] for x in res["rounds"]] for m, res in results.items()},
         "final_eval_loss": {m: res["rounds"][-1]["eval_loss"] for m, res in results.items()},
         "time_s": {
             m: {
                 k: sum(x[f"{k}_s"] for x in res["rounds"])
                 for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")
             }
-            | {"wall": res["wall_s"]}
+            | {"wall": res["wall_s"], "wall_per_round": res["wall_s"] / args.rounds}
             for m, res in results.items()
         },
     }
     if "pulseloco" in results:
         p = results["pulseloco"]["rounds"]
         summary["sent_fraction"] = statistics.mean(x["sent_fraction"] for x in p)
-        summary["ratio_vs_ddp"] = ddp / bytes_round["pulseloco"]
-        if "diloco" in results:
-            summary["ratio_vs_diloco"] = bytes_round["diloco"] / bytes_round["pulseloco"]
-        summary["ratio_vs_dense_fp32"] = FP32_BYTES * n_params / bytes_round["pulseloco"]
+        for base in ("ddp", "diloco", "diloco_zstd"):
+            if base in bytes_round:
+                summary[f"ratio_vs_{base}"] = bytes_round[base] / bytes_round["pulseloco"]
     return {
         "bench": "loco",
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
@@ -255,56 +242,72 @@ def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall
     }
 
 
+def _bytes_per_worker_round(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], n_params: int
+) -> dict[str, float]:
+    """Bytes one worker sends per round, by method.
+
+    ``ddp`` and ``diloco`` are accounting on one basis, raw FP32 as the methods are published:
+    H dense gradients (all-reduce), one dense pseudo-gradient. ``diloco_zstd`` and ``pulseloco``
+    are the payloads the benchmark's workers actually put into the store (DiLoCo's dense FP32 bits
+    under zstd: a stronger baseline than the published method).
+    """
+    from pulsenet.loco.algorithm import FP32_BYTES, ddp_bytes
+
+    out: dict[str, float] = {"ddp": ddp_bytes(n_params, args.inner_steps), "diloco": FP32_BYTES * n_params}
+    for mode, key in (("diloco", "diloco_zstd"), ("pulseloco", "pulseloco")):
+        if mode in results:
+            out[key] = statistics.mean(x["payload_bytes"] for x in results[mode]["rounds"])
+    return out
+
+
 def _print(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
     s = doc["summary"]
-    modes = [m for m in RICH_MODES if m in s["bytes_per_worker_round"]]
+    modes = [m for m in RICH_MODES if m in s["final_eval_loss"]]
+    sizes = [k for k in ("ddp", "diloco", "diloco_zstd", "pulseloco") if k in s["bytes_per_worker_round"]]
+    ratios = [k for k in ("ddp", "diloco", "diloco_zstd") if f"ratio_vs_{k}" in s]
+    labels = {"ddp": "DDP", "diloco": "DiLoCo", "diloco_zstd": "DiLoCo zstd", "pulseloco": "PULSELoCo"}
     table = Table(title=f"PULSELoCo bench: {doc['config']['model']}, {doc['config']['workers']} workers, "
-                  f"H={doc['config']['inner_steps']}, {doc['n_params']:,} params")  # fmt: skip
+                  f"H={doc['config']['inner_steps']}, {doc['n_params']:,} params; MB per worker per round")  # fmt: skip
     table.add_column("round", justify="right")
-    table.add_column("DDP MB/worker", justify="right")
-    for m in modes:
-        table.add_column(f"{m} MB/worker", justify="right")
+    for k in sizes:
+        table.add_column(f"{labels[k]} MB", justify="right")
     if "pulseloco" in modes:
         table.add_column("sent %", justify="right")
-        table.add_column("x vs DiLoCo", justify="right")
-        table.add_column("x vs DDP", justify="right")
+    for k in ratios:
+        table.add_column(f"x vs {labels[k]}", justify="right")
     for m in modes:
-        table.add_column(f"{m} eval loss", justify="right")
+        table.add_column(f"{labels[m]} eval loss", justify="right")
     for m in modes:
-        table.add_column(f"{m} enc/up/wait s", justify="right")
+        table.add_column(f"{labels[m]} enc/up/wait s", justify="right")
 
-    def row(label: str, ddp: float, per: dict[str, dict[str, Any]]) -> list[str]:
-        cells = [label, f"{ddp / 1e6:.2f}"]
-        cells += [f"{per[m]['bytes_per_worker'] / 1e6:.3f}" for m in modes]
+    def row(label: str, per: dict[str, dict[str, Any]]) -> list[str]:
+        cells = [label] + [f"{per[k]['bytes_per_worker'] / 1e6:.2f}" for k in sizes]
         if "pulseloco" in modes:
-            p = per["pulseloco"]
-            cells.append(f"{100 * p['sent_fraction']:.2f}")
-            cells.append(
-                f"{per['diloco']['bytes_per_worker'] / p['bytes_per_worker']:.1f}" if "diloco" in per else "-"
-            )
-            cells.append(f"{ddp / p['bytes_per_worker']:.1f}")
+            cells.append(f"{100 * per['pulseloco']['sent_fraction']:.2f}")
+        ours = per.get("pulseloco", {}).get("bytes_per_worker")
+        cells += [f"{per[k]['bytes_per_worker'] / ours:.1f}" for k in ratios]
         cells += [f"{per[m]['eval_loss']:.4f}" if per[m].get("eval_loss") is not None else "-" for m in modes]
         cells += [f"{per[m]['encode_s']:.1f}/{per[m]['upload_s']:.1f}/{per[m]['wait_s']:.1f}" for m in modes]
         return cells
 
     for r in doc["rounds"]:
-        table.add_row(*row(str(r["round"]), r["ddp"]["bytes_per_worker"], r))
-    mean = {
-        m: {
-            "bytes_per_worker": s["bytes_per_worker_round"][m],
-            "sent_fraction": s.get("sent_fraction", 0.0),
-            "eval_loss": s["final_eval_loss"][m],
-            **{f"{k}_s": v / len(doc["rounds"]) for k, v in s["time_s"][m].items()},
-        }
-        for m in modes
-    }
-    table.add_row(*row("mean", s["bytes_per_worker_round"]["ddp"], mean), style="bold")
+        table.add_row(*row(str(r["round"]), r))
+    mean: dict[str, dict[str, Any]] = {k: {"bytes_per_worker": v} for k, v in s["bytes_per_worker_round"].items()}
+    for m in modes:
+        mean[m] |= {"sent_fraction": s.get("sent_fraction", 0.0), "eval_loss": s["final_eval_loss"][m]}
+        mean[m] |= {f"{k}_s": v / len(doc["rounds"]) for k, v in s["time_s"][m].items()}
+    table.add_row(*row("mean", mean), style="bold")
     console = Console()
-    console.width = max(console.width, 150)  # the table is wide; let a narrow or piped terminal wrap it
+    console.width = max(console.width, 190)  # the table is wide; let a narrow or piped terminal wrap it
     console.print(table)
+    console.print(
+        "DDP and DiLoCo: raw FP32 as published (H dense gradients; one dense pseudo-gradient); "
+        "DiLoCo zstd and PULSELoCo: the payloads the workers put into the store"
+    )
     console.print(
         f"initial eval loss {s['initial_eval_loss']:.4f}; digests equal across workers after every round: "
         f"{s['digests_equal']}; wall {doc['wall_s']:.0f} s"

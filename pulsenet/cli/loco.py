@@ -67,11 +67,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--batch", type=int, default=4, help="rows per inner step (default: %(default)s)")
     p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
-    p.add_argument(
-        "--fp32-forward",
-        action="store_true",
-        help="FP32 forward instead of BF16 autocast (faster on CPUs without BF16)",
-    )
+    add_forward_argument(p)
     p.add_argument(
         "--seed", type=int, default=0, help="run seed: model init (same on every trainer) and data streams"
     )
@@ -100,6 +96,23 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-timeout", type=float, default=30.0, help="seconds per small store call")
     p.add_argument("--transfer-timeout", type=float, default=600.0, help="seconds per payload/state transfer")
     p.add_argument("--report", type=Path, default=None, help="write the per-round reports here as JSON")
+
+
+FORWARDS = ("bf16-weights", "autocast-bf16", "fp32")
+"""``pulsenet.rl.local.FORWARDS``, spelled out so that ``pulsenet --help`` need not import torch
+(tests/test_rl_local.py checks the two agree)."""
+
+
+def add_forward_argument(p: argparse.ArgumentParser) -> None:
+    """``--forward``: how the inner loop (and the benchmark's evaluation) runs the model."""
+    p.add_argument(
+        "--forward",
+        choices=FORWARDS,
+        default="bf16-weights",
+        help="inner forward: bf16-weights (FP32 maths on the BF16-rounded weights, fast on any CPU), "
+        "autocast-bf16 (torch.autocast, for CPUs/GPUs with native BF16), fp32 (sees sub-BF16 updates "
+        "the PULSELoCo gate withholds) (default: %(default)s)",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -138,7 +151,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
             batch_size=args.batch,
             seq_len=args.seq,
             seed=data_seed(args.seed, args.id),
-            forward_dtype=None if args.fp32_forward else torch.bfloat16,
+            forward=args.forward,
         ),
     )
     task = ArithmeticTask(data_seed(args.seed, args.id), tokenizer)

@@ -17,6 +17,9 @@ import contextlib
 import logging
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
 
 from pulsenet.errors import (
     ManifestError,
@@ -37,27 +40,41 @@ Entry = tuple[wire.Payload, float, ObjectRef]
 """A judged payload: decoded, validated, its L2 norm, and the object it came from."""
 
 
+Base = Mapping[str, torch.Tensor]
+"""The global FP32 weights θ a round starts from: sparse payloads code their values relative to them."""
+
+
 class PayloadCache:
-    """Decoded payloads by SHA-256, shared by the trainers of one process (benchmarks, simulations).
+    """Decoded payloads by (SHA-256, base digest), shared by the trainers of one process (benchmarks).
 
     One download and one decoded copy per payload instead of one per trainer: a 135M-parameter
     dense DiLoCo payload decodes to 540 MB, and four simulated trainers each holding four would not
-    fit in memory. Sound because payloads are content-addressed and never mutated once decoded.
-    Bytes put into the store are unaffected.
+    fit in memory. Sound because payloads are content-addressed and never mutated once decoded, and
+    the values depend only on the bytes and the base weights, named by the digest of the global
+    state they belong to. Bytes put into the store are unaffected.
     """
 
     def __init__(self) -> None:
-        self._items: dict[str, wire.Payload] = {}
+        self._items: dict[tuple[str, str], wire.Payload] = {}
 
-    def get(self, sha256: str) -> wire.Payload | None:
-        return self._items.get(sha256)
+    def get(self, sha256: str, base_digest: str) -> wire.Payload | None:
+        return self._items.get((sha256, base_digest))
 
-    def put(self, sha256: str, payload: wire.Payload) -> None:
-        self._items[sha256] = payload
+    def put(self, sha256: str, base_digest: str, payload: wire.Payload) -> None:
+        self._items[(sha256, base_digest)] = payload
 
     def evict_before(self, round_: int) -> None:
-        for sha in [k for k, p in self._items.items() if p.round < round_]:
-            del self._items[sha]
+        for key in [k for k, p in self._items.items() if p.round < round_]:
+            del self._items[key]
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What one collect phase decodes and judges against."""
+
+    round: int
+    base: Base
+    base_digest: str
 
 
 class Collector:
@@ -75,22 +92,24 @@ class Collector:
         self.mode = MODES[config.mode]
 
     async def collect(
-        self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]], base_digest: str
+        self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]], base: Base, base_digest: str
     ) -> tuple[Record, dict[str, wire.Payload]]:
         """The round's record and the decoded payload of every participant it names.
 
         ``upload`` is our own publish task (returning the bytes that stand in the store and their
-        reference); ``base_digest`` the digest of the state we trained from (goes into a proposal).
+        reference); ``base`` the global weights we trained from (payloads are decoded against
+        them) and ``base_digest`` the digest of that state (goes into a proposal).
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
         deadline, give_up = loop.time() + cfg.deadline_s, loop.time() + cfg.round_timeout_s
-        fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(r, upload))}
+        ctx = _Context(r, base, base_digest)
+        fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(ctx, upload))}
         unreadable: set[str] = set()  # members whose manifest failed verification: warned once, skipped
         try:
             while True:
                 try:
-                    record = await self._poll_once(r, fetches, unreadable, deadline, base_digest)
+                    record = await self._poll_once(ctx, fetches, unreadable, deadline)
                 except StoreError as e:  # a transient store failure costs a poll, not the round
                     log.warning("%s: round %d: store error while polling: %s", self.id, r, e)
                     record = None
@@ -111,16 +130,20 @@ class Collector:
                     "%s: round %d: record writer %s trained from base %s, ours is %s",
                     *(self.id, r, record.writer, record.base_digest[:16], base_digest[:16]),
                 )
-            return record, await self._participants_payloads(r, record, fetches)
+            return record, await self._participants_payloads(ctx, record, fetches)
         finally:
             for t in fetches.values():
                 t.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
 
-    async def load(self, ref: ObjectRef) -> wire.Payload:
-        """A payload a record names (judged by the record's writer): from the cache, else fetched and decoded."""
-        cached = self.cache.get(ref.sha256) if self.cache is not None else None
-        return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref)
+    async def load(self, ref: ObjectRef, base: Base, base_digest: str | None = None) -> wire.Payload:
+        """A payload a record names (judged by the record's writer), decoded against ``base``.
+
+        From the cache when ``base_digest`` names the base (replays pass None: no cache), else
+        fetched and decoded.
+        """
+        cached = self._cached(ref, base_digest)
+        return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
 
     async def sleep(self) -> None:
         """One poll interval, jittered x0.5-1.5 so trainers do not poll in lockstep."""
@@ -129,14 +152,10 @@ class Collector:
     # --- one poll -----------------------------------------------------------------------------
 
     async def _poll_once(
-        self,
-        r: int,
-        fetches: dict[str, asyncio.Task[Entry]],
-        unreadable: set[str],
-        deadline: float,
-        base_digest: str,
+        self, ctx: _Context, fetches: dict[str, asyncio.Task[Entry]], unreadable: set[str], deadline: float
     ) -> Record | None:
         """One look at the store: the round's record if it exists (or we just wrote it), else None."""
+        r = ctx.round
         record = await self.rs.read_record(r)
         if record is not None:
             self._log_follow(r, record)
@@ -145,10 +164,10 @@ class Collector:
             if tid not in fetches and tid not in unreadable:
                 manifest = await self._try_manifest(tid, r, unreadable)
                 if manifest is not None:
-                    fetches[tid] = asyncio.create_task(self._fetch_entry(r, manifest.payload))
+                    fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
         if not all(t.done() for t in fetches.values()):
             return None
-        proposal = self._proposal(r, fetches, base_digest)
+        proposal = self._proposal(r, fetches, ctx.base_digest)
         complete = len(fetches) >= self.config.workers_expected
         if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
             return None
@@ -213,31 +232,36 @@ class Collector:
 
     # --- fetching and judging payloads ------------------------------------------------------------
 
-    async def _own_entry(self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]]) -> Entry:
+    async def _own_entry(self, ctx: _Context, upload: asyncio.Task[tuple[bytes, ObjectRef]]) -> Entry:
         """Our own payload, judged exactly like a peer's: decoded from the bytes we published."""
         data, ref = await asyncio.shield(upload)  # cancelling this entry must not cancel the upload
-        return await self._judge(r, data, ref)
+        return await self._judge(ctx, data, ref)
 
-    async def _fetch_entry(self, r: int, ref: ObjectRef) -> Entry:
-        cached = self.cache.get(ref.sha256) if self.cache is not None else None
+    async def _fetch_entry(self, ctx: _Context, ref: ObjectRef) -> Entry:
+        cached = self._cached(ref, ctx.base_digest)
         if cached is not None:
-            return cached, await asyncio.to_thread(alg.validate, cached, round=r, mode=self.mode), ref
-        return await self._judge(r, await self.rs.fetch(ref), ref)
+            return cached, await asyncio.to_thread(alg.validate, cached, round=ctx.round, mode=self.mode), ref
+        return await self._judge(ctx, await self.rs.fetch(ref), ref)
 
-    async def _judge(self, r: int, data: bytes, ref: ObjectRef) -> Entry:
+    async def _judge(self, ctx: _Context, data: bytes, ref: ObjectRef) -> Entry:
         """Decode (format, shapes, index bounds) and validate (round, mode, finite values); returns the norm."""
-        payload = await self._decode(data, ref)
-        norm = await asyncio.to_thread(alg.validate, payload, round=r, mode=self.mode)
+        payload = await self._decode(data, ref, ctx.base, ctx.base_digest)
+        norm = await asyncio.to_thread(alg.validate, payload, round=ctx.round, mode=self.mode)
         return payload, norm, ref
 
-    async def _decode(self, data: bytes, ref: ObjectRef) -> wire.Payload:
-        payload = await asyncio.to_thread(wire.decode, data, self.shapes)
-        if self.cache is not None:
-            self.cache.put(ref.sha256, payload)
+    def _cached(self, ref: ObjectRef, base_digest: str | None) -> wire.Payload | None:
+        if self.cache is None or base_digest is None:
+            return None
+        return self.cache.get(ref.sha256, base_digest)
+
+    async def _decode(self, data: bytes, ref: ObjectRef, base: Base, base_digest: str | None) -> wire.Payload:
+        payload = await asyncio.to_thread(wire.decode, data, self.shapes, base)
+        if self.cache is not None and base_digest is not None:
+            self.cache.put(ref.sha256, base_digest, payload)
         return payload
 
     async def _participants_payloads(
-        self, r: int, record: Record, fetches: Mapping[str, asyncio.Task[Entry]]
+        self, ctx: _Context, record: Record, fetches: Mapping[str, asyncio.Task[Entry]]
     ) -> dict[str, wire.Payload]:
         """The decoded payload of every participant the record names, reusing fetches already done."""
 
@@ -250,10 +274,10 @@ class Collector:
                     if got == ref:
                         return payload
             try:
-                return await self.load(ref)
+                return await self.load(ref, ctx.base, ctx.base_digest)
             except PulsenetError as e:
                 raise RoundError(
-                    f"round {r}: cannot use participant {tid}'s payload named by the record: {e}"
+                    f"round {ctx.round}: cannot use participant {tid}'s payload named by the record: {e}"
                 ) from e
 
         tids = sorted(record.participants)

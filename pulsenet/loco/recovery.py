@@ -16,6 +16,8 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from pulsenet.errors import ObjectNotFound, PulsenetError, RoundError
 from pulsenet.loco import payload as wire
 from pulsenet.loco.round import ObjectRef, RoundStore
@@ -23,8 +25,8 @@ from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[ObjectRef], Awaitable[wire.Payload]]
-"""Fetches (or finds in a cache) and decodes a payload a round record names."""
+Loader = Callable[[ObjectRef, Mapping[str, torch.Tensor]], Awaitable[wire.Payload]]
+"""Fetches and decodes a payload a round record names, against the round's base weights."""
 Apply = Callable[[GlobalState, Mapping[str, wire.Payload]], Awaitable[None]]
 """Averages payloads into a state and takes the outer step, in place (``algorithm.apply_round``)."""
 
@@ -69,7 +71,7 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
 
         async def one(ref: ObjectRef, r: int = r) -> wire.Payload:
             try:
-                return await load(ref)
+                return await load(ref, state.theta)
             except ObjectNotFound as e:
                 raise RoundError(f"cannot replay round {r}: payload {ref.key} is gone") from e
 

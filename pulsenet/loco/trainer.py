@@ -182,7 +182,7 @@ class LocoTrainer:
 
         upload = asyncio.create_task(self._publish(r, data, report))
         try:
-            record, payloads = await self._collector.collect(r, upload, self.digest)
+            record, payloads = await self._collector.collect(r, upload, state.theta, self.digest)
         finally:
             # Never abandon our own upload half way: a manifest may already name the payload.
             (published,) = await asyncio.gather(upload, return_exceptions=True)
@@ -218,8 +218,12 @@ class LocoTrainer:
         return await self._heavy(self._train_inner)
 
     def encode_payload(self, payload: wire.Payload) -> bytes:
-        """The bytes to publish for ``payload``. Tests override to inject malformed or poisoned payloads."""
-        return wire.encode(payload)
+        """The bytes to publish for ``payload``. Tests override to inject malformed or poisoned payloads.
+
+        Sparse values are coded relative to the round's base weights, which every receiver holds;
+        DiLoCo's dense payload stays raw FP32 bits under zstd (the baseline as specified).
+        """
+        return wire.encode(payload, self._state.theta if self.config.sparse else None)
 
     def _train_inner(self) -> list[float]:
         losses = [self.local.train_step(self.task) for _ in range(self.config.inner_steps)]

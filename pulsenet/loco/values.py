@@ -1,0 +1,129 @@
+"""Lossless coding of PULSELoCo values relative to the base weights both sides hold.
+
+A sent value is ``s = e + (θ - θ_local)``: sums and differences of FP32 numbers near θ, so ``s`` is
+almost always an exact multiple of ``ulp(θ)``, and the gate sent it only because ``θ - s`` leaves
+θ's BF16 rounding cell, so ``|s|`` is at least the distance from θ to that cell's edge in the
+direction of the update. Per entry, with ``u = ulp(θ) = 2^(max(E, 1) - 150)`` (E: θ's biased
+exponent) and ``k = s / u``::
+
+    toward = sign(s) == sign(θ)             # the update θ - s moves θ toward zero
+    T      = threshold(θ, toward)           # fewest ulps that leave the cell that way (>= 1)
+    near   = threshold(θ, True) <= threshold(θ, False)   # the nearer edge is toward zero
+    code   = ((|k| - T) << 1) | (toward != near)
+
+valid when E < 255, k is an integer and T <= |k| < 2^24. The receiver knows θ, so it recomputes
+both thresholds, the direction from the low bit and rebuilds ``s = ±(q + T)·u`` exactly. The low
+bit says "the update crossed the farther edge", which is rare when one edge is much nearer: cheaper
+than the sign itself. Any entry that does not round-trip bit for bit through this (±0,
+non-finite, non-multiples, huge, below the threshold) is an *escape* and travels as raw FP32
+bits. T need not be tight for correctness, only deterministic: both sides compute it from θ's
+bits alone, with integer arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pulsenet.errors import PayloadError
+
+N_CONTEXTS = 256 + 17
+"""Contexts of the position coding: ``max(E, 1) + bitlen(distance to the cell edge)``, E < 256."""
+K_LIMIT = 1 << 24
+"""|k| must stay below this, so ``k·u`` is an FP32 value (24-bit significand) and cannot overflow."""
+_MANT = 0x7FFFFF
+
+
+def context(base_bits: np.ndarray) -> np.ndarray:
+    """Per entry, how likely an update is to cross θ's BF16 cell edge, as a small integer (uint16).
+
+    ``max(E, 1) + bitlen(|(a & 0xFFFF) - 0x8000|)``: the binary logarithm, up to a constant, of the
+    absolute distance from θ to the nearest edge of its BF16 rounding cell (the low 16 bits of the
+    pattern place θ in the cell; 0x8000 is the edge). An update of a given size crosses near edges
+    far more often than far ones, so the sent mask coded per context costs about half as much.
+    Only needs to be deterministic, not exact (it ignores ties and binade edges).
+    """
+    exponent = ((base_bits >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint16)
+    return np.maximum(exponent, 1) + _EDGE_BITLEN[base_bits & np.uint32(0xFFFF)]
+
+
+def _edge_bitlen() -> np.ndarray:
+    """``bitlen(|low - 0x8000|)`` for every value of a pattern's low 16 bits (a 128 KiB table)."""
+    distance = np.abs(np.arange(1 << 16, dtype=np.int32) - 0x8000).astype(np.float32)  # exact
+    return np.frexp(distance)[1].astype(np.uint16)  # frexp(0) = (0, 0); else 2^(b-1) <= d < 2^b
+
+
+_EDGE_BITLEN = _edge_bitlen()
+
+
+def threshold(a: np.ndarray, toward: np.ndarray) -> np.ndarray:
+    """T per entry: a lower bound on ``|k|`` for ``θ - s`` to leave θ's BF16 cell (int64, >= 1).
+
+    ``a``: θ's magnitude bit pattern (int64, sign cleared); ``toward``: whether the update moves θ
+    toward zero.
+    """
+    t_toward, t_away = thresholds(a)
+    return np.where(toward, t_toward, t_away)
+
+
+def thresholds(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(T toward zero, T away from zero)`` per entry, each >= 1.
+
+    The cell of ``r = bf16(|θ|)`` (round to nearest even) spans the magnitude patterns ``[lo, hi]``
+    around ``b = r << 16`` (±0x8000 if r is even, else ±0x7FFF). Within one exponent (or across
+    the subnormal/E=1 edge, which share u) patterns are u apart; leaving the binade toward zero
+    halves the spacing (exact there), away from zero doubles it (rounded: one less).
+    """
+    e = a >> 23
+    r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
+    half = np.where(r & 1, 0x7FFF, 0x8000)
+    mant = a & _MANT
+    down, up = (r << 16) - half - 1, (r << 16) + half + 1  # nearest magnitude patterns outside the cell
+    same_down = (down >> 23 == e) | ((e <= 1) & (down >> 23 <= 1))
+    same_up = (up >> 23 == e) | ((e <= 1) & (up >> 23 <= 1))
+    t_down = np.where(down < 0, 1, np.where(same_down, a - down, mant + ((e << 23) - down + 1) // 2))
+    t_up = np.where(same_up, up - a, (0x800000 - mant) + 2 * (up - ((e + 1) << 23)) - 1)
+    return np.maximum(t_down, 1), np.maximum(t_up, 1)
+
+
+def encode(base_bits: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, escaped)``: uint32 codes of the entries that round-trip exactly, and the escape mask.
+
+    ``base_bits``: θ's FP32 bit patterns at the sent positions (uint32); ``values``: s (float32).
+    Every code is checked by decoding it, so the escape mask is right whatever the inputs.
+    """
+    tb = base_bits.astype(np.int64)
+    sb = values.view(np.uint32).astype(np.int64)
+    a, sign_t = tb & 0x7FFFFFFF, tb >> 31
+    e = a >> 23
+    with np.errstate(invalid="ignore", over="ignore"):
+        k = np.ldexp(np.abs(values.astype(np.float64)), 150 - np.maximum(e, 1))
+        ok = (e < 255) & np.isfinite(k) & (k < K_LIMIT) & (k == np.floor(k))
+    k_int = np.where(ok, k, 0).astype(np.int64)
+    t_toward, t_away = thresholds(a)
+    toward = (sb >> 31) == sign_t
+    t = np.where(toward, t_toward, t_away)
+    ok &= k_int >= t
+    codes = np.where(ok, ((k_int - t) << 1) | (toward != (t_toward <= t_away)), 0)
+    back = _rebuild(a[ok], sign_t[ok], codes[ok])
+    ok[ok] = back.view(np.uint32) == values.view(np.uint32)[ok]
+    return codes[ok].astype(np.uint32), ~ok
+
+
+def decode(base_bits: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    """The float32 values ``codes`` stand for against θ's bits; ``PayloadError`` if a code is impossible."""
+    tb = base_bits.astype(np.int64)
+    a = tb & 0x7FFFFFFF
+    if np.any(a >> 23 == 255):
+        raise PayloadError("a coded value sits on a non-finite base weight")
+    return _rebuild(a, tb >> 31, codes.astype(np.int64))
+
+
+def _rebuild(a: np.ndarray, sign_t: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    t_toward, t_away = thresholds(a)
+    toward = (codes & 1).astype(bool) != (t_toward <= t_away)
+    k = (codes >> 1) + np.where(toward, t_toward, t_away)
+    if np.any(k >= K_LIMIT):
+        raise PayloadError(f"a coded value has |k| >= 2^24 ({int(k.max())})")
+    sign_s = np.where(toward, sign_t, 1 - sign_t).astype(np.uint32)
+    mag = np.ldexp(k.astype(np.float64), np.maximum(a >> 23, 1) - 150).astype(np.float32)  # exact
+    return (mag.view(np.uint32) | (sign_s << np.uint32(31))).view(np.float32)
