@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pulsenet.bench import workdir as bench_workdir
+
 SCHEMA = "pulsenet.bench.e2e/1"
 
 
@@ -65,14 +67,7 @@ def run(args: argparse.Namespace) -> dict:
     console = Console(stderr=True)
     load0 = os.getloadavg()[0]  # other work on the machine skews the CPU-bound parts: record it
     lr = args.lr if args.lr is not None else (3e-6 if args.model == "smollm2" else 1e-4)
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="pulsenet-bench-e2e-")
-        workdir = Path(tmp.name)
-    else:
-        workdir = args.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with bench_workdir(args.workdir, "e2e") as workdir:
         console.print(
             f"[bold]bench e2e[/]: {args.model}, {args.versions} AdamW steps at lr {lr:g}, "
             f"{args.subscribers} subscribers, {args.link_mbps:g} Mbit/s links"
@@ -101,9 +96,6 @@ def run(args: argparse.Namespace) -> dict:
             server.create_buckets("bench")
             console.print(f"SeaweedFS at {server.endpoint_url}")
             timing = asyncio.run(_measure(server, states, args, console))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
 
     anchor = timing["versions"][0]
     patches = timing["versions"][1:]

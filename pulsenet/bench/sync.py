@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import platform
 import resource
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from pulsenet.bench import workdir as bench_workdir
 
 SCHEMA = "pulsenet.bench.sync/1"
 
@@ -141,14 +142,7 @@ def run(args: argparse.Namespace) -> dict:
     from rich.console import Console
 
     console = Console(stderr=True)
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.TemporaryDirectory(prefix="pulsenet-bench-sync-")
-        workdir = Path(tmp.name)
-    else:
-        workdir = args.workdir
-        workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with bench_workdir(args.workdir, "sync") as workdir:
         console.print(f"[bold]bench sync[/]: {args.model}, {args.steps} AdamW steps at lr {args.lr:g}")
         paths, losses, s_per_step = make_checkpoints(args, workdir, console.print)
         pairs = [(paths[k - 1], paths[k]) for k in range(1, len(paths))]
@@ -158,9 +152,6 @@ def run(args: argparse.Namespace) -> dict:
         for old, new in pairs:
             console.print(f"measuring {old.stem} -> {new.stem} ...")
             rows.append(measure_pair(old, new, args.threads))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     per_step = rows[: len(paths) - 1]
     summary = {
         "per_step_changed_fraction_mean": float(np.mean([r["changed_fraction"] for r in per_step])),
