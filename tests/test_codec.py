@@ -131,6 +131,42 @@ def test_zoned_kernels_every_mode_and_tail(dtype, n):
     assert same(apply_patch({"w": a}, patch)["w"], b)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_way_of_finding_zone_members_codes_the_same(dtype, monkeypatch):
+    """How the kernels find a zone's members (listed by zone, counted a word at a time, or the
+    complement of what is below the top zone) is chosen for speed, separately by the encoder and
+    the decoder: every choice must give the same patch and the same rebuilt tensor."""
+    from pulsenet.codec import kernels
+
+    rng = np.random.default_rng(7)
+    n = 40_003
+    master = torch.from_numpy(rng.standard_normal(n) * 0.02)
+    master[rng.choice(n, 300, replace=False)] *= 1e-4
+    step = 2e-6 if dtype == torch.bfloat16 else 3e-11
+    a = master.to(dtype)
+    b = (master - step * torch.from_numpy(np.sign(rng.standard_normal(n)))).to(dtype)
+    big = torch.from_numpy(rng.choice(n, 60, replace=False))
+    b[big] = b[big] * 1.5  # changes among the large weights: the top zone is coded
+    b[-2:] = -b[-2:]
+
+    def random_how(los, his, zmode, members, below_top, n, nbins):
+        how = np.where(zmode == kernels.ONES, rng.integers(0, 2, zmode.size), kernels.BUCKET).astype(np.int8)
+        if his[-1] == nbins and zmode[-1] == kernels.ONES and rng.random() < 0.5:
+            how[-1] = kernels.COMPLEMENT
+        seen.update(how.tolist())
+        return how
+
+    reference = PatchEncoder().encode({"w": a}, {"w": b})
+    tables = [z for z in parse_patch(reference).tensors[0].zones if z.nnz]
+    assert tables[-1].mode == "ones" and tables[-1].hi == 512 and len(tables) >= 3, tables
+    seen: set[int] = set()
+    monkeypatch.setattr(kernels, "member_search", random_how)
+    for _ in range(12):
+        assert PatchEncoder().encode({"w": a}, {"w": b}) == reference
+        assert same(apply_patch({"w": a}, reference)["w"], b)
+    assert {kernels.COUNT, kernels.COMPLEMENT, kernels.BUCKET} <= seen
+
+
 def test_special_values_bit_exact():
     specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 1.0, -1.0])
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):

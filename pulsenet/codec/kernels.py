@@ -4,13 +4,15 @@ The change mask is coded per *zone* in the zone's own rank space (codec/mask.py)
 of every zone with changes must be counted. What keeps that cheap:
 
 - Zones without changes (at RL learning rates: the large-magnitude bulk of every tensor) are not
-  visited at all.
+  visited at all; when the bulk has changes, its ranks come from the small zones below it
+  (rank = position - entries below the bulk before it), never from counting the bulk.
 - Membership is tested a 64-bit word at a time (SWAR: four BF16 entries, one add per bound sets
   each lane's top bit), so entries outside the coded zones cost a fraction of a nanosecond.
-- "ones" zones (a few changes among many members) are counted with one popcount per word.
-- Bitmap and "zeros" zones (most members matter) are handled chunk by chunk: the chunk's members
-  are bucketed by zone without data-dependent branches, then each zone is coded with its rank,
-  list pointer and value count in registers instead of per-zone counter arrays.
+- Chunk by chunk (in L2), the words holding members are listed, their member lanes appended in
+  position order and only those bucketed by zone, without data-dependent branches; each zone is
+  then coded with its rank, list pointer and value count in registers. The decoder copies the
+  chunk of the base as it goes, so the random writes that follow hit cache.
+- "ones" zones with very many members (not the bulk) are counted with one popcount per word.
 
 Arithmetic is done on uint64 and masked to the element width ``M``, so one kernel serves every
 width. ``S`` is the sign bit of the width. For sign-magnitude floats the codes are differences of
@@ -26,21 +28,24 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-BITMAP, ONES, ZEROS = 0, 1, 2
+BITMAP, ONES, ZEROS = 0, 1, 2  # zone modes
+BUCKET, COUNT, COMPLEMENT = 0, 1, 2  # how a zone's members are found (encode_zones)
 CHUNK = 1 << 13  # entries per chunk: the chunk and its per-zone member lists stay in L2
 
 
 @njit(nogil=True, cache=True)
-def bin_histogram(a, b, magmask, shift, nbins):
-    """Per context bin: number of entries and of changed entries (bits differ)."""
+def bin_histogram(a, b, magmask, shift, nbins, stride):
+    """Per context bin: entries and changed entries (bits differ), counted in every ``stride``-th
+    entry and scaled up. The encoder counts exactly (stride 1); the decoder only estimates zone
+    sizes from a sample of the base (``b`` = ``a``) to choose how to find each zone's members."""
     n_bin = np.zeros(nbins, dtype=np.int64)
     k_bin = np.zeros(nbins, dtype=np.int64)
-    for i in range(a.size):
+    for i in range(0, a.size, stride):
         x = np.uint64(a[i])
         c = (x & magmask) >> shift
-        n_bin[c] += 1
+        n_bin[c] += stride
         if x != np.uint64(b[i]):
-            k_bin[c] += 1
+            k_bin[c] += stride
     return n_bin, k_bin
 
 
@@ -95,6 +100,60 @@ def zone_dp(N, K, max_zones):
         best = nxt
         finals[z] = best[B]
     return backs, finals, mode
+
+
+@njit(nogil=True, cache=True)
+def zone_plan(n_bin, k_bin, max_zones):
+    """Zone boundaries (exclusive upper bins) and modes minimising the estimated mask size.
+
+    Dynamic programming over groups of non-empty bins (:func:`zone_dp`). Each bin from the first
+    to the last with changes is its own group; the unchanged runs at either end are one group
+    each (splitting them never pays). Empty bins join the zone above them.
+    """
+    nb = n_bin.size
+    bins = np.empty(nb, dtype=np.int64)
+    nz = 0
+    for c in range(nb):
+        if n_bin[c] > 0:
+            bins[nz] = c
+            nz += 1
+    f = last = -1
+    for g in range(nz):
+        if k_bin[bins[g]] > 0:
+            f = g if f < 0 else f
+            last = g
+    starts = np.empty(nz + 1, dtype=np.int64)
+    starts[0], G = 0, 1
+    if f >= 0:
+        for g in range(max(f, 1), min(last + 2, nz)):
+            starts[G] = g
+            G += 1
+    starts[G] = nz
+    N, K = np.zeros(G + 1), np.zeros(G + 1)
+    group_last = np.empty(G, dtype=np.int64)
+    for gi in range(G):
+        n = k = 0.0
+        for g in range(starts[gi], starts[gi + 1]):
+            n += n_bin[bins[g]]
+            k += k_bin[bins[g]]
+        N[gi + 1], K[gi + 1] = N[gi] + n, K[gi] + k
+        group_last[gi] = bins[starts[gi + 1] - 1]
+    backs, finals, mode = zone_dp(N, K, min(max_zones, G))
+    z = np.argmin(finals) + 1
+    ends = np.empty(z, dtype=np.int64)
+    j = G
+    for t in range(z - 1, -1, -1):
+        ends[t] = j
+        j = backs[t, j]
+    his = np.empty(z, dtype=np.int64)
+    modes = np.empty(z, dtype=np.int8)
+    start = 0
+    for t in range(z):
+        his[t] = group_last[ends[t] - 1] + 1
+        modes[t] = mode[start, ends[t]]
+        start = ends[t]
+    his[z - 1] = nb
+    return his, modes
 
 
 @njit(inline="always")
@@ -174,40 +233,77 @@ def _changed_lanes(d, lows, signs):
 
 
 @njit(inline="always")
-def _member_buffers(nz):
-    """Scratch for :func:`_sort_members`: member words, per-zone member rows (+ the discard row)."""
-    return np.empty(CHUNK, dtype=np.int64), np.empty((nz + 1, CHUNK), dtype=np.int32), np.zeros(nz + 1, dtype=np.int64)
+def _chunk_buffers(nz, lanes):
+    """Scratch for :func:`_scan_chunk`: member words, member offsets, per-zone member rows (+ the
+    discard row) and their counts, changed words and offsets of the complement zone."""
+    return (
+        np.empty(CHUNK // lanes + 1, dtype=np.int64), np.empty(CHUNK, dtype=np.int32),
+        np.empty((nz + 1, CHUNK), dtype=np.int32), np.zeros(nz + 1, dtype=np.int64),
+        np.empty(CHUNK // lanes + 1, dtype=np.int64), np.empty(CHUNK, dtype=np.int32),
+    )  # fmt: skip
 
 
 @njit(inline="always")
-def _sort_members(a, aw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt):
-    """Bucket the chunk's entries with magnitude in [lo, hi) by zone, in position order.
+def _scan_chunk(a, b, aw, bw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, bufs, complement):
+    """Find the chunk's entries with magnitude in [lo, hi) and bucket them by zone, in position order.
 
-    ``lists[z, :cnt[z]]`` get the offsets (from c0) of zone z's members; ``lut`` maps a context
-    bin to its zone, or to the last row (bins of zones that are not coded: discarded). Members
-    are scattered at random, so nothing here branches on the data: first the words holding a
-    member are listed, then every entry of those words is dropped into its zone's row.
+    ``flat[:nf]``: their offsets from c0; ``lists[z, :cnt[z]]``: zone z's (``lut``: bin -> zone, or
+    the last row for bins of zones that are not bucketed). With ``complement`` (encoder only) also
+    ``ctop[:nt]``: changed entries *outside* [lo, hi) (the complement zone's changes). Members
+    are scattered at random, so nothing here branches on the data: the words holding a member are
+    listed, their member lanes are appended to ``flat``, and only members are then bucketed.
+    Returns (nf, nt).
     """
+    words, flat, lists, cnt, cwords, ctop = bufs
+    bits = 64 // lanes
     mags, add_lo, add_hi, signs = _bounds(lanes, magmask, lo, hi, S)
+    lows = signs - (signs >> np.uint64(bits - 1))
     w0, w1 = c0 // lanes, min(c1 // lanes, aw.size)
-    nw = 0
-    for wi in range(w0, w1):
-        words[nw] = wi
-        nw += _members(aw[wi], mags, add_lo, add_hi, signs) != 0
-    cnt[:] = 0
+    nw = nc = 0
+    if complement:
+        for wi in range(w0, w1):
+            w = aw[wi]
+            m = _members(w, mags, add_lo, add_hi, signs)
+            words[nw] = wi
+            nw += m != 0
+            cwords[nc] = wi
+            nc += (_changed_lanes(w ^ bw[wi], lows, signs) & ~m) != 0
+    else:
+        for wi in range(w0, w1):
+            words[nw] = wi
+            nw += _members(aw[wi], mags, add_lo, add_hi, signs) != 0
+    nf = nt = 0
     for t in range(nw):
-        for i in range(words[t] * lanes, words[t] * lanes + lanes):
-            z = lut[(np.uint64(a[i]) & magmask) >> shift]
-            lists[z, cnt[z]] = i - c0
-            cnt[z] += 1
+        m = _members(aw[words[t]], mags, add_lo, add_hi, signs)
+        p = words[t] * lanes - c0
+        for j in range(lanes):
+            flat[nf] = p + j
+            nf += np.int64((m >> np.uint64(j * bits + bits - 1)) & np.uint64(1))
+    for t in range(nc):
+        w = aw[cwords[t]]
+        c = _changed_lanes(w ^ bw[cwords[t]], lows, signs) & ~_members(w, mags, add_lo, add_hi, signs)
+        p = cwords[t] * lanes - c0
+        for j in range(lanes):
+            ctop[nt] = p + j
+            nt += np.int64((c >> np.uint64(j * bits + bits - 1)) & np.uint64(1))
     for i in range(max(w1 * lanes, c0), c1):  # entries past the last whole word
-        z = lut[(np.uint64(a[i]) & magmask) >> shift]
-        lists[z, cnt[z]] = i - c0
+        x = np.uint64(a[i]) & magmask
+        if x >= lo and x < hi:
+            flat[nf] = i - c0
+            nf += 1
+        elif complement and a[i] != b[i]:
+            ctop[nt] = i - c0
+            nt += 1
+    cnt[:] = 0
+    for f in range(nf):
+        z = lut[(np.uint64(a[c0 + flat[f]]) & magmask) >> shift]
+        lists[z, cnt[z]] = flat[f]
         cnt[z] += 1
+    return nf, nt
 
 
 @njit(inline="always")
-def _encode_ones(a, b, aw, bw, magmask, lo, hi, S, ranks, ro, vals, vo, signmag, M, top):
+def _encode_ones(a, b, aw, bw, magmask, lo, hi, S, ranks, ro, rc, vals, vo, vc, signmag, M, top):
     """A "ones" zone (few changes among many members): members are only counted, four to a
     word with one popcount; words with a changed member (rare) list its rank and code.
     Returns (members, listed ranks, changed entries)."""
@@ -226,8 +322,8 @@ def _encode_ones(a, b, aw, bw, magmask, lo, hi, S, ranks, ro, vals, vo, signmag,
                 if (mem >> top_j) & np.uint64(1):
                     if (chm >> top_j) & np.uint64(1):
                         i = wi * lanes + j
-                        ranks[ro + k] = rr
-                        vals[vo + k] = _code(np.uint64(a[i]), np.uint64(b[i]), signmag, M, S, top)
+                        ranks[ro + min(k, rc)] = rr
+                        vals[vo + min(k, vc)] = _code(np.uint64(a[i]), np.uint64(b[i]), signmag, M, S, top)
                         k += 1
                     rr += 1
         r += np.int64(_popcount(mem))
@@ -235,8 +331,8 @@ def _encode_ones(a, b, aw, bw, magmask, lo, hi, S, ranks, ro, vals, vo, signmag,
         x, y = np.uint64(a[i]), np.uint64(b[i])
         if (x & magmask) >= lo and (x & magmask) < hi:
             if x != y:
-                ranks[ro + k] = r
-                vals[vo + k] = _code(x, y, signmag, M, S, top)
+                ranks[ro + min(k, rc)] = r
+                vals[vo + min(k, vc)] = _code(x, y, signmag, M, S, top)
                 k += 1
             r += 1
     return r, k, k
@@ -281,46 +377,148 @@ def _decode_ones(a, aw, out, magmask, lo, hi, S, ranks, ro, vals, vo, vc, signma
 
 
 @njit(nogil=True, cache=True)
+def member_search(los, his, zmode, members, below_top, n, nbins):
+    """How :func:`encode_zones` / :func:`decode_zones` find each coded zone's members: a choice
+    for speed only, every choice codes the same bytes. ``members``: (estimated) members per zone,
+    ``below_top``: entries below the last zone. The top "ones" zone (the bulk of large weights) is
+    the complement of what is below it when that is small; other "ones" zones with many members
+    are counted a word at a time rather than listed one by one; the rest are bucketed."""
+    nz = zmode.size
+    how = np.full(nz, BUCKET, dtype=np.int8)
+    if his[nz - 1] == nbins and zmode[nz - 1] == ONES and below_top * 4 <= n:
+        how[nz - 1] = COMPLEMENT
+    else:
+        for z in range(nz):
+            if zmode[z] == ONES and members[z] * 8 > n:
+                how[z] = COUNT
+    return how
+
+
+@njit(inline="always")
+def _scan_table(los, his, how, nbins, shift):
+    """The magnitude range [lo, hi) the chunk scan lists (the bucketed zones, or all below a
+    complement zone) and a bin -> zone table for it (other bins -> the discard row)."""
+    nz = how.size
+    lut = np.full(nbins, nz, dtype=np.int32)
+    lo, hi = nbins, 0
+    for z in range(nz):
+        if how[z] == BUCKET:
+            lut[los[z] : his[z]] = z
+            lo, hi = min(lo, los[z]), max(hi, his[z])
+    if how[nz - 1] == COMPLEMENT:
+        lo, hi = 0, los[nz - 1]
+    return np.uint64(min(lo, hi)) << shift, np.uint64(hi) << shift, lut
+
+
+@njit(nogil=True, cache=True)
+def zone_layout(plan_his, plan_mode, n_bin, k_bin, a):
+    """Regions for :func:`encode_zones` from exact per-bin counts. Only zones with changes are
+    coded. Returns their plan indices, bounds, modes, members and changes, and the regions
+    (bitmap words, ranks, value codes of ``a``'s dtype), each ending with a slot of slack."""
+    nzp = plan_his.size
+    act = np.empty(nzp, dtype=np.int64)
+    na, lo_bin = 0, 0
+    for z in range(nzp):
+        if k_bin[lo_bin : plan_his[z]].sum() > 0:
+            act[na] = z
+            na += 1
+        lo_bin = plan_his[z]
+    act = act[:na]
+    his, zmode = plan_his[act], plan_mode[act]
+    los, n_z, k_z = np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64)
+    bm_cap, rk_cap = np.zeros(na, dtype=np.int64), np.zeros(na, dtype=np.int64)
+    bm_off, rk_off, val_off = np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64)
+    bm_n = rk_n = val_n = 0
+    for i in range(na):
+        los[i] = 0 if act[i] == 0 else plan_his[act[i] - 1]
+        n_z[i], k_z[i] = n_bin[los[i] : his[i]].sum(), k_bin[los[i] : his[i]].sum()
+        if zmode[i] == BITMAP:
+            bm_cap[i] = (n_z[i] + 63) // 64
+        elif zmode[i] == ONES:
+            rk_cap[i] = k_z[i]
+        else:
+            rk_cap[i] = n_z[i] - k_z[i]
+        bm_off[i], rk_off[i], val_off[i] = bm_n, rk_n, val_n
+        bm_n, rk_n, val_n = bm_n + bm_cap[i] + 1, rk_n + rk_cap[i] + 1, val_n + k_z[i] + 1
+    bm, ranks = np.zeros(bm_n, dtype=np.uint64), np.full(rk_n, -1, dtype=np.int64)
+    vals = np.zeros(val_n, dtype=a.dtype)
+    return act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off
+
+
+@njit(nogil=True, cache=True)
+def rank_gaps(ranks, rk_off, listed):
+    """Each zone's listed ranks -> gaps between them (``r - previous - 1``), in place; returns
+    the largest gap per zone."""
+    maxgap = np.zeros(listed.size, dtype=np.int64)
+    for i in range(listed.size):
+        prev = -1
+        for t in range(rk_off[i], rk_off[i] + listed[i]):
+            r = ranks[t]
+            ranks[t] = r - prev - 1
+            maxgap[i] = max(maxgap[i], ranks[t])
+            prev = r
+    return maxgap
+
+
+@njit(nogil=True, cache=True)
 def encode_zones(
-    a, b, aw, bw, magmask, shift, los, his, zmode, lo, hi, lut, bm, bm_off, ranks, rk_off, vals, val_off,
-    signmag, M, S, top,
+    a, b, aw, bw, magmask, shift, nbins, los, his, zmode, how, bm, bm_off, bm_cap, ranks, rk_off, rk_cap,
+    vals, val_off, val_cap, signmag, M, S, top,
 ):
     """Code the given zones (those with changes) of the change a -> b, each into its own region:
     bitmap bits into ``bm`` (uint64 words), listed ranks into ``ranks``, changed entries' codes
     into ``vals``. ``aw``/``bw``: leading entries as uint64 words (:func:`packed_words`).
 
-    "ones" zones are counted word by word (:func:`_encode_ones`). Bitmap and "zeros" zones (whose
-    members mostly matter) span magnitudes [lo, hi); chunk by chunk their members are bucketed
-    (``lut``: bin -> zone, other bins -> the discard row) and coded zone by zone with the zone's
-    state in registers. Ranks and codes are stored unconditionally and their counters advance
-    only when they count: no branch on change flags, which are coin flips in bitmap zones. Each
-    rank and value region has one slot of slack. Returns per zone (members, listed, changed).
+    ``how`` says how each zone's members are found (mask.py chooses, for speed only):
+
+    - ``COUNT``: a "ones" zone with many members, counted word by word (:func:`_encode_ones`);
+    - ``BUCKET``: chunk by chunk, members of the bucketed zones, which span magnitudes [lo, hi),
+      are listed by zone (``lut``; :func:`_scan_chunk`) and coded with the zone's state in
+      registers. Ranks and codes are stored unconditionally and their counters advance only when
+      they count: no branch on change flags (coin flips in bitmap zones). Each rank and value
+      region has one slot of slack;
+    - ``COMPLEMENT``: the top "ones" zone (the unchanging bulk of large magnitudes, then [lo, hi)
+      starts at 0): its members are everything else, so a change's rank is its position minus
+      the entries below the zone before it, which the scan lists anyway.
+
+    Regions may be sized from estimates: writes past a region's last slot (``*_cap``: its index)
+    land on that slot, and the caller compares the returned counts with the sizes. Returns per
+    zone (members, listed, changed).
     """
     nz = zmode.size
     rank = np.zeros(nz, dtype=np.int64)
     listed = np.zeros(nz, dtype=np.int64)
     nval = np.zeros(nz, dtype=np.int64)
     acc = np.zeros(nz, dtype=np.uint64)
-    dense = 0
+    cz, scan = -1, False
     for z in range(nz):
-        if zmode[z] == ONES:
+        if how[z] == COUNT:
             rank[z], listed[z], nval[z] = _encode_ones(
                 a, b, aw, bw, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift, S,
-                ranks, rk_off[z], vals, val_off[z], signmag, M, top,
+                ranks, rk_off[z], rk_cap[z], vals, val_off[z], val_cap[z], signmag, M, top,
             )
         else:
-            dense += 1
-    if dense == 0:
+            scan = True
+            if how[z] == COMPLEMENT:
+                cz = z
+    if not scan:
         return rank, listed, nval
-    words, lists, cnt = _member_buffers(nz)
+    lo, hi, lut = _scan_table(los, his, how, nbins, shift)
     n, lanes = a.size, 8 // a.itemsize
+    bufs = _chunk_buffers(nz, lanes)
+    flat, lists, cnt, ctop = bufs[1], bufs[2], bufs[3], bufs[5]
+    below = 0  # entries in [lo, hi) before the chunk
+    touch = np.uint64(0)
     for c0 in range(0, n, CHUNK):
-        _sort_members(a, aw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt)
+        if cz < 0:  # pull b's chunk into cache in order (else the scan reads it): members read it at random
+            for wi in range(c0 // lanes, min((c0 + CHUNK) // lanes, bw.size), 8):
+                touch ^= bw[wi]
+        nf, nt = _scan_chunk(a, b, aw, bw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, bufs, cz >= 0)
         for z in range(nz):
-            m, r, k, nv, word = zmode[z], rank[z], listed[z], nval[z], acc[z]
-            if m == ONES:
+            if how[z] != BUCKET:
                 continue
-            bo, ro, vo = bm_off[z], rk_off[z], val_off[z]
+            m, r, k, nv, word = zmode[z], rank[z], listed[z], nval[z], acc[z]
+            bo, ro, vo, bc, rc, vc = bm_off[z], rk_off[z], val_off[z], bm_cap[z], rk_cap[z], val_cap[z]
             for t in range(cnt[z]):
                 i = c0 + lists[z, t]
                 x, y = np.uint64(a[i]), np.uint64(b[i])
@@ -328,29 +526,47 @@ def encode_zones(
                 if m == BITMAP:  # bits gather in a register, one store per 64 members
                     word |= np.uint64(ch) << np.uint64(r & 63)
                     if r & 63 == 63:
-                        bm[bo + (r >> 6)] = word
+                        bm[bo + min(r >> 6, bc)] = word
                         word = np.uint64(0)
-                else:  # ZEROS: list the unchanged
-                    ranks[ro + k] = r
+                elif m == ZEROS:  # list the unchanged
+                    ranks[ro + min(k, rc)] = r
                     k += 1 - ch
-                vals[vo + nv] = _code(x, y, signmag, M, S, top)
+                else:  # ONES: list the changed
+                    ranks[ro + min(k, rc)] = r
+                    k += ch
+                vals[vo + min(nv, vc)] = _code(x, y, signmag, M, S, top)
                 nv += ch
                 r += 1
             rank[z], listed[z], nval[z], acc[z] = r, k, nv, word
+        if cz >= 0:
+            k, f = listed[cz], 0
+            for t in range(nt):
+                p = ctop[t]
+                while f < nf and flat[f] < p:
+                    f += 1
+                i = c0 + p
+                ranks[rk_off[cz] + min(k, rk_cap[cz])] = i - below - f
+                vals[val_off[cz] + min(k, val_cap[cz])] = _code(np.uint64(a[i]), np.uint64(b[i]), signmag, M, S, top)
+                k += 1
+            listed[cz], nval[cz] = k, k
+        below += nf
+    if cz >= 0:
+        rank[cz] = n - below
+    acc[0] ^= touch & np.uint64(0)  # keeps the touching loads
     for z in range(nz):
-        if zmode[z] == BITMAP and rank[z] & 63:
-            bm[bm_off[z] + (rank[z] >> 6)] = acc[z]
+        if how[z] == BUCKET and zmode[z] == BITMAP and rank[z] & 63:
+            bm[bm_off[z] + min(rank[z] >> 6, bm_cap[z])] = acc[z]
     return rank, listed, nval
 
 
 @njit(nogil=True, cache=True)
 def decode_zones(
-    a, aw, out, magmask, shift, los, his, zmode, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off, vals, val_off,
-    val_cnt, signmag, M, S, top,
+    a, aw, out, magmask, shift, nbins, los, his, zmode, how, bm, bm_off, bm_words, ranks, rk_off, vals,
+    val_off, val_cnt, signmag, M, S, top,
 ):
-    """Write the new bits of the given zones' members into ``out`` (which holds a copy of ``a``),
-    organised as :func:`encode_zones`; returns per zone (members, ranks consumed, values
-    consumed) for the caller to check.
+    """Copy ``a`` into ``out`` and write the new bits of the given zones' members there (chunk by
+    chunk, while the chunk is in cache), organised as :func:`encode_zones`; returns per zone
+    (members, ranks consumed, values consumed) for the caller to check.
 
     Never reads outside its buffers whatever the patch says: bitmap words and value slots are
     clamped to their zone (each bitmap region ends with a zero word, each value region with a 0
@@ -361,25 +577,47 @@ def decode_zones(
     ptr = np.zeros(nz, dtype=np.int64)
     nval = np.zeros(nz, dtype=np.int64)
     acc = np.zeros(nz, dtype=np.uint64)
-    dense = 0
+    cz, scan = -1, False
     for z in range(nz):
-        if zmode[z] == ONES:
+        if how[z] != COUNT:
+            scan = True
+            if how[z] == COMPLEMENT:
+                cz = z
+    if not scan:
+        out[:] = a
+    else:
+        lo, hi, lut = _scan_table(los, his, how, nbins, shift)
+        _decode_chunks(a, aw, out, magmask, shift, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off,
+                       vals, val_off, val_cnt, signmag, M, S, top, rank, ptr, nval, acc, cz)  # fmt: skip
+    for z in range(nz):  # after the copy
+        if how[z] == COUNT:
             rank[z], ptr[z], nval[z] = _decode_ones(
                 a, aw, out, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift, S,
                 ranks, rk_off[z], vals, val_off[z], val_cnt[z], signmag, M, top,
             )
-        else:
-            dense += 1
-    if dense == 0:
-        return rank, ptr, nval
-    words, lists, cnt = _member_buffers(nz)
+    return rank, ptr, nval
+
+
+@njit(inline="always")
+def _decode_chunks(
+    a, aw, out, magmask, shift, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt,
+    signmag, M, S, top, rank, ptr, nval, acc, cz,
+):
+    """The chunk loop of :func:`decode_zones`: bucketed and complement zones."""
+    nz = zmode.size
+    big = np.int64(1) << 62
     n, lanes = a.size, 8 // a.itemsize
+    bufs = _chunk_buffers(nz, lanes)
+    flat, lists, cnt = bufs[1], bufs[2], bufs[3]
+    below = 0
     for c0 in range(0, n, CHUNK):
-        _sort_members(a, aw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, words, lists, cnt)
+        c1 = min(c0 + CHUNK, n)
+        out[c0:c1] = a[c0:c1]
+        nf, _ = _scan_chunk(a, a, aw, aw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, bufs, False)
         for z in range(nz):
-            m, r, p, nv, word = zmode[z], rank[z], ptr[z], nval[z], acc[z]
-            if m == ONES:
+            if how[z] != BUCKET:
                 continue
+            m, r, p, nv, word = zmode[z], rank[z], ptr[z], nval[z], acc[z]
             bo, bw, ro, vo, vc = bm_off[z], bm_words[z], rk_off[z], val_off[z], val_cnt[z]
             idx = lists[z]
             if m == BITMAP:  # flags are coin flips: branch-free, a zero code keeps the entry
@@ -392,7 +630,7 @@ def decode_zones(
                     out[i] = _apply(np.uint64(a[i]), code, signmag, M, S, top)
                     nv += ch
                     r += 1
-            else:  # ZEROS: members at listed ranks kept, all others changed
+            elif m == ZEROS:  # members at listed ranks kept, all others changed
                 nxt = ranks[ro + p]
                 for t in range(cnt[z]):
                     keep = np.int64(r == nxt)
@@ -403,5 +641,36 @@ def decode_zones(
                     out[i] = _apply(np.uint64(a[i]), code, signmag, M, S, top)
                     nv += 1 - keep
                     r += 1
+            else:  # ONES: members at listed ranks changed (rarely: a branch)
+                nxt = ranks[ro + p]
+                nxt = big if nxt < 0 else nxt
+                for t in range(cnt[z]):
+                    if r == nxt:
+                        i = c0 + idx[t]
+                        out[i] = _apply(np.uint64(a[i]), np.uint64(vals[vo + min(p, vc)]), signmag, M, S, top)
+                        p += 1
+                        nxt = ranks[ro + p]
+                        nxt = big if nxt < 0 else nxt
+                    r += 1
+                nv = p
             rank[z], ptr[z], nval[z], acc[z] = r, p, nv, word
-    return rank, ptr, nval
+        if cz >= 0:  # the complement zone's listed ranks -> the positions outside [lo, hi)
+            ro, vo, vc = rk_off[cz], val_off[cz], val_cnt[cz]
+            p, f = ptr[cz], 0
+            before = c0 - below  # complement members before the chunk
+            end = before + (c1 - c0) - nf
+            nxt = ranks[ro + p]
+            nxt = big if nxt < 0 else nxt
+            while nxt < end:
+                loc = nxt - before
+                while f < nf and flat[f] <= loc + f:
+                    f += 1
+                i = c0 + loc + f
+                out[i] = _apply(np.uint64(a[i]), np.uint64(vals[vo + min(p, vc)]), signmag, M, S, top)
+                p += 1
+                nxt = ranks[ro + p]
+                nxt = big if nxt < 0 else nxt
+            ptr[cz], nval[cz] = p, p
+        below += nf
+    if cz >= 0:
+        rank[cz] = n - below

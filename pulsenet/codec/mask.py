@@ -102,51 +102,6 @@ class Context:
         return np.uint64(1 << (8 * self.width - 1))
 
 
-def plan_zones(n_bin: np.ndarray, k_bin: np.ndarray, max_zones: int = MAX_ZONES) -> list[tuple[int, str]]:
-    """Zone boundaries (exclusive upper bins) and modes minimising the estimated mask size.
-
-    Dynamic programming over the non-empty bins: best[z][j] = cheapest cover of the first j
-    non-empty bins by z zones. Empty bins join the zone above them.
-    """
-    bins = np.flatnonzero(n_bin)
-    ch = np.flatnonzero(k_bin[bins])
-    # Runs of unchanged bins at either end merge into one bin each: splitting them never pays.
-    starts = np.unique(np.concatenate([[0], np.arange(ch[0], ch[-1] + 2)])) if ch.size else np.zeros(1, np.int64)
-    starts = starts[starts < bins.size]
-    n = np.add.reduceat(n_bin[bins].astype(np.float64), starts)
-    k = np.add.reduceat(k_bin[bins].astype(np.float64), starts)
-    bins = bins[np.append(starts[1:], bins.size) - 1]  # each group's last bin
-    B = bins.size
-    N = np.concatenate([[0.0], np.cumsum(n)])
-    K = np.concatenate([[0.0], np.cumsum(k)])
-    backs, finals, mode = kernels.zone_dp(N, K, min(max_zones, B))
-    z = int(np.argmin(finals)) + 1
-    ends, j_ = [], B
-    for back in backs[:z][::-1]:
-        ends.append(j_)
-        j_ = int(back[j_])
-    ends.reverse()
-    plan, start = [], 0
-    for end in ends:
-        plan.append((int(bins[end - 1]) + 1, MODES[int(mode[start, end])]))
-        start = end
-    plan[-1] = (int(n_bin.size), plan[-1][1])
-    return plan
-
-
-def _zone_args(ctx: Context, los: np.ndarray, his: np.ndarray, zmode: np.ndarray) -> tuple:
-    """Kernel arguments locating the coded zones: magnitude mask, bin shift, zone bounds and
-    modes, the magnitude range [lo, hi) spanned by the bitmap and "zeros" zones and a bin -> zone
-    table for them (other bins -> len(los): discarded)."""
-    lut = np.full(ctx.nbins, los.size, dtype=np.int32)
-    dense = np.flatnonzero(zmode != kernels.ONES)
-    for z in dense:
-        lut[los[z] : his[z]] = z
-    shift = np.uint64(ctx.shift)
-    lo, hi = (int(los[dense].min()), int(his[dense].max())) if dense.size else (0, 0)
-    return np.uint64(ctx.magmask), shift, los, his, zmode, np.uint64(lo) << shift, np.uint64(hi) << shift, lut
-
-
 def encode_sparse(
     a: np.ndarray, b: np.ndarray, dtype: str, max_zones: int = MAX_ZONES
 ) -> tuple[list[Zone], bytes, np.ndarray] | None:
@@ -166,47 +121,40 @@ def encode_sparse(
             return None
         _, mode = kernels.zone_cost(float(a.size), float(k))
         return _encode_one_zone(a, b, dtype, MODES[mode], ne)
-    n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
+    n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, 1)
     if not k_bin.any():
         return None
-    plan = plan_zones(n_bin, k_bin, max_zones)
-    if len(plan) == 1:
-        return _encode_one_zone(a, b, dtype, plan[0][1], a != b)
-    his = np.array([hi for hi, _ in plan], dtype=np.int64)
-    los = np.concatenate([[0], his[:-1]])
-    zmode = np.array([MODES.index(m) for _, m in plan], dtype=np.int8)
-    n_z = np.array([n_bin[lo:hi].sum() for lo, hi in zip(los, his, strict=True)], dtype=np.int64)
-    k_z = np.array([k_bin[lo:hi].sum() for lo, hi in zip(los, his, strict=True)], dtype=np.int64)
-    rk_cnt = np.select([zmode == kernels.ONES, zmode == kernels.ZEROS], [k_z, n_z - k_z], 0)
-    # Only zones with changes are coded ("ones" with nothing listed says the rest). Every region
-    # gets one slot of slack: the kernel stores unconditionally.
-    act = np.flatnonzero(k_z)
-    is_bm = zmode[act] == kernels.BITMAP
-    bm_off, bm = _regions(np.where(is_bm, n_z[act] // 64 + 1, 0), np.uint64, 0)
-    rk_off, ranks = _regions(rk_cnt[act] + 1, np.int64, -1)
-    val_off, vals = _regions(k_z[act] + 1, a.dtype, 0)
+    plan_his, plan_mode = kernels.zone_plan(n_bin, k_bin, max_zones)
+    if plan_his.size == 1:
+        return _encode_one_zone(a, b, dtype, MODES[plan_mode[0]], a != b)
     (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
+    act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off = kernels.zone_layout(
+        plan_his, plan_mode, n_bin, k_bin, a
+    )
+    how = kernels.member_search(los, his, zmode, n_z, n_bin[: los[-1]].sum(), a.size, ctx.nbins)
     members, listed, nval = kernels.encode_zones(
-        a, b, aw, bw, *_zone_args(ctx, los[act], his[act], zmode[act]),
-        bm, bm_off, ranks, rk_off, vals, val_off, ctx.signmag, ctx.M, ctx.S, ctx.top,
+        a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
+        bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off, k_z, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )  # fmt: skip
-    assert (members == n_z[act]).all() and (listed == rk_cnt[act]).all() and (nval == k_z[act]).all()
-    slot = {int(z): i for i, z in enumerate(act)}
+    bitmap, zeros = zmode == kernels.BITMAP, zmode == kernels.ZEROS
+    assert ((members == n_z) | ~bitmap).all() and (listed == np.where(zeros, n_z - k_z, k_z) * ~bitmap).all()
+    assert (nval == k_z).all(), "the zone kernel disagrees with the histogram"
+    maxgap = kernels.rank_gaps(ranks, rk_off, listed)
+    slot = dict(zip(act.tolist(), range(act.size), strict=True))
     zones, chunks, codes = [], [], []
-    for z, (hi, m) in enumerate(plan):
+    for z, (hi, m) in enumerate(zip(plan_his.tolist(), [MODES[m] for m in plan_mode], strict=True)):
         i = slot.get(z)
         if i is None:
             zones.append(Zone(hi, "ones", 0, 1, 0, 0))
             continue
-        codes.append(vals[val_off[i] : val_off[i] + k_z[z]])
+        codes.append(vals[val_off[i] : val_off[i] + nval[i]])
         if m == "bitmap":
-            raw = bm[bm_off[i] :].view(np.uint8)[: (n_z[z] + 7) // 8].tobytes()
-            zones.append(Zone(hi, m, int(n_z[z]), 0, len(raw), int(k_z[z])))
+            raw = bm[bm_off[i] :].view(np.uint8)[: (members[i] + 7) // 8].tobytes()
+            zones.append(Zone(hi, m, int(members[i]), 0, len(raw), int(nval[i])))
         else:
-            gaps = np.diff(ranks[rk_off[i] : rk_off[i] + rk_cnt[z]], prepend=-1) - 1
-            width = narrowest_width(int(gaps.max())) if gaps.size else 1
-            raw = to_planes(gaps.astype(UINT[width]))
-            zones.append(Zone(hi, m, int(rk_cnt[z]), width, len(raw), int(k_z[z])))
+            width = narrowest_width(int(maxgap[i]))
+            raw = to_planes(ranks[rk_off[i] : rk_off[i] + listed[i]].astype(UINT[width]))
+            zones.append(Zone(hi, m, int(listed[i]), width, len(raw), int(nval[i])))
         chunks.append(raw)
     return zones, b"".join(chunks), np.concatenate(codes)
 
@@ -235,7 +183,7 @@ def _encode_one_zone(
     return [zone], raw, _codes(a[pos], b[pos], dtype)
 
 
-def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.ndarray) -> np.ndarray:
+def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.ndarray, out: np.ndarray) -> np.ndarray:
     if z.mode == "bitmap":
         if z.count != a.size:
             raise PatchCorruptError(f"bitmap covers {z.count} entries, the base has {a.size}")
@@ -261,7 +209,7 @@ def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.
         new = unordered(ordered(old) + unzigzag(codes))
     else:
         new = old + unzigzag(codes)
-    out = a.copy()
+    out[:] = a
     out[pos] = new
     return out
 
@@ -286,12 +234,17 @@ def check_zones(zones: list[Zone], dtype: str, width: int, numel: int, nnz: int,
             raise PatchCorruptError(f"{z.mode} zone of {z.count} declares {z.size} bytes, expected {want}")
 
 
-def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, codes: np.ndarray) -> np.ndarray:
-    """Rebuild the new bits from base ``a``; validates everything, never touches ``a``."""
+def decode_sparse(
+    a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, codes: np.ndarray, out: np.ndarray | None = None
+) -> np.ndarray:
+    """Rebuild the new bits from base ``a`` into ``out`` (a fresh array like ``a`` if None);
+    validates everything, never touches ``a``."""
+    if out is None:
+        out = np.empty_like(a)
     if codes.size != sum(z.nnz for z in zones) or not codes.all():
         raise PatchCorruptError("values section disagrees with the zones, or a changed entry carries a zero change")
     if len(zones) == 1:
-        return _decode_one_zone(a, dtype, zones[0], mask, codes)
+        return _decode_one_zone(a, dtype, zones[0], mask, codes, out)
     ctx = Context.of(dtype, a.dtype.itemsize)
     # Zones that list nothing in "ones" mode have no changes: only the others are visited.
     act = [i for i, z in enumerate(zones) if z.mode != "ones" or z.count]
@@ -329,10 +282,13 @@ def decode_sparse(a: np.ndarray, dtype: str, zones: list[Zone], mask: bytes, cod
         vals[val_off[j] : val_off[j] + z.nnz] = codes[voff : voff + z.nnz]
         voff += z.nnz
     a, aw = kernels.packed_words(a)
-    out = a.copy()
+    if out.ctypes.data % 8:
+        raise ValueError("decode_sparse needs an 8-byte aligned output buffer")
+    est, _ = kernels.bin_histogram(a, a, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, max(1, a.size >> 14))
+    cum = np.concatenate([[0], np.cumsum(est)])
+    how = kernels.member_search(los[act], his[act], zmode, cum[his[act]] - cum[los[act]], cum[los[act[-1]]], a.size, ctx.nbins)
     members, consumed, changed = kernels.decode_zones(
-        a, aw, out, *_zone_args(ctx, los[act], his[act], zmode),
-        bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
+        a, aw, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los[act], his[act], zmode, how, bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )  # fmt: skip
     for j, (i, z) in enumerate(zip(act, sel, strict=True)):
         if z.mode == "bitmap" and z.count != members[j]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -378,13 +379,14 @@ def iter_apply(
     sizes = [0 if e.op == "keep" else e.numel * e.itemsize for e in patch.tensors]  # keep: shared, no copy
     limit = window_bytes if window_bytes is not None else 2 * max(sizes, default=0)
     records: dict[str, bytes] = {}
+    arena = _Arena()
     with ThreadPoolExecutor(threads) as pool:
         window: deque[tuple[Future, int]] = deque()
         ahead, nxt = 0, 0
         while True:
             while nxt < len(sizes) and (len(window) <= threads or ahead + sizes[nxt] <= limit):
                 e = patch.tensors[nxt]
-                window.append((pool.submit(_rebuild, patch, e, base.get(e.name)), sizes[nxt]))
+                window.append((pool.submit(_rebuild, patch, e, base.get(e.name), arena), sizes[nxt]))
                 ahead += sizes[nxt]
                 nxt += 1
             if not window:
@@ -403,7 +405,34 @@ def apply_patch(base: StateDict, patch: Patch | bytes, **kw) -> dict[str, torch.
     return dict(iter_apply(base, patch, **kw))
 
 
-def _rebuild(patch: Patch, e: TensorEntry, base_t: torch.Tensor | None) -> tuple[TensorEntry, torch.Tensor]:
+class _Arena:
+    """Rebuilt tensors carved from 32 MiB slabs. numpy asks for transparent huge pages on large
+    arrays, so a slab costs a page fault per 2 MiB where a tensor-sized array costs one per 4 KiB:
+    269 MB of 1.8 MB SmolLM2 tensors take 54 ms instead of 230 ms to fault in on our 2-core VM, a
+    third of a decode. A slab is freed with the last tensor carved from it."""
+
+    SLAB = 32 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slab = np.empty(0, dtype=np.uint8)
+        self._off = 0
+
+    def empty(self, like: np.ndarray) -> np.ndarray:
+        nbytes = like.nbytes
+        if nbytes > self.SLAB // 4:
+            return np.empty_like(like)
+        with self._lock:
+            if self._off + nbytes > self._slab.size:
+                self._slab, self._off = np.empty(self.SLAB, dtype=np.uint8), 0
+            buf = self._slab[self._off : self._off + nbytes]
+            self._off += -(-nbytes // 64) * 64
+        return buf.view(like.dtype)
+
+
+def _rebuild(
+    patch: Patch, e: TensorEntry, base_t: torch.Tensor | None, arena: _Arena
+) -> tuple[TensorEntry, torch.Tensor]:
     dtype = dtype_from_name(e.dtype)
     w = e.itemsize
     if e.op == "keep":
@@ -416,7 +445,8 @@ def _rebuild(patch: Patch, e: TensorEntry, base_t: torch.Tensor | None) -> tuple
         assert base_t is not None
         code = from_planes(patch.section(e, "values"), w, e.nnz)
         try:
-            out_bits = maskcode.decode_sparse(bits(base_t), e.dtype, e.zones, patch.section(e, "mask"), code)
+            a = bits(base_t)
+            out_bits = maskcode.decode_sparse(a, e.dtype, e.zones, patch.section(e, "mask"), code, arena.empty(a))
         except PatchError as err:
             raise type(err)(f"tensor {e.name!r}: {err}") from None
         out = from_bits(out_bits, dtype, e.shape)
