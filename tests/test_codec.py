@@ -167,6 +167,46 @@ def test_every_way_of_finding_zone_members_codes_the_same(dtype, monkeypatch):
     assert {kernels.COUNT, kernels.COMPLEMENT, kernels.BUCKET} <= seen
 
 
+def test_zoned_decoder_rejects_inconsistent_zones():
+    """Table-consistent but wrong zone contents (the multi-zone path) raise PatchCorruptError."""
+    from dataclasses import replace
+
+    from pulsenet.codec import mask
+
+    rng = np.random.default_rng(3)
+    master = rng.standard_normal(30_001) * 0.02
+    master[rng.choice(master.size, 300, replace=False)] *= 1e-4
+    a = bits(torch.from_numpy(master).to(torch.bfloat16))
+    b_t = torch.from_numpy(master - 2e-6 * np.sign(rng.standard_normal(master.size))).to(torch.bfloat16)
+    b_t[rng.choice(master.size, 40, replace=False)] *= -1
+    b = bits(b_t)
+    zones, raw, codes = mask.encode_sparse(a, b, "BF16")
+    assert same(torch.from_numpy(mask.decode_sparse(a, "BF16", zones, raw, codes)), torch.from_numpy(b))
+    bm = next(i for i, z in enumerate(zones) if z.mode == "bitmap" and z.count % 8)
+    ones = next(i for i, z in enumerate(zones) if z.mode == "ones" and z.count)
+    starts = np.cumsum([0] + [z.size for z in zones])
+
+    def tampered(at: int, data: bytes) -> bytes:
+        return raw[:at] + data + raw[at + len(data) :]
+
+    last = starts[bm + 1] - 1  # the bitmap's last byte: set a padding bit
+    z = zones[ones]
+    planes = bytearray(raw[starts[ones] : starts[ones + 1]])
+    for k in range(z.width):  # the first gap: as far as the width allows (past the tensor or its members)
+        planes[k * z.count] = 0xFF
+    cases = {
+        "padding": (zones, tampered(last, bytes([raw[last] | 0x80]))),
+        "outside|rank gap": (zones, tampered(starts[ones], bytes(planes))),
+        "declares": ([*zones[:ones], replace(z, count=0), *zones[ones + 1 :]], raw),
+        "flags": ([*zones[:bm], replace(zones[bm], count=zones[bm].count - 1), *zones[bm + 1 :]], raw),
+    }
+    for match, (zs, mk) in cases.items():
+        before = a.copy()
+        with pytest.raises(PatchCorruptError, match=match):
+            mask.decode_sparse(a, "BF16", zs, mk, codes)
+        assert (a == before).all()
+
+
 def test_special_values_bit_exact():
     specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40, 1.0, -1.0])
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):

@@ -110,7 +110,7 @@ def decode_positions(buf: bytes, width: int, count: int, limit: int) -> np.ndarr
     return pos
 
 
-_local = threading.local()  # zstd contexts are not thread-safe: one per thread and level
+_local = threading.local()  # zstd contexts are not thread-safe: one per thread (and level)
 
 
 def compress(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
@@ -132,8 +132,19 @@ def decompress(data: bytes, raw_size: int) -> bytes:
         raise PatchCorruptError(f"not a zstd frame: {e}") from None
     if declared not in (-1, raw_size):
         raise PatchSizeLimitError(f"zstd frame declares {declared} bytes, section declares {raw_size}")
+    dctx = _local.__dict__.get("dctx")
+    if dctx is None:
+        dctx = _local.dctx = zstandard.ZstdDecompressor()
+    if declared == raw_size:  # one allocation of the size we accept; zstd checks the content against it
+        try:
+            out = dctx.decompress(data)
+        except zstandard.ZstdError as e:
+            raise PatchCorruptError(f"corrupt zstd section: {e}") from None
+        if len(out) != raw_size:
+            raise PatchCorruptError(f"section decompressed to {len(out)} bytes, expected {raw_size}")
+        return out
     try:
-        with zstandard.ZstdDecompressor().stream_reader(data) as reader:
+        with dctx.stream_reader(data) as reader:
             out = reader.read(raw_size + 1)
             while len(out) < raw_size + 1:  # stream_reader may return short reads
                 more = reader.read(raw_size + 1 - len(out))

@@ -445,6 +445,76 @@ def zone_layout(plan_his, plan_mode, n_bin, k_bin, a):
     return act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off
 
 
+BAD_PADDING, BAD_GAP, STRAY_VALUES = 1, 2, 3  # decode_layout's complaints
+
+
+@njit(nogil=True, cache=True)
+def decode_layout(table, mask, codes, n):
+    """The regions :func:`decode_zones` reads, from a patch's zone table (rows of hi, mode,
+    count, width, size, nnz, checked by mask.check_zones), its raw mask section and the value
+    codes in zone order. Zones that list nothing in "ones" mode have no changes and are left out.
+
+    Each region ends as the kernel expects: a zero word after a bitmap, a -1 after a rank list,
+    a 0 code after a zone's values. Returns (error, zone) for a malformed mask (``BAD_PADDING``:
+    bitmap padding bits set, ``BAD_GAP``: a rank gap past the tensor, ``STRAY_VALUES``: a zone
+    without changes declaring values; error 0 if none), then the coded zones' plan indices,
+    bounds, modes, bitmap words, rank and value counts and the regions.
+    """
+    nzp = table.shape[0]
+    act = np.empty(nzp, dtype=np.int64)
+    na, err, bad = 0, 0, -1
+    for z in range(nzp):
+        if table[z, 1] != ONES or table[z, 2] > 0:
+            act[na] = z
+            na += 1
+        elif table[z, 5] > 0 and not err:
+            err, bad = STRAY_VALUES, z
+    act = act[:na]
+    los, his, zmode = np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int8)
+    bm_words, rk_cnt, val_cnt = np.zeros(na, dtype=np.int64), np.zeros(na, dtype=np.int64), np.empty(na, dtype=np.int64)
+    bm_off, rk_off, val_off = np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64)
+    bm_n = rk_n = val_n = 0
+    for j in range(na):
+        z = act[j]
+        los[j] = 0 if z == 0 else table[z - 1, 0]
+        his[j], zmode[j], val_cnt[j] = table[z, 0], table[z, 1], table[z, 5]
+        if zmode[j] == BITMAP:
+            bm_words[j] = (table[z, 2] + 63) // 64
+        else:
+            rk_cnt[j] = table[z, 2]
+        bm_off[j], rk_off[j], val_off[j] = bm_n, rk_n, val_n
+        bm_n, rk_n, val_n = bm_n + bm_words[j] + 1, rk_n + rk_cnt[j] + 1, val_n + val_cnt[j] + 1
+    bm, ranks = np.zeros(bm_n, dtype=np.uint64), np.full(rk_n, -1, dtype=np.int64)
+    vals = np.zeros(val_n, dtype=codes.dtype)
+    bm8 = bm.view(np.uint8)
+    off = voff = j = 0
+    for z in range(nzp if not err else 0):
+        count, width, size, nnz = table[z, 2], table[z, 3], table[z, 4], table[z, 5]
+        if j < na and act[j] == z:
+            if table[z, 1] == BITMAP:
+                if count & 7 and mask[off + size - 1] >> (count & 7):
+                    err, bad = BAD_PADDING, z
+                bm8[8 * bm_off[j] : 8 * bm_off[j] + size] = mask[off : off + size]
+            else:
+                r = np.int64(-1)
+                for t in range(count):  # byte planes of the gaps: plane k holds byte k of each
+                    g = np.uint64(0)
+                    for k in range(width):
+                        g |= np.uint64(mask[off + k * count + t]) << np.uint64(8 * k)
+                    if g >= np.uint64(n):
+                        err, bad = BAD_GAP, z
+                        g = np.uint64(0)
+                    r += np.int64(g) + 1
+                    ranks[rk_off[j] + t] = r
+            vals[val_off[j] : val_off[j] + nnz] = codes[voff : voff + nnz]
+            voff += nnz
+            j += 1
+        off += size
+        if err:
+            break
+    return err, bad, act, los, his, zmode, bm_words, rk_cnt, val_cnt, bm, bm_off, ranks, rk_off, vals, val_off
+
+
 @njit(nogil=True, cache=True)
 def rank_gaps(ranks, rk_off, listed):
     """Each zone's listed ranks -> gaps between them (``r - previous - 1``), in place; returns

@@ -246,61 +246,35 @@ def decode_sparse(
     if len(zones) == 1:
         return _decode_one_zone(a, dtype, zones[0], mask, codes, out)
     ctx = Context.of(dtype, a.dtype.itemsize)
-    # Zones that list nothing in "ones" mode have no changes: only the others are visited.
-    act = [i for i, z in enumerate(zones) if z.mode != "ones" or z.count]
-    sel = [zones[i] for i in act]
-    his = np.array([z.hi for z in zones], dtype=np.int64)
-    los = np.concatenate([[0], his[:-1]])
-    zmode = np.array([MODES.index(z.mode) for z in sel], dtype=np.int8)
-    bm_words = np.array([(z.count + 63) // 64 if z.mode == "bitmap" else 0 for z in sel], dtype=np.int64)
-    rk_cnt = np.array([0 if z.mode == "bitmap" else z.count for z in sel], dtype=np.int64)
-    val_cnt = np.array([z.nnz for z in sel], dtype=np.int64)
-    # regions padded as decode_zones expects: a zero word after each bitmap, a -1 after each rank
-    # list, a 0 code after each zone's values
-    bm_off, bm = _regions(bm_words + 1, np.uint64, 0)
-    rk_off, ranks = _regions(rk_cnt + 1, np.int64, -1)
-    val_off, vals = _regions(val_cnt + 1, a.dtype, 0)
-    slot = {i: j for j, i in enumerate(act)}
-    off, voff = 0, 0
-    for i, z in enumerate(zones):
-        raw = mask[off : off + z.size]
-        off += z.size
-        j = slot.get(i)
-        if j is None:
-            if z.nnz:
-                raise PatchCorruptError(f"zone {i} lists no changes but declares {z.nnz} values")
-            continue
-        if z.mode == "bitmap":
-            if z.count & 7 and raw[-1] >> (z.count & 7):
-                raise PatchCorruptError(f"bitmap zone {i} has non-zero padding bits")
-            bm[bm_off[j] :].view(np.uint8)[: z.size] = np.frombuffer(raw, dtype=np.uint8)
-        elif z.count:
-            gaps = from_planes(raw, z.width, z.count).astype(np.int64)
-            if int(gaps.max()) >= a.size:
-                raise PatchCorruptError(f"rank gap {int(gaps.max())} exceeds tensor size {a.size}")
-            ranks[rk_off[j] : rk_off[j] + z.count] = np.cumsum(gaps + 1) - 1
-        vals[val_off[j] : val_off[j] + z.nnz] = codes[voff : voff + z.nnz]
-        voff += z.nnz
+    table = np.array([[z.hi, MODES.index(z.mode), z.count, z.width, z.size, z.nnz] for z in zones], dtype=np.int64)
+    err, bad, act, los, his, zmode, bm_words, rk_cnt, val_cnt, bm, bm_off, ranks, rk_off, vals, val_off = (
+        kernels.decode_layout(table, np.frombuffer(mask, dtype=np.uint8), codes, a.size)
+    )
+    if err:
+        raise PatchCorruptError(
+            {
+                kernels.BAD_PADDING: f"bitmap zone {bad} has non-zero padding bits",
+                kernels.BAD_GAP: f"zone {bad} has a rank gap past the tensor's {a.size} entries",
+                kernels.STRAY_VALUES: f"zone {bad} lists no changes but declares {zones[bad].nnz} values",
+            }[err]
+        )
     a, aw = kernels.packed_words(a)
     if out.ctypes.data % 8:
         raise ValueError("decode_sparse needs an 8-byte aligned output buffer")
+    # how to find each zone's members (for speed only): from a sample of the base's context bins
     est, _ = kernels.bin_histogram(a, a, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, max(1, a.size >> 14))
     cum = np.concatenate([[0], np.cumsum(est)])
-    how = kernels.member_search(los[act], his[act], zmode, cum[his[act]] - cum[los[act]], cum[los[act[-1]]], a.size, ctx.nbins)
+    how = kernels.member_search(los, his, zmode, cum[his] - cum[los], cum[los[-1]], a.size, ctx.nbins)
     members, consumed, changed = kernels.decode_zones(
-        a, aw, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los[act], his[act], zmode, how, bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
+        a, aw, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
+        bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )  # fmt: skip
-    for j, (i, z) in enumerate(zip(act, sel, strict=True)):
+    bad = (((zmode == kernels.BITMAP) & (members != table[act, 2])) | (consumed != rk_cnt) | (changed != val_cnt)).nonzero()[0]
+    if bad.size:
+        j, z = bad[0], zones[act[bad[0]]]
         if z.mode == "bitmap" and z.count != members[j]:
-            raise PatchCorruptError(f"bitmap zone {i} has {z.count} flags, the base has {members[j]} members")
+            raise PatchCorruptError(f"bitmap zone {act[j]} has {z.count} flags, the base has {members[j]} members")
         if consumed[j] != rk_cnt[j]:
-            raise PatchCorruptError(f"zone {i} lists ranks outside the base's {members[j]} members")
-        if changed[j] != val_cnt[j]:
-            raise PatchCorruptError(f"zone {i} decodes {changed[j]} changes, table says {val_cnt[j]}")
+            raise PatchCorruptError(f"zone {act[j]} lists ranks outside the base's {members[j]} members")
+        raise PatchCorruptError(f"zone {act[j]} decodes {changed[j]} changes, table says {val_cnt[j]}")
     return out
-
-
-def _regions(sizes: np.ndarray, dtype, fill) -> tuple[np.ndarray, np.ndarray]:
-    """Offsets of consecutive regions of the given sizes, and one buffer holding them all."""
-    ends = np.cumsum(sizes)
-    return ends - sizes, np.full(int(ends[-1]) if ends.size else 0, fill, dtype=dtype)
