@@ -168,7 +168,7 @@ def test_every_way_of_finding_zone_members_codes_the_same(dtype, monkeypatch):
 
 
 def test_zoned_decoder_rejects_inconsistent_zones():
-    """Table-consistent but wrong zone contents (the multi-zone path) raise PatchCorruptError."""
+    """Wrong zone contents or sizes (the multi-zone path) raise PatchCorruptError, base untouched."""
     from dataclasses import replace
 
     from pulsenet.codec import mask
@@ -182,7 +182,7 @@ def test_zoned_decoder_rejects_inconsistent_zones():
     b = bits(b_t)
     zones, raw, codes = mask.encode_sparse(a, b, "BF16")
     assert same(torch.from_numpy(mask.decode_sparse(a, "BF16", zones, raw, codes)), torch.from_numpy(b))
-    bm = next(i for i, z in enumerate(zones) if z.mode == "bitmap" and z.count % 8)
+    bm = next(i for i, z in enumerate(zones) if z.mode == "bitmap" and z.count % 8 > 1)
     ones = next(i for i, z in enumerate(zones) if z.mode == "ones" and z.count)
     starts = np.cumsum([0] + [z.size for z in zones])
 
@@ -197,8 +197,12 @@ def test_zoned_decoder_rejects_inconsistent_zones():
     cases = {
         "padding": (zones, tampered(last, bytes([raw[last] | 0x80]))),
         "outside|rank gap": (zones, tampered(starts[ones], bytes(planes))),
-        "declares": ([*zones[:ones], replace(z, count=0), *zones[ones + 1 :]], raw),
+        "declares": (
+            [*zones[:ones], replace(z, count=0, size=0), *zones[ones + 1 :]],
+            raw[: starts[ones]] + raw[starts[ones + 1] :],
+        ),
         "flags": ([*zones[:bm], replace(zones[bm], count=zones[bm].count - 1), *zones[bm + 1 :]], raw),
+        "disagree": ([*zones[:ones], replace(z, width=3), *zones[ones + 1 :]], raw),
     }
     for match, (zs, mk) in cases.items():
         before = a.copy()

@@ -445,7 +445,7 @@ def zone_layout(plan_his, plan_mode, n_bin, k_bin, a):
     return act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off
 
 
-BAD_PADDING, BAD_GAP, STRAY_VALUES = 1, 2, 3  # decode_layout's complaints
+BAD_PADDING, BAD_GAP, STRAY_VALUES, BAD_SIZE = 1, 2, 3, 4  # decode_layout's complaints
 
 
 @njit(nogil=True, cache=True)
@@ -457,18 +457,30 @@ def decode_layout(table, mask, codes, n):
     Each region ends as the kernel expects: a zero word after a bitmap, a -1 after a rank list,
     a 0 code after a zone's values. Returns (error, zone) for a malformed mask (``BAD_PADDING``:
     bitmap padding bits set, ``BAD_GAP``: a rank gap past the tensor, ``STRAY_VALUES``: a zone
-    without changes declaring values; error 0 if none), then the coded zones' plan indices,
-    bounds, modes, bitmap words, rank and value counts and the regions.
+    without changes declaring values, ``BAD_SIZE``: sizes that disagree with the counts or the
+    sections; error 0 if none), then the coded zones' plan indices, bounds, modes, bitmap words,
+    rank and value counts and the regions.
     """
     nzp = table.shape[0]
     act = np.empty(nzp, dtype=np.int64)
     na, err, bad = 0, 0, -1
+    mask_n = val_n = 0
+    for z in range(nzp):
+        count, width, size = table[z, 2], table[z, 3], table[z, 4]
+        want = (count + 7) // 8 if table[z, 1] == BITMAP else count * width
+        bad_width = table[z, 1] != BITMAP and width != 1 and width != 2 and width != 4 and width != 8
+        if size != want or count < 0 or table[z, 5] < 0 or bad_width:
+            err, bad = BAD_SIZE, z
+        mask_n, val_n = mask_n + size, val_n + table[z, 5]
+    if not err and (mask_n != mask.size or val_n != codes.size):
+        err, bad = BAD_SIZE, -1
     for z in range(nzp):
         if table[z, 1] != ONES or table[z, 2] > 0:
             act[na] = z
             na += 1
         elif table[z, 5] > 0 and not err:
             err, bad = STRAY_VALUES, z
+    na = 0 if err else na  # nothing to lay out: the caller raises
     act = act[:na]
     los, his, zmode = np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int64), np.empty(na, dtype=np.int8)
     bm_words, rk_cnt, val_cnt = np.zeros(na, dtype=np.int64), np.zeros(na, dtype=np.int64), np.empty(na, dtype=np.int64)

@@ -256,6 +256,7 @@ def decode_sparse(
                 kernels.BAD_PADDING: f"bitmap zone {bad} has non-zero padding bits",
                 kernels.BAD_GAP: f"zone {bad} has a rank gap past the tensor's {a.size} entries",
                 kernels.STRAY_VALUES: f"zone {bad} lists no changes but declares {zones[bad].nnz} values",
+                kernels.BAD_SIZE: f"zone sizes disagree with their counts or the mask/values sections (zone {bad})",
             }[err]
         )
     a, aw = kernels.packed_words(a)
