@@ -57,6 +57,19 @@ def test_gate_sends_exactly_the_bf16_visible_entries() -> None:
     assert torch.all(residual.reshape(-1)[mask] == 0)
 
 
+def test_gate_scale_gates_on_the_scaled_update_and_sends_s() -> None:
+    """``gate_scale`` c sends where bf16(θ - c·s) != bf16(θ): a superset for c > 1, values still s."""
+    theta = _state(0)["a.weight"]
+    s = theta - _near({"x": theta}, 0.01, 1)["x"]
+    idx1, _, _ = alg.gate(theta, s)
+    idx, values, residual = alg.gate(theta, s, 1.33)
+    mask = visible_change(theta, s * 1.33).reshape(-1)
+    assert np.array_equal(idx, np.flatnonzero(mask.numpy())) and idx.size > idx1.size
+    assert set(idx1.tolist()) <= set(idx.tolist())
+    assert _same_bits(values, s.reshape(-1)[mask])
+    assert _same_bits(torch.where(mask, s.reshape(-1), residual.reshape(-1)), s.reshape(-1))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=64),

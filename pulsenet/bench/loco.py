@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--gate-scale", type=float, default=1.0, help="send where bf16(θ - scale·s) != bf16(θ) (default 1: as specified)"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_forward_argument(p)
     p.add_argument(
@@ -95,6 +98,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        gate_scale=args.gate_scale,
         workers_expected=args.workers,
         min_quorum=args.workers,  # every round averages every worker: the figures compare like with like
         deadline_s=24 * 3600.0,

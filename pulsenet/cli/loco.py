@@ -65,6 +65,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="inner AdamW lr (default: 1e-3 tiny, 3e-6 smollm2)")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--gate-scale",
+        type=float,
+        default=1.0,
+        help="send where bf16(θ - scale·s) != bf16(θ) (default 1: as specified; see docs/loco.md section 9)",
+    )
     p.add_argument("--batch", type=int, default=4, help="rows per inner step (default: %(default)s)")
     p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
     add_forward_argument(p)
@@ -160,6 +166,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
+        gate_scale=args.gate_scale,
         workers_expected=args.workers_expected,
         min_quorum=args.min_quorum,
         join_wait_s=args.join_wait,

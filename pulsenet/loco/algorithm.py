@@ -51,15 +51,16 @@ def pseudo_gradient(theta: torch.Tensor, local: torch.Tensor, error: torch.Tenso
     return s
 
 
-def gate(theta: torch.Tensor, s: torch.Tensor) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+def gate(theta: torch.Tensor, s: torch.Tensor, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
     """Split ``s`` into what is sent and what is kept: ``(indices, values, new_error)``.
 
-    Sent: the entries where ``bf16(θ - s) != bf16(θ)`` (``codec.bf16.visible_change``), as flat
-    int64 indices and their FP32 values. Kept: ``s`` with those entries set to +0.0. ``-0.0`` is
-    never sent (``θ - (-0.0) == θ``), so ``where(sent, s, e)`` rebuilds ``s`` bit for bit.
+    Sent: the entries where ``bf16(θ - scale·s) != bf16(θ)`` (``codec.bf16.visible_change``;
+    ``scale`` 1 is the specified gate), as flat int64 indices and their FP32 values. Kept: ``s``
+    with those entries set to +0.0. ``-0.0`` is never sent (``θ - (-0.0) == θ``), so
+    ``where(sent, s, e)`` rebuilds ``s`` bit for bit.
     """
     flat = s.reshape(-1)
-    mask = visible_change(theta.reshape(-1), flat)
+    mask = visible_change(theta.reshape(-1), flat if scale == 1.0 else flat * scale)
     idx = torch.nonzero(mask, as_tuple=True)[0]
     values = flat[idx].numpy().astype(np.float32, copy=True)
     residual = flat.clone()
@@ -74,6 +75,7 @@ def make_update(
     *,
     round: int,
     sparse: bool,
+    gate_scale: float = 1.0,
 ) -> tuple[Payload, StateDict | None]:
     """This round's payload and the new error feedback (``None`` for dense DiLoCo, which keeps none).
 
@@ -87,7 +89,7 @@ def make_update(
             th, lo = theta[name], local[name].detach()
             s = pseudo_gradient(th, lo, error[name] if (sparse and error is not None) else None)
             if sparse:
-                idx, values, residual = gate(th, s)
+                idx, values, residual = gate(th, s, gate_scale)
                 new_error[name] = residual  # type: ignore[index]
             else:
                 values, idx = s.reshape(-1).numpy().astype(np.float32, copy=True), None

@@ -22,6 +22,10 @@ class LocoConfig:
     outer_lr: float = 0.7
     """Outer Nesterov learning rate (DiLoCo's 0.7; 1.0 with momentum 0 is plain averaging)."""
     outer_momentum: float = 0.9
+    gate_scale: float = 1.0
+    """Send where ``bf16(θ - gate_scale·s) != bf16(θ)``; 1 is the specified gate. ``outer_lr x (1 +
+    outer_momentum)`` (1.33 by default) gates on what the Nesterov step does with a fresh update:
+    more bytes, less lag behind DiLoCo (measured in docs/loco.md section 9)."""
     workers_expected: int = 1
     """A round closes as soon as this many payloads are in, without waiting for the deadline."""
     min_quorum: int | None = None
@@ -55,6 +59,8 @@ class LocoConfig:
             raise ConfigError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
         if self.inner_steps < 1 or self.workers_expected < 1 or self.state_every < 1:
             raise ConfigError("inner_steps, workers_expected and state_every must be >= 1")
+        if not self.gate_scale > 0:
+            raise ConfigError(f"gate_scale must be > 0, got {self.gate_scale}")
         if self.quorum > self.workers_expected:
             raise ConfigError(f"min_quorum {self.quorum} exceeds workers_expected {self.workers_expected}")
 

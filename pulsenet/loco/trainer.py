@@ -171,7 +171,7 @@ class LocoTrainer:
         t1 = self._clock()
         local = dict(self.local.model.named_parameters())
         own, new_error = await self._heavy(
-            alg.make_update, state.theta, local, self.error, round=r, sparse=cfg.sparse
+            alg.make_update, state.theta, local, self.error, round=r, sparse=cfg.sparse, gate_scale=cfg.gate_scale
         )
         data = await self._heavy(self.encode_payload, own)
         t2 = self._clock()
