@@ -563,9 +563,9 @@ def encode_zones(
       starts at 0): its members are everything else, so a change's rank is its position minus
       the entries below the zone before it, which the scan lists anyway.
 
-    Regions may be sized from estimates: writes past a region's last slot (``*_cap``: its index)
-    land on that slot, and the caller compares the returned counts with the sizes. Returns per
-    zone (members, listed, changed).
+    Writes are clamped to each region's slack slot (``*_cap``: its index), so counts that
+    disagree with the layout (a bug) show in the returned (members, listed, changed) per zone,
+    which the caller checks, and never as a write outside the buffers.
     """
     nz = zmode.size
     rank = np.zeros(nz, dtype=np.int64)
@@ -634,7 +634,7 @@ def encode_zones(
         below += nf
     if cz >= 0:
         rank[cz] = n - below
-    acc[0] ^= touch & np.uint64(0)  # keeps the touching loads
+    bufs[4][0] = np.int64(touch & np.uint64(1))  # keeps the touching loads (scratch that LLVM cannot prove dead)
     for z in range(nz):
         if how[z] == BUCKET and zmode[z] == BITMAP and rank[z] & 63:
             bm[bm_off[z] + min(rank[z] >> 6, bm_cap[z])] = acc[z]
