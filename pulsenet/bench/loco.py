@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
 
+    from rich.console import Console
+
     from pulsenet.cli.loco import data_seed
     from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
@@ -114,12 +116,19 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     lr = args.lr if args.lr is not None else default_lr
     held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
     eval_loss: dict[int, float] = {}
+    console, started = Console(stderr=True), time.perf_counter()
 
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
         # After a round the local weights equal the new global weights; evaluate them in place.
         async with compute:
             loss = await asyncio.to_thread(_eval, trainer.local, held_out, args)
         eval_loss[report.round if report is not None else 0] = loss
+        if report is not None:  # progress: long runs take minutes per round
+            sent = f", sent {report.sent / report.total:.2%}" if report.total else ""
+            console.print(
+                f"{mode}: round {report.round}/{args.rounds}: eval loss {loss:.4f}, {trainer.id} put "
+                f"{report.payload_bytes / 1e6:.2f} MB{sent} ({time.perf_counter() - started:.0f} s)"
+            )
 
     trainers = []
     for k, tid in enumerate(ids):
