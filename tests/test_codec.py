@@ -16,9 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pulsenet.checkpoint import Checkpoint, save_state
+from pulsenet.codec import kernels
 from pulsenet.codec.bf16 import bits, visible_change
 from pulsenet.codec.coding import compress
 from pulsenet.codec.digest import model_digest
+from pulsenet.codec.dtypes import dtype_name
+from pulsenet.codec.mask import Context
 from pulsenet.codec.patch import HEADER_SIZE, PatchEncoder, apply_patch, parse_patch
 from pulsenet.errors import (
     BaseMismatchError,
@@ -125,6 +128,12 @@ def test_zoned_kernels_every_mode_and_tail(dtype, n):
     big = torch.from_numpy(rng.choice(n, 40, replace=False))
     b[big] = -b[big]  # rare large changes
     b[-3:] = b[-3:] + 1  # the tail changes too
+    x, y = bits(a), bits(b)
+    ctx = Context.of(dtype_name(dtype), x.itemsize)
+    args = np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins
+    fast = kernels.change_histogram(x, y, kernels.packed_words(x)[1], kernels.packed_words(y)[1], *args)
+    slow = kernels.bin_histogram(x, y, *args, 1)  # one entry at a time
+    assert all((f == s).all() for f, s in zip(fast, slow, strict=True)) and fast[1].sum() == (x != y).sum()
     patch = PatchEncoder().encode({"w": a}, {"w": b})
     modes = {z.mode for z in parse_patch(patch).tensors[0].zones if z.nnz}
     assert {"bitmap", "ones"} <= modes or {"zeros", "ones"} <= modes, modes

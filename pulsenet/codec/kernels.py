@@ -34,10 +34,40 @@ CHUNK = 1 << 13  # entries per chunk: the chunk and its per-zone member lists st
 
 
 @njit(nogil=True, cache=True)
+def change_histogram(a, b, aw, bw, magmask, shift, nbins):
+    """Per context bin: entries of ``a`` and entries whose bits differ in ``b`` (exact; ``aw``/``bw``
+    as from packed_words). For 16-bit dtypes, a word's four lanes count into four tables, so
+    consecutive increments never wait on each other's store, and only changed words are
+    looked into lane by lane: 2.5x the one-table loop below on the SmolLM2 tensors."""
+    if a.itemsize != 2:
+        return bin_histogram(a, b, magmask, shift, nbins, 1)
+    h0, h1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
+    h2, h3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
+    k_bin = np.zeros(nbins, dtype=np.int64)
+    for wi in range(aw.size):
+        w = aw[wi]
+        h0[(w & magmask) >> shift] += 1
+        h1[((w >> np.uint64(16)) & magmask) >> shift] += 1
+        h2[((w >> np.uint64(32)) & magmask) >> shift] += 1
+        h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
+        d = w ^ bw[wi]
+        if d:
+            for j in range(4):
+                if (d >> np.uint64(16 * j)) & np.uint64(0xFFFF):
+                    k_bin[((w >> np.uint64(16 * j)) & magmask) >> shift] += 1
+    for i in range(aw.size * 4, a.size):  # the tail past the last whole word
+        x = np.uint64(a[i])
+        h0[(x & magmask) >> shift] += 1
+        if x != np.uint64(b[i]):
+            k_bin[(x & magmask) >> shift] += 1
+    return h0 + h1 + h2 + h3, k_bin
+
+
+@njit(nogil=True, cache=True)
 def bin_histogram(a, b, magmask, shift, nbins, stride):
     """Per context bin: entries and changed entries (bits differ), counted in every ``stride``-th
-    entry and scaled up. The encoder counts exactly (stride 1); the decoder only estimates zone
-    sizes from a sample of the base (``b`` = ``a``) to choose how to find each zone's members."""
+    entry and scaled up. The decoder only estimates zone sizes from a sample of the base
+    (``b`` = ``a``) to choose how to find each zone's members; the encoder counts exactly."""
     n_bin = np.zeros(nbins, dtype=np.int64)
     k_bin = np.zeros(nbins, dtype=np.int64)
     for i in range(0, a.size, stride):

@@ -121,13 +121,13 @@ def encode_sparse(
             return None
         _, mode = kernels.zone_cost(float(a.size), float(k))
         return _encode_one_zone(a, b, dtype, MODES[mode], ne)
-    n_bin, k_bin = kernels.bin_histogram(a, b, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, 1)
+    (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
+    n_bin, k_bin = kernels.change_histogram(a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
     if not k_bin.any():
         return None
     plan_his, plan_mode = kernels.zone_plan(n_bin, k_bin, max_zones)
     if plan_his.size == 1:
         return _encode_one_zone(a, b, dtype, MODES[plan_mode[0]], a != b)
-    (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
     act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off = kernels.zone_layout(
         plan_his, plan_mode, n_bin, k_bin, a
     )
