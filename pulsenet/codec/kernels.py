@@ -290,18 +290,32 @@ def _scan_chunk(a, b, aw, bw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, buf
     lows = signs - (signs >> np.uint64(bits - 1))
     w0, w1 = c0 // lanes, min(c1 // lanes, aw.size)
     nw = nc = 0
-    if complement:
-        for wi in range(w0, w1):
-            w = aw[wi]
-            m = _members(w, mags, add_lo, add_hi, signs)
-            words[nw] = wi
-            nw += m != 0
-            cwords[nc] = wi
-            nc += (_changed_lanes(w ^ bw[wi], lows, signs) & ~m) != 0
-    else:
-        for wi in range(w0, w1):
-            words[nw] = wi
-            nw += _members(aw[wi], mags, add_lo, add_hi, signs) != 0
+    for q in range(w0, w1, 8):  # a cache line at a time, skipping lines with nothing to list
+        q1 = min(q + 8, w1)
+        if complement:
+            if q1 - q == 8:
+                seen = np.uint64(0)
+                for wi in range(q, q + 8):
+                    seen |= _members(aw[wi], mags, add_lo, add_hi, signs) | _changed_lanes(aw[wi] ^ bw[wi], lows, signs)
+                if seen == 0:
+                    continue
+            for wi in range(q, q1):
+                w = aw[wi]
+                m = _members(w, mags, add_lo, add_hi, signs)
+                words[nw] = wi
+                nw += m != 0
+                cwords[nc] = wi
+                nc += (_changed_lanes(w ^ bw[wi], lows, signs) & ~m) != 0
+        else:
+            if q1 - q == 8:
+                seen = np.uint64(0)
+                for wi in range(q, q + 8):
+                    seen |= _members(aw[wi], mags, add_lo, add_hi, signs)
+                if seen == 0:
+                    continue
+            for wi in range(q, q1):
+                words[nw] = wi
+                nw += _members(aw[wi], mags, add_lo, add_hi, signs) != 0
     nf = nt = 0
     for t in range(nw):
         m = _members(aw[words[t]], mags, add_lo, add_hi, signs)
