@@ -131,13 +131,41 @@ def test_zoned_kernels_every_mode_and_tail(dtype, n):
     x, y = bits(a), bits(b)
     ctx = Context.of(dtype_name(dtype), x.itemsize)
     args = np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins
-    fast = kernels.change_histogram(x, y, kernels.packed_words(x)[1], kernels.packed_words(y)[1], *args)
-    slow = kernels.bin_histogram(x, y, *args, 1)  # one entry at a time
-    assert all((f == s).all() for f, s in zip(fast, slow, strict=True)) and fast[1].sum() == (x != y).sum()
+    words = x, y, kernels.packed_words(x)[1], kernels.packed_words(y)[1], *args
+    exact = kernels.bin_histogram(x, y, *args, 1)  # one entry at a time
+    n_bin, k_bin, stride = kernels.change_histogram(*words, 1)
+    assert stride == 1 and (n_bin == exact[0]).all() and (k_bin == exact[1]).all() and k_bin.sum() == (x != y).sum()
+    n_est, k_bin, stride = kernels.change_histogram(*words, 17)  # 16-bit dtypes: entries sampled
+    assert (k_bin == exact[1]).all() and (n_est >= k_bin).all()
+    assert stride == (17 if x.itemsize == 2 else 1) and abs(n_est.sum() - n) < 0.05 * n
     patch = PatchEncoder().encode({"w": a}, {"w": b})
     modes = {z.mode for z in parse_patch(patch).tensors[0].zones if z.nnz}
     assert {"bitmap", "ones"} <= modes or {"zeros", "ones"} <= modes, modes
     assert same(apply_patch({"w": a}, patch)["w"], b)
+
+
+def test_zones_that_outgrow_their_estimate_are_recounted(monkeypatch):
+    """Zones are sized from sampled counts; when a zone holds more members than the room left for
+    the estimate's error, the encoder counts exactly and codes again: the same patch as exact
+    counts from the start."""
+    from pulsenet.codec import mask
+
+    rng = np.random.default_rng(3)
+    master = torch.from_numpy(rng.standard_normal(60_001) * 0.02)
+    master[rng.choice(master.numel(), 2_000, replace=False)] *= 1e-3  # a small-weight zone
+    a, b = master.to(torch.bfloat16), (master - 2e-6).to(torch.bfloat16)
+    monkeypatch.setattr(mask, "SAMPLE_STRIDE", 1)
+    exact = PatchEncoder().encode({"w": a}, {"w": b})
+    real, strides = kernels.change_histogram, []
+
+    def undercount(*args):  # an estimate far below the truth, claiming to be a fine sample
+        n_bin, k_bin, stride = real(*args)
+        strides.append(args[-1])
+        return (np.maximum(n_bin // 8, k_bin), k_bin, 2) if args[-1] > 1 else (n_bin, k_bin, stride)
+
+    monkeypatch.setattr(mask, "SAMPLE_STRIDE", 17)
+    monkeypatch.setattr(kernels, "change_histogram", undercount)
+    assert PatchEncoder().encode({"w": a}, {"w": b}) == exact and strides == [17, 1]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -176,12 +204,13 @@ def test_every_way_of_finding_zone_members_codes_the_same(dtype, monkeypatch):
     assert {kernels.COUNT, kernels.COMPLEMENT, kernels.BUCKET} <= seen
 
 
-def test_zoned_decoder_rejects_inconsistent_zones():
+def test_zoned_decoder_rejects_inconsistent_zones(monkeypatch):
     """Wrong zone contents or sizes (the multi-zone path) raise PatchCorruptError, base untouched."""
     from dataclasses import replace
 
     from pulsenet.codec import mask
 
+    monkeypatch.setattr(mask, "SAMPLE_STRIDE", 1)  # the zone plan of exact counts has the zones tampered with below
     rng = np.random.default_rng(3)
     master = rng.standard_normal(30_001) * 0.02
     master[rng.choice(master.size, 300, replace=False)] *= 1e-4

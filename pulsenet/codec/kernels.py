@@ -34,33 +34,41 @@ CHUNK = 1 << 13  # entries per chunk: the chunk and its per-zone member lists st
 
 
 @njit(nogil=True, cache=True)
-def change_histogram(a, b, aw, bw, magmask, shift, nbins):
-    """Per context bin: entries of ``a`` and entries whose bits differ in ``b`` (exact; ``aw``/``bw``
-    as from packed_words). For 16-bit dtypes, a word's four lanes count into four tables, so
-    consecutive increments never wait on each other's store, and only changed words are
-    looked into lane by lane: 2.5x the one-table loop below on the SmolLM2 tensors."""
+def change_histogram(a, b, aw, bw, magmask, shift, nbins, stride):
+    """Per context bin: entries of ``a``, entries whose bits differ in ``b``, and the word stride
+    the entries were counted at (``aw``/``bw`` as from packed_words).
+
+    Changes are counted exactly: every one is coded. Entries only size the zones, so for 16-bit
+    dtypes they are counted in every ``stride``-th word and scaled up (a bin holds at least its
+    changes); :func:`zone_layout` leaves room for the estimate's error, and mask.encode_sparse
+    recounts with stride 1 if a zone outgrew it. A word's four lanes count into four tables, so
+    consecutive increments never wait on each other's store. Other dtypes: exact, stride 1."""
     if a.itemsize != 2:
-        return bin_histogram(a, b, magmask, shift, nbins, 1)
-    h0, h1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
-    h2, h3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
+        n_bin, k_bin = bin_histogram(a, b, magmask, shift, nbins, 1)
+        return n_bin, k_bin, 1
     k_bin = np.zeros(nbins, dtype=np.int64)
     for wi in range(aw.size):
         w = aw[wi]
-        h0[(w & magmask) >> shift] += 1
-        h1[((w >> np.uint64(16)) & magmask) >> shift] += 1
-        h2[((w >> np.uint64(32)) & magmask) >> shift] += 1
-        h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
         d = w ^ bw[wi]
         if d:
             for j in range(4):
                 if (d >> np.uint64(16 * j)) & np.uint64(0xFFFF):
                     k_bin[((w >> np.uint64(16 * j)) & magmask) >> shift] += 1
+    h0, h1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
+    h2, h3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
+    for wi in range(0, aw.size, stride):
+        w = aw[wi]
+        h0[(w & magmask) >> shift] += 1
+        h1[((w >> np.uint64(16)) & magmask) >> shift] += 1
+        h2[((w >> np.uint64(32)) & magmask) >> shift] += 1
+        h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
+    n_bin = (h0 + h1 + h2 + h3) * stride
     for i in range(aw.size * 4, a.size):  # the tail past the last whole word
         x = np.uint64(a[i])
-        h0[(x & magmask) >> shift] += 1
+        n_bin[(x & magmask) >> shift] += 1
         if x != np.uint64(b[i]):
             k_bin[(x & magmask) >> shift] += 1
-    return h0 + h1 + h2 + h3, k_bin
+    return np.maximum(n_bin, k_bin), k_bin, stride
 
 
 @njit(nogil=True, cache=True)
@@ -455,10 +463,13 @@ def _scan_table(los, his, how, nbins, shift):
 
 
 @njit(nogil=True, cache=True)
-def zone_layout(plan_his, plan_mode, n_bin, k_bin, a):
-    """Regions for :func:`encode_zones` from exact per-bin counts. Only zones with changes are
-    coded. Returns their plan indices, bounds, modes, members and changes, and the regions
-    (bitmap words, ranks, value codes of ``a``'s dtype), each ending with a slot of slack."""
+def zone_layout(plan_his, plan_mode, n_bin, k_bin, a, stride):
+    """Regions for :func:`encode_zones` from per-bin counts (changes exact, entries counted every
+    ``stride``-th word: an estimate below which the true count lies with ~8 standard deviations
+    to spare; room is left for that). Only zones with changes are coded. Returns their plan
+    indices, bounds, modes, (estimated) members and changes, and the regions (bitmap words,
+    ranks, value codes of ``a``'s dtype), each ending with a slot of slack."""
+    lanes = 8 // a.itemsize
     nzp = plan_his.size
     act = np.empty(nzp, dtype=np.int64)
     na, lo_bin = 0, 0
@@ -476,12 +487,15 @@ def zone_layout(plan_his, plan_mode, n_bin, k_bin, a):
     for i in range(na):
         los[i] = 0 if act[i] == 0 else plan_his[act[i] - 1]
         n_z[i], k_z[i] = n_bin[los[i] : his[i]].sum(), k_bin[los[i] : his[i]].sum()
+        room = n_z[i]
+        if stride > 1:  # the estimate's variance is at most stride * lanes * n
+            room = min(a.size, room + np.int64(8.0 * np.sqrt(stride * lanes * room)) + 8 * stride * lanes)
         if zmode[i] == BITMAP:
-            bm_cap[i] = (n_z[i] + 63) // 64
+            bm_cap[i] = (room + 63) // 64
         elif zmode[i] == ONES:
             rk_cap[i] = k_z[i]
         else:
-            rk_cap[i] = n_z[i] - k_z[i]
+            rk_cap[i] = room - k_z[i]
         bm_off[i], rk_off[i], val_off[i] = bm_n, rk_n, val_n
         bm_n, rk_n, val_n = bm_n + bm_cap[i] + 1, rk_n + rk_cap[i] + 1, val_n + k_z[i] + 1
     bm, ranks = np.zeros(bm_n, dtype=np.uint64), np.full(rk_n, -1, dtype=np.int64)

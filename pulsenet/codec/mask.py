@@ -12,9 +12,10 @@ order), as
 - ``ones``:   gaps between the ranks of changed members (rare changes),
 - ``zeros``:  gaps between the ranks of unchanged members (zones that nearly all change),
 
-choosing boundaries and modes by dynamic programming on exact per-bin counts. Each changed entry's
-value is ``zigzag(ordered(new) - ordered(old))`` (kernels._code), grouped by zone so entries with
-similar statistics sit together for zstd. Everything here is pure: arrays in, bytes out.
+choosing boundaries and modes by dynamic programming on per-bin counts (changes exact; entries,
+which only size the zones, from a sample). Each changed entry's value is
+``zigzag(ordered(new) - ordered(old))`` (kernels._code), grouped by zone so entries with similar
+statistics sit together for zstd. Everything here is pure: arrays in, bytes out.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from pulsenet.errors import PatchCorruptError
 
 MODES = ("bitmap", "ones", "zeros")
 MAX_ZONES = 12
+SAMPLE_STRIDE = 17  # zones are sized from every 17th word: co-prime with power-of-two row lengths
 MANTISSA_BITS = {"BF16": 7, "F16": 10, "F32": 23, "F64": 52, "F8_E4M3": 3, "F8_E5M2": 2}
 
 
@@ -122,23 +124,30 @@ def encode_sparse(
         _, mode = kernels.zone_cost(float(a.size), float(k))
         return _encode_one_zone(a, b, dtype, MODES[mode], ne)
     (a, aw), (b, bw) = kernels.packed_words(a), kernels.packed_words(b)
-    n_bin, k_bin = kernels.change_histogram(a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins)
+    counts = a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins
+    n_bin, k_bin, stride = kernels.change_histogram(*counts, SAMPLE_STRIDE)
     if not k_bin.any():
         return None
-    plan_his, plan_mode = kernels.zone_plan(n_bin, k_bin, max_zones)
-    if plan_his.size == 1:
-        return _encode_one_zone(a, b, dtype, MODES[plan_mode[0]], a != b)
-    act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off = kernels.zone_layout(
-        plan_his, plan_mode, n_bin, k_bin, a
-    )
-    how = kernels.member_search(los, his, zmode, n_z, n_bin[: los[-1]].sum(), a.size, ctx.nbins)
-    members, listed, nval = kernels.encode_zones(
-        a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
-        bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off, k_z, ctx.signmag, ctx.M, ctx.S, ctx.top,
-    )  # fmt: skip
-    bitmap, zeros = zmode == kernels.BITMAP, zmode == kernels.ZEROS
-    assert ((members == n_z) | ~bitmap).all() and (listed == np.where(zeros, n_z - k_z, k_z) * ~bitmap).all()
-    assert (nval == k_z).all(), "the zone kernel disagrees with the histogram"
+    while True:
+        plan_his, plan_mode = kernels.zone_plan(n_bin, k_bin, max_zones)
+        if plan_his.size == 1:
+            return _encode_one_zone(a, b, dtype, MODES[plan_mode[0]], a != b)
+        act, los, his, zmode, n_z, k_z, bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off = kernels.zone_layout(
+            plan_his, plan_mode, n_bin, k_bin, a, stride
+        )
+        how = kernels.member_search(los, his, zmode, n_z, n_bin[: los[-1]].sum(), a.size, ctx.nbins)
+        members, listed, nval = kernels.encode_zones(
+            a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
+            bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off, k_z, ctx.signmag, ctx.M, ctx.S, ctx.top,
+        )  # fmt: skip
+        bitmap, zeros = zmode == kernels.BITMAP, zmode == kernels.ZEROS
+        room = np.where(bitmap, members <= 64 * bm_cap, listed <= rk_cap)
+        if stride == 1 or room.all():
+            break
+        n_bin, k_bin, stride = kernels.change_histogram(*counts, 1)  # a zone outgrew its estimate: count exactly
+    assert (listed == k_z)[~bitmap & ~zeros].all() and (nval == k_z).all(), "the zone kernel disagrees with the histogram"
+    if stride == 1:
+        assert ((members == n_z) | ~bitmap).all() and ((listed == n_z - k_z) | ~zeros).all()
     maxgap = kernels.rank_gaps(ranks, rk_off, listed)
     slot = dict(zip(act.tolist(), range(act.size), strict=True))
     zones, chunks, codes = [], [], []
