@@ -263,7 +263,7 @@ def _forge(
     count = indices.size if count is None else count
     width, pos_frame = 0, positions
     if pos_frame is None and coding == wire.RELATIVE:
-        pos_frame = wire._encode_grouped_positions(relative.context(_bits(base)), indices.astype(np.int64))
+        pos_frame = wire._encode_grouped_positions(_bits(base).reshape(-1), indices.astype(np.int64))
     elif pos_frame is None:
         width, pos = encode_positions(indices.astype(np.int64))
         pos_frame = compress(pos)
@@ -329,9 +329,11 @@ CTX = int(relative.context(_bits(BASE))[0])  # every entry of BASE shares one co
     "positions, message",
     [
         (_groups((CTX, 1, 1), planes=b"\x10"), "out of range"),  # ordinal 16 in a group of 16
+        (_groups((CTX, 1, 1), planes=b"\xff"), "out of range for 16"),  # a gap past the tensor
+        (_groups((CTX, 1, 8), planes=b"\xff" * 8), "out of range for 16"),  # one that would wrap int64
         (_groups((CTX, 1, 3), planes=b"\x00\x00\x00"), "valid width"),
         (_groups((CTX, 0, 1), (CTX + 1, 1, 1), planes=b"\x00"), "valid width|add up"),
-        (_groups((CTX + 1, 1, 1), planes=b"\x00"), "for a tensor of 0"),  # a context with no entries
+        (_groups((CTX + 1, 1, 1), planes=b"\x00"), "out of range"),  # a context with no entries
         (_groups((CTX, 1, 1), (CTX, 1, 1), planes=b"\x00\x00"), "ascending"),
         (_groups((relative.N_CONTEXTS, 1, 1), planes=b"\x00"), "ascending"),
         (_groups((CTX, 1, 1), planes=b"\x00\x00"), "decompressed|expected|bytes"),

@@ -59,6 +59,7 @@ from pulsenet.codec.coding import (
     to_planes,
 )
 from pulsenet.errors import PatchError, PayloadError
+from pulsenet.loco import kernels
 from pulsenet.loco import values as relative
 
 MAGIC = b"PULSELOC"
@@ -188,7 +189,7 @@ def _relative_section(indices: np.ndarray | None, values: np.ndarray, base_flat:
     codes, escaped = relative.encode(base_bits, values)
     sec = _Section(coding=RELATIVE, code_width=narrowest_width(int(codes.max())) if codes.size else 1)
     if indices is not None:
-        sec.positions = _encode_grouped_positions(relative.context(base_flat), np.asarray(indices, np.int64))
+        sec.positions = _encode_grouped_positions(base_flat, np.asarray(indices, np.int64))
     if codes.size:
         order = _by_exponent(base_bits[~escaped])
         sec.values = compress(to_planes(codes[order].astype(UINT[sec.code_width])))
@@ -203,32 +204,16 @@ def _relative_section(indices: np.ndarray | None, values: np.ndarray, base_flat:
 _GROUP = struct.Struct("<HQB")  # context, entries sent in it, gap width
 
 
-def _grouping(context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(order, starts, sizes)``: the tensor's entries grouped by context (flat order within a group)."""
-    order = np.argsort(context, kind="stable")
-    sizes = np.bincount(context, minlength=relative.N_CONTEXTS)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return order, starts, sizes
-
-
-def _encode_grouped_positions(context: np.ndarray, indices: np.ndarray) -> bytes:
+def _encode_grouped_positions(base_flat: np.ndarray, indices: np.ndarray) -> bytes:
     """The positions frame of a relative sparse section: per context, the sent ordinals within its group."""
-    order, starts, _ = _grouping(context)
-    rank = np.empty(context.size, dtype=np.int64)
-    rank[order] = np.arange(context.size)
-    ctx = context[indices]
-    by_ctx = np.argsort(ctx, kind="stable")  # sent entries grouped by context, position order within
-    ctx, ranks = ctx[by_ctx], rank[indices[by_ctx]] - starts[ctx[by_ctx]]
-    bounds = np.flatnonzero(np.diff(ctx)) + 1
-    table, planes = [struct.pack("<H", bounds.size + 1)], []
-    for lo, hi in zip(np.concatenate([[0], bounds]), np.concatenate([bounds, [ctx.size]]), strict=True):
-        width, gaps = encode_positions(ranks[lo:hi])
-        table.append(_GROUP.pack(int(ctx[lo]), int(hi - lo), width))
-        planes.append(gaps)
-    return b"".join(table) + compress(b"".join(planes))
+    ctx, ordinals, _ = kernels.context_ordinals(base_flat, indices, relative.EDGE_BITLEN, relative.N_CONTEXTS)
+    contexts, counts, widths, planes = kernels.grouped_gap_planes(ctx, ordinals, relative.N_CONTEXTS)
+    table = [struct.pack("<H", contexts.size)]
+    table += [_GROUP.pack(*g) for g in zip(contexts.tolist(), counts.tolist(), widths.tolist(), strict=True)]
+    return b"".join(table) + compress(planes.tobytes())
 
 
-def _decode_grouped_positions(frame: bytes, context: np.ndarray, count: int) -> np.ndarray:
+def _decode_grouped_positions(frame: bytes, base_flat: np.ndarray, count: int) -> np.ndarray:
     reader = _Reader(memoryview(frame), 0)
     (n_groups,) = reader.unpack("<H")
     groups = [reader.unpack(_GROUP.format) for _ in range(n_groups)]
@@ -238,13 +223,16 @@ def _decode_grouped_positions(frame: bytes, context: np.ndarray, count: int) -> 
     if any(n == 0 or w not in UINT for _, n, w in groups) or sum(n for _, n, _ in groups) != count:
         raise PayloadError(f"position groups do not add up to {count} entries of a valid width")
     raw = decompress(reader.take(len(frame) - reader.offset), sum(n * w for _, n, w in groups))
-    order, starts, sizes = _grouping(context)
-    parts, offset = [], 0
-    for c, n, w in groups:
-        ordinals = decode_positions(raw[offset : offset + n * w], w, n, int(sizes[c]))
-        parts.append(order[starts[c] + ordinals])
-        offset += n * w
-    return np.sort(np.concatenate(parts))
+    table = np.array(groups, dtype=np.int64).reshape(-1, 3)
+    positions, err, c = kernels.positions_from_ordinals(
+        base_flat, relative.EDGE_BITLEN, relative.N_CONTEXTS, table[:, 0], table[:, 1], table[:, 2],
+        np.frombuffer(raw, dtype=np.uint8),
+    )  # fmt: skip
+    if err == kernels.MALFORMED:
+        raise PayloadError(f"position group of context {c}: a position is out of range for {base_flat.size} entries")
+    if err == kernels.OUT_OF_RANGE:
+        raise PayloadError(f"position group of context {c}: an ordinal is out of range for the context's entries")
+    return positions
 
 
 def _by_exponent(base_bits: np.ndarray) -> np.ndarray:
@@ -360,7 +348,7 @@ def _section_body(
     if mode == SPARSE:
         if width != 0:
             raise PayloadError(f"{name}: relative positions are grouped by context, pos_width must be 0")
-        indices = _decode_grouped_positions(pos_frame, relative.context(flat), count)
+        indices = _decode_grouped_positions(pos_frame, flat, count)
     base_bits = flat if indices is None else flat[indices]
     values = _decode_relative(base_bits, val_frame, esc_frame, count, code_width, n_esc, esc_width)
     return SparseTensor(shape=shape, indices=indices, values=values)

@@ -25,12 +25,10 @@ from __future__ import annotations
 import numpy as np
 
 from pulsenet.errors import PayloadError
+from pulsenet.loco import kernels
 
 N_CONTEXTS = 256 + 17
 """Contexts of the position coding: ``max(E, 1) + bitlen(distance to the cell edge)``, E < 256."""
-K_LIMIT = 1 << 24
-"""|k| must stay below this, so ``k·u`` is an FP32 value (24-bit significand) and cannot overflow."""
-_MANT = 0x7FFFFF
 
 
 def context(base_bits: np.ndarray) -> np.ndarray:
@@ -42,8 +40,7 @@ def context(base_bits: np.ndarray) -> np.ndarray:
     far more often than far ones, so the sent mask coded per context costs about half as much.
     Only needs to be deterministic, not exact (it ignores ties and binade edges).
     """
-    exponent = ((base_bits >> np.uint32(23)) & np.uint32(0xFF)).astype(np.uint16)
-    return np.maximum(exponent, 1) + _EDGE_BITLEN[base_bits & np.uint32(0xFFFF)]
+    return kernels.contexts(np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1), EDGE_BITLEN)
 
 
 def _edge_bitlen() -> np.ndarray:
@@ -52,7 +49,7 @@ def _edge_bitlen() -> np.ndarray:
     return np.frexp(distance)[1].astype(np.uint16)  # frexp(0) = (0, 0); else 2^(b-1) <= d < 2^b
 
 
-_EDGE_BITLEN = _edge_bitlen()
+EDGE_BITLEN = _edge_bitlen()
 
 
 def threshold(a: np.ndarray, toward: np.ndarray) -> np.ndarray:
@@ -66,23 +63,16 @@ def threshold(a: np.ndarray, toward: np.ndarray) -> np.ndarray:
 
 
 def thresholds(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(T toward zero, T away from zero)`` per entry, each >= 1.
+    """``(T toward zero, T away from zero)`` per entry, each >= 1 (kernels._thresholds).
 
     The cell of ``r = bf16(|θ|)`` (round to nearest even) spans the magnitude patterns ``[lo, hi]``
     around ``b = r << 16`` (±0x8000 if r is even, else ±0x7FFF). Within one exponent (or across
     the subnormal/E=1 edge, which share u) patterns are u apart; leaving the binade toward zero
     halves the spacing (exact there), away from zero doubles it (rounded: one less).
     """
-    e = a >> 23
-    r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
-    half = np.where(r & 1, 0x7FFF, 0x8000)
-    mant = a & _MANT
-    down, up = (r << 16) - half - 1, (r << 16) + half + 1  # nearest magnitude patterns outside the cell
-    same_down = (down >> 23 == e) | ((e <= 1) & (down >> 23 <= 1))
-    same_up = (up >> 23 == e) | ((e <= 1) & (up >> 23 <= 1))
-    t_down = np.where(down < 0, 1, np.where(same_down, a - down, mant + ((e << 23) - down + 1) // 2))
-    t_up = np.where(same_up, up - a, (0x800000 - mant) + 2 * (up - ((e + 1) << 23)) - 1)
-    return np.maximum(t_down, 1), np.maximum(t_up, 1)
+    a = np.asarray(a, dtype=np.int64)
+    t_toward, t_away = kernels.thresholds(np.ascontiguousarray(a).reshape(-1))
+    return t_toward.reshape(a.shape), t_away.reshape(a.shape)
 
 
 def encode(base_bits: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -91,39 +81,17 @@ def encode(base_bits: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
     ``base_bits``: θ's FP32 bit patterns at the sent positions (uint32); ``values``: s (float32).
     Every code is checked by decoding it, so the escape mask is right whatever the inputs.
     """
-    tb = base_bits.astype(np.int64)
-    sb = values.view(np.uint32).astype(np.int64)
-    a, sign_t = tb & 0x7FFFFFFF, tb >> 31
-    e = a >> 23
-    with np.errstate(invalid="ignore", over="ignore"):
-        k = np.ldexp(np.abs(values.astype(np.float64)), 150 - np.maximum(e, 1))
-        ok = (e < 255) & np.isfinite(k) & (k < K_LIMIT) & (k == np.floor(k))
-    k_int = np.where(ok, k, 0).astype(np.int64)
-    t_toward, t_away = thresholds(a)
-    toward = (sb >> 31) == sign_t
-    t = np.where(toward, t_toward, t_away)
-    ok &= k_int >= t
-    codes = np.where(ok, ((k_int - t) << 1) | (toward != (t_toward <= t_away)), 0)
-    back = _rebuild(a[ok], sign_t[ok], codes[ok])
-    ok[ok] = back.view(np.uint32) == values.view(np.uint32)[ok]
-    return codes[ok].astype(np.uint32), ~ok
+    base = np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1)
+    return kernels.relative_codes(base, np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32))
 
 
 def decode(base_bits: np.ndarray, codes: np.ndarray) -> np.ndarray:
     """The float32 values ``codes`` stand for against θ's bits; ``PayloadError`` if a code is impossible."""
-    tb = base_bits.astype(np.int64)
-    a = tb & 0x7FFFFFFF
-    if np.any(a >> 23 == 255):
+    out = np.empty(codes.size, dtype=np.uint32)
+    base = np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1)
+    err, i = kernels.relative_values(base, np.ascontiguousarray(codes).reshape(-1), out)
+    if err == kernels.NONFINITE_BASE:
         raise PayloadError("a coded value sits on a non-finite base weight")
-    return _rebuild(a, tb >> 31, codes.astype(np.int64))
-
-
-def _rebuild(a: np.ndarray, sign_t: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    t_toward, t_away = thresholds(a)
-    toward = (codes & 1).astype(bool) != (t_toward <= t_away)
-    k = (codes >> 1) + np.where(toward, t_toward, t_away)
-    if np.any(k >= K_LIMIT):
-        raise PayloadError(f"a coded value has |k| >= 2^24 ({int(k.max())})")
-    sign_s = np.where(toward, sign_t, 1 - sign_t).astype(np.uint32)
-    mag = np.ldexp(k.astype(np.float64), np.maximum(a >> 23, 1) - 150).astype(np.float32)  # exact
-    return (mag.view(np.uint32) | (sign_s << np.uint32(31))).view(np.float32)
+    if err == kernels.K_TOO_LARGE:
+        raise PayloadError(f"a coded value has |k| >= 2^24 (entry {i})")
+    return out.view(np.float32)
