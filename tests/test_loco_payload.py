@@ -137,6 +137,36 @@ def _edge_values(rng: np.random.Generator, n: int) -> np.ndarray:
     return (np.clip(exp + jitter, 0, 0x7F7FFFFF) | sign).astype(np.uint32).view(np.float32)
 
 
+def test_context_follows_the_spec() -> None:
+    """max(E, 1) + bitlen(|(a & 0xFFFF) - 0x8000|) (docs/format.md) for every low half, exponent and sign."""
+    low = np.arange(1 << 16, dtype=np.uint32)
+    for e in (0, 1, 2, 117, 254, 255):
+        for sign in (0, 1):
+            bits = (np.uint32(sign << 31) | np.uint32(e << 23) | np.uint32(0x10000 * 37) | low).astype(np.uint32)
+            bitlen = np.frexp(np.abs(low.astype(np.int64) - 0x8000).astype(np.float64))[1]  # frexp(0) -> 0
+            assert np.array_equal(relative.context(bits), max(e, 1) + bitlen)
+
+
+def test_positions_frame_follows_the_spec() -> None:
+    """Per context (ascending), the sent entries' ordinals within the context's group, as gaps in
+    byte planes of the narrowest width: built here the slow way, by sorting entries by context."""
+    rng = np.random.default_rng(5)
+    theta = (rng.standard_normal(50_000) * 0.05).astype(np.float32)
+    indices = np.flatnonzero(rng.random(theta.size) < 0.07)
+    ctx = relative.context(_bits(theta)).astype(np.int64)
+    order = np.argsort(ctx, kind="stable")
+    ordinal = np.empty(theta.size, np.int64)
+    ordinal[order] = np.arange(theta.size) - np.searchsorted(ctx[order], ctx[order])
+    table, planes = [], []
+    for c in np.unique(ctx[indices]):
+        width, gaps = encode_positions(ordinal[indices[ctx[indices] == c]])
+        table.append(struct.pack("<HQB", c, int((ctx[indices] == c).sum()), width))
+        planes.append(gaps)
+    want = struct.pack("<H", len(table)) + b"".join(table) + compress(b"".join(planes))
+    assert wire._encode_grouped_positions(_bits(theta), indices) == want
+    assert np.array_equal(wire._decode_grouped_positions(want, _bits(theta), indices.size), indices)
+
+
 # --- whole payloads -----------------------------------------------------------------------------------
 
 

@@ -18,22 +18,22 @@ MALFORMED, OUT_OF_RANGE = 1, 2  # positions_from_ordinals' complaints
 
 
 @njit(inline="always")
-def _context(x, edge_bitlen):
-    """values.context of one FP32 bit pattern (uint32 as int64)."""
-    return max((x >> 23) & 0xFF, 1) + edge_bitlen[x & 0xFFFF]
+def _context(x):
+    """values.context of one FP32 bit pattern (uint32 as int64); bit length by lzcnt, not a table."""
+    return max((x >> 23) & 0xFF, 1) + 64 - leading_zeros(abs((x & 0xFFFF) - 0x8000))
 
 
 @njit(nogil=True, cache=True)
-def contexts(base_bits, edge_bitlen):
+def contexts(base_bits):
     """values.context of every entry (uint16)."""
     out = np.empty(base_bits.size, dtype=np.uint16)
     for i in range(base_bits.size):
-        out[i] = _context(np.int64(base_bits[i]), edge_bitlen)
+        out[i] = _context(np.int64(base_bits[i]))
     return out
 
 
 @njit(nogil=True, cache=True)
-def context_ordinals(base_bits, indices, edge_bitlen, n_contexts):
+def context_ordinals(base_bits, indices, n_contexts):
     """Per sent entry (``indices``, strictly increasing): its context and its ordinal among the
     tensor's entries of that context; plus the tensor's entries per context."""
     m = indices.size
@@ -42,7 +42,7 @@ def context_ordinals(base_bits, indices, edge_bitlen, n_contexts):
     j = 0
     nxt = indices[0] if m else -1
     for i in range(base_bits.size):
-        c = _context(np.int64(base_bits[i]), edge_bitlen)
+        c = _context(np.int64(base_bits[i]))
         if i == nxt:
             ctx[j], ords[j] = c, seen[c]
             j += 1
@@ -93,7 +93,7 @@ def grouped_gap_planes(ctx, ords, n_contexts):
 
 
 @njit(nogil=True, cache=True)
-def positions_from_ordinals(base_bits, edge_bitlen, n_contexts, contexts, counts, widths, planes):
+def positions_from_ordinals(base_bits, n_contexts, contexts, counts, widths, planes):
     """Inverse of :func:`context_ordinals` + :func:`grouped_gap_planes`: the sent positions, sorted.
 
     ``contexts`` (strictly ascending, < n_contexts), ``counts`` and ``widths`` describe the groups
@@ -129,7 +129,7 @@ def positions_from_ordinals(base_bits, edge_bitlen, n_contexts, contexts, counts
     out = np.empty(m, dtype=np.int64)
     j = 0
     for i in range(n):
-        c = _context(np.int64(base_bits[i]), edge_bitlen)
+        c = _context(np.int64(base_bits[i]))
         if seen[c] == want[c]:
             out[j] = i
             j += 1

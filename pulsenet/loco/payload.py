@@ -206,7 +206,7 @@ _GROUP = struct.Struct("<HQB")  # context, entries sent in it, gap width
 
 def _encode_grouped_positions(base_flat: np.ndarray, indices: np.ndarray) -> bytes:
     """The positions frame of a relative sparse section: per context, the sent ordinals within its group."""
-    ctx, ordinals, _ = kernels.context_ordinals(base_flat, indices, relative.EDGE_BITLEN, relative.N_CONTEXTS)
+    ctx, ordinals, _ = kernels.context_ordinals(base_flat, indices, relative.N_CONTEXTS)
     contexts, counts, widths, planes = kernels.grouped_gap_planes(ctx, ordinals, relative.N_CONTEXTS)
     table = [struct.pack("<H", contexts.size)]
     table += [_GROUP.pack(*g) for g in zip(contexts.tolist(), counts.tolist(), widths.tolist(), strict=True)]
@@ -225,7 +225,7 @@ def _decode_grouped_positions(frame: bytes, base_flat: np.ndarray, count: int) -
     raw = decompress(reader.take(len(frame) - reader.offset), sum(n * w for _, n, w in groups))
     table = np.array(groups, dtype=np.int64).reshape(-1, 3)
     positions, err, c = kernels.positions_from_ordinals(
-        base_flat, relative.EDGE_BITLEN, relative.N_CONTEXTS, table[:, 0], table[:, 1], table[:, 2],
+        base_flat, relative.N_CONTEXTS, table[:, 0], table[:, 1], table[:, 2],
         np.frombuffer(raw, dtype=np.uint8),
     )  # fmt: skip
     if err == kernels.MALFORMED:

@@ -40,16 +40,7 @@ def context(base_bits: np.ndarray) -> np.ndarray:
     far more often than far ones, so the sent mask coded per context costs about half as much.
     Only needs to be deterministic, not exact (it ignores ties and binade edges).
     """
-    return kernels.contexts(np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1), EDGE_BITLEN)
-
-
-def _edge_bitlen() -> np.ndarray:
-    """``bitlen(|low - 0x8000|)`` for every value of a pattern's low 16 bits (a 128 KiB table)."""
-    distance = np.abs(np.arange(1 << 16, dtype=np.int32) - 0x8000).astype(np.float32)  # exact
-    return np.frexp(distance)[1].astype(np.uint16)  # frexp(0) = (0, 0); else 2^(b-1) <= d < 2^b
-
-
-EDGE_BITLEN = _edge_bitlen()
+    return kernels.contexts(np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1))
 
 
 def threshold(a: np.ndarray, toward: np.ndarray) -> np.ndarray:
