@@ -102,7 +102,7 @@ def positions_from_ordinals(base_bits, n_contexts, contexts, counts, widths, pla
     its context's number of entries; error 0 if none.
     """
     n, m = base_bits.size, counts.sum()
-    ords = np.empty(m + 1, dtype=np.int64)
+    ords = np.empty(m, dtype=np.int64)
     ptr, end = np.zeros(n_contexts, dtype=np.int64), np.zeros(n_contexts, dtype=np.int64)
     off = t = 0
     for g in range(contexts.size):
