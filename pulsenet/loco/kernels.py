@@ -1,4 +1,5 @@
-"""Kernels of the PULSELoCo payload's position coding (numba, nogil), one pass over a tensor each.
+"""Kernels of the PULSELoCo payload's relative coding (numba, nogil): positions, one pass over a
+tensor each, and values, one entry at a time.
 
 A relative sparse section codes each sent entry's position as its *ordinal* among the tensor's
 entries of the same context (values.context, from the base weights θ), grouped by context. Both
@@ -35,7 +36,7 @@ def contexts(base_bits):
 @njit(nogil=True, cache=True)
 def context_ordinals(base_bits, indices, n_contexts):
     """Per sent entry (``indices``, strictly increasing): its context and its ordinal among the
-    tensor's entries of that context; plus the tensor's entries per context."""
+    tensor's entries of that context."""
     m = indices.size
     seen = np.zeros(n_contexts, dtype=np.int64)
     ctx, ords = np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64)
@@ -48,7 +49,7 @@ def context_ordinals(base_bits, indices, n_contexts):
             j += 1
             nxt = indices[j] if j < m else -1
         seen[c] += 1
-    return ctx, ords, seen
+    return ctx, ords
 
 
 @njit(nogil=True, cache=True)

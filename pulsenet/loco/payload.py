@@ -206,7 +206,7 @@ _GROUP = struct.Struct("<HQB")  # context, entries sent in it, gap width
 
 def _encode_grouped_positions(base_flat: np.ndarray, indices: np.ndarray) -> bytes:
     """The positions frame of a relative sparse section: per context, the sent ordinals within its group."""
-    ctx, ordinals, _ = kernels.context_ordinals(base_flat, indices, relative.N_CONTEXTS)
+    ctx, ordinals = kernels.context_ordinals(base_flat, indices, relative.N_CONTEXTS)
     contexts, counts, widths, planes = kernels.grouped_gap_planes(ctx, ordinals, relative.N_CONTEXTS)
     table = [struct.pack("<H", contexts.size)]
     table += [_GROUP.pack(*g) for g in zip(contexts.tolist(), counts.tolist(), widths.tolist(), strict=True)]
