@@ -209,6 +209,7 @@ def test_payload_with_base_round_trips_bit_exactly(seed: int) -> None:
     p, base = _payload_and_base(seed)
     data = wire.encode(p, base)
     assert struct.unpack_from("<H", data, 8)[0] == 2
+    assert wire.encode(p, base, threads=1) == data == wire.encode(p, base, threads=3)  # sections coded in parallel
     _assert_same(p, wire.decode(data, _shapes(p), base))
     torch_base = {n: torch.from_numpy(t) for n, t in base.items()}  # CPU tensors work as the base too
     _assert_same(p, wire.decode(wire.encode(p, torch_base), _shapes(p), torch_base))

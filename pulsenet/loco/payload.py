@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,17 +130,19 @@ class Payload:
         return sum(t.numel for t in self.tensors.values())
 
 
-def encode(payload: Payload, base: Mapping[str, ArrayLike] | None = None) -> bytes:
+def encode(payload: Payload, base: Mapping[str, ArrayLike] | None = None, *, threads: int = 2) -> bytes:
     """Serialize ``payload`` (see the module docstring for the layout).
 
     With ``base`` (name -> the FP32 weights θ the payload was gated against, which every receiver
-    holds) the values are coded relative to θ; without it they travel as raw FP32 bits.
+    holds) the values are coded relative to θ; without it they travel as raw FP32 bits. Sections
+    are coded on ``threads`` threads (the kernels and zstd release the GIL); the bytes do not
+    depend on it.
     """
     if payload.mode not in MODES:
         raise PayloadError(f"unknown payload mode {payload.mode}")
     names = sorted(payload.tensors, key=lambda n: n.encode("utf-8"))
-    out = [_HEADER.pack(MAGIC, VERSION, payload.mode, 0, len(names), payload.round)]
-    for name in names:
+
+    def section(name: str) -> bytes:
         t = payload.tensors[name]
         nb = name.encode("utf-8")
         values = np.ascontiguousarray(t.values, dtype=np.float32).reshape(-1)
@@ -151,7 +154,7 @@ def encode(payload: Payload, base: Mapping[str, ArrayLike] | None = None) -> byt
         flat = None if base is None else _base_flat(base, name, t.shape)
         sec = _encode_section(t.indices, values, flat)
         tail = (count, sec.pos_width, len(sec.positions), sec.coding, sec.code_width, sec.n_escapes)
-        out += [
+        return b"".join([
             struct.pack("<H", len(nb)),
             nb,
             struct.pack(f"<B{len(t.shape)}Q", len(t.shape), *t.shape),
@@ -159,8 +162,11 @@ def encode(payload: Payload, base: Mapping[str, ArrayLike] | None = None) -> byt
             sec.positions,
             sec.values,
             sec.escapes,
-        ]
-    return b"".join(out)
+        ])  # fmt: skip
+
+    with ThreadPoolExecutor(max(1, threads)) as pool:  # map raises the first failing section's error
+        sections = list(pool.map(section, names))
+    return b"".join([_HEADER.pack(MAGIC, VERSION, payload.mode, 0, len(names), payload.round), *sections])
 
 
 def _encode_section(indices: np.ndarray | None, values: np.ndarray, base_flat: np.ndarray | None) -> _Section:
