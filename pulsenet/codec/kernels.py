@@ -74,8 +74,8 @@ def change_histogram(a, b, aw, bw, magmask, shift, nbins, stride):
 @njit(nogil=True, cache=True)
 def bin_histogram(a, b, magmask, shift, nbins, stride):
     """Per context bin: entries and changed entries (bits differ), counted in every ``stride``-th
-    entry and scaled up. The decoder only estimates zone sizes from a sample of the base
-    (``b`` = ``a``) to choose how to find each zone's members; the encoder counts exactly."""
+    entry and scaled up. The decoder estimates zone sizes from a sample of the base (``b`` = ``a``)
+    to choose how to find each zone's members; :func:`change_histogram` serves the encoder."""
     n_bin = np.zeros(nbins, dtype=np.int64)
     k_bin = np.zeros(nbins, dtype=np.int64)
     for i in range(0, a.size, stride):
@@ -464,9 +464,9 @@ def _scan_table(los, his, how, nbins, shift):
 
 @njit(nogil=True, cache=True)
 def zone_layout(plan_his, plan_mode, n_bin, k_bin, a, stride):
-    """Regions for :func:`encode_zones` from per-bin counts (changes exact, entries counted every
-    ``stride``-th word: an estimate below which the true count lies with ~8 standard deviations
-    to spare; room is left for that). Only zones with changes are coded. Returns their plan
+    """Regions for :func:`encode_zones` from per-bin counts (changes exact; entries counted every
+    ``stride``-th word, an estimate: each zone gets room for ~8 standard deviations above it).
+    Only zones with changes are coded. Returns their plan
     indices, bounds, modes, (estimated) members and changes, and the regions (bitmap words,
     ranks, value codes of ``a``'s dtype), each ending with a slot of slack."""
     lanes = 8 // a.itemsize
