@@ -114,7 +114,7 @@ def test_round_trip_realistic_bf16_and_beats_paper(lr, zones):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-@pytest.mark.parametrize("n", [50_001, 50_003, 50_007])  # tails of 1..7 entries past the last 64-bit word
+@pytest.mark.parametrize("n", [50_001, 50_003, 50_007])  # tails past the last 64-bit word and 32-entry group
 def test_zoned_kernels_every_mode_and_tail(dtype, n):
     """Realistic small-lr changes (bitmap/"zeros" zones among small weights) plus rare changes of
     large weights (a "ones" zone), with changed entries in the unaligned tail."""
@@ -142,6 +142,38 @@ def test_zoned_kernels_every_mode_and_tail(dtype, n):
     modes = {z.mode for z in parse_patch(patch).tensors[0].zones if z.nnz}
     assert {"bitmap", "ones"} <= modes or {"zeros", "ones"} <= modes, modes
     assert same(apply_patch({"w": a}, patch)["w"], b)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64])
+def test_group_masks_follow_their_definition(dtype):
+    """The vector compares behind the chunk scan and the change histogram, bit by bit against numpy,
+    including magnitude ranges at either end of the width and unaligned starts."""
+    from numba import njit
+
+    @njit
+    def masks(a, b, magmask, lo, span):
+        n = (a.size - 1) // kernels.GROUP
+        out = np.empty((2, n), dtype=np.uint32)
+        for g in range(n):  # start at 1: unaligned loads
+            out[0, g] = kernels._group_members(a, 1 + g * kernels.GROUP, magmask, lo, span)
+            out[1, g] = kernels._group_changes(a, b, 1 + g * kernels.GROUP)
+        return out
+
+    rng = np.random.default_rng(0)
+    width = np.dtype(dtype).itemsize * 8
+    top = (1 << (width - 1)) - 1
+    a = rng.integers(0, 1 << width, 32 * 64 + 1, dtype=np.uint64).astype(dtype)
+    a[::7] = rng.integers(0, 4, a[::7].size).astype(dtype)  # values at the ends of the range
+    a[::5] = (top - rng.integers(0, 4, a[::5].size)).astype(dtype)
+    b = a.copy()
+    b[rng.random(a.size) < 0.3] ^= dtype(1)
+    for lo, hi in [(0, 3), (2, top - 1), (top - 2, top + 1), (0, top + 1)]:
+        got = masks(a, b, dtype(top), dtype(lo), dtype(hi - lo))
+        mag = (a & dtype(top)).astype(np.uint64)[1 : 1 + got.shape[1] * 32].reshape(-1, 32)
+        changed = (a != b)[1 : 1 + got.shape[1] * 32].reshape(-1, 32)
+        weights = np.uint64(1) << np.arange(32, dtype=np.uint64)
+        assert (got[0] == (((mag >= lo) & (mag < hi)) * weights).sum(1)).all(), (lo, hi)
+        assert (got[1] == (changed * weights).sum(1)).all()
 
 
 def test_zones_that_outgrow_their_estimate_are_recounted(monkeypatch):

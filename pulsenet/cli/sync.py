@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--zones",
         type=int,
         default=None,
-        help="context zones per tensor (default 12: smallest; 1: ~4x faster encode/decode)",
+        help="context zones per tensor (default 12: smallest; 1: no context model, ~2x the bytes)",
     )
     pub.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     pub.set_defaults(func=_publish)

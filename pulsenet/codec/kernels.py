@@ -6,13 +6,15 @@ of every zone with changes must be counted. What keeps that cheap:
 - Zones without changes (at RL learning rates: the large-magnitude bulk of every tensor) are not
   visited at all; when the bulk has changes, its ranks come from the small zones below it
   (rank = position - entries below the bulk before it), never from counting the bulk.
-- Membership is tested a 64-bit word at a time (SWAR: four BF16 entries, one add per bound sets
-  each lane's top bit), so entries outside the coded zones cost a fraction of a nanosecond.
-- Chunk by chunk (in L2), the words holding members are listed, their member lanes appended in
-  position order and only those bucketed by zone, without data-dependent branches; each zone is
-  then coded with its rank, list pointer and value count in registers. The decoder copies the
-  chunk of the base as it goes, so the random writes that follow hit cache.
-- "ones" zones with very many members (not the bulk) are counted with one popcount per word.
+- Membership is tested 32 entries at a time: vector compares into a bit mask (an LLVM intrinsic,
+  :func:`_group_members`), whose set bits are listed with tzcnt, four slots written
+  unconditionally so that groups of up to four members take no data-dependent branch. Entries
+  outside the coded zones cost about 0.1 ns; changed entries are found the same way.
+- Chunk by chunk (in L2), members are listed in position order and bucketed by zone; each zone
+  is then coded with its rank, list pointer and value count in registers. The decoder copies
+  the chunk of the base as it goes, so the random writes that follow hit cache.
+- "ones" zones with very many members (not the bulk) are counted with one popcount per 64-bit
+  word (SWAR: four BF16 entries, one add per bound sets each lane's top bit).
 
 Arithmetic is done on uint64 and masked to the element width ``M``, so one kernel serves every
 width. ``S`` is the sign bit of the width. For sign-magnitude floats the codes are differences of
@@ -25,7 +27,10 @@ from __future__ import annotations
 import sys
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core.errors import TypingError
+from numba.cpython.unsafe.numbers import trailing_zeros
 from numba.extending import intrinsic
 
 BITMAP, ONES, ZEROS = 0, 1, 2  # zone modes
@@ -33,27 +38,81 @@ BUCKET, COUNT, COMPLEMENT = 0, 1, 2  # how a zone's members are found (encode_zo
 CHUNK = 1 << 13  # entries per chunk: the chunk and its per-zone member lists stay in L2
 
 
+GROUP = 32  # entries tested at once: one bit each in a uint32 mask
+
+
+def _vector_load(context, builder, arr_type, arr, i):
+    """``GROUP`` consecutive entries of a 1-D array from index ``i``, as one LLVM vector."""
+    et = context.get_data_type(arr_type.dtype)
+    data = context.make_array(arr_type)(context, builder, arr).data
+    ptr = builder.bitcast(builder.gep(data, [i]), ir.VectorType(et, GROUP).as_pointer())
+    return builder.load(ptr, align=et.width // 8)
+
+
+def _check_unsigned(*arrays):
+    for t in arrays:
+        if not (isinstance(t, types.Array) and t.ndim == 1 and isinstance(t.dtype, types.Integer) and not t.dtype.signed):
+            raise TypingError(f"group masks need 1-D unsigned integer arrays, got {t}")
+
+
+@intrinsic
+def _group_members(typingctx, a, i, magmask, lo, span):
+    """Bit j set iff ``(a[i + j] & magmask) - lo < span`` in the entries' own width (unsigned):
+    magnitude in [lo, lo + span). Vector compares (16 BF16 entries per AVX2 instruction) and a
+    movemask: no loop over lanes, no branch."""
+    _check_unsigned(a)
+    sig = types.uint32(a, i, magmask, lo, span)
+
+    def codegen(context, builder, sig, args):
+        v = _vector_load(context, builder, sig.args[0], args[0], args[1])
+        vt = v.type
+
+        def splat(k):
+            x = context.cast(builder, args[k], sig.args[k], sig.args[0].dtype)
+            one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), GROUP), [0] * GROUP))
+
+        d = builder.sub(builder.and_(v, splat(2)), splat(3))
+        return builder.bitcast(builder.icmp_unsigned("<", d, splat(4)), ir.IntType(GROUP))
+
+    return sig, codegen
+
+
+@intrinsic
+def _group_changes(typingctx, a, b, i):
+    """Bit j set iff ``a[i + j] != b[i + j]`` (vector compare and movemask, as _group_members)."""
+    _check_unsigned(a, b)
+    sig = types.uint32(a, b, i)
+
+    def codegen(context, builder, sig, args):
+        va = _vector_load(context, builder, sig.args[0], args[0], args[2])
+        vb = _vector_load(context, builder, sig.args[1], args[1], args[2])
+        return builder.bitcast(builder.icmp_unsigned("!=", va, vb), ir.IntType(GROUP))
+
+    return sig, codegen
+
+
 @njit(nogil=True, cache=True)
 def change_histogram(a, b, aw, bw, magmask, shift, nbins, stride):
     """Per context bin: entries of ``a``, entries whose bits differ in ``b``, and the word stride
     the entries were counted at (``aw``/``bw`` as from packed_words).
 
-    Changes are counted exactly: every one is coded. Entries only size the zones, so for 16-bit
-    dtypes they are counted in every ``stride``-th word and scaled up (a bin holds at least its
-    changes); :func:`zone_layout` leaves room for the estimate's error, and mask.encode_sparse
-    recounts with stride 1 if a zone outgrew it. A word's four lanes count into four tables, so
-    consecutive increments never wait on each other's store. Other dtypes: exact, stride 1."""
+    Changes are counted exactly (every one is coded), found ``GROUP`` entries at a time. Entries
+    only size the zones, so for 16-bit dtypes they are counted in every ``stride``-th word and
+    scaled up (a bin holds at least its changes); :func:`zone_layout` leaves room for the
+    estimate's error, and mask.encode_sparse recounts with stride 1 if a zone outgrew it. A
+    word's four lanes count into four tables, so consecutive increments never wait on each
+    other's store. Other dtypes: exact, stride 1."""
     if a.itemsize != 2:
         n_bin, k_bin = bin_histogram(a, b, magmask, shift, nbins, 1)
         return n_bin, k_bin, 1
     k_bin = np.zeros(nbins, dtype=np.int64)
-    for wi in range(aw.size):
-        w = aw[wi]
-        d = w ^ bw[wi]
-        if d:
-            for j in range(4):
-                if (d >> np.uint64(16 * j)) & np.uint64(0xFFFF):
-                    k_bin[((w >> np.uint64(16 * j)) & magmask) >> shift] += 1
+    g1 = a.size // GROUP * GROUP
+    for g in range(0, g1, GROUP):
+        d = _group_changes(a, b, g)
+        while d:
+            k_bin[(np.uint64(a[g + trailing_zeros(d)]) & magmask) >> shift] += 1
+            d &= d - np.uint32(1)
     h0, h1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
     h2, h3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
     for wi in range(0, aw.size, stride):
@@ -64,10 +123,10 @@ def change_histogram(a, b, aw, bw, magmask, shift, nbins, stride):
         h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
     n_bin = (h0 + h1 + h2 + h3) * stride
     for i in range(aw.size * 4, a.size):  # the tail past the last whole word
-        x = np.uint64(a[i])
-        n_bin[(x & magmask) >> shift] += 1
-        if x != np.uint64(b[i]):
-            k_bin[(x & magmask) >> shift] += 1
+        n_bin[(np.uint64(a[i]) & magmask) >> shift] += 1
+    for i in range(g1, a.size):  # ... and past the last whole group
+        if a[i] != b[i]:
+            k_bin[(np.uint64(a[i]) & magmask) >> shift] += 1
     return np.maximum(n_bin, k_bin), k_bin, stride
 
 
@@ -271,74 +330,52 @@ def _changed_lanes(d, lows, signs):
 
 
 @njit(inline="always")
-def _chunk_buffers(nz, lanes):
-    """Scratch for :func:`_scan_chunk`: member words, member offsets, per-zone member rows (+ the
-    discard row) and their counts, changed words and offsets of the complement zone."""
+def _list_bits(m, p, out, n):
+    """Append ``p`` + the index of each set bit of ``m`` (ascending) to ``out[n:]``; returns the
+    new length. Four slots are written whatever ``m`` holds (``out`` has that slack), so groups
+    with up to four members, nearly all of them, take no data-dependent branch."""
+    c = np.int64(_popcount(np.uint64(m)))
+    for k in range(4):
+        out[n + k] = p + trailing_zeros(m)
+        m &= m - np.uint32(1)
+    k = n + 4
+    while m:
+        out[k] = p + trailing_zeros(m)
+        m &= m - np.uint32(1)
+        k += 1
+    return n + c
+
+
+@njit(inline="always")
+def _chunk_buffers(nz):
+    """Scratch for :func:`_scan_chunk`: member offsets, per-zone member rows (+ the discard
+    row) and their counts, changed offsets of the complement zone."""
     return (
-        np.empty(CHUNK // lanes + 1, dtype=np.int64), np.empty(CHUNK, dtype=np.int32),
-        np.empty((nz + 1, CHUNK), dtype=np.int32), np.zeros(nz + 1, dtype=np.int64),
-        np.empty(CHUNK // lanes + 1, dtype=np.int64), np.empty(CHUNK, dtype=np.int32),
+        np.empty(CHUNK + 4, dtype=np.int32), np.empty((nz + 1, CHUNK), dtype=np.int32),
+        np.zeros(nz + 1, dtype=np.int64), np.empty(CHUNK + 4, dtype=np.int32),
     )  # fmt: skip
 
 
 @njit(inline="always")
-def _scan_chunk(a, b, aw, bw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, bufs, complement):
+def _scan_chunk(a, b, c0, c1, magmask, shift, lo, hi, lut, bufs, complement):
     """Find the chunk's entries with magnitude in [lo, hi) and bucket them by zone, in position order.
 
     ``flat[:nf]``: their offsets from c0; ``lists[z, :cnt[z]]``: zone z's (``lut``: bin -> zone, or
     the last row for bins of zones that are not bucketed). With ``complement`` (encoder only) also
-    ``ctop[:nt]``: changed entries *outside* [lo, hi) (the complement zone's changes). Members
-    are scattered at random, so nothing here branches on the data: the words holding a member are
-    listed, their member lanes are appended to ``flat``, and only members are then bucketed.
-    Returns (nf, nt).
+    ``ctop[:nt]``: changed entries *outside* [lo, hi) (the complement zone's changes). Entries are
+    tested ``GROUP`` at a time into bit masks, whose set bits are then listed; only members are
+    bucketed. Returns (nf, nt).
     """
-    words, flat, lists, cnt, cwords, ctop = bufs
-    bits = 64 // lanes
-    mags, add_lo, add_hi, signs = _bounds(lanes, magmask, lo, hi, S)
-    lows = signs - (signs >> np.uint64(bits - 1))
-    w0, w1 = c0 // lanes, min(c1 // lanes, aw.size)
-    nw = nc = 0
-    for q in range(w0, w1, 8):  # a cache line at a time, skipping lines with nothing to list
-        q1 = min(q + 8, w1)
-        if complement:
-            if q1 - q == 8:
-                seen = np.uint64(0)
-                for wi in range(q, q + 8):
-                    seen |= _members(aw[wi], mags, add_lo, add_hi, signs) | _changed_lanes(aw[wi] ^ bw[wi], lows, signs)
-                if seen == 0:
-                    continue
-            for wi in range(q, q1):
-                w = aw[wi]
-                m = _members(w, mags, add_lo, add_hi, signs)
-                words[nw] = wi
-                nw += m != 0
-                cwords[nc] = wi
-                nc += (_changed_lanes(w ^ bw[wi], lows, signs) & ~m) != 0
-        else:
-            if q1 - q == 8:
-                seen = np.uint64(0)
-                for wi in range(q, q + 8):
-                    seen |= _members(aw[wi], mags, add_lo, add_hi, signs)
-                if seen == 0:
-                    continue
-            for wi in range(q, q1):
-                words[nw] = wi
-                nw += _members(aw[wi], mags, add_lo, add_hi, signs) != 0
+    flat, lists, cnt, ctop = bufs
+    g1 = c0 + (c1 - c0) // GROUP * GROUP
+    span = hi - lo
     nf = nt = 0
-    for t in range(nw):
-        m = _members(aw[words[t]], mags, add_lo, add_hi, signs)
-        p = words[t] * lanes - c0
-        for j in range(lanes):
-            flat[nf] = p + j
-            nf += np.int64((m >> np.uint64(j * bits + bits - 1)) & np.uint64(1))
-    for t in range(nc):
-        w = aw[cwords[t]]
-        c = _changed_lanes(w ^ bw[cwords[t]], lows, signs) & ~_members(w, mags, add_lo, add_hi, signs)
-        p = cwords[t] * lanes - c0
-        for j in range(lanes):
-            ctop[nt] = p + j
-            nt += np.int64((c >> np.uint64(j * bits + bits - 1)) & np.uint64(1))
-    for i in range(max(w1 * lanes, c0), c1):  # entries past the last whole word
+    for g in range(c0, g1, GROUP):
+        m = _group_members(a, g, magmask, lo, span)
+        nf = _list_bits(m, g - c0, flat, nf)
+        if complement:
+            nt = _list_bits(_group_changes(a, b, g) & ~m, g - c0, ctop, nt)
+    for i in range(g1, c1):  # the tensor's last entries, past the last whole group
         x = np.uint64(a[i]) & magmask
         if x >= lo and x < hi:
             flat[nf] = i - c0
@@ -645,15 +682,15 @@ def encode_zones(
         return rank, listed, nval
     lo, hi, lut = _scan_table(los, his, how, nbins, shift)
     n, lanes = a.size, 8 // a.itemsize
-    bufs = _chunk_buffers(nz, lanes)
-    flat, lists, cnt, ctop = bufs[1], bufs[2], bufs[3], bufs[5]
+    bufs = _chunk_buffers(nz)
+    flat, lists, cnt, ctop = bufs
     below = 0  # entries in [lo, hi) before the chunk
     touch = np.uint64(0)
     for c0 in range(0, n, CHUNK):
         if cz < 0:  # pull b's chunk into cache in order (else the scan reads it): members read it at random
             for wi in range(c0 // lanes, min((c0 + CHUNK) // lanes, bw.size), 8):
                 touch ^= bw[wi]
-        nf, nt = _scan_chunk(a, b, aw, bw, c0, min(c0 + CHUNK, n), lanes, magmask, shift, lo, hi, S, lut, bufs, cz >= 0)
+        nf, nt = _scan_chunk(a, b, c0, min(c0 + CHUNK, n), magmask, shift, lo, hi, lut, bufs, cz >= 0)
         for z in range(nz):
             if how[z] != BUCKET:
                 continue
@@ -692,7 +729,7 @@ def encode_zones(
         below += nf
     if cz >= 0:
         rank[cz] = n - below
-    bufs[4][0] = np.int64(touch & np.uint64(1))  # keeps the touching loads (scratch that LLVM cannot prove dead)
+    ctop[CHUNK] = np.int32(touch & np.uint64(1))  # keeps the touching loads (a slack slot LLVM cannot prove dead)
     for z in range(nz):
         if how[z] == BUCKET and zmode[z] == BITMAP and rank[z] & 63:
             bm[bm_off[z] + min(rank[z] >> 6, bm_cap[z])] = acc[z]
@@ -746,14 +783,14 @@ def _decode_chunks(
     """The chunk loop of :func:`decode_zones`: bucketed and complement zones."""
     nz = zmode.size
     big = np.int64(1) << 62
-    n, lanes = a.size, 8 // a.itemsize
-    bufs = _chunk_buffers(nz, lanes)
-    flat, lists, cnt = bufs[1], bufs[2], bufs[3]
+    n = a.size
+    bufs = _chunk_buffers(nz)
+    flat, lists, cnt = bufs[0], bufs[1], bufs[2]
     below = 0
     for c0 in range(0, n, CHUNK):
         c1 = min(c0 + CHUNK, n)
         out[c0:c1] = a[c0:c1]
-        nf, _ = _scan_chunk(a, a, aw, aw, c0, c1, lanes, magmask, shift, lo, hi, S, lut, bufs, False)
+        nf, _ = _scan_chunk(a, a, c0, c1, magmask, shift, lo, hi, lut, bufs, False)
         for z in range(nz):
             if how[z] != BUCKET:
                 continue

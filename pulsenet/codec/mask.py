@@ -272,7 +272,7 @@ def decode_sparse(
     if out.ctypes.data % 8:
         raise ValueError("decode_sparse needs an 8-byte aligned output buffer")
     # how to find each zone's members (for speed only): from a sample of the base's context bins
-    est, _ = kernels.bin_histogram(a, a, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, max(1, a.size >> 14))
+    est, _ = kernels.bin_histogram(a, a, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, max(1, a.size >> 11))
     cum = np.concatenate([[0], np.cumsum(est)])
     how = kernels.member_search(los, his, zmode, cum[his] - cum[los], cum[los[-1]], a.size, ctx.nbins)
     members, consumed, changed = kernels.decode_zones(

@@ -60,6 +60,7 @@ VERSION = 1
 _HEADER = struct.Struct("<8sHHIIQ")
 HEADER_SIZE = _HEADER.size  # 28
 MAX_TABLE_RAW = 64 << 20
+PATCH_ZSTD_LEVEL = 1  # mask and value planes are near-random: level 1 is as small as 3 on SmolLM2 pairs, 20-30% faster
 FULL_CHECK_RATE = 0.25  # above this change rate, also try the full encoding and keep the smaller
 
 StateDict = Mapping[str, torch.Tensor]
@@ -130,7 +131,7 @@ class PatchEncoder:
     """Encode the change A -> B. Tensors are read one at a time from the (lazy) mappings, so
     memory stays near ``threads`` x 2 tensors plus the payload, whatever the model size."""
 
-    def __init__(self, *, level: int = 3, threads: int = 2, max_zones: int = maskcode.MAX_ZONES) -> None:
+    def __init__(self, *, level: int = PATCH_ZSTD_LEVEL, threads: int = 2, max_zones: int = maskcode.MAX_ZONES) -> None:
         """``max_zones``: context zones per tensor (1 = no context model: fastest, largest)."""
         if not 1 <= max_zones <= maskcode.MAX_ZONES:
             raise ValueError(f"max_zones must be in 1..{maskcode.MAX_ZONES}, got {max_zones}")

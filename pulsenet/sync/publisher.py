@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.mask import MAX_ZONES
-from pulsenet.codec.patch import PatchEncoder, parse_patch
+from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
 from pulsenet.errors import (
     ConditionFailed,
     ManifestError,
@@ -82,11 +82,11 @@ class PublisherConfig:
     """States waiting for upload; publishing into a full queue drops the oldest waiting one."""
     threads: int = 2
     """Codec threads (encode, and the rebuild on resume)."""
-    zstd_level: int = 3
+    zstd_level: int = PATCH_ZSTD_LEVEL
     """zstd level of the patch codec."""
     max_zones: int = MAX_ZONES
     """Context zones per tensor in patches (codec/mask.py). The default gives the smallest patches;
-    1 encodes and decodes ~4x faster for ~2x the bytes: better when links are fast and CPUs busy."""
+    1 skips the context model: ~2x the bytes for a codec barely faster end to end (docs/bench.md)."""
     timeout_s: float | None = 30.0
     """Deadline of each small store call (manifest put, get, list, delete)."""
     transfer_timeout_s: float | None = 600.0
