@@ -622,19 +622,71 @@ def decode_layout(table, mask, codes, n):
     return err, bad, act, los, his, zmode, bm_words, rk_cnt, val_cnt, bm, bm_off, ranks, rk_off, vals, val_off
 
 
+PACKED, OUTGREW, DISAGREES = 0, 1, 2  # pack_zones' verdicts
+
+
 @njit(nogil=True, cache=True)
-def rank_gaps(ranks, rk_off, listed):
-    """Each zone's listed ranks -> gaps between them (``r - previous - 1``), in place; returns
-    the largest gap per zone."""
-    maxgap = np.zeros(listed.size, dtype=np.int64)
-    for i in range(listed.size):
-        prev = -1
-        for t in range(rk_off[i], rk_off[i] + listed[i]):
-            r = ranks[t]
-            ranks[t] = r - prev - 1
-            maxgap[i] = max(maxgap[i], ranks[t])
-            prev = r
-    return maxgap
+def pack_zones(plan_his, plan_mode, act, n_z, k_z, stride, members, listed, nval, bm, bm_off, bm_cap, ranks, rk_off,
+               rk_cap, vals, val_off):  # fmt: skip
+    """The patch sections from :func:`encode_zones`' regions, in one call (no per-zone Python).
+
+    Returns (verdict, table, mask, codes). ``OUTGREW``: a zone held more than its room (the
+    estimate fell short: count exactly and code again); ``DISAGREES``: counts that contradict
+    the histogram (a bug). Else ``table`` has a row per plan zone (hi, mode, count, width, size,
+    nnz; zones without changes are empty "ones" zones), ``mask`` the zones' raw mask bytes in
+    order (bitmap bits, or the gaps between listed ranks as byte planes of the narrowest width)
+    and ``codes`` the changed entries' codes in zone order.
+    """
+    nzp, na = plan_his.size, act.size
+    table = np.zeros((nzp, 6), dtype=np.int64)
+    for z in range(nzp):
+        table[z, 0], table[z, 1], table[z, 3] = plan_his[z], ONES, 1
+    empty = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=vals.dtype)
+    for i in range(na):
+        if plan_mode[act[i]] == BITMAP:
+            if members[i] > 64 * bm_cap[i]:
+                return OUTGREW, table, *empty
+        elif listed[i] > rk_cap[i]:
+            return OUTGREW, table, *empty
+    for i in range(na):
+        m = plan_mode[act[i]]
+        if nval[i] != k_z[i] or (m == ONES and listed[i] != k_z[i]):
+            return DISAGREES, table, *empty
+        if stride == 1 and ((m == BITMAP and members[i] != n_z[i]) or (m == ZEROS and listed[i] != n_z[i] - k_z[i])):
+            return DISAGREES, table, *empty
+    size = ncodes = 0
+    for i in range(na):
+        z = act[i]
+        table[z, 1], table[z, 5] = plan_mode[z], nval[i]
+        if plan_mode[z] == BITMAP:
+            table[z, 2], table[z, 3], table[z, 4] = members[i], 0, (members[i] + 7) // 8
+        else:
+            prev, top = -1, 0
+            for t in range(rk_off[i], rk_off[i] + listed[i]):  # ranks -> gaps, in place
+                r = ranks[t]
+                ranks[t] = r - prev - 1
+                top = max(top, ranks[t])
+                prev = r
+            w = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4 if top < 1 << 32 else 8
+            table[z, 2], table[z, 3], table[z, 4] = listed[i], w, listed[i] * w
+        size += table[z, 4]
+        ncodes += nval[i]
+    mask, codes = np.empty(size, dtype=np.uint8), np.empty(ncodes, dtype=vals.dtype)
+    off = c = 0
+    for i in range(na):
+        z = act[i]
+        if plan_mode[z] == BITMAP:  # the words' bytes, little-endian
+            for j in range(table[z, 4]):
+                mask[off + j] = np.uint8((bm[bm_off[i] + (j >> 3)] >> np.uint64(8 * (j & 7))) & np.uint64(0xFF))
+        else:  # plane k: byte k of every gap
+            cnt, w = table[z, 2], table[z, 3]
+            for k in range(w):
+                for t in range(cnt):
+                    mask[off + k * cnt + t] = np.uint8((ranks[rk_off[i] + t] >> (8 * k)) & 0xFF)
+        off += table[z, 4]
+        codes[c : c + nval[i]] = vals[val_off[i] : val_off[i] + nval[i]]
+        c += nval[i]
+    return PACKED, table, mask, codes
 
 
 @njit(nogil=True, cache=True)

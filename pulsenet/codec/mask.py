@@ -140,32 +140,16 @@ def encode_sparse(
             a, b, aw, bw, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
             bm, bm_off, bm_cap, ranks, rk_off, rk_cap, vals, val_off, k_z, ctx.signmag, ctx.M, ctx.S, ctx.top,
         )  # fmt: skip
-        bitmap, zeros = zmode == kernels.BITMAP, zmode == kernels.ZEROS
-        room = np.where(bitmap, members <= 64 * bm_cap, listed <= rk_cap)
-        if stride == 1 or room.all():
+        verdict, table, raw, codes = kernels.pack_zones(
+            plan_his, plan_mode, act, n_z, k_z, stride, members, listed, nval, bm, bm_off, bm_cap, ranks, rk_off,
+            rk_cap, vals, val_off,
+        )  # fmt: skip
+        if verdict != kernels.OUTGREW or stride == 1:
             break
         n_bin, k_bin, stride = kernels.change_histogram(*counts, 1)  # a zone outgrew its estimate: count exactly
-    assert (listed == k_z)[~bitmap & ~zeros].all() and (nval == k_z).all(), "the zone kernel disagrees with the histogram"
-    if stride == 1:
-        assert ((members == n_z) | ~bitmap).all() and ((listed == n_z - k_z) | ~zeros).all()
-    maxgap = kernels.rank_gaps(ranks, rk_off, listed)
-    slot = dict(zip(act.tolist(), range(act.size), strict=True))
-    zones, chunks, codes = [], [], []
-    for z, (hi, m) in enumerate(zip(plan_his.tolist(), [MODES[m] for m in plan_mode], strict=True)):
-        i = slot.get(z)
-        if i is None:
-            zones.append(Zone(hi, "ones", 0, 1, 0, 0))
-            continue
-        codes.append(vals[val_off[i] : val_off[i] + nval[i]])
-        if m == "bitmap":
-            raw = bm[bm_off[i] :].view(np.uint8)[: (members[i] + 7) // 8].tobytes()
-            zones.append(Zone(hi, m, int(members[i]), 0, len(raw), int(nval[i])))
-        else:
-            width = narrowest_width(int(maxgap[i]))
-            raw = to_planes(ranks[rk_off[i] : rk_off[i] + listed[i]].astype(UINT[width]))
-            zones.append(Zone(hi, m, int(listed[i]), width, len(raw), int(nval[i])))
-        chunks.append(raw)
-    return zones, b"".join(chunks), np.concatenate(codes)
+    assert verdict == kernels.PACKED, "the zone kernel disagrees with the histogram"
+    zones = [Zone(hi, MODES[m], count, width, size, nnz) for hi, m, count, width, size, nnz in table.tolist()]
+    return zones, raw.tobytes(), codes
 
 
 def _codes(a: np.ndarray, b: np.ndarray, dtype: str) -> np.ndarray:
