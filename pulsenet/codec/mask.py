@@ -65,7 +65,8 @@ class Zone:
         if not (isinstance(v, list) and len(v) == 6 and v[1] in MODES):
             raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {v!r}")
         hi, mode, count, width, size, nnz = v
-        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < (1 << 62) for x in (hi, count, width, size, nnz)):
+        ints = hi, count, width, size, nnz
+        if set(map(type, ints)) != {int} or min(ints) < 0 or max(ints) >= 1 << 62:  # (bool is not int here)
             raise PatchCorruptError(f"invalid zone entry {v!r}")
         if mode != "bitmap" and width not in (1, 2, 4, 8):
             raise PatchCorruptError(f"zone gap width {width} is not 1, 2, 4 or 8")
