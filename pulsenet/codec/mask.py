@@ -253,15 +253,13 @@ def decode_sparse(
                 kernels.BAD_SIZE: f"zone sizes disagree with their counts or the mask/values sections (zone {bad})",
             }[err]
         )
-    a, aw = kernels.packed_words(a)
-    if out.ctypes.data % 8:
-        raise ValueError("decode_sparse needs an 8-byte aligned output buffer")
+    kernels.require_little_endian()
     # how to find each zone's members (for speed only): from a sample of the base's context bins
     est, _ = kernels.bin_histogram(a, a, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, max(1, a.size >> 11))
     cum = np.concatenate([[0], np.cumsum(est)])
     how = kernels.member_search(los, his, zmode, cum[his] - cum[los], cum[los[-1]], a.size, ctx.nbins)
     members, consumed, changed = kernels.decode_zones(
-        a, aw, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
+        a, out, np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins, los, his, zmode, how,
         bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt, ctx.signmag, ctx.M, ctx.S, ctx.top,
     )  # fmt: skip
     bad = (((zmode == kernels.BITMAP) & (members != table[act, 2])) | (consumed != rk_cnt) | (changed != val_cnt)).nonzero()[0]
