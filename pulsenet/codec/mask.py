@@ -20,6 +20,7 @@ statistics sit together for zstd. Everything here is pure: arrays in, bytes out.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -84,6 +85,7 @@ class Context:
     width: int
 
     @classmethod
+    @functools.cache  # frozen: one per (dtype, width), asked for several times per tensor
     def of(cls, dtype: str, width: int) -> Context:
         mant = MANTISSA_BITS.get(dtype)
         if mant is None:  # integers and bool: one context
