@@ -146,10 +146,13 @@ async def test_straggler_misses_the_deadline_and_rejoins(run: Run) -> None:
 
 
 @pytest.mark.timeout(240)
-async def test_sigkilled_trainer_resumes_and_ends_digest_equal(run: Run) -> None:
+@pytest.mark.parametrize("extra", [[], ["--overlap"]], ids=["synchronous", "overlapped"])
+async def test_sigkilled_trainer_resumes_and_ends_digest_equal(run: Run, extra: list[str]) -> None:
+    """Overlapped: c dies with round 5's inner phase under way, and resumes from a point whose
+    inner optimizer is a round ahead (its redone payload may differ: the stored one stands)."""
     rounds, kill_round = 7, 4
     for tid in IDS:
-        run.start(tid, rounds, ["--deadline", "3"])
+        run.start(tid, rounds, ["--deadline", "3", *extra])
     rs = run.round_store()
     try:
         # Kill c mid-round: its round-4 payload is published, the round is not finished.
@@ -163,7 +166,7 @@ async def test_sigkilled_trainer_resumes_and_ends_digest_equal(run: Run) -> None
     finally:
         await rs.store.close()
     assert run.procs["c"].returncode == -signal.SIGKILL
-    run.start("c", rounds, ["--deadline", "3"])  # same state dir: resume
+    run.start("c", rounds, ["--deadline", "3", *extra])  # same state dir: resume
     await asyncio.to_thread(run.wait, 200)
     digests, _ = await _digests_and_records(run, rounds)
     for r in range(1, rounds + 1):

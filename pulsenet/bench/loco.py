@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--gate-scale", type=float, default=1.0, help="send where bf16(θ - scale·s) != bf16(θ) (default 1: as specified)"
     )
+    p.add_argument(
+        "--overlap", action="store_true", help="one-round-delayed outer step (train the next round while exchanging)"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_forward_argument(p)
     p.add_argument(
@@ -101,6 +104,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         gate_scale=args.gate_scale,
+        overlap=args.overlap,
         workers_expected=args.workers,
         min_quorum=args.workers,  # every round averages every worker: the figures compare like with like
         deadline_s=24 * 3600.0,
@@ -119,9 +123,8 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     console, started = Console(stderr=True), time.perf_counter()
 
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
-        # After a round the local weights equal the new global weights; evaluate them in place.
         async with compute:
-            loss = await asyncio.to_thread(_eval, trainer.local, held_out, args)
+            loss = await asyncio.to_thread(_eval_global, trainer, held_out, args)
         eval_loss[report.round if report is not None else 0] = loss
         if report is not None:  # progress: long runs take minutes per round
             sent = f", sent {report.sent / report.total:.2%}" if report.total else ""
@@ -191,6 +194,19 @@ def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
         return None, 1e-3, lambda: build_tiny_model(seed)
     path = smollm2_checkpoint()
     return load_tokenizer(path), 3e-6, lambda: load_model(path)
+
+
+def _eval_global(trainer: Any, task: Any, args: argparse.Namespace) -> float:
+    """The global weights' loss, evaluated in the trainer's model. With ``--overlap`` the local
+    weights hold the next round's progress when a round closes, so they are set aside and put back."""
+    if trainer.state is None:
+        return _eval(trainer.local, task, args)
+    saved = trainer.local.state_fp32()
+    trainer.local.load_state_fp32(trainer.state.theta)
+    try:
+        return _eval(trainer.local, task, args)
+    finally:
+        trainer.local.load_state_fp32(saved)
 
 
 def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:

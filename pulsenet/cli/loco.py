@@ -71,6 +71,11 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="send where bf16(θ - scale·s) != bf16(θ) (default 1: as specified; see docs/loco.md section 9)",
     )
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="one-round-delayed outer step: train round r+1 while round r is exchanged (docs/loco.md)",
+    )
     p.add_argument("--batch", type=int, default=4, help="rows per inner step (default: %(default)s)")
     p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
     add_forward_argument(p)
@@ -167,6 +172,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
         outer_lr=args.outer_lr,
         outer_momentum=args.outer_momentum,
         gate_scale=args.gate_scale,
+        overlap=args.overlap,
         workers_expected=args.workers_expected,
         min_quorum=args.min_quorum,
         join_wait_s=args.join_wait,

@@ -51,6 +51,14 @@ def pseudo_gradient(theta: torch.Tensor, local: torch.Tensor, error: torch.Tenso
     return s
 
 
+def rebase(local: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> StateDict:
+    """``θ + (θ_local - base)``: local progress made from ``base``, moved onto the new global ``θ``
+    (the one-round-delayed outer step: the next round's inner phase started before θ was known).
+    FP32, the subtraction first."""
+    with torch.no_grad():
+        return {name: theta[name] + (local[name].detach() - base[name]) for name in theta}
+
+
 def gate(theta: torch.Tensor, s: torch.Tensor, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
     """Split ``s`` into what is sent and what is kept: ``(indices, values, new_error)``.
 

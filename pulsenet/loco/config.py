@@ -26,6 +26,10 @@ class LocoConfig:
     """Send where ``bf16(θ - gate_scale·s) != bf16(θ)``; 1 is the specified gate. ``outer_lr x (1 +
     outer_momentum)`` (1.33 by default) gates on what the Nesterov step does with a fresh update:
     more bytes, less lag behind DiLoCo (measured in docs/loco.md section 9)."""
+    overlap: bool = False
+    """The one-round-delayed outer step (asynchronous DiLoCo): round r+1's inner phase runs while
+    round r is exchanged, and its progress is re-based onto θ_r when round r closes (docs/loco.md).
+    Every trainer computes the same θ either way; the payloads are one round stale."""
     workers_expected: int = 1
     """A round closes as soon as this many payloads are in, without waiting for the deadline."""
     min_quorum: int | None = None
@@ -91,6 +95,9 @@ class RoundReport:
     loss: float | None = None
     """Mean inner training loss over the H steps."""
     inner_s: float = 0.0
+    overlapped: bool = False
+    """The inner phase ran while the previous round was exchanged (``overlap``): inner_s was then
+    spent beside the previous round's wait, not on this round's path."""
     encode_s: float = 0.0
     upload_s: float = 0.0
     """Putting our payload and manifest (runs while we already wait for peers)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
 import os
@@ -28,6 +29,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,25 @@ from pulsenet.rl.tasks import ArithmeticTask
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
+_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("pulseloco_ahead", default=False)
+"""Set in the task that trains the next round ahead (``overlap``): its waits for shared cores are
+not the current round's, so they stay out of the phase clock."""
 
 STATE_FILE = "state.pt"
 Hook = Callable[["LocoTrainer", RoundReport], Awaitable[None] | None]
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A round whose payload is out: what closing it needs."""
+
+    round: int
+    report: RoundReport
+    own: wire.Payload
+    new_error: alg.StateDict | None
+    data: bytes
+    upload: asyncio.Task[tuple[bytes, ObjectRef]]
+    t_ready: float
 
 
 class LocoTrainer:
@@ -89,6 +107,8 @@ class LocoTrainer:
         self._background: set[asyncio.Task[None]] = set()
         self._failures = 0
         self._queued_s = 0.0
+        self._ahead_queued_s = 0.0  # the same, for the inner phase trained ahead (overlap)
+        self._ahead_s = 0.0  # how long that inner phase took, queueing excluded
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -97,11 +117,16 @@ class LocoTrainer:
         try:
             if self.state is None:
                 await self.start()
+            carried: list[float] | None = None
             while self.round < rounds:
                 try:
-                    await self.run_round()
+                    if self.config.overlap:
+                        carried = await self.run_round_overlapped(rounds, carried)
+                    else:
+                        await self.run_round()
                     self._failures = 0
                 except (RoundError, StoreError) as e:
+                    carried = None
                     # The next iteration finds the round's record (or not) and catches up from the store.
                     self._failures += 1
                     log.error(
@@ -154,19 +179,88 @@ class LocoTrainer:
     # --- one round ----------------------------------------------------------------------------
 
     async def run_round(self) -> RoundReport:
-        cfg, state, r = self.config, self._state, self.round + 1
+        r = self.round + 1
+        if (behind := await self._behind(r)) is not None:
+            return behind
+        report, t0, queued = self._open_report(r)
+        losses = await self.inner_phase(r)
+        pending = await self._publish_update(r, report, losses, t0)
+        record = await self._close_round(pending, load_local=True)
+        return await self._finish(record, report, queued)
+
+    async def run_round_overlapped(self, rounds: int, carried: list[float] | None) -> list[float] | None:
+        """One round with the one-round-delayed outer step (``config.overlap``): the next round's
+        inner phase runs while this round is exchanged and applied, then its progress is re-based
+        onto the new θ. ``carried``: the losses of this round's inner phase if the previous call
+        already ran it (the local weights are then re-based); returns the next round's, or None
+        when nothing was carried over (the last round, or a repair, catch-up or failure: the next
+        round then trains from θ). Where the work may run beside the inner thread: docs/loco.md."""
+        r = self.round + 1
+        if (await self._behind(r)) is not None:
+            return None  # caught up: the local weights were reset to the adopted θ
+        report, t0, queued = self._open_report(r)
+        losses = carried if carried is not None else await self.inner_phase(r)
+        pending = await self._publish_update(r, report, losses, t0)
+        if carried is not None:  # trained while the previous round was exchanged
+            report.overlapped, report.inner_s = True, self._ahead_s
+        ahead: asyncio.Task[list[float]] | None = None
+        base: alg.StateDict = {}
+        if r < rounds:
+            base = await self._heavy(self.local.state_fp32)
+            ahead = asyncio.create_task(self._train_ahead(r + 1))
+        try:
+            # collect, apply and settle touch neither the local model nor the inner optimizer
+            record = await self._close_round(pending, load_local=ahead is None)
+        except BaseException:
+            if ahead is not None:
+                await asyncio.gather(ahead, return_exceptions=True)  # a thread cannot be cancelled
+                await self._heavy(self.local.load_state_fp32, self._state.theta)
+            raise
+        nxt = None
+        if ahead is not None:
+            try:
+                nxt, self._ahead_s = await ahead
+            except (PulsenetError, RuntimeError) as e:
+                log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
+        # verify and persist only now: a repair loads θ into the local model, and the resume point
+        # reads the inner optimizer and RNG, which the inner thread was using
+        theta_before = self._state.theta
+        await self._finish(record, report, queued)
+        if ahead is None:
+            return None
+        if nxt is None or report.repaired or self._state.theta is not theta_before:
+            await self._heavy(self.local.load_state_fp32, self._state.theta)  # start r+1 afresh from θ
+            return None
+        local = dict(self.local.model.named_parameters())
+        await self._heavy(lambda: self.local.load_state_fp32(alg.rebase(local, base, self._state.theta)))
+        return nxt
+
+    async def _train_ahead(self, r: int) -> tuple[list[float], float]:
+        """Round r's inner phase, run while round r-1 is exchanged; returns its losses and its time."""
+        _AHEAD.set(True)
+        t = time.perf_counter()
+        queued = self._ahead_queued_s
+        losses = await self.inner_phase(r)
+        return losses, time.perf_counter() - t - (self._ahead_queued_s - queued)
+
+    async def _behind(self, r: int) -> RoundReport | None:
+        """If round r was decided without us, catch up from the store and return that report."""
         existing = await self.rs.read_record(r)
         if existing is not None and self.id not in existing.participants:
             return await self.catch_up(await self.rs.latest_record_round())
         # A record that already includes us means we published this round and died before saving
         # it: redo the round (same state, RNG and data give the same payload) so that the error
         # feedback and inner optimizer come out exactly as if we had never stopped.
-        report = RoundReport(round=r, trainer=self.id)
+        return None
+
+    def _open_report(self, r: int) -> tuple[RoundReport, float, float]:
         if self.cache is not None:
             self.cache.evict_before(r)  # peers still on an older round fall back to the store
+        return RoundReport(round=r, trainer=self.id), self._clock(), self._queued_s
 
-        t0, queued = self._clock(), self._queued_s
-        losses = await self.inner_phase(r)
+    async def _publish_update(self, r: int, report: RoundReport, losses: list[float], t0: float) -> _Pending:
+        """Pseudo-gradient, gate and payload against θ_{r-1}; the upload starts in the background."""
+        cfg, state = self.config, self._state
         report.loss = float(np.mean(losses)) if losses else None
         t1 = self._clock()
         local = dict(self.local.model.named_parameters())
@@ -179,14 +273,19 @@ class LocoTrainer:
         report.sent, report.total, report.payload_bytes = own.sent, own.total, len(data)
         if not cfg.sparse:
             own = wire.Payload(r, own.mode, {})  # dense values are a full model copy: keep only the bytes
-
         upload = asyncio.create_task(self._publish(r, data, report))
+        return _Pending(r, report, own, new_error, data, upload, t2)
+
+    async def _close_round(self, p: _Pending, *, load_local: bool) -> Record:
+        """Collect the round, take the outer step, settle the error feedback; θ becomes θ_r.
+        ``load_local``: also reset the local model to θ (not while an overlapped inner phase runs)."""
+        state, r, report = self._state, p.round, p.report
         try:
-            record, payloads = await self._collector.collect(r, upload, state.theta, self.digest)
+            record, payloads = await self._collector.collect(r, p.upload, state.theta, self.digest)
         finally:
             # Never abandon our own upload half way: a manifest may already name the payload.
-            (published,) = await asyncio.gather(upload, return_exceptions=True)
-        stood = data
+            (published,) = await asyncio.gather(p.upload, return_exceptions=True)
+        stood = p.data
         if isinstance(published, PulsenetError):
             log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
         elif isinstance(published, BaseException):
@@ -194,20 +293,24 @@ class LocoTrainer:
         else:
             stood = published[0]
         t3 = self._clock()
-        report.wait_s = t3 - t2 - report.upload_s
+        report.wait_s = t3 - p.t_ready - report.upload_s
 
         await self._apply(state, payloads)
         state.round = r
-        await self._heavy(self.local.load_state_fp32, state.theta)
+        if load_local:
+            await self._heavy(self.local.load_state_fp32, state.theta)
         self.digest = await asyncio.to_thread(state.digest)
-        if new_error is not None:
-            self.error = self._settle_error(record, own, new_error, payloads, reproduced=stood is data)
-        t4 = self._clock()
-        report.apply_s = t4 - t3
+        if p.new_error is not None:
+            self.error = self._settle_error(record, p.own, p.new_error, payloads, reproduced=stood is p.data)
+        report.apply_s = self._clock() - t3
         report.participants = sorted(record.participants)
         report.rejected = dict(record.rejected)
         report.included = self.id in record.participants
         report.record_writer = record.writer
+        return record
+
+    async def _finish(self, record: Record, report: RoundReport, queued: float) -> RoundReport:
+        t4 = self._clock()
         await self._finish_round(record, report)
         report.verify_s = self._clock() - t4
         report.queued_s = self._queued_s - queued
@@ -526,7 +629,10 @@ class LocoTrainer:
             return await asyncio.to_thread(fn, *args, **kwargs)
         t = time.perf_counter()
         async with self.compute:
-            self._queued_s += time.perf_counter() - t
+            if _AHEAD.get():
+                self._ahead_queued_s += time.perf_counter() - t
+            else:
+                self._queued_s += time.perf_counter() - t
             return await asyncio.to_thread(fn, *args, **kwargs)
 
     def _clock(self) -> float:
