@@ -14,6 +14,10 @@ The loop, per round r (the protocol and its safety argument: docs/loco.md)::
     persist       local resume point (atomic), every few rounds to the store,
                   the agreed global state every ``state_every`` rounds
 
+With ``overlap`` (the one-round-delayed outer step) the inner phase of round r+1 runs in a task
+while round r is collected and applied, and is re-based onto θ_r afterwards
+(:meth:`LocoTrainer.run_round_overlapped`).
+
 This module owns the node's mutable state; ``algorithm`` is pure, ``round`` speaks to the store.
 """
 
