@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--zones",
         type=int,
         default=12,
-        help="patch context zones (12, the publisher's default: smallest patches; 1: ~2x bytes, codec ~10-40%% faster)",
+        help="patch context zones (12, the publisher's default: smallest patches; 1: no context model, ~2x the bytes)",
     )
     p.add_argument(
         "--threads",

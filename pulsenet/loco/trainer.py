@@ -112,7 +112,6 @@ class LocoTrainer:
         self._failures = 0
         self._queued_s = 0.0
         self._ahead_queued_s = 0.0  # the same, for the inner phase trained ahead (overlap)
-        self._ahead_s = 0.0  # how long that inner phase took, queueing excluded
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -121,7 +120,7 @@ class LocoTrainer:
         try:
             if self.state is None:
                 await self.start()
-            carried: list[float] | None = None
+            carried: tuple[list[float], float] | None = None
             while self.round < rounds:
                 try:
                     if self.config.overlap:
@@ -192,22 +191,24 @@ class LocoTrainer:
         record = await self._close_round(pending, load_local=True)
         return await self._finish(record, report, queued)
 
-    async def run_round_overlapped(self, rounds: int, carried: list[float] | None) -> list[float] | None:
+    async def run_round_overlapped(
+        self, rounds: int, carried: tuple[list[float], float] | None
+    ) -> tuple[list[float], float] | None:
         """One round with the one-round-delayed outer step (``config.overlap``): the next round's
         inner phase runs while this round is exchanged and applied, then its progress is re-based
-        onto the new θ. ``carried``: the losses of this round's inner phase if the previous call
-        already ran it (the local weights are then re-based); returns the next round's, or None
+        onto the new θ. ``carried``: (losses, seconds) of this round's inner phase if the previous
+        call already ran it (the local weights are then re-based); returns the next round's, or None
         when nothing was carried over (the last round, or a repair, catch-up or failure: the next
         round then trains from θ). Where the work may run beside the inner thread: docs/loco.md."""
         r = self.round + 1
         if (await self._behind(r)) is not None:
             return None  # caught up: the local weights were reset to the adopted θ
         report, t0, queued = self._open_report(r)
-        losses = carried if carried is not None else await self.inner_phase(r)
+        losses = carried[0] if carried is not None else await self.inner_phase(r)
         pending = await self._publish_update(r, report, losses, t0)
         if carried is not None:  # trained while the previous round was exchanged
-            report.overlapped, report.inner_s = True, self._ahead_s
-        ahead: asyncio.Task[list[float]] | None = None
+            report.overlapped, report.inner_s = True, carried[1]
+        ahead: asyncio.Task[tuple[list[float], float]] | None = None
         base: alg.StateDict = {}
         if r < rounds:
             base = await self._heavy(self.local.state_fp32)
@@ -223,7 +224,7 @@ class LocoTrainer:
         nxt = None
         if ahead is not None:
             try:
-                nxt, self._ahead_s = await ahead
+                nxt = await ahead
             except (PulsenetError, RuntimeError) as e:
                 log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
         # verify and persist only now: a repair loads θ into the local model, and the resume point
@@ -232,7 +233,7 @@ class LocoTrainer:
         await self._finish(record, report, queued)
         if ahead is None:
             return None
-        if nxt is None or report.repaired or self._state.theta is not theta_before:
+        if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
             await self._heavy(self.local.load_state_fp32, self._state.theta)  # start r+1 afresh from θ
             return None
         local = dict(self.local.model.named_parameters())
