@@ -15,6 +15,9 @@ of every zone with changes must be counted. What keeps that cheap:
   the chunk of the base as it goes, so the random writes that follow hit cache.
 - "ones" zones with many members (not the bulk) are only counted, a popcount per group, and
   searched bit by bit only in the rare groups that hold a change.
+- Indices numba cannot prove non-negative are cast to uint64 in the per-member loops: numba
+  wraps negative indices around, a check and select on every access; in a copy loop that check
+  also stops LLVM from vectorising it (:func:`_copy`).
 
 Arithmetic is done on uint64 and masked to the element width ``M``, so one kernel serves every
 width. ``S`` is the sign bit of the width. For sign-magnitude floats the codes are differences of
@@ -310,6 +313,15 @@ def _popcount(typingctx, x):
 
 
 @njit(inline="always")
+def _copy(src, dst):
+    """``dst[:] = src`` as a loop from index 0, which LLVM turns into vector moves: numba's slice
+    assignment, or a loop whose index it cannot prove non-negative (negative indices wrap around),
+    copies an entry at a time, 5-10x slower."""
+    for i in range(src.size):
+        dst[i] = src[i]
+
+
+@njit(inline="always")
 def _list_bits(m, p, out, n):
     """Append ``p`` + the index of each set bit of ``m`` (ascending) to ``out[n:]``; returns the
     new length. Four slots are written whatever ``m`` holds (``out`` has that slack), so groups
@@ -365,9 +377,11 @@ def _scan_chunk(a, b, c0, c1, magmask, shift, lo, hi, lut, bufs, complement):
             nt += 1
     cnt[:] = 0
     for f in range(nf):
-        z = lut[(np.uint64(a[c0 + flat[f]]) & magmask) >> shift]
-        lists[z, cnt[z]] = flat[f]
-        cnt[z] += 1
+        j = flat[f]
+        z = np.uint64(lut[(np.uint64(a[np.uint64(c0) + np.uint64(j)]) & magmask) >> shift])
+        c = cnt[z]
+        lists[z, np.uint64(c)] = j
+        cnt[z] = c + 1
     return nf, nt
 
 
@@ -721,21 +735,21 @@ def encode_zones(
             m, r, k, nv, word = zmode[z], rank[z], listed[z], nval[z], acc[z]
             bo, ro, vo, bc, rc, vc = bm_off[z], rk_off[z], val_off[z], bm_cap[z], rk_cap[z], val_cap[z]
             for t in range(cnt[z]):
-                i = c0 + lists[z, t]
+                i = np.uint64(c0) + np.uint64(lists[z, t])
                 x, y = np.uint64(a[i]), np.uint64(b[i])
                 ch = np.int64(x != y)
                 if m == BITMAP:  # bits gather in a register, one store per 64 members
                     word |= np.uint64(ch) << np.uint64(r & 63)
                     if r & 63 == 63:
-                        bm[bo + min(r >> 6, bc)] = word
+                        bm[np.uint64(bo + min(r >> 6, bc))] = word
                         word = np.uint64(0)
                 elif m == ZEROS:  # list the unchanged
-                    ranks[ro + min(k, rc)] = r
+                    ranks[np.uint64(ro + min(k, rc))] = r
                     k += 1 - ch
                 else:  # ONES: list the changed
-                    ranks[ro + min(k, rc)] = r
+                    ranks[np.uint64(ro + min(k, rc))] = r
                     k += ch
-                vals[vo + min(nv, vc)] = _code(x, y, signmag, M, S, top)
+                vals[np.uint64(vo + min(nv, vc))] = _code(x, y, signmag, M, S, top)
                 nv += ch
                 r += 1
             rank[z], listed[z], nval[z], acc[z] = r, k, nv, word
@@ -785,7 +799,7 @@ def decode_zones(
             if how[z] == COMPLEMENT:
                 cz = z
     if not scan:
-        out[:] = a
+        _copy(a, out)
     else:
         lo, hi, lut = _scan_table(los, his, how, nbins, shift)
         _decode_chunks(a, out, magmask, shift, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off,
@@ -813,7 +827,7 @@ def _decode_chunks(
     below = 0
     for c0 in range(0, n, CHUNK):
         c1 = min(c0 + CHUNK, n)
-        out[c0:c1] = a[c0:c1]
+        _copy(a[c0:c1], out[c0:c1])
         nf, _ = _scan_chunk(a, a, c0, c1, magmask, shift, lo, hi, lut, bufs, False)
         for z in range(nz):
             if how[z] != BUCKET:
@@ -824,10 +838,10 @@ def _decode_chunks(
             if m == BITMAP:  # flags are coin flips: branch-free, a zero code keeps the entry
                 for t in range(cnt[z]):
                     if r & 63 == 0:
-                        word = np.uint64(bm[bo + min(r >> 6, bw)])  # past the end: the zero slack word
+                        word = np.uint64(bm[np.uint64(bo + min(r >> 6, bw))])  # past the end: the zero slack word
                     ch = np.int64((word >> np.uint64(r & 63)) & np.uint64(1))
-                    i = c0 + idx[t]
-                    code = np.uint64(vals[vo + min(nv, vc)]) * np.uint64(ch)
+                    i = np.uint64(c0) + np.uint64(idx[t])
+                    code = np.uint64(vals[np.uint64(vo + min(nv, vc))]) * np.uint64(ch)
                     out[i] = _apply(np.uint64(a[i]), code, signmag, M, S, top)
                     nv += ch
                     r += 1
@@ -836,9 +850,9 @@ def _decode_chunks(
                 for t in range(cnt[z]):
                     keep = np.int64(r == nxt)
                     p += keep
-                    nxt = ranks[ro + p]
-                    i = c0 + idx[t]
-                    code = np.uint64(vals[vo + min(nv, vc)]) * np.uint64(1 - keep)
+                    nxt = ranks[np.uint64(ro + p)]
+                    i = np.uint64(c0) + np.uint64(idx[t])
+                    code = np.uint64(vals[np.uint64(vo + min(nv, vc))]) * np.uint64(1 - keep)
                     out[i] = _apply(np.uint64(a[i]), code, signmag, M, S, top)
                     nv += 1 - keep
                     r += 1
@@ -847,7 +861,7 @@ def _decode_chunks(
                 nxt = big if nxt < 0 else nxt
                 for t in range(cnt[z]):
                     if r == nxt:
-                        i = c0 + idx[t]
+                        i = np.uint64(c0) + np.uint64(idx[t])
                         out[i] = _apply(np.uint64(a[i]), np.uint64(vals[vo + min(p, vc)]), signmag, M, S, top)
                         p += 1
                         nxt = ranks[ro + p]
