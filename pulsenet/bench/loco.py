@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", default="diloco,pulseloco", help="comma-separated subset of diloco,pulseloco")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
+        "--link-mbps", type=float, default=None,
+        help="give each worker its own emulated link of this many Mbit/s each way (default: none)",
+    )  # fmt: skip
+    p.add_argument(
         "--workdir", type=Path, default=None, help="store and keys here (default: a temp dir, deleted)"
     )
 
@@ -114,8 +118,11 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         state_every=1 << 30,  # genesis only: periodic full states would dominate the disk traffic
         checkpoint_every=0,
     )
-    store = LocalStore(tmp / "store", default_timeout=600.0)
-    compute, cache = asyncio.Semaphore(1), PayloadCache()
+    if args.link_mbps is not None and args.link_mbps <= 0:
+        raise ConfigError(f"--link-mbps must be > 0, got {args.link_mbps}")
+    # with emulated links each worker opens the store through its own link and pays every download
+    stores = [LocalStore(tmp / "store", default_timeout=600.0, link_mbps=args.link_mbps) for _ in ids]
+    compute, cache = asyncio.Semaphore(1), PayloadCache(shares_downloads=args.link_mbps is None)
     tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
     lr = args.lr if args.lr is not None else default_lr
     held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
@@ -148,7 +155,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
         trainers.append(
             LocoTrainer(
-                tid, store, load_private_key(tmp / "keys" / tid), trusted, local, task, config,
+                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, local, task, config,
                 compute=compute, payload_cache=cache, on_round=evaluate if k == 0 else None,
             )
         )  # fmt: skip

@@ -52,9 +52,13 @@ class PayloadCache:
     fit in memory. Sound because payloads are content-addressed and never mutated once decoded, and
     the values depend only on the bytes and the base weights, named by the digest of the global
     state they belong to. Bytes put into the store are unaffected.
+
+    ``shares_downloads=False``: each trainer still downloads every payload it uses, and only the
+    decoding is shared, for a benchmark that gives each trainer its own (emulated) link.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, shares_downloads: bool = True) -> None:
+        self.shares_downloads = shares_downloads
         self._items: dict[tuple[str, str], wire.Payload] = {}
 
     def get(self, sha256: str, base_digest: str) -> wire.Payload | None:
@@ -142,7 +146,7 @@ class Collector:
         From the cache when ``base_digest`` names the base (replays pass None: no cache), else
         fetched and decoded.
         """
-        cached = self._cached(ref, base_digest)
+        cached = await self._cached(ref, base_digest)
         return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
 
     async def sleep(self) -> None:
@@ -238,7 +242,7 @@ class Collector:
         return await self._judge(ctx, data, ref)
 
     async def _fetch_entry(self, ctx: _Context, ref: ObjectRef) -> Entry:
-        cached = self._cached(ref, ctx.base_digest)
+        cached = await self._cached(ref, ctx.base_digest)
         if cached is not None:
             return cached, await asyncio.to_thread(alg.validate, cached, round=ctx.round, mode=self.mode), ref
         return await self._judge(ctx, await self.rs.fetch(ref), ref)
@@ -249,10 +253,13 @@ class Collector:
         norm = await asyncio.to_thread(alg.validate, payload, round=ctx.round, mode=self.mode)
         return payload, norm, ref
 
-    def _cached(self, ref: ObjectRef, base_digest: str | None) -> wire.Payload | None:
+    async def _cached(self, ref: ObjectRef, base_digest: str | None) -> wire.Payload | None:
         if self.cache is None or base_digest is None:
             return None
-        return self.cache.get(ref.sha256, base_digest)
+        payload = self.cache.get(ref.sha256, base_digest)
+        if payload is not None and not self.cache.shares_downloads:
+            await self.rs.fetch(ref)  # the bytes still cross this trainer's own link
+        return payload
 
     async def _decode(self, data: bytes, ref: ObjectRef, base: Base, base_digest: str | None) -> wire.Payload:
         payload = await asyncio.to_thread(wire.decode, data, self.shapes, base)
