@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(RICH_MODES):
         raise ConfigError(f"--modes must be a subset of {','.join(RICH_MODES)}, got {args.modes!r}")
+    if args.link_mbps is not None and args.link_mbps <= 0:
+        raise ConfigError(f"--link-mbps must be > 0, got {args.link_mbps}")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     started = time.perf_counter()
@@ -118,8 +120,6 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         state_every=1 << 30,  # genesis only: periodic full states would dominate the disk traffic
         checkpoint_every=0,
     )
-    if args.link_mbps is not None and args.link_mbps <= 0:
-        raise ConfigError(f"--link-mbps must be > 0, got {args.link_mbps}")
     # with emulated links each worker opens the store through its own link and pays every download
     stores = [LocalStore(tmp / "store", default_timeout=600.0, link_mbps=args.link_mbps) for _ in ids]
     compute, cache = asyncio.Semaphore(1), PayloadCache(shares_downloads=args.link_mbps is None)

@@ -254,6 +254,8 @@ class Collector:
         return payload, norm, ref
 
     async def _cached(self, ref: ObjectRef, base_digest: str | None) -> wire.Payload | None:
+        """The shared decoded copy, if any (downloading the bytes first when the cache does not
+        share downloads)."""
         if self.cache is None or base_digest is None:
             return None
         payload = self.cache.get(ref.sha256, base_digest)
