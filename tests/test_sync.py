@@ -298,7 +298,7 @@ async def test_tampered_untrusted_and_replayed_are_refused(s3_factory: StoreFact
             publisher=key_id(forger.public_key()),
             created=now_iso(),
         )
-        await store.put(pub.layout.manifest(9), sign_manifest(forged, forger), if_none_match=True)
+        await store.put(pub.layout.manifest(9), sign_manifest(forged, forger, context=pub.layout.context), if_none_match=True)
         with pytest.raises(SignatureError):
             await sub.sync_once()
         assert sub.version == 8 and sub.stats.manifests_rejected == 1

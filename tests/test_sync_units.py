@@ -71,28 +71,33 @@ def _manifest(key, version: int = 3, **changes) -> Manifest:
     return dataclasses.replace(m, **changes)
 
 
+CTX = "pulsesync/policy"
+
+
 def test_manifest_signing_and_every_rejection() -> None:
     key, trusted = keypair()
     other, _ = keypair()
     m = _manifest(key)
-    data = sign_manifest(m, key)
-    assert verify_manifest(data, trusted, key_version=3) == m
-    assert verify_manifest(data, trusted, key_version=3, current=2) == m
+    data = sign_manifest(m, key, context=CTX)
+    assert verify_manifest(data, trusted, context=CTX, key_version=3) == m
+    assert verify_manifest(data, trusted, context=CTX, key_version=3, current=2) == m
     with pytest.raises(SignatureError):  # signed by a key we don't trust
-        verify_manifest(sign_manifest(_manifest(other), other), trusted)
+        verify_manifest(sign_manifest(_manifest(other), other, context=CTX), trusted, context=CTX)
     env = json.loads(data)
     env["body"]["model_digest"] = "9" * 64
     with pytest.raises(SignatureError):  # body changed after signing
-        verify_manifest(json.dumps(env).encode(), trusted)
+        verify_manifest(json.dumps(env).encode(), trusted, context=CTX)
     with pytest.raises(ManifestError, match="copied or misplaced"):  # right signature, wrong place
-        verify_manifest(data, trusted, key_version=9)
+        verify_manifest(data, trusted, context=CTX, key_version=9)
     with pytest.raises(ReplayError):  # an old manifest presented as new
-        verify_manifest(data, trusted, key_version=9, current=5)
+        verify_manifest(data, trusted, context=CTX, key_version=9, current=5)
     with pytest.raises(ReplayError):
-        verify_manifest(data, trusted, key_version=3, current=3)
+        verify_manifest(data, trusted, context=CTX, key_version=3, current=3)
     body = m.to_body() | {"publisher": "someone-else"}
     with pytest.raises(ManifestError, match="claims publisher"):
-        verify_manifest(sign_document(body, key), trusted)
+        verify_manifest(sign_document(body, key, context=CTX), trusted, context=CTX)
+    with pytest.raises(SignatureError, match="context"):  # signed for another channel
+        verify_manifest(sign_manifest(m, key, context="pulsesync/staging"), trusted, context=CTX)
     for bad in (
         {"codec_version": 99},
         {"kind": "anchor"},
@@ -102,7 +107,7 @@ def test_manifest_signing_and_every_rejection() -> None:
         {"payloads": []},
     ):
         with pytest.raises(ManifestError):
-            verify_manifest(sign_document(m.to_body() | bad, key), trusted)
+            verify_manifest(sign_document(m.to_body() | bad, key, context=CTX), trusted, context=CTX)
 
 
 # --- local state ---------------------------------------------------------------------------------

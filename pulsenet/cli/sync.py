@@ -228,7 +228,7 @@ def _ls(args: argparse.Namespace) -> int:
                 try:
                     data = await store.get(info.key, timeout=args.timeout)
                     m = (
-                        verify_manifest(data, trusted, key_version=v)
+                        verify_manifest(data, trusted, context=layout.context, key_version=v)
                         if trusted
                         else read_manifest_unverified(data)
                     )

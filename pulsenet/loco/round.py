@@ -47,6 +47,8 @@ from pulsenet.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 TRAINER_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+CONTEXT = "pulseloco"
+"""What every round document is signed for (signing.py); the run and trainer bind into it next."""
 KIND_MEMBER = "pulseloco-member"
 KIND_MANIFEST = "pulseloco-payload"
 KIND_RECORD = "pulseloco-round"
@@ -186,7 +188,7 @@ class RoundStore:
 
     async def _put_doc(self, key: str, body: dict[str, Any], *, create_only: bool) -> None:
         await self.store.put(
-            key, sign_document(body, self.key), if_none_match=create_only, timeout=self.t.small_s
+            key, sign_document(body, self.key, context=CONTEXT), if_none_match=create_only, timeout=self.t.small_s
         )
 
     async def _get_doc(self, key: str, kind: str) -> dict[str, Any] | None:
@@ -195,7 +197,7 @@ class RoundStore:
             data = await self.store.get(key, timeout=self.t.small_s)
         except ObjectNotFound:
             return None
-        body = verify_document(data, self.trusted)
+        body = verify_document(data, self.trusted, context=CONTEXT).body
         if body.get("kind") != kind:
             raise ManifestError(f"{key}: expected a {kind} document, got kind {body.get('kind')!r}")
         return body

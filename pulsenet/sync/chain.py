@@ -99,7 +99,7 @@ class ManifestReader:
         if m is None:
             data = await self.store.get(self.layout.manifest(version), timeout=self.timeout_s)
             m = await asyncio.to_thread(
-                verify_manifest, data, self.trusted, key_version=version, current=current
+                verify_manifest, data, self.trusted, context=self.layout.context, key_version=version, current=current
             )
             self._cache[version] = m
         if current is not None and m.version <= current:

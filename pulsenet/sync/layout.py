@@ -35,6 +35,12 @@ class Layout:
             raise ConfigError(f"channel {self.channel!r} must be '/'-separated names of [A-Za-z0-9._-]")
 
     @property
+    def context(self) -> str:
+        """What every manifest of this channel is signed for (signing.py): a manifest signed for
+        another channel does not verify here."""
+        return f"pulsesync/{self.channel}"
+
+    @property
     def manifests(self) -> str:
         """Listing prefix of the manifests."""
         return f"{self.channel}/manifests/"

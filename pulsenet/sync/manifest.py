@@ -24,7 +24,6 @@ one its key names (a copied old manifest is a replay).
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from pulsenet.codec.patch import VERSION as CODEC_VERSION
 from pulsenet.errors import ManifestError, ReplayError
-from pulsenet.signing import key_id, sign_document, verify_document
+from pulsenet.signing import key_id, parse_envelope, sign_document, verify_document
 
 FORMAT = "pulsenet-sync-manifest"
 SCHEMA = 1
@@ -183,19 +182,20 @@ def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
 
 
-def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey) -> bytes:
-    """The signed envelope bytes; ``manifest.publisher`` must be the key's id."""
+def sign_manifest(manifest: Manifest, key: Ed25519PrivateKey, *, context: str) -> bytes:
+    """The signed envelope bytes, valid only in ``context``; ``manifest.publisher`` must be the key's id."""
     if manifest.publisher != key_id(key.public_key()):
         raise ManifestError(
             f"manifest publisher {manifest.publisher!r} is not the signing key {key_id(key.public_key())!r}"
         )
-    return sign_document(manifest.to_body(), key)
+    return sign_document(manifest.to_body(), key, context=context)
 
 
 def verify_manifest(
     data: bytes,
     trusted: Mapping[str, Ed25519PublicKey],
     *,
+    context: str,
     key_version: int | None = None,
     current: int | None = None,
 ) -> Manifest:
@@ -205,9 +205,9 @@ def verify_manifest(
     some other manifest: a ReplayError if that version is not newer than ``current`` (the reader's
     version), else a ManifestError. ``current``: manifests at or below it are ReplayErrors.
     """
-    body = verify_document(data, trusted)
-    manifest = Manifest.from_body(body)
-    signer = json.loads(data)["key_id"]
+    signed = verify_document(data, trusted, context=context)
+    manifest = Manifest.from_body(signed.body)
+    signer = signed.signer
     if manifest.publisher != signer:
         raise ManifestError(
             f"manifest v{manifest.version} claims publisher {manifest.publisher!r} but {signer!r} signed it"
@@ -225,8 +225,4 @@ def verify_manifest(
 
 def read_manifest_unverified(data: bytes) -> Manifest:
     """Parse a manifest without checking its signature (listings, diagnostics): never trust it."""
-    try:
-        body = json.loads(data)["body"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ManifestError(f"not a signed pulsenet document: {e}") from None
-    return Manifest.from_body(body)
+    return Manifest.from_body(parse_envelope(data)["body"])

@@ -411,7 +411,7 @@ class Publisher:
                 try:
                     await self.store.put(
                         self.layout.manifest(version),
-                        sign_manifest(manifest, self.key),
+                        sign_manifest(manifest, self.key, context=self.layout.context),
                         if_none_match=True,
                         timeout=self.config.timeout_s,
                     )
@@ -478,7 +478,9 @@ class Publisher:
         """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""
         try:
             data = await self.store.get(self.layout.manifest(manifest.version), timeout=self.config.timeout_s)
-            there = verify_manifest(data, {self.key_id: self.key.public_key()}, key_version=manifest.version)
+            there = verify_manifest(
+                data, {self.key_id: self.key.public_key()}, context=self.layout.context, key_version=manifest.version
+            )
         except (ManifestError, KeyError):
             return False
         return (there.model_digest, there.payloads, there.base_version) == (
