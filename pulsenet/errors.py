@@ -70,6 +70,10 @@ class ConditionFailed(StoreError):
     """A conditional request failed (If-None-Match on an existing key, If-Match mismatch; 412 or 404)."""
 
 
+class ObjectTooLarge(StoreError):
+    """An object is larger than the caller allows (``max_bytes``): refused before it is read whole."""
+
+
 class StoreTimeout(StoreError, TimeoutError):
     """An object-store operation ran past its timeout."""
 

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 from conftest import StoreFactory
 
-from pulsenet.errors import ConditionFailed, ConfigError, ObjectNotFound, StoreTimeout, StoreUnavailable
+from pulsenet.errors import (
+    ConditionFailed,
+    ConfigError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StoreTimeout,
+    StoreUnavailable,
+)
 from pulsenet.store import LocalStore, ObjectStore, RateLimiter, S3Config, S3Store, open_store
 from pulsenet.store import s3 as s3_module
 from pulsenet.store.local import TMP_PREFIX
@@ -362,3 +369,26 @@ async def test_local_store_hides_temp_files(tmp_path: Path) -> None:
     assert [i.key for i in await store.list()] == ["x/y"]
     with pytest.raises(ValueError):
         await store.put(f"x/{TMP_PREFIX}1", b"no")
+
+
+async def test_max_bytes_refuses_oversized_objects_before_reading_them(
+    store_factory: StoreFactory, tmp_path: Path
+) -> None:
+    store = store_factory()
+    data = bytes(range(256)) * 40  # 10240 bytes
+    await store.put("big/obj", data)
+    assert await store.get("big/obj", max_bytes=len(data)) == data
+    with pytest.raises(ObjectTooLarge):
+        await store.get("big/obj", max_bytes=len(data) - 1)
+    # A slice is judged by its own length.
+    assert await store.get("big/obj", byte_range=(0, 100), max_bytes=100) == data[:100]
+    with pytest.raises(ObjectTooLarge):
+        await store.get("big/obj", byte_range=(0, 101), max_bytes=100)
+    dest = tmp_path / "out.bin"
+    with pytest.raises(ObjectTooLarge):
+        await store.get_file("big/obj", dest, max_bytes=4096)
+    assert not dest.exists() and not list(tmp_path.iterdir())
+    assert await store.get_file("big/obj", dest, max_bytes=len(data)) == len(data)
+    assert dest.read_bytes() == data
+    with pytest.raises(ValueError):
+        await store.get("big/obj", max_bytes=-1)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Self
 
-from pulsenet.errors import ObjectNotFound, StoreTimeout
+from pulsenet.errors import ObjectNotFound, ObjectTooLarge, StoreTimeout
 
 ByteRange = tuple[int, int]
 
@@ -49,6 +49,18 @@ def check_key(key: str) -> str:
             f"invalid object key {key!r}: use '/'-separated names without empty, '.' or '..' parts"
         )
     return key
+
+
+def _check_limit(max_bytes: int | None) -> int | None:
+    if max_bytes is not None and (not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0):
+        raise ValueError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+    return max_bytes
+
+
+def too_large(key: str, size: int, max_bytes: int | None, where: str) -> None:
+    """Raise ObjectTooLarge if ``size`` exceeds ``max_bytes`` (a listed, HEAD or Content-Length size)."""
+    if max_bytes is not None and size > max_bytes:
+        raise ObjectTooLarge(f"{key!r} in {where} is {size} bytes, over the {max_bytes}-byte limit")
 
 
 def check_range(byte_range: ByteRange | None) -> ByteRange | None:
@@ -110,27 +122,49 @@ class ObjectStore(abc.ABC):
             return await self._put_file(key, os.fspath(path), if_none_match)
 
     async def get(
-        self, key: str, *, byte_range: ByteRange | None = None, timeout: float | None = None
+        self,
+        key: str,
+        *,
+        byte_range: ByteRange | None = None,
+        timeout: float | None = None,
+        max_bytes: int | None = None,
     ) -> bytes:
         """Read an object, or the half-open slice ``[start, end)`` of it.
 
         Ranges follow Python slice semantics: an ``end`` past the object is clipped and a ``start`` at or
         past the end gives ``b""``. A missing key raises :class:`~pulsenet.errors.ObjectNotFound`.
+        ``max_bytes``: an object (or slice) larger than this raises
+        :class:`~pulsenet.errors.ObjectTooLarge` having read at most ``max_bytes + 1`` bytes of it, so
+        a planted multi-GB object costs a reader nothing. Every read of untrusted objects passes it.
         """
         check_key(key)
         byte_range = check_range(byte_range)
+        limit = _check_limit(max_bytes)
         async with self._deadline("get", key, timeout):
-            return await self._get(key, byte_range)
+            data = await self._get(key, byte_range, limit)
+        if limit is not None and len(data) > limit:  # the backends stop early; this is the contract
+            raise ObjectTooLarge(f"{key!r} in {self.url} is over the {limit}-byte limit")
+        return data
 
-    async def get_file(self, key: str, path: str | os.PathLike[str], *, timeout: float | None = None) -> int:
+    async def get_file(
+        self,
+        key: str,
+        path: str | os.PathLike[str],
+        *,
+        timeout: float | None = None,
+        max_bytes: int | None = None,
+    ) -> int:
         """Download an object to ``path`` (ranged and parallel on S3). Returns its size.
 
         The bytes go to a temporary file next to ``path`` that is renamed into place only once complete,
         so ``path`` is either absent/unchanged or whole, even if the call fails or is cancelled.
+        ``max_bytes``: a larger object raises :class:`~pulsenet.errors.ObjectTooLarge` before any
+        byte is written (and the object cannot grow past it mid-download: reads stop there).
         """
         check_key(key)
+        limit = _check_limit(max_bytes)
         async with self._deadline("get_file", key, timeout, transfer=True):
-            return await self._get_file(key, os.fspath(path))
+            return await self._get_file(key, os.fspath(path), limit)
 
     async def head(self, key: str, *, timeout: float | None = None) -> ObjectInfo:
         """Size, ETag and modification time; :class:`~pulsenet.errors.ObjectNotFound` if missing."""
@@ -183,10 +217,12 @@ class ObjectStore(abc.ABC):
     async def _put_file(self, key: str, path: str, if_none_match: bool) -> int: ...
 
     @abc.abstractmethod
-    async def _get(self, key: str, byte_range: ByteRange | None) -> bytes: ...
+    async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
+        """May return up to ``max_bytes + 1`` bytes (the caller raises) or raise ObjectTooLarge itself."""
 
     @abc.abstractmethod
-    async def _get_file(self, key: str, path: str) -> int: ...
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
+        """Must raise ObjectTooLarge before writing ``path`` when the object exceeds ``max_bytes``."""
 
     @abc.abstractmethod
     async def _head(self, key: str) -> ObjectInfo: ...

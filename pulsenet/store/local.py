@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from pulsenet.errors import ConditionFailed, ObjectNotFound, StoreError
+from pulsenet.errors import ConditionFailed, ObjectNotFound, ObjectTooLarge, StoreError
 from pulsenet.fsutil import fsync_path
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key
+from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key, too_large
 from pulsenet.store.ratelimit import RateLimiter, charge
 
 T = TypeVar("T")
@@ -74,14 +74,19 @@ class LocalStore(ObjectStore):
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)  # a missing source is the caller's OSError
         return await self._copy("put_file", key, fd, dest, self._up, if_none_match)
 
-    async def _get(self, key: str, byte_range: ByteRange | None) -> bytes:
-        data = await self._io("get", key, _read, self._path(key), byte_range, reading=True)
+    async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
+        data = await self._io("get", key, _read, self._path(key), byte_range, max_bytes, reading=True)
         await charge(self._down, len(data))
         return data
 
-    async def _get_file(self, key: str, path: str) -> int:
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
         fd = await self._io("get_file", key, _open_file, self._path(key), reading=True)
-        return await self._copy("get_file", key, fd, Path(path).absolute(), self._down, False)
+        try:
+            too_large(key, os.fstat(fd).st_size, max_bytes, self.url)
+        except ObjectTooLarge:
+            os.close(fd)
+            raise
+        return await self._copy("get_file", key, fd, Path(path).absolute(), self._down, False, max_bytes)
 
     async def _head(self, key: str) -> ObjectInfo:
         st = await self._io("head", key, os.stat, self._path(key), reading=True)
@@ -132,7 +137,14 @@ class LocalStore(ObjectStore):
             unlink_quiet(tmp)
 
     async def _copy(
-        self, op: str, key: str, fd: int, dest: Path, limiter: RateLimiter | None, if_none_match: bool
+        self,
+        op: str,
+        key: str,
+        fd: int,
+        dest: Path,
+        limiter: RateLimiter | None,
+        if_none_match: bool,
+        max_bytes: int | None = None,
     ) -> int:
         """Copy the open file ``fd`` to ``dest`` through a temporary file, one chunk per thread hop; closes ``fd``.
 
@@ -149,6 +161,7 @@ class LocalStore(ObjectStore):
                 await charge(limiter, len(chunk))
                 await self._io(op, key, write_at, tmp, offset, chunk)
                 offset += len(chunk)
+                too_large(key, offset, max_bytes, self.url)  # the source grew after the check
             await self._io(op, key, fsync_path, tmp)
             await self._io(op, key, publish_file, tmp, dest, if_none_match)
             return offset
@@ -197,12 +210,15 @@ def _open_file(path: Path) -> int:
     return fd
 
 
-def _read(path: Path, byte_range: ByteRange | None) -> bytes:
+def _read(path: Path, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
     with open(path, "rb") as f:
-        if byte_range is None:
+        start, end = byte_range or (0, None)
+        size = os.fstat(f.fileno()).st_size
+        length = max(0, min(size if end is None else end, size) - start)
+        too_large(str(path), length, max_bytes, "a local store")
+        if byte_range is None and max_bytes is None:
             return f.read()
-        start, end = byte_range
-        return os.pread(f.fileno(), end - start, start)
+        return os.pread(f.fileno(), length if max_bytes is None else min(length, max_bytes + 1), start)
 
 
 def new_tmp_file(directory: Path) -> Path:

@@ -46,7 +46,7 @@ from pulsenet.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore
+from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, too_large
 from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
 from pulsenet.store.ratelimit import RateLimiter, charge
 
@@ -224,16 +224,17 @@ class S3Store(ObjectStore):
             return len(data)
         return await self._put_multipart(key, path, size, if_none_match)
 
-    async def _get(self, key: str, byte_range: ByteRange | None) -> bytes:
+    async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
         async def once() -> bytes:
-            data = await self._run(self._get_body, self._full(key), byte_range, None)
+            data = await self._run(self._get_body, self._full(key), byte_range, None, max_bytes)
             await charge(self._down, len(data))
             return data
 
         return await self._call("get", key, once)
 
-    async def _get_file(self, key: str, path: str) -> int:
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
         info = await self._head(key)
+        too_large(key, info.size, max_bytes, self.url)
         dest = Path(path).absolute()
         await asyncio.to_thread(dest.parent.mkdir, parents=True, exist_ok=True)
         tmp = await asyncio.to_thread(new_tmp_file, dest.parent)
@@ -421,8 +422,13 @@ class S3Store(ObjectStore):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
-    def _get_body(self, full_key: str, byte_range: ByteRange | None, etag: str | None) -> bytes:
-        """GET and read the body in the worker thread (reading is blocking I/O too)."""
+    def _get_body(
+        self, full_key: str, byte_range: ByteRange | None, etag: str | None, max_bytes: int | None = None
+    ) -> bytes:
+        """GET and read the body in the worker thread (reading is blocking I/O too).
+
+        With ``max_bytes`` an over-long body is refused from its Content-Length and never read past
+        ``max_bytes + 1`` bytes (a server may lie about the length)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key}
         if byte_range is not None:
             kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
@@ -435,7 +441,10 @@ class S3Store(ObjectStore):
                 return b""  # start at or past the end: slice semantics, like LocalStore
             raise
         with resp["Body"] as body:
-            return body.read()
+            if max_bytes is None:
+                return body.read()
+            too_large(full_key, int(resp.get("ContentLength") or 0), max_bytes, f"bucket {self.bucket}")
+            return body.read(max_bytes + 1)
 
     async def _call(
         self, op: str, key: str, once: Callable[[], Awaitable[T]], *, conditional: bool = False
