@@ -11,7 +11,7 @@ def run_bench(tmp_path, *args: str) -> dict:
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, "-m", "pulsenet", "bench", *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=240,  # inside pytest's 300 s, so a hang reports its stderr
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())

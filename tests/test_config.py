@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pulsenet.cli import main, parse_cli
+from pulsenet.cli import build_parser, main, parse_cli
+from pulsenet.config import command_path, load_toml
 from pulsenet.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -21,8 +22,19 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
     ],
 )
 def test_shipped_configs_parse(name, argv, env):
+    """Every value a shipped file sets reaches the command, typed (not just that it parses)."""
     args = parse_cli(["--config", str(CONFIGS / name), *argv], env)
-    assert args.store.startswith("s3://")
+    table = load_toml(CONFIGS / name)
+    for part in argv[0:1] if argv[0] != "loco" else argv[:2]:
+        table = table[part]
+    assert table, f"{name} sets nothing for {argv}"
+    parser = build_parser()
+    command = command_path(parser, argv)[-1][1]
+    dest = {o[2:]: a.dest for a in command._actions for o in a.option_strings if o.startswith("--")}
+    for key, value in table.items():
+        got = getattr(args, dest[key])
+        got = [str(g) for g in got] if isinstance(value, list) else str(got) if isinstance(got, Path) else got
+        assert got == value and type(got) is type(value), f"{name}: {key} = {value!r} arrived as {got!r}"
 
 
 def test_precedence_flag_over_env_over_file(tmp_path):
@@ -69,3 +81,14 @@ def test_bad_config_is_a_clear_error(tmp_path, toml, env, message):
 def test_missing_config_file_exits_2(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "absent.toml"), "pull"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_help_says_what_pulsenet_is_and_where_to_start(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "PULSESync" in out and "PULSELoCo" in out and "first steps:" in out
+    assert "``" not in out  # no reST markup from a module docstring
+    for command in ("keygen", "s3 serve", "publish", "pull", "bench sync"):
+        assert f"pulsenet {command}" in out

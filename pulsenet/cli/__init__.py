@@ -25,8 +25,30 @@ _MODULES = (
 )
 
 
+DESCRIPTION = """\
+pulsenet moves policy updates for distributed RL post-training of LLMs over S3-compatible object
+storage, sending only what changes the BF16 weights the next forward pass uses: PULSESync
+(trainer -> inference: sparse, lossless, SHA-256-verified patches) and PULSELoCo (trainer <->
+trainer: sparse DiLoCo with bit-identical global weights)."""
+
+EPILOG = """\
+first steps:
+  pulsenet keygen --out keys/site-a.key                  a signing key pair for one site
+  pulsenet s3 serve --dir ./s3data                       a local S3 server with per-site credentials
+  pulsenet publish MODEL --store URL --key KEY           publish a version (trainer side)
+  pulsenet pull --store URL --trust PUB --out DIR        rebuild the newest verified version
+  pulsenet bench sync --model tiny                       measure the codec on this machine
+
+Every command takes --help; settings come from --config TOML, then PULSENET_<OPTION>, then flags."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pulsenet", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="pulsenet",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument(
         "--config",
