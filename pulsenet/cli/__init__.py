@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Mapping
@@ -51,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument(
+        "--log-format", choices=("text", "json"), default="text", help="json: one JSON object per line (for collectors)"
+    )
+    parser.add_argument(
         "--config",
         metavar="TOML",
         help="command defaults from a file (configs/*.toml; env PULSENET_CONFIG); "
@@ -88,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     from pulsenet.runtime import return_large_buffers_to_os
 
     return_large_buffers_to_os()
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pulsenet.logs import setup_logging
+
+    setup_logging(args.verbose, args.log_format)
     try:
         return int(args.func(args) or 0)
     except PulsenetError as e:

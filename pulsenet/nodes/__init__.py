@@ -1,0 +1,1 @@
+"""Node daemons: asyncio processes that wire the channels and the RL layer (see nodes/*.py)."""

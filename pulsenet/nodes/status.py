@@ -1,0 +1,157 @@
+"""What a node tells its operator: ``/healthz``, ``/status`` and ``/metrics`` over HTTP (aiohttp).
+
+One ``NodeState`` is the single source: the daemon updates it as it works, ``/status`` serves it as
+JSON and a Prometheus collector reads the same fields at scrape time, so the two views never drift.
+
+Liveness is progress, not a running process: the daemon calls ``state.beat()`` every time its loop
+moves (a poll answered, a batch generated, a round closed). ``/healthz`` answers 503 once the last
+beat is older than ``stuck_after_s``, so an orchestrator restarts a node whose weight sync hangs
+without an error (the failure users report most).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@dataclass(slots=True)
+class NodeState:
+    """Everything ``/status`` shows; the daemon owns it and mutates it in place (one event loop)."""
+
+    role: str
+    """"trainer" or "inference"."""
+    node_id: str
+    version: int | None = None
+    """Policy version this node serves (inference) or last published/adopted (trainer)."""
+    round: int | None = None
+    """PULSELoCo round (trainers)."""
+    digest: str | None = None
+    """Model digest of ``version``."""
+    staleness: int | None = None
+    """Trainer: largest ``version - rollout version`` trained on; inference: versions behind the newest."""
+    rollouts: dict[str, int] = field(
+        default_factory=lambda: {"produced": 0, "consumed": 0, "rejected": 0, "dropped_in_flight": 0, "dropped_queued": 0}
+    )
+    bytes: dict[str, int] = field(default_factory=lambda: {"pulsesync": 0, "pulseloco": 0, "rollouts": 0})
+    """Bytes moved through the store per channel (uploaded plus downloaded)."""
+    reward: float | None = None
+    """Mean reward of the last batch generated (inference) or trained on (trainer)."""
+    errors: int = 0
+    last_error: str | None = None
+    slowest_consumer: dict[str, Any] | None = None
+    """Publisher: the live node furthest behind (id, version, age), which retention keeps a path for."""
+    started: float = field(default_factory=time.time)
+    last_beat: float = field(default_factory=time.monotonic)
+
+    def beat(self) -> None:
+        """The loop made progress."""
+        self.last_beat = time.monotonic()
+
+    def error(self, e: BaseException) -> None:
+        self.errors += 1
+        self.last_error = f"{type(e).__name__}: {e}"[:500]
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["idle_s"] = round(time.monotonic() - self.last_beat, 3)
+        del d["last_beat"]
+        return d
+
+
+class _StateCollector(Collector):
+    """Prometheus metrics read from the ``NodeState`` at scrape time."""
+
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s, labels = self.state, ["role", "node"]
+        ids = [s.role, s.node_id]
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pulsenet_{name}", doc, labels=labels)
+            if value is not None:
+                g.add_metric(ids, float(value))
+            return g
+
+        yield gauge("policy_version", "Policy version served or published", s.version)
+        yield gauge("loco_round", "PULSELoCo round", s.round)
+        yield gauge("staleness", "Versions between the policy and the rollouts it trains on", s.staleness)
+        yield gauge("reward_mean", "Mean reward of the last batch", s.reward)
+        yield gauge("idle_seconds", "Seconds since the loop last made progress", time.monotonic() - s.last_beat)
+        rollouts = CounterMetricFamily("pulsenet_rollouts", "Rollouts by outcome", labels=[*labels, "outcome"])
+        for outcome, n in s.rollouts.items():
+            rollouts.add_metric([*ids, outcome], n)
+        yield rollouts
+        moved = CounterMetricFamily("pulsenet_store_bytes", "Bytes moved through the store", labels=[*labels, "channel"])
+        for channel, n in s.bytes.items():
+            moved.add_metric([*ids, channel], n)
+        yield moved
+        errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
+        errors.add_metric(ids, s.errors)
+        yield errors
+
+
+class StatusServer:
+    """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one)."""
+
+    def __init__(
+        self, state: NodeState, *, host: str = "127.0.0.1", port: int = 0, stuck_after_s: float = 300.0
+    ) -> None:
+        self.state = state
+        self.host, self.port = host, port
+        self.stuck_after_s = stuck_after_s
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StateCollector(state))
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> StatusServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        idle = time.monotonic() - self.state.last_beat
+        ok = idle <= self.stuck_after_s
+        body = {"ok": ok, "idle_s": round(idle, 3), "stuck_after_s": self.stuck_after_s}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _status(self, _: web.Request) -> web.Response:
+        return web.Response(text=json.dumps(self.state.to_json(), sort_keys=True), content_type="application/json")
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        data = await asyncio.to_thread(generate_latest, self.registry)
+        return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE})
