@@ -1,0 +1,68 @@
+"""The one config schema: dataclass defaults <- TOML table <- PULSENET_* <- flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from pulsenet.errors import ConfigError
+from pulsenet.settings import load_settings
+
+
+@dataclasses.dataclass(kw_only=True)
+class Inner:
+    lr: float = 3e-6
+    """Learning rate."""
+    clip: bool = True
+    """Clip."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Node:
+    store: str = ""
+    """Store URL."""
+    rounds: int = 3
+    """Rounds to run."""
+    trust: list[Path] = dataclasses.field(default_factory=list)
+    """Trusted keys."""
+    follow: bool = False
+    """Keep following."""
+    max_staleness: int = 2
+    """Versions of lag allowed."""
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def test_sources_apply_in_order(tmp_path: Path) -> None:
+    cfg = tmp_path / "n.toml"
+    cfg.write_text(
+        '[node]\nstore = "s3://file"\nrounds = 5\ntrust = ["a.pub"]\nmax-staleness = 4\n'
+        "[node.inner]\nlr = 1e-4\nclip = false\n"
+    )
+    n = load_settings(Node, table="node", config=cfg, environ={})
+    assert (n.store, n.rounds, n.trust, n.max_staleness, n.inner.lr, n.inner.clip) == (
+        "s3://file", 5, [Path("a.pub")], 4, 1e-4, False
+    )
+    env = {"PULSENET_STORE": "s3://env", "PULSENET_TRUST": "x.pub,y.pub", "PULSENET_FOLLOW": "yes", "PULSENET_INNER__LR": "2e-5"}
+    n = load_settings(Node, table="node", config=cfg, environ=env)
+    assert (n.store, n.trust, n.follow, n.rounds, n.inner.lr) == ("s3://env", [Path("x.pub"), Path("y.pub")], True, 5, 2e-5)
+    n = load_settings(Node, table="node", config=cfg, environ=env, argv=["--store", "s3://flag", "--inner.lr", "0.5"])
+    assert (n.store, n.inner.lr, n.rounds) == ("s3://flag", 0.5, 5)
+    assert load_settings(Node, table="node", environ={}) == Node()
+
+
+def test_bad_values_name_field_and_source(tmp_path: Path) -> None:
+    cfg = tmp_path / "n.toml"
+    cfg.write_text('[node]\nrounds = "many"\n')
+    with pytest.raises(ConfigError, match=r"n\.toml \[node\].*rounds"):
+        load_settings(Node, table="node", config=cfg, environ={})
+    cfg.write_text("[node]\nroundz = 3\n")
+    with pytest.raises(ConfigError, match=r"no setting 'roundz'.*rounds"):
+        load_settings(Node, table="node", config=cfg, environ={})
+    with pytest.raises(ConfigError, match=r"PULSENET_MAX_STALENESS=.*max-staleness"):
+        load_settings(Node, table="node", environ={"PULSENET_MAX_STALENESS": "x"})
+    with pytest.raises(ConfigError, match="PULSENET_FOLLOW"):
+        load_settings(Node, table="node", environ={"PULSENET_FOLLOW": "maybe"})
+
+
