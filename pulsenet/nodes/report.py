@@ -1,0 +1,91 @@
+"""The end-of-run report of a local network: ``summary.json`` and PNG plots (matplotlib, Agg).
+
+Input is the per-round history the launcher collected from the nodes' ``/status`` (reward,
+bytes moved per channel, sparsity) plus each node's final state; nothing here talks to a node.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pulsenet.fsutil import atomic_write_bytes
+
+CHANNELS = ("pulsesync", "full_sync", "pulseloco", "diloco", "ddp", "rollouts")
+"""Byte totals a summary reports: what was sent, and what the dense alternatives would have cost."""
+
+
+def write_report(
+    directory: Path,
+    *,
+    rounds: Sequence[Mapping[str, Any]],
+    nodes: Mapping[str, Mapping[str, Any]],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write ``summary.json``, ``reward.png``, ``bytes.png`` and ``sparsity.png``; returns the summary.
+
+    ``rounds``: one mapping per round with ``round``, ``reward``, ``bytes`` (channel -> bytes that
+    round) and optionally ``sparsity`` (fraction of BF16 weights unchanged by that round's update).
+    ``nodes``: node id -> at least ``role``, ``version``, ``digest``.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    totals = {c: sum(int(r.get("bytes", {}).get(c, 0)) for r in rounds) for c in CHANNELS}
+    summary = {
+        "nodes": {n: {"role": s["role"], "version": s["version"], "digest": s["digest"]} for n, s in nodes.items()},
+        "reward": [r.get("reward") for r in rounds],
+        "staleness": max((int(r.get("staleness") or 0) for r in rounds), default=0),
+        "bytes": totals,
+        "ratios": {
+            "full_sync_over_pulsesync": _ratio(totals["full_sync"], totals["pulsesync"]),
+            "diloco_over_pulseloco": _ratio(totals["diloco"], totals["pulseloco"]),
+            "ddp_over_pulseloco": _ratio(totals["ddp"], totals["pulseloco"]),
+        },
+        "sparsity": [r.get("sparsity") for r in rounds],
+        "rounds": list(rounds),
+        **(extra or {}),
+    }
+    atomic_write_bytes(directory / "summary.json", (json.dumps(summary, indent=1, default=str) + "\n").encode())
+    _plots(directory, rounds)
+    return summary
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["round"] for r in rounds]
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(directory / name, dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [r.get("reward") for r in rounds], marker="o")
+    ax.set(xlabel="round", ylabel="mean reward", title="Reward per round")
+    ax.grid(alpha=0.3)
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for channel in CHANNELS:
+        ys = [r.get("bytes", {}).get(channel, 0) for r in rounds]
+        if any(ys):
+            ax.plot(xs, ys, marker=".", label=channel)
+    ax.set(xlabel="round", ylabel="bytes (log)", title="Bytes per round per channel", yscale="log")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    save(fig, "bytes.png")
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(xs, [r.get("sparsity") for r in rounds], marker="o")
+    ax.set(xlabel="round", ylabel="unchanged BF16 weights", title="Sparsity of each update")
+    ax.grid(alpha=0.3)
+    save(fig, "sparsity.png")
