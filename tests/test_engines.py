@@ -1,0 +1,228 @@
+"""Inference engines: sampling against a plain full forward, seeding, stopping, and in-place updates
+through real PULSESync versions that stay bit-identical to the published digest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from sync_support import keypair, train_states
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.engines.base import SamplingParams
+from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.errors import ConfigError, EngineError
+from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+from pulsenet.store import LocalStore
+from pulsenet.sync.publisher import Publisher, PublisherConfig
+from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = TorchEngineConfig(device="cpu")
+PROMPTS = [list(b"12+34="), list(b"7*8="), list(b"hello world, "), list(b"9")]
+
+
+def engine(seed: int = 0, **kw: object) -> TorchEngine:
+    return TorchEngine(build_tiny_model(seed), TorchEngineConfig(device="cpu", **kw), version=0)  # type: ignore[arg-type]
+
+
+def reference_logits(seed: int, sequence: list[int]) -> torch.Tensor:
+    """Full-sequence FP32 logits of an independently built model on fp32(bf16(w)), no cache, no padding."""
+    model = build_tiny_model(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.copy_(t.to(torch.bfloat16))
+        return model(input_ids=torch.tensor([sequence])).logits[0].float()
+
+
+def test_digest_is_the_published_bf16_digest() -> None:
+    eng = engine()
+    published = model_digest(bf16_state_dict(build_tiny_model(0)))
+    assert eng.digest == published
+    assert eng.weights_digest() == published
+    assert all(t.dtype == torch.float32 for t in eng.model.parameters())  # CPU computes in FP32
+
+
+def test_greedy_matches_full_forward_argmax() -> None:
+    gens = engine().generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_at_eos=False))
+    for prompt, g in zip(PROMPTS, gens, strict=True):
+        seq = list(prompt)
+        for tok, lp in zip(g.completion_ids, g.logprobs, strict=True):
+            logits = reference_logits(0, seq)[-1]
+            assert tok == int(logits.argmax())
+            assert abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-5
+            seq.append(tok)
+        assert g.finish_reason == "length" and len(g.completion_ids) == 12
+        assert g.version == 0 and g.prompt_ids == tuple(prompt)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_equal_full_forward_log_softmax(temperature: float, top_p: float) -> None:
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=3, stop_at_eos=False)
+    gens = engine().generate(PROMPTS * 2, params)
+    worst = 0.0
+    for g in gens:
+        logits = reference_logits(0, [*g.prompt_ids, *g.completion_ids])
+        steps = logits[len(g.prompt_ids) - 1 : -1] / temperature
+        ref = torch.log_softmax(steps, -1).gather(1, torch.tensor(g.completion_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(g.logprobs)).abs().max()))
+        if top_p < 1:  # every sampled token lies in its nucleus: the tokens above it hold < top_p
+            probs = steps.softmax(-1)
+            for row, tok in zip(probs, g.completion_ids, strict=True):
+                assert float(row[row > row[tok]].sum()) < top_p
+    assert worst < 1e-5
+
+
+def test_same_seed_same_samples_other_seed_differs() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=11, stop_at_eos=False)
+    a = eng.generate(PROMPTS, params)
+    b = eng.generate(PROMPTS, params)
+    assert [g.completion_ids for g in a] == [g.completion_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
+    assert [g.seed for g in a] == [11, 12, 13, 14]
+    c = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=24, seed=12, stop_at_eos=False))
+    assert [g.completion_ids for g in a] != [g.completion_ids for g in c]
+    # A group: the same prompt G times draws G different completions; completion i of a call is
+    # reproducible on its own (its seed), whatever shares the batch.
+    group = eng.generate([PROMPTS[0]] * 4, params)
+    assert len({g.completion_ids for g in group}) > 1
+    assert group[0].completion_ids == a[0].completion_ids
+
+
+def test_tiny_top_p_is_greedy_and_records_untruncated_logprobs() -> None:
+    eng = engine()
+    greedy = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, stop_at_eos=False))
+    nucleus = eng.generate(PROMPTS, SamplingParams(temperature=0.5, top_p=1e-6, max_new_tokens=8, stop_at_eos=False))
+    for g, n in zip(greedy, nucleus, strict=True):
+        assert g.completion_ids == n.completion_ids
+        assert all(lp < -1e-3 for lp in n.logprobs)  # log p under T=0.5, not log 1 after truncation
+
+
+def test_stop_tokens_and_max_new_tokens() -> None:
+    eng = engine()
+    free = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_at_eos=False))
+    stop = free[1].completion_ids[4]
+    stopped = eng.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_token_ids=(stop,))
+    )
+    for f, s in zip(free, stopped, strict=True):
+        if stop in f.completion_ids:
+            k = f.completion_ids.index(stop) + 1
+            assert s.completion_ids == f.completion_ids[:k] and s.finish_reason == "stop"
+            assert s.logprobs == f.logprobs[:k]
+        else:
+            assert s.completion_ids == f.completion_ids and s.finish_reason == "length"
+    assert stopped[1].completion_ids[-1] == stop and len(stopped[1].completion_ids) <= 5
+    # EOS from the model config (byte 10 for the tiny model) stops by default.
+    assert eng.eos_ids == (10,)
+    short = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=3))
+    assert all(len(g.completion_ids) <= 3 for g in short)
+
+
+def test_bad_params_and_prompts_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(EngineError):
+        engine().generate([[]], SamplingParams())
+    with pytest.raises(EngineError):  # 512 positions
+        engine().generate([[1] * 500], SamplingParams(max_new_tokens=20))
+
+
+async def test_pulsesync_updates_keep_weights_at_the_published_digest(tmp_path: Path) -> None:
+    """Real versions through Publisher -> LocalStore -> Subscriber -> engine.update."""
+    states = train_states(4, lr=1e-3)
+    key, trusted = keypair()
+    store = LocalStore(tmp_path / "store")
+    eng = engine()
+    sub = Subscriber(store, trusted, SubscriberConfig(interval_s=0.05), on_update=eng.update)
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, stop_at_eos=False)
+    seen_outputs = set()
+    async with Publisher(store, key, PublisherConfig(anchor_every=10)) as pub, sub:
+        for i, state in enumerate(states):
+            record = await pub.publish_now(state, step=i)
+            assert await sub.sync_once() == record.version
+            assert eng.version == record.version and eng.digest == record.digest
+            assert eng.weights_digest() == record.digest  # the engine's own parameters, rehashed
+            fresh = TorchEngine.from_state(eng.model.config, state, record.digest, version=record.version, config=CPU)
+            mine, theirs = eng.generate(PROMPTS, greedy), fresh.generate(PROMPTS, greedy)
+            assert [g.completion_ids for g in mine] == [g.completion_ids for g in theirs]
+            assert [g.logprobs for g in mine] == [g.logprobs for g in theirs]
+            assert all(g.version == record.version and g.digest == record.digest for g in mine)
+            seen_outputs.add(tuple(g.logprobs for g in mine))
+    assert len(seen_outputs) == len(states)  # every update changed what is served
+    assert eng.stats.updates == len(states) and len(eng.stats.update_apply_s) == len(states)
+
+
+def test_only_changed_tensors_are_copied() -> None:
+    eng = engine()
+    state = eng.served_state()
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = (state[name].float() * 1.5).to(torch.bfloat16)
+    eng.update(1, state, model_digest(state))
+    assert eng.stats.tensors_copied == 1 and eng.stats.bytes_copied == state[name].numel() * 2
+    assert eng.weights_digest() == model_digest(state)
+    eng.update(2, state, model_digest(state), changed=set())  # nothing changed: version moves, no copy
+    assert eng.version == 2 and eng.stats.tensors_copied == 1
+
+
+def test_update_during_generate_waits_for_the_batch() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop_at_eos=False)
+    before = eng.generate(PROMPTS, params)
+    new = bf16_state_dict(build_tiny_model(1))
+    new_digest = model_digest(new)
+    forward = eng._forward
+    calls = []
+
+    def forward_then_update(*args: object) -> object:
+        calls.append(eng.version)
+        if len(calls) == 2:  # mid-batch: the engine must park it
+            eng.update(7, new, new_digest)
+            assert eng.update_pending and eng.version == 0
+        return forward(*args)
+
+    eng._forward = forward_then_update  # type: ignore[method-assign]
+    during = eng.generate(PROMPTS, params)
+    eng._forward = forward  # type: ignore[method-assign]
+    assert calls == [0] * 8  # every step of the batch ran on v0
+    assert [g.completion_ids for g in during] == [g.completion_ids for g in before]
+    assert [g.logprobs for g in during] == [g.logprobs for g in before]
+    assert all(g.version == 0 for g in during)
+    assert eng.version == 7 and eng.digest == new_digest and not eng.update_pending
+    assert eng.stats.deferred_updates == 1
+    assert eng.weights_digest() == new_digest
+    after = eng.generate(PROMPTS, params)
+    assert all(g.version == 7 for g in after)
+    assert [g.logprobs for g in after] != [g.logprobs for g in before]
+
+
+def test_bad_updates_never_serve() -> None:
+    eng = engine()
+    state = eng.served_state()
+    first = next(iter(state))
+    with pytest.raises(EngineError, match="missing"):
+        eng.update(1, {k: v for k, v in state.items() if k != first}, eng.digest)
+    wrong_shape = {**state, first: state[first][:-1]}
+    with pytest.raises(EngineError, match="served"):
+        eng.update(1, wrong_shape, eng.digest)
+    assert eng.version == 0 and eng.weights_digest() == eng.digest  # refused before touching anything
+    changed = {**state, first: (state[first].float() + 1).to(torch.bfloat16)}
+    with pytest.raises(EngineError, match="published"):
+        eng.update(1, changed, eng.digest)  # the digest does not match what would be served
+    with pytest.raises(EngineError, match="refusing"):
+        eng.generate(PROMPTS, SamplingParams())
+    eng.update(2, state, model_digest(state))  # a verified update repairs it
+    assert eng.version == 2 and eng.weights_digest() == model_digest(state)
+    assert len(eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))) == len(PROMPTS)
+
+
+def test_max_batch_splits_but_keeps_seeds() -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=2, stop_at_eos=False)
+    whole = engine().generate(PROMPTS, params)
+    split = engine(max_batch=3).generate(PROMPTS, params)
+    assert [g.seed for g in split] == [g.seed for g in whole]
+    assert [g.completion_ids for g in split] == [g.completion_ids for g in whole]
