@@ -90,6 +90,9 @@ class EngineStats:
     """Updates that arrived during a batch and waited for it to end."""
     superseded_updates: int = 0
     """Deferred updates replaced by a newer one before they were applied."""
+    mixed_version_completions: int = 0
+    """Completions during which an update went live (vLLM ``in_flight="keep"`` only); labelled with
+    the version that started them."""
     batches: int = 0
     completions: int = 0
     tokens_generated: int = 0

@@ -260,6 +260,16 @@ class TorchEngine(Engine):
     def _as_bf16(t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach()
 
+    @torch.no_grad()
+    def score(self, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> list[float]:
+        """Log-prob of each completion token after ``prompt`` under ``log_softmax(logits / T)``,
+        from one full forward without a cache (a reference for the sampler and for other engines)."""
+        with self._lock:
+            ids = torch.tensor([[*prompt, *completion]], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+            return logp.gather(1, ids[0, len(prompt) :, None])[:, 0].tolist()
+
     # --- sampling ------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
