@@ -3,6 +3,11 @@ through real PULSESync versions that stay bit-identical to the published digest.
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,8 +15,11 @@ import torch
 from sync_support import keypair, train_states
 
 from pulsenet.codec.digest import model_digest
+from pulsenet.engines import gpu_check
 from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.engines.vllm_engine import HostMirror, VLLMEngine
+from pulsenet.engines.vllm_worker import PulsenetWorkerExtension
 from pulsenet.errors import ConfigError, EngineError
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 from pulsenet.store import LocalStore
@@ -226,3 +234,100 @@ def test_max_batch_splits_but_keeps_seeds() -> None:
     split = engine(max_batch=3).generate(PROMPTS, params)
     assert [g.seed for g in split] == [g.seed for g in whole]
     assert [g.completion_ids for g in split] == [g.completion_ids for g in whole]
+
+
+# --- vLLM engine parts that run without vLLM, and the cross-check script ------------------------
+
+
+def test_host_mirror_checks_the_digest_before_anything_is_sent() -> None:
+    base = bf16_state_dict(build_tiny_model(0))
+    mirror = HostMirror(base)
+    assert mirror.digest == model_digest(base)
+    new = dict(base)
+    name = "model.norm.weight"
+    new[name] = (base[name].float() + 0.5).to(torch.bfloat16)
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(base))  # right tensors, wrong published digest
+    assert mirror.digest == model_digest(base)  # nothing staged stays behind
+    tensors, records = mirror.stage(new, model_digest(new))
+    assert list(tensors) == [name]  # only what changed is sent to the workers
+    mirror.commit(tensors, records)
+    assert mirror.digest == model_digest(new) and model_digest(mirror.tensors) == model_digest(new)
+
+
+class _FusedAttention(torch.nn.Module):
+    """A stand-in for a vLLM model: q/k/v fused into one parameter, loaded by HF name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(12, 4, dtype=torch.bfloat16))
+
+    def load_weights(self, weights: object) -> set[str]:
+        slots = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
+        loaded = set()
+        for name, t in weights:  # type: ignore[attr-defined]
+            i = slots[name]
+            self.qkv_proj.data[4 * i : 4 * (i + 1)].copy_(t)
+            loaded.add(name)
+        return loaded
+
+
+def test_worker_extension_loads_hf_named_tensors_into_fused_parameters() -> None:
+    worker = PulsenetWorkerExtension()
+    worker.model_runner = type("Runner", (), {"model": _FusedAttention()})()
+    worker.device = torch.device("cpu")
+    k = torch.randn(4, 4).to(torch.bfloat16)
+    assert worker.pulsenet_load_weights([("k_proj.weight", k)]) == 1
+    fused = worker.model_runner.model.qkv_proj  # type: ignore[attr-defined]
+    assert torch.equal(fused[4:8], k) and not fused[:4].any() and not fused[8:].any()
+    assert worker.pulsenet_parameter_names() == ["qkv_proj"]
+
+
+def test_vllm_engine_fails_clearly_without_vllm_or_cuda(tmp_path: Path) -> None:
+    expected = "pip install" if importlib.util.find_spec("vllm") is None else "CUDA"
+    with pytest.raises(EngineError, match=expected):
+        VLLMEngine(tmp_path)
+
+
+def test_gpu_check_refuses_without_cuda_or_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():  # the refusal under test is for CPU-only machines
+        assert gpu_check.main(["--device", "cpu", "--engines", "vllm"]) == 2
+        return
+    assert gpu_check.main(["--device", "cuda", "--engines", "torch,vllm"]) == 2
+    err = capsys.readouterr()
+    assert "CUDA" in err.err and json.loads(err.out)["ok"] is False
+    assert gpu_check.main(["--device", "cpu", "--engines", "torch,vllm"]) == 2
+    assert "vLLM" in capsys.readouterr().err
+
+
+def test_gpu_check_torch_half_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(
+        ["--model", "tiny", "--device", "cpu", "--engines", "torch", "--max-new-tokens", "8", "--json", str(out)]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["ok"]
+    assert [p["version"] for p in report["phases"]] == [0, 1, 2, 3]
+    assert all(p["digests_equal"]["torch"] for p in report["phases"])
+    assert all(p["compare"]["fresh-torch"]["max_abs_logprob_diff"] == 0.0 for p in report["phases"])
+    assert report["outputs_changed_by_patches"] == [True, True, True]
+    assert [u["version"] for u in report["updates"]] == [1, 2, 3] and all(u["apply_s"] > 0 for u in report["updates"])
+
+
+@pytest.mark.gpu
+def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
+    """SmolLM2 on both engines (torch only where vLLM is not installed); the only test allowed to skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engines = "torch,vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--engines", engines],
+        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["updates"]) == 3 * len(engines.split(","))
