@@ -67,7 +67,9 @@ def test_greedy_matches_full_forward_argmax() -> None:
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_logprobs_equal_full_forward_log_softmax(temperature: float, top_p: float) -> None:
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=3, stop_at_eos=False)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, max_new_tokens=16, seed=3, stop_at_eos=False
+    )
     gens = engine().generate(PROMPTS * 2, params)
     worst = 0.0
     for g in gens:
@@ -102,7 +104,9 @@ def test_same_seed_same_samples_other_seed_differs() -> None:
 def test_tiny_top_p_is_greedy_and_records_untruncated_logprobs() -> None:
     eng = engine()
     greedy = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, stop_at_eos=False))
-    nucleus = eng.generate(PROMPTS, SamplingParams(temperature=0.5, top_p=1e-6, max_new_tokens=8, stop_at_eos=False))
+    nucleus = eng.generate(
+        PROMPTS, SamplingParams(temperature=0.5, top_p=1e-6, max_new_tokens=8, stop_at_eos=False)
+    )
     for g, n in zip(greedy, nucleus, strict=True):
         assert g.completion_ids == n.completion_ids
         assert all(lp < -1e-3 for lp in n.logprobs)  # log p under T=0.5, not log 1 after truncation
@@ -110,7 +114,9 @@ def test_tiny_top_p_is_greedy_and_records_untruncated_logprobs() -> None:
 
 def test_stop_tokens_and_max_new_tokens() -> None:
     eng = engine()
-    free = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_at_eos=False))
+    free = eng.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_at_eos=False)
+    )
     stop = free[1].completion_ids[4]
     stopped = eng.generate(
         PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_token_ids=(stop,))
@@ -155,7 +161,9 @@ async def test_pulsesync_updates_keep_weights_at_the_published_digest(tmp_path: 
             assert await sub.sync_once() == record.version
             assert eng.version == record.version and eng.digest == record.digest
             assert eng.weights_digest() == record.digest  # the engine's own parameters, rehashed
-            fresh = TorchEngine.from_state(eng.model.config, state, record.digest, version=record.version, config=CPU)
+            fresh = TorchEngine.from_state(
+                eng.model.config, state, record.digest, version=record.version, config=CPU
+            )
             mine, theirs = eng.generate(PROMPTS, greedy), fresh.generate(PROMPTS, greedy)
             assert [g.completion_ids for g in mine] == [g.completion_ids for g in theirs]
             assert [g.logprobs for g in mine] == [g.logprobs for g in theirs]
@@ -303,7 +311,18 @@ def test_gpu_check_refuses_without_cuda_or_vllm(capsys: pytest.CaptureFixture[st
 def test_gpu_check_torch_half_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     rc = gpu_check.main(
-        ["--model", "tiny", "--device", "cpu", "--engines", "torch", "--max-new-tokens", "8", "--json", str(out)]
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--engines",
+            "torch",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            str(out),
+        ]
     )
     report = json.loads(out.read_text())
     assert rc == 0 and report["ok"]
@@ -311,7 +330,9 @@ def test_gpu_check_torch_half_on_cpu(tmp_path: Path) -> None:
     assert all(p["digests_equal"]["torch"] for p in report["phases"])
     assert all(p["compare"]["fresh-torch"]["max_abs_logprob_diff"] == 0.0 for p in report["phases"])
     assert report["outputs_changed_by_patches"] == [True, True, True]
-    assert [u["version"] for u in report["updates"]] == [1, 2, 3] and all(u["apply_s"] > 0 for u in report["updates"])
+    assert [u["version"] for u in report["updates"]] == [1, 2, 3] and all(
+        u["apply_s"] > 0 for u in report["updates"]
+    )
 
 
 @pytest.mark.gpu

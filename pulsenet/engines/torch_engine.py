@@ -108,7 +108,9 @@ class TorchEngine(Engine):
         eos = model.config.eos_token_id
         self.eos_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
         self._lock = threading.Lock()  # held for a whole batch and for an update
         self._pending_lock = threading.Lock()
         self._pending: _Pending | None = None
@@ -208,7 +210,9 @@ class TorchEngine(Engine):
         changed = [n for n in candidates if not _same_bits(self._mirror[n], up.state[n])]
         if up.changed is not None:  # the hint names what surely changed; still compare the rest
             changed += [
-                n for n in self._params if n not in up.changed and not _same_bits(self._mirror[n], up.state[n])
+                n
+                for n in self._params
+                if n not in up.changed and not _same_bits(self._mirror[n], up.state[n])
             ]
         with torch.no_grad():
             for name in changed:
@@ -234,14 +238,18 @@ class TorchEngine(Engine):
         self._broken = None
         self._version, self._digest = up.version, digest
         self.stats.tensors_copied += len(changed)
-        self.stats.bytes_copied += sum(self._mirror[n].numel() * self._mirror[n].element_size() for n in changed)
+        self.stats.bytes_copied += sum(
+            self._mirror[n].numel() * self._mirror[n].element_size() for n in changed
+        )
         self.stats.record_update(time.perf_counter() - t0)
 
     def _check_layout(self, state: StateDict) -> None:
         if state.keys() != self._params.keys():
             missing = sorted(self._params.keys() - state.keys())[:5]
             extra = sorted(state.keys() - self._params.keys())[:5]
-            raise EngineError(f"update does not match the served model: missing {missing}, unexpected {extra}")
+            raise EngineError(
+                f"update does not match the served model: missing {missing}, unexpected {extra}"
+            )
         for name, t in state.items():
             mine = self._mirror[name]
             if t.shape != mine.shape or t.dtype != mine.dtype:
@@ -261,7 +269,9 @@ class TorchEngine(Engine):
         return t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach()
 
     @torch.no_grad()
-    def score(self, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0) -> list[float]:
+    def score(
+        self, prompt: Sequence[int], completion: Sequence[int], temperature: float = 1.0
+    ) -> list[float]:
         """Log-prob of each completion token after ``prompt`` under ``log_softmax(logits / T)``,
         from one full forward without a cache (a reference for the sampler and for other engines)."""
         with self._lock:
@@ -357,7 +367,12 @@ class TorchEngine(Engine):
             ids = tok[:, None]
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=self.device)], dim=1)
-        tokens, logps, lengths, done = tokens[:, :steps].cpu(), logps[:, :steps].cpu(), lengths.cpu(), done.cpu()
+        tokens, logps, lengths, done = (
+            tokens[:, :steps].cpu(),
+            logps[:, :steps].cpu(),
+            lengths.cpu(),
+            done.cpu(),
+        )
         out = []
         for i, p in enumerate(prompts):
             k = int(lengths[i])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import threading
 import time
 import uuid
@@ -113,7 +114,9 @@ class HostMirror:
         if state.keys() != self.tensors.keys():
             missing = sorted(self.tensors.keys() - state.keys())[:5]
             extra = sorted(state.keys() - self.tensors.keys())[:5]
-            raise EngineError(f"update does not match the served model: missing {missing}, unexpected {extra}")
+            raise EngineError(
+                f"update does not match the served model: missing {missing}, unexpected {extra}"
+            )
         for name, t in state.items():
             mine = self.tensors[name]
             if t.shape != mine.shape or t.dtype != mine.dtype:
@@ -168,6 +171,7 @@ class VLLMEngine(Engine):
             raise EngineError(f"initial weights hash to {self.mirror.digest[:16]}…, not {digest[:16]}…")
         self._version, self._digest = version, self.mirror.digest
         self.stats = EngineStats()
+        self._broken: str | None = None
         self._epoch = 0  # bumps on every applied update; a request that sees two epochs spanned one
         self._update_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -287,8 +291,10 @@ class VLLMEngine(Engine):
                     await self._idle.wait_for(lambda: self._in_flight == 0)
             try:
                 if tensors:
+                    self._broken = "an update failed while loading weights into the workers"
                     await llm.collective_rpc("pulsenet_load_weights", args=(list(tensors.items()),))
-                await llm.reset_prefix_cache()
+                await self._reset_prefix_cache(keep)
+                self._broken = None
                 self._epoch += 1
                 if digest is not None:
                     self._version, self._digest = version, digest
@@ -298,9 +304,34 @@ class VLLMEngine(Engine):
         finally:
             self._gate.set()
 
+    async def _reset_prefix_cache(self, keep: bool) -> None:
+        """Drop every cached KV block computed by the old weights, or fail loudly.
+
+        vLLM refuses the reset (returns False) while a request holds blocks. In ``"wait"`` mode none
+        should (blocks of just-finished requests are freed a moment later: retried briefly); in
+        ``"keep"`` mode the frozen requests do, so they are reset too (``reset_running_requests``:
+        vLLM recomputes their KV from their tokens with the new weights).
+        """
+        llm = self._llm
+        kwargs = {}
+        if keep:
+            if "reset_running_requests" not in inspect.signature(llm.reset_prefix_cache).parameters:
+                raise EngineError(
+                    "in_flight='keep' needs a vLLM whose reset_prefix_cache takes reset_running_requests"
+                )
+            kwargs["reset_running_requests"] = True
+        for _ in range(100):
+            if await llm.reset_prefix_cache(**kwargs) is not False:  # older vLLM returns None
+                return
+            await asyncio.sleep(0.02)
+        self._broken = "the prefix cache could not be reset after an update: stale KV could be served"
+        raise EngineError(self._broken)
+
     # --- sampling --------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        if self._broken is not None:
+            raise EngineError(f"refusing to generate: {self._broken}")
         if params.top_p < 1:
             raise EngineError(
                 "the vLLM engine records logprobs after top-p truncation; use top_p=1.0 "
@@ -317,7 +348,9 @@ class VLLMEngine(Engine):
         return out
 
     async def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        return list(await asyncio.gather(*(self._one(p, params, params.seed + i) for i, p in enumerate(prompts))))
+        return list(
+            await asyncio.gather(*(self._one(p, params, params.seed + i) for i, p in enumerate(prompts)))
+        )
 
     async def _one(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> Generation:
         await self._gate.wait()
