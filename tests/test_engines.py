@@ -3,11 +3,13 @@ through real PULSESync versions that stay bit-identical to the published digest.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -352,3 +354,176 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
     report = json.loads(out.read_text())
     assert report["ok"] and len(report["updates"]) == 3 * len(engines.split(","))
+
+
+# --- VLLMEngine's own logic against a stand-in AsyncLLM (vLLM itself needs a GPU) ---------------
+
+
+class _NamedModel(torch.nn.Module):
+    """HF-named tensors behind ``load_weights``; ``loads`` counts the calls (the 'weights version')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.loads = 0
+        self.loaded: list[list[str]] = []
+
+    def load_weights(self, weights: object) -> None:
+        names = []
+        for name, t in weights:  # type: ignore[attr-defined]
+            self.tensors[name] = t.clone()
+            names.append(name)
+        self.loads += 1
+        self.loaded.append(names)
+
+
+class _FakeAsyncLLM:
+    """The slice of vllm's AsyncLLM that VLLMEngine uses. Each sampled token is the number of weight
+    loads the worker has seen at that step, so a completion shows which weights produced it."""
+
+    def __init__(self, args: object) -> None:
+        self.args = args
+        self.worker = PulsenetWorkerExtension()
+        self.worker.model_runner = type("Runner", (), {"model": _NamedModel()})()
+        self.worker.device = torch.device("cpu")
+        self.resets: list[dict] = []
+        self.pauses: list[str] = []
+        self.running = 0
+
+    @classmethod
+    def from_engine_args(cls, args: object) -> _FakeAsyncLLM:
+        return cls(args)
+
+    async def generate(self, prompt: dict, sp: object, request_id: str):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace as NS
+
+        self.running += 1
+        tokens = []
+        for _ in range(sp.max_tokens):  # type: ignore[attr-defined]
+            await asyncio.sleep(0.005)
+            tokens.append(self.worker.model_runner.model.loads)  # type: ignore[attr-defined]
+        self.running -= 1
+        logprobs = [{t: NS(logprob=-0.25)} for t in tokens]
+        yield NS(outputs=[NS(token_ids=tokens, logprobs=logprobs, finish_reason="length")])
+
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        self.resets.append({"running": self.running, "reset_running_requests": reset_running_requests})
+        return True
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.pauses.append(mode)
+
+    async def resume_generation(self) -> None:
+        self.pauses.append("resume")
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import ModuleType, SimpleNamespace
+
+    def module(name: str, **attrs: object) -> None:
+        m = ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+
+    module("vllm", SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    module("vllm.engine")
+    module("vllm.engine.arg_utils", AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw))
+    module("vllm.v1")
+    module("vllm.v1.engine")
+    module("vllm.v1.engine.async_llm", AsyncLLM=_FakeAsyncLLM)
+    module("vllm.sampling_params", RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _changed_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {**state, name: (state[name].float() * 1.5).to(torch.bfloat16)}
+
+
+def test_vllm_engine_update_waits_for_requests_in_flight(fake_vllm: None, tmp_path: Path) -> None:
+    import threading
+
+    from pulsenet.engines.vllm_engine import WORKER_EXTENSION, VLLMEngineConfig
+
+    state = bf16_state_dict(build_tiny_model(0))
+    digest = model_digest(state)
+    with VLLMEngine(tmp_path, VLLMEngineConfig(), state=state, version=0, digest=digest) as eng:
+        llm = eng._llm
+        model = llm.worker.model_runner.model
+        assert (
+            llm.args.worker_extension_cls == WORKER_EXTENSION
+            and llm.args.logprobs_mode == "processed_logprobs"
+        )
+        assert model.loads == 1 and set(model.tensors) == set(state)  # the mirror was pushed once, whole
+        first = eng.generate([[1, 2], [3]], SamplingParams(temperature=0, max_new_tokens=3))
+        assert [g.completion_ids for g in first] == [(1, 1, 1)] * 2 and all(g.version == 0 for g in first)
+        assert [g.seed for g in first] == [0, 1] and first[0].logprobs == (-0.25,) * 3
+
+        new = _changed_state(state, "model.norm.weight")
+        with pytest.raises(EngineError, match="refused"):
+            eng.update(1, new, digest)  # wrong digest: refused before any worker sees it
+        assert model.loads == 1 and eng.version == 0
+
+        during: list = []
+        t = threading.Thread(
+            target=lambda: during.extend(eng.generate([[5]] * 3, SamplingParams(max_new_tokens=30)))
+        )
+        t.start()
+        while eng._in_flight == 0:
+            time.sleep(0.001)
+        eng.update(1, new, model_digest(new))  # blocks until the three requests finished on v0
+        t.join()
+        assert all(set(g.completion_ids) == {1} and g.version == 0 for g in during)
+        assert model.loaded[-1] == ["model.norm.weight"]  # only the changed tensor travelled
+        assert torch.equal(model.tensors["model.norm.weight"], new["model.norm.weight"])
+        assert llm.resets[-1] == {"running": 0, "reset_running_requests": False}
+        assert eng.version == 1 and eng.digest == model_digest(new) == model_digest(eng.served_state())
+        after = eng.generate([[5]], SamplingParams(max_new_tokens=2))
+        assert after[0].completion_ids == (2, 2) and after[0].version == 1
+        assert (
+            eng.stats.updates == 1
+            and eng.stats.tensors_copied == 1
+            and eng.stats.mixed_version_completions == 0
+        )
+        with pytest.raises(EngineError, match="top_p"):
+            eng.generate([[5]], SamplingParams(top_p=0.9))
+
+
+def test_vllm_engine_keep_mode_pauses_and_labels_spanning_completions(
+    fake_vllm: None, tmp_path: Path
+) -> None:
+    import threading
+
+    from pulsenet.engines.vllm_engine import VLLMEngineConfig
+
+    state = bf16_state_dict(build_tiny_model(0))
+    with VLLMEngine(tmp_path, VLLMEngineConfig(in_flight="keep"), state=state, version=0) as eng:
+        llm = eng._llm
+        during: list = []
+        t = threading.Thread(
+            target=lambda: during.extend(eng.generate([[5]] * 2, SamplingParams(max_new_tokens=30)))
+        )
+        t.start()
+        while llm.running < 2:
+            time.sleep(0.001)
+        time.sleep(0.03)  # a few tokens on v0 first
+        new = _changed_state(state, "model.embed_tokens.weight")
+        eng.update(1, new, model_digest(new))  # does not wait for the long requests
+        assert eng._in_flight == 2
+        t.join()
+        assert llm.pauses[-2:] == ["keep", "resume"]
+        assert llm.resets[-1]["reset_running_requests"] is True  # frozen requests' KV recomputed
+        assert all(
+            set(g.completion_ids) == {1, 2} and g.version == 0 for g in during
+        )  # labelled by their start
+        assert eng.stats.mixed_version_completions == 2
