@@ -185,6 +185,12 @@ def test_only_changed_tensors_are_copied() -> None:
     assert eng.weights_digest() == model_digest(state)
     eng.update(2, state, model_digest(state), changed=set())  # nothing changed: version moves, no copy
     assert eng.version == 2 and eng.stats.tensors_copied == 1
+    other = "model.layers.1.self_attn.o_proj.weight"
+    lying = {**state, other: (state[other].float() * 2).to(torch.bfloat16)}
+    with pytest.raises(EngineError, match="published"):  # the hint hides a change: the digest catches it
+        eng.update(3, lying, model_digest(lying), changed={name})
+    eng.update(3, lying, model_digest(lying), changed={other})  # the true hint repairs it
+    assert eng.version == 3 and eng.weights_digest() == model_digest(lying)
 
 
 def test_update_during_generate_waits_for_the_batch() -> None:
@@ -259,6 +265,8 @@ def test_host_mirror_checks_the_digest_before_anything_is_sent() -> None:
     with pytest.raises(EngineError, match="refused"):
         mirror.stage(new, model_digest(base))  # right tensors, wrong published digest
     assert mirror.digest == model_digest(base)  # nothing staged stays behind
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(new), changed=set())  # a hint that hides the change
     tensors, records = mirror.stage(new, model_digest(new))
     assert list(tensors) == [name]  # only what changed is sent to the workers
     mirror.commit(tensors, records)

@@ -136,6 +136,6 @@ class Engine(abc.ABC):
         """Serve ``state`` (verified BF16 weights by name, hashing to ``digest``) as ``version``.
 
         Never applied mid-batch: an update that arrives during ``generate`` is applied when that
-        batch ends. ``changed``: names known to differ from the served weights (a hint; others are
-        still compared). Safe to pass as a Subscriber's ``on_update``.
+        batch ends. ``changed``: the names that may differ from the served weights (a hint that spares
+        comparing the others; a wrong hint fails the digest check). Safe as a Subscriber's ``on_update``.
         """

@@ -206,14 +206,11 @@ class TorchEngine(Engine):
     def _apply(self, up: _Pending) -> None:
         t0 = time.perf_counter()
         self._check_layout(up.state)
-        candidates = self._params.keys() if up.changed is None else up.changed
+        # A ``changed`` hint spares comparing the other tensors; a hint that misses a change cannot
+        # slip through, because the digest over the parameters then differs from the published one.
+        trust_hint = up.changed is not None and self.config.verify_updates
+        candidates = [n for n in self._params if not trust_hint or n in up.changed]  # type: ignore[operator]
         changed = [n for n in candidates if not _same_bits(self._mirror[n], up.state[n])]
-        if up.changed is not None:  # the hint names what surely changed; still compare the rest
-            changed += [
-                n
-                for n in self._params
-                if n not in up.changed and not _same_bits(self._mirror[n], up.state[n])
-            ]
         with torch.no_grad():
             for name in changed:
                 src = up.state[name]

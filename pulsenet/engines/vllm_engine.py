@@ -123,10 +123,12 @@ class HostMirror:
                 raise EngineError(
                     f"update tensor {name}: {t.dtype} {tuple(t.shape)}, served {mine.dtype} {tuple(mine.shape)}"
                 )
+        # A ``changed`` hint spares comparing the other tensors; a hint that misses a change is
+        # caught by the digest check below.
         names = [
             n
             for n in self.tensors
-            if (changed is not None and n in changed) or not _same_bits(self.tensors[n], state[n])
+            if (changed is None or n in changed) and not _same_bits(self.tensors[n], state[n])
         ]
         tensors = {n: state[n].detach().cpu().contiguous() for n in names}
         records = {n: _record(n, t) for n, t in tensors.items()}
