@@ -535,3 +535,36 @@ def test_vllm_engine_keep_mode_pauses_and_labels_spanning_completions(
             set(g.completion_ids) == {1, 2} and g.version == 0 for g in during
         )  # labelled by their start
         assert eng.stats.mixed_version_completions == 2
+
+
+def test_a_bad_deferred_update_never_costs_the_batch() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=0, max_new_tokens=4, stop_at_eos=False)
+    state = eng.served_state()
+    first = next(iter(state))
+    bad_shape = {**state, first: state[first][:-1]}
+    bad_digest = {**state, first: (state[first].float() + 1).to(torch.bfloat16)}
+    forward = eng._forward
+
+    def run_with_update(update: dict[str, torch.Tensor]) -> list:
+        sent = []
+
+        def forward_then_update(*args: object) -> object:
+            if not sent:
+                sent.append(1)
+                eng.update(9, update, eng.digest)
+            return forward(*args)
+
+        eng._forward = forward_then_update  # type: ignore[method-assign]
+        try:
+            return eng.generate(PROMPTS, params)
+        finally:
+            eng._forward = forward  # type: ignore[method-assign]
+
+    out = run_with_update(bad_shape)  # refused before touching anything: logged, counted, still v0
+    assert len(out) == len(PROMPTS) and eng.stats.updates_failed == 1 and eng.version == 0
+    assert len(eng.generate(PROMPTS, params)) == len(PROMPTS)
+    out = run_with_update(bad_digest)  # the batch still returns; then the engine refuses to serve
+    assert len(out) == len(PROMPTS) and all(g.version == 0 for g in out) and eng.stats.updates_failed == 2
+    with pytest.raises(EngineError, match="refusing"):
+        eng.generate(PROMPTS, params)

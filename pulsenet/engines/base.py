@@ -86,6 +86,9 @@ class EngineStats:
     """Tensors rewritten by updates, over all updates (unchanged ones are never copied)."""
     bytes_copied: int = 0
     """BF16 bytes of those tensors."""
+    updates_failed: int = 0
+    """Deferred updates that failed when applied (logged); the previous weights kept serving unless
+    the digest check failed, which stops generation until a verified update."""
     deferred_updates: int = 0
     """Updates that arrived during a batch and waited for it to end."""
     superseded_updates: int = 0

@@ -23,6 +23,7 @@ the top-p nucleus, so draws are reproducible and independent of batch compositio
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from collections.abc import Mapping, Sequence, Set
@@ -39,6 +40,7 @@ from pulsenet.errors import ConfigError, EngineError
 from pulsenet.rl.models import unique_state_dict
 
 StateDict = Mapping[str, torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,6 +107,7 @@ class TorchEngine(Engine):
         self._version = version
         self._digest = model_digest_from_records(self._records)
         self._broken: str | None = None
+        self._unhashed: set[str] = set()  # copied while verify_updates was off
         eos = model.config.eos_token_id
         self.eos_ids: tuple[int, ...] = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         # transformers >= 5.2x names the KV cache ``cache``; older releases ``past_key_values``.
@@ -196,12 +199,25 @@ class TorchEngine(Engine):
     def update_pending(self) -> bool:
         return self._pending is not None
 
-    def _apply_pending(self) -> None:
-        """Apply the parked update, if any. Caller holds ``self._lock``."""
+    def _apply_pending(self, *, deferred: bool = False) -> None:
+        """Apply the parked update, if any. Caller holds ``self._lock``.
+
+        ``deferred``: the update's caller has returned already, so a failure is logged and counted
+        instead of raised into an unrelated ``generate`` (a digest failure still stops generation).
+        """
         with self._pending_lock:
             pending, self._pending = self._pending, None
-        if pending is not None:
+        if pending is None:
+            return
+        try:
             self._apply(pending)
+        except EngineError as e:
+            if not deferred:
+                raise
+            self.stats.updates_failed += 1
+            log.error(
+                "deferred update to v%s failed, still serving v%s: %s", pending.version, self._version, e
+            )
 
     def _apply(self, up: _Pending) -> None:
         t0 = time.perf_counter()
@@ -219,8 +235,9 @@ class TorchEngine(Engine):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.config.verify_updates:
-            for name in changed:
+            for name in {*changed, *self._unhashed}:
                 self._rehash(name)
+            self._unhashed.clear()
             digest = model_digest_from_records(self._records)
             if digest != up.digest:
                 self._broken = (
@@ -229,8 +246,7 @@ class TorchEngine(Engine):
                 )
                 raise EngineError(self._broken)
         else:
-            for name in changed:  # keep the records consistent for a later verified update
-                self._records.pop(name, None)
+            self._unhashed.update(changed)  # rehashed by the next verified update
             digest = up.digest
         self._broken = None
         self._version, self._digest = up.version, digest
@@ -286,7 +302,7 @@ class TorchEngine(Engine):
         step = self.config.max_batch or max(len(prompts), 1)
         for start in range(0, len(prompts), step):
             with self._lock:
-                self._apply_pending()
+                self._apply_pending(deferred=True)
                 if self._broken is not None:
                     raise EngineError(f"refusing to generate: {self._broken}")
                 t0 = time.perf_counter()
@@ -299,7 +315,7 @@ class TorchEngine(Engine):
         # An update parked during the batch goes in now, between batches, not at the next call.
         if self._pending is not None and self._lock.acquire(blocking=False):
             try:
-                self._apply_pending()
+                self._apply_pending(deferred=True)
             finally:
                 self._lock.release()
         return out
