@@ -65,6 +65,14 @@ def test_greedy_matches_full_forward_argmax() -> None:
             seq.append(tok)
         assert g.finish_reason == "length" and len(g.completion_ids) == 12
         assert g.version == 0 and g.prompt_ids == tuple(prompt)
+    row = gens[0].to_rollout(group="g0", reward=1.0, node="n1")
+    assert (row.completion_ids, row.logprobs, row.version, row.model_digest, row.seed) == (
+        gens[0].completion_ids,
+        gens[0].logprobs,
+        0,
+        gens[0].digest,
+        gens[0].seed,
+    )
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])

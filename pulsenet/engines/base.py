@@ -17,7 +17,8 @@ from typing import Literal
 
 import torch
 
-from pulsenet.errors import ConfigError
+from pulsenet.codec.rollout import Rollout
+from pulsenet.errors import ConfigError, EngineError
 
 FinishReason = Literal["stop", "length"]
 
@@ -74,6 +75,22 @@ class Generation:
     """Model digest (codec/digest.py) of those weights."""
     seed: int
     """The seed of this completion's own generator (``SamplingParams.seed + index``)."""
+
+    def to_rollout(self, *, group: str, reward: float, node: str) -> Rollout:
+        """The rollout row (codec/rollout.py) for this completion, once it is scored."""
+        if self.version is None:
+            raise EngineError("a rollout needs a policy version: serve weights from the channel first")
+        return Rollout(
+            group=group,
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            logprobs=self.logprobs,
+            reward=float(reward),
+            version=self.version,
+            model_digest=self.digest,
+            node=node,
+            seed=self.seed,
+        )
 
 
 @dataclass(slots=True)
