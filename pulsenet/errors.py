@@ -103,3 +103,11 @@ class VerificationError(PulsenetError):
 
 class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
+
+
+# --- engines ---------------------------------------------------------------
+
+
+class EngineError(PulsenetError):
+    """An inference engine cannot serve: a bad update, a missing backend (vLLM, CUDA), or weights
+    that no longer hash to the digest it claims (it then refuses to generate until repaired)."""

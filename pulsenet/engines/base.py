@@ -1,0 +1,161 @@
+"""The one interface every inference engine offers: sample completions, say which weights served
+them, take a verified update.
+
+An engine serves exactly one verified policy version at a time. ``update`` is how a PULSESync
+``Subscriber`` hands it new weights (``on_update(version, state, digest)`` has the same shape):
+a full BF16 state dict by name, already SHA-256 verified. An engine never applies an update in the
+middle of a batch; every ``Generation`` names the version and digest that produced it, which is what
+a rollout row records and what a trainer checks against the published digest.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence, Set
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from pulsenet.codec.rollout import Rollout
+from pulsenet.errors import ConfigError, EngineError
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """Logits are divided by it before softmax; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: sample from the smallest set of most likely tokens whose probability
+    reaches ``top_p`` (1.0 disables truncation)."""
+    max_new_tokens: int = 64
+    """Completion length limit; reaching it ends the completion with ``finish_reason="length"``."""
+    stop_at_eos: bool = True
+    """Stop at the model's EOS token(s) (``config.eos_token_id``)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """More token ids that end a completion. The stop token is kept as the last completion token,
+    so a trainer can learn to emit it."""
+    seed: int = 0
+    """Completion ``i`` of a call samples from its own generator seeded with ``seed + i``: the same
+    prompts, seed and weights give the same samples, whatever else runs."""
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Generation:
+    """One completion and the weights that produced it."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Log-probability of each completion token under the *temperature-scaled* distribution
+    ``log_softmax(logits / temperature)``, taken before top-p truncation: the distribution a trainer
+    recomputes with the same temperature for its importance ratios (GRPO). Greedy decoding
+    (temperature 0) records ``log_softmax(logits)``."""
+    finish_reason: FinishReason
+    """``"stop"``: an EOS or stop token ended it (and is its last token); ``"length"``: max_new_tokens."""
+    version: int | None
+    """Policy version served while this completion was sampled (None: weights not from a channel)."""
+    digest: str
+    """Model digest (codec/digest.py) of those weights."""
+    seed: int
+    """The seed of this completion's own generator (``SamplingParams.seed + index``)."""
+
+    def to_rollout(self, *, group: str, reward: float, node: str) -> Rollout:
+        """The rollout row (codec/rollout.py) for this completion, once it is scored."""
+        if self.version is None:
+            raise EngineError("a rollout needs a policy version: serve weights from the channel first")
+        return Rollout(
+            group=group,
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.completion_ids,
+            logprobs=self.logprobs,
+            reward=float(reward),
+            version=self.version,
+            model_digest=self.digest,
+            node=node,
+            seed=self.seed,
+        )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    updates: int = 0
+    """Updates applied."""
+    update_apply_s: list[float] = field(default_factory=list)
+    """Wall time of each applied update: compare, copy, verify (newest last, bounded)."""
+    tensors_copied: int = 0
+    """Tensors rewritten by updates, over all updates (unchanged ones are never copied)."""
+    bytes_copied: int = 0
+    """BF16 bytes of those tensors."""
+    updates_failed: int = 0
+    """Deferred updates that failed when applied (logged); the previous weights kept serving unless
+    the digest check failed, which stops generation until a verified update."""
+    deferred_updates: int = 0
+    """Updates that arrived during a batch and waited for it to end."""
+    superseded_updates: int = 0
+    """Deferred updates replaced by a newer one before they were applied."""
+    mixed_version_completions: int = 0
+    """Completions during which an update went live (vLLM ``in_flight="keep"`` only); labelled with
+    the version that started them."""
+    batches: int = 0
+    completions: int = 0
+    tokens_generated: int = 0
+    generate_s: float = 0.0
+    """Wall time inside ``generate`` batches (excluding update application)."""
+
+    def record_update(self, seconds: float, keep: int = 1000) -> None:
+        self.updates += 1
+        self.update_apply_s.append(seconds)
+        del self.update_apply_s[:-keep]
+
+
+class Engine(abc.ABC):
+    """Samples completions from the verified weights it serves."""
+
+    stats: EngineStats
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int | None:
+        """Policy version being served (None before any update from a channel)."""
+
+    @property
+    @abc.abstractmethod
+    def digest(self) -> str:
+        """Model digest of the weights being served."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+        """One completion per prompt, in order; repeat a prompt G times for a group of G."""
+
+    @abc.abstractmethod
+    def update(
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        digest: str,
+        *,
+        changed: Set[str] | None = None,
+    ) -> None:
+        """Serve ``state`` (verified BF16 weights by name, hashing to ``digest``) as ``version``.
+
+        Never applied mid-batch: an update that arrives during ``generate`` is applied when that
+        batch ends. ``changed``: the names that may differ from the served weights (a hint that spares
+        comparing the others; a wrong hint fails the digest check). Safe as a Subscriber's ``on_update``.
+        """

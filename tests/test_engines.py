@@ -1,0 +1,578 @@
+"""Inference engines: sampling against a plain full forward, seeding, stopping, and in-place updates
+through real PULSESync versions that stay bit-identical to the published digest."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from sync_support import keypair, train_states
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.engines import gpu_check
+from pulsenet.engines.base import SamplingParams
+from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.engines.vllm_engine import HostMirror, VLLMEngine
+from pulsenet.engines.vllm_worker import PulsenetWorkerExtension
+from pulsenet.errors import ConfigError, EngineError
+from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+from pulsenet.store import LocalStore
+from pulsenet.sync.publisher import Publisher, PublisherConfig
+from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = TorchEngineConfig(device="cpu")
+PROMPTS = [list(b"12+34="), list(b"7*8="), list(b"hello world, "), list(b"9")]
+
+
+def engine(seed: int = 0, **kw: object) -> TorchEngine:
+    return TorchEngine(build_tiny_model(seed), TorchEngineConfig(device="cpu", **kw), version=0)  # type: ignore[arg-type]
+
+
+def reference_logits(seed: int, sequence: list[int]) -> torch.Tensor:
+    """Full-sequence FP32 logits of an independently built model on fp32(bf16(w)), no cache, no padding."""
+    model = build_tiny_model(seed)
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.copy_(t.to(torch.bfloat16))
+        return model(input_ids=torch.tensor([sequence])).logits[0].float()
+
+
+def test_digest_is_the_published_bf16_digest() -> None:
+    eng = engine()
+    published = model_digest(bf16_state_dict(build_tiny_model(0)))
+    assert eng.digest == published
+    assert eng.weights_digest() == published
+    assert all(t.dtype == torch.float32 for t in eng.model.parameters())  # CPU computes in FP32
+
+
+def test_greedy_matches_full_forward_argmax() -> None:
+    gens = engine().generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_at_eos=False))
+    for prompt, g in zip(PROMPTS, gens, strict=True):
+        seq = list(prompt)
+        for tok, lp in zip(g.completion_ids, g.logprobs, strict=True):
+            logits = reference_logits(0, seq)[-1]
+            assert tok == int(logits.argmax())
+            assert abs(lp - float(torch.log_softmax(logits, -1)[tok])) < 1e-5
+            seq.append(tok)
+        assert g.finish_reason == "length" and len(g.completion_ids) == 12
+        assert g.version == 0 and g.prompt_ids == tuple(prompt)
+    row = gens[0].to_rollout(group="g0", reward=1.0, node="n1")
+    assert (row.completion_ids, row.logprobs, row.version, row.model_digest, row.seed) == (
+        gens[0].completion_ids,
+        gens[0].logprobs,
+        0,
+        gens[0].digest,
+        gens[0].seed,
+    )
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_logprobs_equal_full_forward_log_softmax(temperature: float, top_p: float) -> None:
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, max_new_tokens=16, seed=3, stop_at_eos=False
+    )
+    gens = engine().generate(PROMPTS * 2, params)
+    worst = 0.0
+    for g in gens:
+        logits = reference_logits(0, [*g.prompt_ids, *g.completion_ids])
+        steps = logits[len(g.prompt_ids) - 1 : -1] / temperature
+        ref = torch.log_softmax(steps, -1).gather(1, torch.tensor(g.completion_ids)[:, None])[:, 0]
+        worst = max(worst, float((ref - torch.tensor(g.logprobs)).abs().max()))
+        if top_p < 1:  # every sampled token lies in its nucleus: the tokens above it hold < top_p
+            probs = steps.softmax(-1)
+            for row, tok in zip(probs, g.completion_ids, strict=True):
+                assert float(row[row > row[tok]].sum()) < top_p
+    assert worst < 1e-5
+
+
+def test_same_seed_same_samples_other_seed_differs() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, seed=11, stop_at_eos=False)
+    a = eng.generate(PROMPTS, params)
+    b = eng.generate(PROMPTS, params)
+    assert [g.completion_ids for g in a] == [g.completion_ids for g in b]
+    assert [g.logprobs for g in a] == [g.logprobs for g in b]
+    assert [g.seed for g in a] == [11, 12, 13, 14]
+    c = eng.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=24, seed=12, stop_at_eos=False))
+    assert [g.completion_ids for g in a] != [g.completion_ids for g in c]
+    # A group: the same prompt G times draws G different completions; completion i of a call is
+    # reproducible on its own (its seed), whatever shares the batch.
+    group = eng.generate([PROMPTS[0]] * 4, params)
+    assert len({g.completion_ids for g in group}) > 1
+    assert group[0].completion_ids == a[0].completion_ids
+
+
+def test_tiny_top_p_is_greedy_and_records_untruncated_logprobs() -> None:
+    eng = engine()
+    greedy = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8, stop_at_eos=False))
+    nucleus = eng.generate(
+        PROMPTS, SamplingParams(temperature=0.5, top_p=1e-6, max_new_tokens=8, stop_at_eos=False)
+    )
+    for g, n in zip(greedy, nucleus, strict=True):
+        assert g.completion_ids == n.completion_ids
+        assert all(lp < -1e-3 for lp in n.logprobs)  # log p under T=0.5, not log 1 after truncation
+
+
+def test_stop_tokens_and_max_new_tokens() -> None:
+    eng = engine()
+    free = eng.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_at_eos=False)
+    )
+    stop = free[1].completion_ids[4]
+    stopped = eng.generate(
+        PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=20, seed=5, stop_token_ids=(stop,))
+    )
+    for f, s in zip(free, stopped, strict=True):
+        if stop in f.completion_ids:
+            k = f.completion_ids.index(stop) + 1
+            assert s.completion_ids == f.completion_ids[:k] and s.finish_reason == "stop"
+            assert s.logprobs == f.logprobs[:k]
+        else:
+            assert s.completion_ids == f.completion_ids and s.finish_reason == "length"
+    assert stopped[1].completion_ids[-1] == stop and len(stopped[1].completion_ids) <= 5
+    # EOS from the model config (byte 10 for the tiny model) stops by default.
+    assert eng.eos_ids == (10,)
+    short = eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=3))
+    assert all(len(g.completion_ids) <= 3 for g in short)
+
+
+def test_bad_params_and_prompts_are_refused() -> None:
+    with pytest.raises(ConfigError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(EngineError):
+        engine().generate([[]], SamplingParams())
+    with pytest.raises(EngineError):  # 512 positions
+        engine().generate([[1] * 500], SamplingParams(max_new_tokens=20))
+
+
+async def test_pulsesync_updates_keep_weights_at_the_published_digest(tmp_path: Path) -> None:
+    """Real versions through Publisher -> LocalStore -> Subscriber -> engine.update."""
+    states = train_states(4, lr=1e-3)
+    key, trusted = keypair()
+    store = LocalStore(tmp_path / "store")
+    eng = engine()
+    sub = Subscriber(store, trusted, SubscriberConfig(interval_s=0.05), on_update=eng.update)
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, stop_at_eos=False)
+    seen_outputs = set()
+    async with Publisher(store, key, PublisherConfig(anchor_every=10)) as pub, sub:
+        for i, state in enumerate(states):
+            record = await pub.publish_now(state, step=i)
+            assert await sub.sync_once() == record.version
+            assert eng.version == record.version and eng.digest == record.digest
+            assert eng.weights_digest() == record.digest  # the engine's own parameters, rehashed
+            fresh = TorchEngine.from_state(
+                eng.model.config, state, record.digest, version=record.version, config=CPU
+            )
+            mine, theirs = eng.generate(PROMPTS, greedy), fresh.generate(PROMPTS, greedy)
+            assert [g.completion_ids for g in mine] == [g.completion_ids for g in theirs]
+            assert [g.logprobs for g in mine] == [g.logprobs for g in theirs]
+            assert all(g.version == record.version and g.digest == record.digest for g in mine)
+            seen_outputs.add(tuple(g.logprobs for g in mine))
+    assert len(seen_outputs) == len(states)  # every update changed what is served
+    assert eng.stats.updates == len(states) and len(eng.stats.update_apply_s) == len(states)
+
+
+def test_only_changed_tensors_are_copied() -> None:
+    eng = engine()
+    state = eng.served_state()
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = (state[name].float() * 1.5).to(torch.bfloat16)
+    eng.update(1, state, model_digest(state))
+    assert eng.stats.tensors_copied == 1 and eng.stats.bytes_copied == state[name].numel() * 2
+    assert eng.weights_digest() == model_digest(state)
+    eng.update(2, state, model_digest(state), changed=set())  # nothing changed: version moves, no copy
+    assert eng.version == 2 and eng.stats.tensors_copied == 1
+    other = "model.layers.1.self_attn.o_proj.weight"
+    lying = {**state, other: (state[other].float() * 2).to(torch.bfloat16)}
+    with pytest.raises(EngineError, match="published"):  # the hint hides a change: the digest catches it
+        eng.update(3, lying, model_digest(lying), changed={name})
+    eng.update(3, lying, model_digest(lying), changed={other})  # the true hint repairs it
+    assert eng.version == 3 and eng.weights_digest() == model_digest(lying)
+
+
+def test_update_during_generate_waits_for_the_batch() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop_at_eos=False)
+    before = eng.generate(PROMPTS, params)
+    new = bf16_state_dict(build_tiny_model(1))
+    new_digest = model_digest(new)
+    forward = eng._forward
+    calls = []
+
+    def forward_then_update(*args: object) -> object:
+        calls.append(eng.version)
+        if len(calls) == 2:  # mid-batch: the engine must park it
+            eng.update(7, new, new_digest)
+            assert eng.update_pending and eng.version == 0
+        return forward(*args)
+
+    eng._forward = forward_then_update  # type: ignore[method-assign]
+    during = eng.generate(PROMPTS, params)
+    eng._forward = forward  # type: ignore[method-assign]
+    assert calls == [0] * 8  # every step of the batch ran on v0
+    assert [g.completion_ids for g in during] == [g.completion_ids for g in before]
+    assert [g.logprobs for g in during] == [g.logprobs for g in before]
+    assert all(g.version == 0 for g in during)
+    assert eng.version == 7 and eng.digest == new_digest and not eng.update_pending
+    assert eng.stats.deferred_updates == 1
+    assert eng.weights_digest() == new_digest
+    after = eng.generate(PROMPTS, params)
+    assert all(g.version == 7 for g in after)
+    assert [g.logprobs for g in after] != [g.logprobs for g in before]
+
+
+def test_bad_updates_never_serve() -> None:
+    eng = engine()
+    state = eng.served_state()
+    first = next(iter(state))
+    with pytest.raises(EngineError, match="missing"):
+        eng.update(1, {k: v for k, v in state.items() if k != first}, eng.digest)
+    wrong_shape = {**state, first: state[first][:-1]}
+    with pytest.raises(EngineError, match="served"):
+        eng.update(1, wrong_shape, eng.digest)
+    assert eng.version == 0 and eng.weights_digest() == eng.digest  # refused before touching anything
+    changed = {**state, first: (state[first].float() + 1).to(torch.bfloat16)}
+    with pytest.raises(EngineError, match="published"):
+        eng.update(1, changed, eng.digest)  # the digest does not match what would be served
+    with pytest.raises(EngineError, match="refusing"):
+        eng.generate(PROMPTS, SamplingParams())
+    eng.update(2, state, model_digest(state))  # a verified update repairs it
+    assert eng.version == 2 and eng.weights_digest() == model_digest(state)
+    assert len(eng.generate(PROMPTS, SamplingParams(max_new_tokens=2))) == len(PROMPTS)
+
+
+def test_max_batch_splits_but_keeps_seeds() -> None:
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=2, stop_at_eos=False)
+    whole = engine().generate(PROMPTS, params)
+    split = engine(max_batch=3).generate(PROMPTS, params)
+    assert [g.seed for g in split] == [g.seed for g in whole]
+    assert [g.completion_ids for g in split] == [g.completion_ids for g in whole]
+
+
+# --- vLLM engine parts that run without vLLM, and the cross-check script ------------------------
+
+
+def test_host_mirror_checks_the_digest_before_anything_is_sent() -> None:
+    base = bf16_state_dict(build_tiny_model(0))
+    mirror = HostMirror(base)
+    assert mirror.digest == model_digest(base)
+    new = dict(base)
+    name = "model.norm.weight"
+    new[name] = (base[name].float() + 0.5).to(torch.bfloat16)
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(base))  # right tensors, wrong published digest
+    assert mirror.digest == model_digest(base)  # nothing staged stays behind
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(new), changed=set())  # a hint that hides the change
+    tensors, records = mirror.stage(new, model_digest(new))
+    assert list(tensors) == [name]  # only what changed is sent to the workers
+    mirror.commit(tensors, records)
+    assert mirror.digest == model_digest(new) and model_digest(mirror.tensors) == model_digest(new)
+
+
+class _FusedAttention(torch.nn.Module):
+    """A stand-in for a vLLM model: q/k/v fused into one parameter, loaded by HF name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = torch.nn.Parameter(torch.zeros(12, 4, dtype=torch.bfloat16))
+
+    def load_weights(self, weights: object) -> set[str]:
+        slots = {"q_proj.weight": 0, "k_proj.weight": 1, "v_proj.weight": 2}
+        loaded = set()
+        for name, t in weights:  # type: ignore[attr-defined]
+            i = slots[name]
+            self.qkv_proj.data[4 * i : 4 * (i + 1)].copy_(t)
+            loaded.add(name)
+        return loaded
+
+
+def test_worker_extension_loads_hf_named_tensors_into_fused_parameters() -> None:
+    worker = PulsenetWorkerExtension()
+    worker.model_runner = type("Runner", (), {"model": _FusedAttention()})()
+    worker.device = torch.device("cpu")
+    k = torch.randn(4, 4).to(torch.bfloat16)
+    assert worker.pulsenet_load_weights([("k_proj.weight", k)]) == 1
+    fused = worker.model_runner.model.qkv_proj  # type: ignore[attr-defined]
+    assert torch.equal(fused[4:8], k) and not fused[:4].any() and not fused[8:].any()
+    assert worker.pulsenet_parameter_names() == ["qkv_proj"]
+
+
+def test_vllm_engine_fails_clearly_without_vllm_or_cuda(tmp_path: Path) -> None:
+    expected = "pip install" if importlib.util.find_spec("vllm") is None else "CUDA"
+    with pytest.raises(EngineError, match=expected):
+        VLLMEngine(tmp_path)
+
+
+def test_gpu_check_refuses_without_cuda_or_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():  # the refusal under test is for CPU-only machines
+        assert gpu_check.main(["--device", "cpu", "--engines", "vllm"]) == 2
+        return
+    assert gpu_check.main(["--device", "cuda", "--engines", "torch,vllm"]) == 2
+    err = capsys.readouterr()
+    assert "CUDA" in err.err and json.loads(err.out)["ok"] is False
+    assert gpu_check.main(["--device", "cpu", "--engines", "torch,vllm"]) == 2
+    assert "vLLM" in capsys.readouterr().err
+
+
+def test_gpu_check_torch_half_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    rc = gpu_check.main(
+        [
+            "--model",
+            "tiny",
+            "--device",
+            "cpu",
+            "--engines",
+            "torch",
+            "--max-new-tokens",
+            "8",
+            "--json",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert rc == 0 and report["ok"]
+    assert [p["version"] for p in report["phases"]] == [0, 1, 2, 3]
+    assert all(p["digests_equal"]["torch"] for p in report["phases"])
+    assert all(p["compare"]["fresh-torch"]["max_abs_logprob_diff"] == 0.0 for p in report["phases"])
+    assert report["outputs_changed_by_patches"] == [True, True, True]
+    assert [u["version"] for u in report["updates"]] == [1, 2, 3] and all(
+        u["apply_s"] > 0 for u in report["updates"]
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
+    """SmolLM2 on both engines (torch only where vLLM is not installed); the only test allowed to skip."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engines = "torch,vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check.sh"), "--engines", engines],
+        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] and len(report["updates"]) == 3 * len(engines.split(","))
+
+
+# --- VLLMEngine's own logic against a stand-in AsyncLLM (vLLM itself needs a GPU) ---------------
+
+
+class _NamedModel(torch.nn.Module):
+    """HF-named tensors behind ``load_weights``; ``loads`` counts the calls (the 'weights version')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.loads = 0
+        self.loaded: list[list[str]] = []
+
+    def load_weights(self, weights: object) -> None:
+        names = []
+        for name, t in weights:  # type: ignore[attr-defined]
+            self.tensors[name] = t.clone()
+            names.append(name)
+        self.loads += 1
+        self.loaded.append(names)
+
+
+class _FakeAsyncLLM:
+    """The slice of vllm's AsyncLLM that VLLMEngine uses. Each sampled token is the number of weight
+    loads the worker has seen at that step, so a completion shows which weights produced it."""
+
+    def __init__(self, args: object) -> None:
+        self.args = args
+        self.worker = PulsenetWorkerExtension()
+        self.worker.model_runner = type("Runner", (), {"model": _NamedModel()})()
+        self.worker.device = torch.device("cpu")
+        self.resets: list[dict] = []
+        self.pauses: list[str] = []
+        self.running = 0
+
+    @classmethod
+    def from_engine_args(cls, args: object) -> _FakeAsyncLLM:
+        return cls(args)
+
+    async def generate(self, prompt: dict, sp: object, request_id: str):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace as NS
+
+        self.running += 1
+        tokens = []
+        for _ in range(sp.max_tokens):  # type: ignore[attr-defined]
+            await asyncio.sleep(0.005)
+            tokens.append(self.worker.model_runner.model.loads)  # type: ignore[attr-defined]
+        self.running -= 1
+        logprobs = [{t: NS(logprob=-0.25)} for t in tokens]
+        yield NS(outputs=[NS(token_ids=tokens, logprobs=logprobs, finish_reason="length")])
+
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    async def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        self.resets.append({"running": self.running, "reset_running_requests": reset_running_requests})
+        return True
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.pauses.append(mode)
+
+    async def resume_generation(self) -> None:
+        self.pauses.append("resume")
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import ModuleType, SimpleNamespace
+
+    def module(name: str, **attrs: object) -> None:
+        m = ModuleType(name)
+        m.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, m)
+
+    module("vllm", SamplingParams=lambda **kw: SimpleNamespace(**kw))
+    module("vllm.engine")
+    module("vllm.engine.arg_utils", AsyncEngineArgs=lambda **kw: SimpleNamespace(**kw))
+    module("vllm.v1")
+    module("vllm.v1.engine")
+    module("vllm.v1.engine.async_llm", AsyncLLM=_FakeAsyncLLM)
+    module("vllm.sampling_params", RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def _changed_state(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {**state, name: (state[name].float() * 1.5).to(torch.bfloat16)}
+
+
+def test_vllm_engine_update_waits_for_requests_in_flight(fake_vllm: None, tmp_path: Path) -> None:
+    import threading
+
+    from pulsenet.engines.vllm_engine import WORKER_EXTENSION, VLLMEngineConfig
+
+    state = bf16_state_dict(build_tiny_model(0))
+    digest = model_digest(state)
+    with VLLMEngine(tmp_path, VLLMEngineConfig(), state=state, version=0, digest=digest) as eng:
+        llm = eng._llm
+        model = llm.worker.model_runner.model
+        assert (
+            llm.args.worker_extension_cls == WORKER_EXTENSION
+            and llm.args.logprobs_mode == "processed_logprobs"
+        )
+        assert model.loads == 1 and set(model.tensors) == set(state)  # the mirror was pushed once, whole
+        first = eng.generate([[1, 2], [3]], SamplingParams(temperature=0, max_new_tokens=3))
+        assert [g.completion_ids for g in first] == [(1, 1, 1)] * 2 and all(g.version == 0 for g in first)
+        assert [g.seed for g in first] == [0, 1] and first[0].logprobs == (-0.25,) * 3
+
+        new = _changed_state(state, "model.norm.weight")
+        with pytest.raises(EngineError, match="refused"):
+            eng.update(1, new, digest)  # wrong digest: refused before any worker sees it
+        assert model.loads == 1 and eng.version == 0
+
+        during: list = []
+        t = threading.Thread(
+            target=lambda: during.extend(eng.generate([[5]] * 3, SamplingParams(max_new_tokens=30)))
+        )
+        t.start()
+        while eng._in_flight == 0:
+            time.sleep(0.001)
+        eng.update(1, new, model_digest(new))  # blocks until the three requests finished on v0
+        t.join()
+        assert all(set(g.completion_ids) == {1} and g.version == 0 for g in during)
+        assert model.loaded[-1] == ["model.norm.weight"]  # only the changed tensor travelled
+        assert torch.equal(model.tensors["model.norm.weight"], new["model.norm.weight"])
+        assert llm.resets[-1] == {"running": 0, "reset_running_requests": False}
+        assert eng.version == 1 and eng.digest == model_digest(new) == model_digest(eng.served_state())
+        after = eng.generate([[5]], SamplingParams(max_new_tokens=2))
+        assert after[0].completion_ids == (2, 2) and after[0].version == 1
+        assert (
+            eng.stats.updates == 1
+            and eng.stats.tensors_copied == 1
+            and eng.stats.mixed_version_completions == 0
+        )
+        with pytest.raises(EngineError, match="top_p"):
+            eng.generate([[5]], SamplingParams(top_p=0.9))
+
+
+def test_vllm_engine_keep_mode_pauses_and_labels_spanning_completions(
+    fake_vllm: None, tmp_path: Path
+) -> None:
+    import threading
+
+    from pulsenet.engines.vllm_engine import VLLMEngineConfig
+
+    state = bf16_state_dict(build_tiny_model(0))
+    with VLLMEngine(tmp_path, VLLMEngineConfig(in_flight="keep"), state=state, version=0) as eng:
+        llm = eng._llm
+        during: list = []
+        t = threading.Thread(
+            target=lambda: during.extend(eng.generate([[5]] * 2, SamplingParams(max_new_tokens=30)))
+        )
+        t.start()
+        while llm.running < 2:
+            time.sleep(0.001)
+        time.sleep(0.03)  # a few tokens on v0 first
+        new = _changed_state(state, "model.embed_tokens.weight")
+        eng.update(1, new, model_digest(new))  # does not wait for the long requests
+        assert eng._in_flight == 2
+        t.join()
+        assert llm.pauses[-2:] == ["keep", "resume"]
+        assert llm.resets[-1]["reset_running_requests"] is True  # frozen requests' KV recomputed
+        assert all(
+            set(g.completion_ids) == {1, 2} and g.version == 0 for g in during
+        )  # labelled by their start
+        assert eng.stats.mixed_version_completions == 2
+
+
+def test_a_bad_deferred_update_never_costs_the_batch() -> None:
+    eng = engine()
+    params = SamplingParams(temperature=0, max_new_tokens=4, stop_at_eos=False)
+    state = eng.served_state()
+    first = next(iter(state))
+    bad_shape = {**state, first: state[first][:-1]}
+    bad_digest = {**state, first: (state[first].float() + 1).to(torch.bfloat16)}
+    forward = eng._forward
+
+    def run_with_update(update: dict[str, torch.Tensor]) -> list:
+        sent = []
+
+        def forward_then_update(*args: object) -> object:
+            if not sent:
+                sent.append(1)
+                eng.update(9, update, eng.digest)
+            return forward(*args)
+
+        eng._forward = forward_then_update  # type: ignore[method-assign]
+        try:
+            return eng.generate(PROMPTS, params)
+        finally:
+            eng._forward = forward  # type: ignore[method-assign]
+
+    out = run_with_update(bad_shape)  # refused before touching anything: logged, counted, still v0
+    assert len(out) == len(PROMPTS) and eng.stats.updates_failed == 1 and eng.version == 0
+    assert len(eng.generate(PROMPTS, params)) == len(PROMPTS)
+    out = run_with_update(bad_digest)  # the batch still returns; then the engine refuses to serve
+    assert len(out) == len(PROMPTS) and all(g.version == 0 for g in out) and eng.stats.updates_failed == 2
+    with pytest.raises(EngineError, match="refusing"):
+        eng.generate(PROMPTS, params)
