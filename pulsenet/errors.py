@@ -103,3 +103,7 @@ class VerificationError(PulsenetError):
 
 class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
+
+
+class RolloutError(PulsenetError, ValueError):
+    """A rollout batch (Parquet payload or its manifest) is malformed, inconsistent or over a limit."""
