@@ -101,14 +101,28 @@ def test_encoder_refuses_rows_that_cannot_travel() -> None:
         encode_batch([])
 
 
-def _table_bytes(columns: dict, schema: pa.Schema | None = None, metadata: dict | None = None) -> bytes:
-    table = pa.table(columns, schema=schema)
-    table = table.replace_schema_metadata(
-        metadata
-        if metadata is not None
-        else {b"pulsenet.format": b"pulsenet-rollouts", b"pulsenet.schema": b"1"}
-    )
+def _table_bytes(columns: dict, metadata: dict | None = None) -> bytes:
+    """A Parquet file written the way encode_batch writes one, from arbitrary columns."""
+    table = pa.table(columns)
     sink = io.BytesIO()
+    with pq.ParquetWriter(
+        sink, table.schema, compression="zstd", store_schema=False, write_statistics=False
+    ) as w:
+        w.write_table(table)
+        w.add_key_value_metadata(
+            {b"pulsenet.format": b"pulsenet-rollouts", b"pulsenet.schema": b"1"}
+            if metadata is None
+            else metadata
+        )
+    return sink.getvalue()
+
+
+def _arrow_default(columns: dict) -> bytes:
+    """pyarrow's default file (with ARROW:schema): this format refuses metadata it does not define."""
+    sink = io.BytesIO()
+    table = pa.table(columns).replace_schema_metadata(
+        {b"pulsenet.format": b"pulsenet-rollouts", b"pulsenet.schema": b"1"}
+    )
     pq.write_table(table, sink, compression="zstd")
     return sink.getvalue()
 
@@ -144,6 +158,7 @@ def test_decoder_refuses_hostile_batches() -> None:
         "not parquet": b"PAR1" + b"\x00" * 64 + b"PAR1",
         "corrupted pages": good[:8] + bytes(b ^ 0x5A for b in good[8:200]) + good[200:],
         "no format metadata": _table_bytes(cols, metadata={}),
+        "arrow schema metadata": _arrow_default(cols),
         "other schema version": _table_bytes(
             cols, metadata={b"pulsenet.format": b"pulsenet-rollouts", b"pulsenet.schema": b"2"}
         ),

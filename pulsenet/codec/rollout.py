@@ -138,14 +138,19 @@ def encode_batch(rows: Sequence[Rollout], *, zstd_level: int = ZSTD_LEVEL) -> by
         raise RolloutError("a logprob overflows float32")
     table = pa.table(columns, schema=_ARROW_SCHEMA)
     sink = io.BytesIO()
-    pq.write_table(
-        table,
+    # No ARROW:schema, statistics or page index: the decoder accepts only this format's own
+    # metadata, so none of those parsers is ever reachable from hostile bytes.
+    with pq.ParquetWriter(
         sink,
+        table.schema,
         compression="zstd",
         compression_level=zstd_level,
         write_statistics=False,
-        row_group_size=len(rows),
-    )
+        store_schema=False,
+        write_page_index=False,
+    ) as writer:
+        writer.write_table(table, row_group_size=len(rows))
+        writer.add_key_value_metadata({FORMAT_KEY: FORMAT.encode(), SCHEMA_KEY: str(SCHEMA).encode()})
     return sink.getvalue()
 
 
@@ -164,6 +169,9 @@ def decode_batch(data: bytes, *, max_rows: int = MAX_ROWS, max_tokens: int = MAX
 
 
 def _decode(data: bytes, max_rows: int, max_tokens: int) -> list[Rollout]:
+    # Our own walk of the footer and page headers first: pyarrow aborts the whole process on some
+    # malformed footers (a C++ exception it does not translate), and trusts page headers' sizes.
+    _check_footer(data, max_rows, max_tokens)
     pf = pq.ParquetFile(
         pa.BufferReader(data),
         thrift_string_size_limit=_THRIFT_STRING_LIMIT,
@@ -173,17 +181,6 @@ def _decode(data: bytes, max_rows: int, max_tokens: int) -> list[Rollout]:
         read_dictionary=list(_STRINGS),
     )
     md = pf.metadata
-    kv = md.metadata or {}
-    if kv.get(FORMAT_KEY) != FORMAT.encode() or kv.get(SCHEMA_KEY) != str(SCHEMA).encode():
-        raise RolloutError(
-            f"not a {FORMAT} v{SCHEMA} batch (format {kv.get(FORMAT_KEY)!r}, schema {kv.get(SCHEMA_KEY)!r})"
-        )
-    # Limits from the footer, before a single page is decompressed.
-    if not 0 < md.num_rows <= max_rows:
-        raise RolloutError(f"rollout batch declares {md.num_rows} rows; allowed 1..{max_rows}")
-    if md.num_row_groups > _MAX_ROW_GROUPS:
-        raise RolloutError(f"rollout batch has {md.num_row_groups} row groups, over {_MAX_ROW_GROUPS}")
-    _check_pages(data, md, max_rows, max_tokens)
     _check_schema(pf.schema_arrow)
     table = pf.read(use_threads=False)
     _check_strings(table)
@@ -229,72 +226,191 @@ def _decode(data: bytes, max_rows: int, max_tokens: int) -> list[Rollout]:
     return rows
 
 
-def _check_pages(data: bytes, md: pq.FileMetaData, max_rows: int, max_tokens: int) -> None:
-    """Bound what decoding can allocate, from the page headers Arrow will read, before it reads them.
+# Thrift ids of the Parquet footer (parquet.thrift) that this format reads or tolerates.
+_FILE_FIELDS = {
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+}  # version, schema, num_rows, row_groups, key_value_metadata, created_by, column_orders
+_CHUNK_FIELDS = {2, 3}  # file_offset, meta_data: no external file_path, page index or encryption
+_META_FIELDS = {1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 16}  # no statistics, bloom filters or index pages
+_CODECS = {0, 6}  # uncompressed, zstd
+_OPTIONAL, _REPEATED = 1, 2
 
-    A column chunk's uncompressed size in the footer does not bound its decoded size (RLE and
-    dictionary encodings expand: a few bytes can declare billions of values), and the footer's
-    value counts are only claims. So walk each chunk's pages the way Arrow's page reader does
-    (from its first page until the footer's value count is reached) and require: every page's
-    value count and uncompressed size non-negative, their sums equal to the footer's count and
-    within the limits. Decompression never exceeds a page's declared size, and decoding never
-    produces more values than a page declares.
+
+def _check_footer(data: bytes, max_rows: int, max_tokens: int) -> None:
+    """Validate the footer and bound what decoding can allocate, before pyarrow reads anything.
+
+    The footer is parsed here (Thrift compact) and must have exactly this format's shape: our
+    key-value metadata only, the nine leaf columns in order, ZSTD or no compression, no external
+    files, page indexes, statistics or encryption, and level histograms of the sizes the schema
+    implies. Then each column chunk's pages are walked the way Arrow's page reader walks them
+    (from its first page until the footer's value count): a chunk's uncompressed size in the
+    footer does not bound its decoded size (RLE and dictionary encodings expand, a few bytes can
+    declare billions of values), so every page's declared value count and size are summed and
+    checked against the limits. Decompression never exceeds a page's declared size, and decoding
+    never yields more values than a page declares.
     """
+    if len(data) < 12 or data[:4] != b"PAR1" or data[-4:] != b"PAR1":
+        raise RolloutError("rollout batch is not a Parquet file (no PAR1 magic at both ends)")
+    size = int.from_bytes(data[-8:-4], "little")
+    if not 0 < size <= len(data) - 12:
+        raise RolloutError(f"rollout batch footer length {size} does not fit a {len(data)}-byte file")
+    meta, end = _thrift_struct(data, len(data) - 8 - size, 0)
+    if end != len(data) - 8 or not set(meta) <= _FILE_FIELDS:
+        raise RolloutError("rollout batch footer has trailing bytes or fields this format does not use")
+    kv = meta.get(5)
+    pairs = (
+        {p.get(1): p.get(2) for p in kv}
+        if isinstance(kv, list) and all(isinstance(p, dict) for p in kv)
+        else {}
+    )
+    if (
+        pairs.get(FORMAT_KEY) != FORMAT.encode()
+        or pairs.get(SCHEMA_KEY) != str(SCHEMA).encode()
+        or len(pairs) != 2
+        or len(kv) != 2
+    ):
+        raise RolloutError(
+            f"not a {FORMAT} v{SCHEMA} batch (format {pairs.get(FORMAT_KEY)!r}, "
+            f"schema {pairs.get(SCHEMA_KEY)!r}, {len(pairs)} metadata keys)"
+        )
+    num_rows = meta.get(3)
+    if not isinstance(num_rows, int) or not 0 < num_rows <= max_rows:
+        raise RolloutError(f"rollout batch declares {num_rows} rows; allowed 1..{max_rows}")
+    leaves = _leaves(meta.get(2))
+    groups = meta.get(4)
+    if not isinstance(groups, list) or not 0 < len(groups) <= _MAX_ROW_GROUPS:
+        raise RolloutError("rollout batch has no row groups or too many")
     max_decoded = 16 * max_tokens + (4 * MAX_GROUP_CHARS + 256) * max_rows + (1 << 20)
     decoded = 0
-    values: dict[str, int] = {}
-    for i in range(md.num_row_groups):
-        rg = md.row_group(i)
-        if rg.num_columns != len(COLUMNS):
-            raise RolloutError(
-                f"rollout batch row group has {rg.num_columns} columns, expected {len(COLUMNS)}"
-            )
-        for j in range(rg.num_columns):
-            col = rg.column(j)
-            name = col.path_in_schema.split(".", 1)[0]
-            start = col.data_page_offset
-            if (
-                col.has_dictionary_page
-                and col.dictionary_page_offset
-                and 0 < col.dictionary_page_offset < start
-            ):
-                start = col.dictionary_page_offset
-            end = start + col.total_compressed_size
-            if not 0 <= start <= end <= len(data) or col.num_values < 0:
-                raise RolloutError(f"rollout batch column {name!r} lies outside the file")
-            pos, seen = start, 0
-            while pos < end and seen < col.num_values:
-                header, pos = _thrift_struct(data, pos, 0)
-                usize, csize = header.get(2), header.get(3)
-                if not (isinstance(usize, int) and isinstance(csize, int) and usize >= 0 and csize >= 0):
-                    raise RolloutError(f"rollout batch column {name!r} has a malformed page header")
-                page = header.get({0: 5, 3: 8}.get(header.get(1), -1))  # data page v1 / v2 header
-                if isinstance(page, dict):
-                    n = page.get(1)
-                    if not isinstance(n, int) or n < 0:
-                        raise RolloutError(f"rollout batch column {name!r} has a page of {n!r} values")
-                    seen += n
-                decoded += usize
-                pos += csize
-            if seen != col.num_values:
+    values = dict.fromkeys(COLUMNS, 0)
+    rows_in_groups = 0
+    for rg in groups:
+        chunks = rg.get(1) if isinstance(rg, dict) else None
+        if not isinstance(chunks, list) or len(chunks) != len(COLUMNS) or not isinstance(rg.get(3), int):
+            raise RolloutError(f"a rollout batch row group does not hold the {len(COLUMNS)} columns")
+        rows_in_groups += rg[3]
+        for chunk, (name, path, max_rep, max_def) in zip(chunks, leaves, strict=True):
+            col = chunk.get(3) if isinstance(chunk, dict) else None
+            if not isinstance(col, dict) or not set(chunk) <= _CHUNK_FIELDS or not set(col) <= _META_FIELDS:
+                raise RolloutError(f"rollout batch column {name!r} has fields this format does not use")
+            if col.get(3) != path or col.get(4) not in _CODECS:
                 raise RolloutError(
-                    f"rollout batch column {name!r}: pages hold {seen} values, the footer says {col.num_values}"
+                    f"rollout batch column {name!r} is at {col.get(3)} with codec {col.get(4)}"
                 )
-            values[name] = values.get(name, 0) + seen
+            _check_histograms(name, col.get(16), max_rep, max_def)
+            seen, used = _walk_pages(data, name, col)
+            values[name] += seen
+            decoded += used
+    if rows_in_groups != num_rows:
+        raise RolloutError(f"rollout batch row groups hold {rows_in_groups} rows, the footer says {num_rows}")
     if decoded > max_decoded:
         raise RolloutError(
             f"rollout batch declares {decoded} decoded bytes, over the {max_decoded}-byte limit"
         )
     # A list column has one level per element, and one per empty list.
-    if values.get("prompt_ids", 0) + values.get("completion_ids", 0) > max_tokens + 2 * md.num_rows:
+    if values["prompt_ids"] + values["completion_ids"] > max_tokens + 2 * num_rows:
         raise RolloutError(f"rollout batch declares over {max_tokens} tokens")
-    for name in COLUMNS:
-        if name not in _LISTS and values.get(name) != md.num_rows:
-            raise RolloutError(
-                f"rollout batch column {name!r} declares {values.get(name)} values for {md.num_rows} rows"
-            )
-    if values.get("logprobs", 0) > max_tokens + md.num_rows:
+    if values["logprobs"] > max_tokens + num_rows:
         raise RolloutError(f"rollout batch declares over {max_tokens} logprobs")
+    for name in COLUMNS:
+        if name not in _LISTS and values[name] != num_rows:
+            raise RolloutError(
+                f"rollout batch column {name!r} declares {values[name]} values for {num_rows} rows"
+            )
+
+
+def _leaves(schema: object) -> list[tuple[str, list[bytes], int, int]]:
+    """(column, path, max repetition level, max definition level) of each leaf, checked against COLUMNS."""
+    if not isinstance(schema, list) or not schema or not all(isinstance(e, dict) for e in schema):
+        raise RolloutError("rollout batch footer has no schema")
+    leaves: list[tuple[str, list[bytes], int, int]] = []
+    pos = 1
+
+    def walk(path: list[bytes], rep: int, dfn: int, depth: int) -> None:
+        nonlocal pos
+        if pos >= len(schema) or depth > 3:
+            raise RolloutError("rollout batch schema is truncated or nests too deep")
+        e = schema[pos]
+        pos += 1
+        name, kind, children = e.get(4), e.get(3), e.get(5)
+        if not isinstance(name, bytes) or kind not in (0, _OPTIONAL, _REPEATED):
+            raise RolloutError("rollout batch schema has a malformed element")
+        rep, dfn = rep + (kind == _REPEATED), dfn + (kind != 0)
+        if children is None:
+            leaves.append(
+                (
+                    path[0].decode(errors="replace") if path else name.decode(errors="replace"),
+                    [*path, name],
+                    rep,
+                    dfn,
+                )
+            )
+            return
+        if not isinstance(children, int) or not 0 < children <= len(schema):
+            raise RolloutError("rollout batch schema has a malformed group")
+        for _ in range(children):
+            walk([*path, name], rep, dfn, depth + 1)
+
+    root = schema[0].get(5)
+    if not isinstance(root, int) or root != len(COLUMNS):
+        raise RolloutError(f"rollout batch schema has {root} columns, expected {len(COLUMNS)}")
+    for _ in range(root):
+        walk([], 0, 0, 0)
+    if pos != len(schema) or tuple(leaf[0] for leaf in leaves) != COLUMNS:
+        raise RolloutError(
+            f"rollout batch columns are {[leaf[0] for leaf in leaves]}, expected {list(COLUMNS)}"
+        )
+    return leaves
+
+
+def _check_histograms(name: str, stats: object, max_rep: int, max_def: int) -> None:
+    """Level histograms (SizeStatistics) must have max level + 1 entries, or none."""
+    if stats is None:
+        return
+    if not isinstance(stats, dict):
+        raise RolloutError(f"rollout batch column {name!r} has malformed size statistics")
+    for field, level in ((2, max_rep), (3, max_def)):
+        h = stats.get(field)
+        if h is not None and (not isinstance(h, list) or len(h) not in (0, level + 1)):
+            raise RolloutError(f"rollout batch column {name!r} has a level histogram of the wrong size")
+
+
+def _walk_pages(data: bytes, name: str, col: dict) -> tuple[int, int]:
+    """(values, uncompressed bytes) the pages of one column chunk declare; see _check_footer."""
+    num_values, length = col.get(5), col.get(7)
+    start, dict_start = col.get(9), col.get(11)
+    if not all(isinstance(v, int) and v >= 0 for v in (num_values, length, start)):
+        raise RolloutError(f"rollout batch column {name!r} has malformed offsets or counts")
+    if isinstance(dict_start, int) and 0 < dict_start < start:
+        start = dict_start
+    end = start + length
+    if not 4 <= start <= end <= len(data) - 8:
+        raise RolloutError(f"rollout batch column {name!r} lies outside the file")
+    pos, seen, decoded = start, 0, 0
+    while pos < end and seen < num_values:
+        header, pos = _thrift_struct(data, pos, 0)
+        usize, csize = header.get(2), header.get(3)
+        if not (isinstance(usize, int) and isinstance(csize, int) and usize >= 0 and csize >= 0):
+            raise RolloutError(f"rollout batch column {name!r} has a malformed page header")
+        page = header.get({0: 5, 3: 8}.get(header.get(1), -1))  # data page v1 / v2 header
+        if isinstance(page, dict):
+            n = page.get(1)
+            if not isinstance(n, int) or n < 0:
+                raise RolloutError(f"rollout batch column {name!r} has a page of {n!r} values")
+            seen += n
+        decoded += usize
+        pos += csize
+    if seen != num_values:
+        raise RolloutError(
+            f"rollout batch column {name!r}: pages hold {seen} values, the footer says {num_values}"
+        )
+    return seen, decoded
 
 
 _MAX_THRIFT_DEPTH = 8
@@ -304,7 +420,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
     out = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
-            raise RolloutError("rollout batch page header is truncated or has a runaway varint")
+            raise RolloutError("rollout batch footer or page header is truncated or has a runaway varint")
         b = data[pos]
         pos += 1
         out |= (b & 0x7F) << shift
@@ -321,12 +437,12 @@ def _zigzag(data: bytes, pos: int) -> tuple[int, int]:
 def _thrift_struct(data: bytes, pos: int, depth: int) -> tuple[dict[int, object], int]:
     """A Thrift compact-protocol struct as ``field id -> value`` (ints, nested structs; the rest skipped)."""
     if depth > _MAX_THRIFT_DEPTH:
-        raise RolloutError("rollout batch page header nests too deep")
+        raise RolloutError("rollout batch footer or page header nests too deep")
     fields: dict[int, object] = {}
     last = 0
     while True:
         if pos >= len(data):
-            raise RolloutError("rollout batch page header is truncated")
+            raise RolloutError("rollout batch footer or page header is truncated")
         b = data[pos]
         pos += 1
         kind = b & 0x0F
@@ -345,7 +461,7 @@ def _thrift_value(data: bytes, pos: int, kind: int, depth: int) -> tuple[object,
         return kind == 1, pos
     if kind == 3:
         if pos >= len(data):
-            raise RolloutError("rollout batch page header is truncated")
+            raise RolloutError("rollout batch footer or page header is truncated")
         return data[pos], pos + 1
     if kind in (4, 5, 6):
         return _zigzag(data, pos)
@@ -354,33 +470,41 @@ def _thrift_value(data: bytes, pos: int, kind: int, depth: int) -> tuple[object,
     if kind == 8:
         n, pos = _varint(data, pos)
         if pos + n > len(data):
-            raise RolloutError("rollout batch page header is truncated")
-        return None, pos + n
-    if kind in (9, 10):  # list, set
+            raise RolloutError("rollout batch footer or page header is truncated")
+        return data[pos : pos + n], pos + n
+    if kind in (9, 10):  # list, set: structs, ints and binaries come back as a list, the rest is skipped
         if pos >= len(data):
-            raise RolloutError("rollout batch page header is truncated")
+            raise RolloutError("rollout batch footer or page header is truncated")
         head = data[pos]
         pos += 1
         n, elem = head >> 4, head & 0x0F
         if n == 15:
             n, pos = _varint(data, pos)
-        return _skip_items(data, pos, [elem] * 1, n, depth)
+        if elem in (4, 5, 6, 8, 12):
+            if n > len(data) - pos:
+                raise RolloutError("rollout batch footer or page header declares more items than bytes")
+            items = []
+            for _ in range(n):
+                item, pos = _thrift_value(data, pos, elem, depth + 1)
+                items.append(item)
+            return items, pos
+        return _skip_items(data, pos, [elem], n, depth)
     if kind == 11:  # map
         n, pos = _varint(data, pos)
         if n == 0:
             return None, pos
         if pos >= len(data):
-            raise RolloutError("rollout batch page header is truncated")
+            raise RolloutError("rollout batch footer or page header is truncated")
         kv = data[pos]
         return _skip_items(data, pos + 1, [kv >> 4, kv & 0x0F], n, depth)
     if kind == 12:
         return _thrift_struct(data, pos, depth + 1)
-    raise RolloutError(f"rollout batch page header has an unknown thrift type {kind}")
+    raise RolloutError(f"rollout batch footer or page header has an unknown thrift type {kind}")
 
 
 def _skip_items(data: bytes, pos: int, kinds: list[int], n: int, depth: int) -> tuple[None, int]:
     if n > len(data) - pos:  # every element takes at least a byte (booleans in a list do too)
-        raise RolloutError("rollout batch page header declares more items than bytes")
+        raise RolloutError("rollout batch footer or page header declares more items than bytes")
     for _ in range(n):
         for k in kinds:
             if k in (1, 2):  # a boolean inside a container is one byte
