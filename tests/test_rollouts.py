@@ -32,7 +32,7 @@ from pulsenet.rollouts import (
     owner,
 )
 from pulsenet.rollouts.manifest import BatchManifest, BatchRef, now_iso, sign_batch_manifest
-from pulsenet.signing import key_id
+from pulsenet.signing import MAX_DOCUMENT, key_id
 from pulsenet.store import ObjectStore
 from pulsenet.store.seaweed import SeaweedServer
 
@@ -386,6 +386,15 @@ async def test_oversized_batch_is_refused_before_download(sites: list[Site]) -> 
     ti = intake(sites, max_rows=m.rows - 1)
     assert await ti.poll(1) == 0
     assert ti.stats.rejected == {"too_large": 1} and ti.stats.bytes_downloaded == 0
+    # a manifest over the document limit is refused by its listed size, and a payload larger than
+    # its manifest says is cut off at the signed size
+    await a.own.put(RolloutLayout().manifest(1, a.node, 5), b" " * (MAX_DOCUMENT + 1), timeout=30)
+    m2 = await a.writer().write(make_rows(a.node, 1, seed=4))
+    await a.own.put(m2.payload.key, b"x" * (10 * m2.payload.size), timeout=10)
+    ti = intake(sites)
+    assert await ti.poll(1) == 1
+    assert ti.stats.rejected == {"too_large": 1, "size_mismatch": 1}
+    assert ti.stats.bytes_downloaded == m.payload.size
 
 
 async def test_planted_malformed_manifest_does_not_block_valid_batches(sites: list[Site]) -> None:

@@ -331,10 +331,9 @@ class RolloutIntake:
                 f"payload SHA-256 {sha[:16]}…, manifest says {m.payload.sha256[:16]}…",
             )
         try:
-            rows = await asyncio.to_thread(decode_batch, payload, max_rows=m.rows, max_tokens=m.tokens)
+            rows, problem = await asyncio.to_thread(_decode_and_match, m, payload)
         except RolloutError as e:
             return self._reject(info.key, "payload_malformed", str(e))
-        problem = _row_mismatch(m, rows)
         if problem:
             return self._reject(info.key, "row_mismatch", problem)
         return RolloutBatch(m, rows)
@@ -351,6 +350,12 @@ class RolloutIntake:
         self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
         log.warning("rejected rollout batch %s (%s): %s", key, reason, why)
         return None
+
+
+def _decode_and_match(m: BatchManifest, payload: bytes) -> tuple[list[Rollout], str | None]:
+    """The rows (decoded under the manifest's counts) and what disagrees with the manifest, if anything."""
+    rows = decode_batch(payload, max_rows=m.rows, max_tokens=m.tokens)
+    return rows, _row_mismatch(m, rows)
 
 
 def _row_mismatch(m: BatchManifest, rows: list[Rollout]) -> str | None:

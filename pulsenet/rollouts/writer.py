@@ -104,7 +104,6 @@ class RolloutWriter:
         """Upload one batch (rows of one policy version and digest, sampled by this node)."""
         if self.next_seq is None:
             await self.start()
-        assert self.next_seq is not None
         if not rows:
             raise RolloutError("a rollout batch needs at least one row")
         version, digest = rows[0].version, rows[0].model_digest
@@ -117,8 +116,8 @@ class RolloutWriter:
         data = await asyncio.to_thread(encode_batch, rows, zstd_level=self.config.zstd_level)
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         for _ in range(self.config.taken_retries):
-            seq = self.next_seq
-            self.next_seq += 1
+            seq = self.next_seq or 0
+            self.next_seq = seq + 1
             key = self.layout.batch(version, self.node, seq, sha)
             try:
                 await self.store.put(key, data, if_none_match=True, timeout=self.config.transfer_timeout_s)
