@@ -201,6 +201,20 @@ def test_decoder_refuses_hostile_batches() -> None:
         [dataclasses.replace(rows[0], completion_ids=(7,) * 100_000, logprobs=(-0.5,) * 100_000)]
     )
     assert len(big) < 4096  # a tiny payload that decodes to ~1 MB: refused from its page headers
+
+    # a footer that understates a column's values (pages declare more) is refused too
+    def varint(v: int) -> bytes:
+        out = b""
+        while True:
+            out += bytes([(v & 0x7F) | (0x80 if v > 0x7F else 0)])
+            v >>= 7
+            if not v:
+                return out
+
+    honest = b"\x16" + varint(2 * 100_000)  # ColumnMetaData.num_values (field 5, i64, zigzag)
+    assert big.count(honest) == 2  # completion_ids and logprobs
+    with pytest.raises(RolloutError, match="pages hold 100000 values, the footer says 20000"):
+        decode_batch(big.replace(honest, b"\x16" + varint(2 * 20_000)))
     with pytest.raises(RolloutError, match="over 1000 tokens"):
         decode_batch(big, max_tokens=1000, max_rows=1)
 
