@@ -3,16 +3,17 @@
 ``rollout.batch`` is not exact (the Parquet bytes carry no integrity check of their own: the
 manifest's SHA-256 does that), so a mutated batch may decode to other rows; it must never raise
 anything but a ``RolloutError``. ``rollout.manifest`` is exact: the signature covers the body, so
-whatever still verifies is the seed's manifest.
+whatever still verifies is a body the trusted key signed: one of the seeds' manifests. Not always
+the mutated seed's own: JSON objects may repeat a key (the last one wins), so splicing seed A's
+head onto seed B's tail can carry B's signed body intact, which verifies, correctly, as B.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import struct
-
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.codec.rollout import Rollout, decode_batch, encode_batch
 from pulsenet.rollouts.layout import RolloutLayout
@@ -23,14 +24,21 @@ from pulsenet.rollouts.manifest import (
     sign_batch_manifest,
     verify_batch_manifest,
 )
-from pulsenet.signing import key_id
+from pulsenet.signing import key_id, sign_document
 
 _DIGEST = "3f" * 32
-_KEY = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
-_OTHER = Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
-_TRUSTED = {key_id(_KEY.public_key()): _KEY.public_key()}
 _LAYOUT = RolloutLayout()
 _CONTEXT = context("fuzz", "s3://pulsenet-a/site", _LAYOUT.prefix, "inf-a")
+
+
+@functools.cache
+def _keys() -> tuple:
+    """(trusted signing key, an untrusted one, the trusted map): fixed bytes, so seeds are stable."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    other = Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+    return key, other, {key_id(key.public_key()): key.public_key()}
 
 
 def _rows(seed: int, groups: int, g: int, max_len: int) -> list[Rollout]:
@@ -118,6 +126,7 @@ def _truncate_or_splice(data: bytes, rng: random.Random) -> bytes:
 
 
 def _manifest_seeds() -> list[bytes]:
+    key = _keys()[0]
     out = []
     for seq, (version, rows, size) in enumerate([(0, 1, 900), (7, 24, 81234), (123456, 512, 1 << 30)]):
         sha = f"{seq:02x}" * 32
@@ -130,15 +139,25 @@ def _manifest_seeds() -> list[bytes]:
             rows=rows,
             groups=max(1, rows // 4),
             tokens=rows * 100,
-            publisher=key_id(_KEY.public_key()),
+            publisher=key_id(key.public_key()),
             created="2026-01-01T00:00:00.000000+00:00",
         )
-        out.append(sign_batch_manifest(m, _KEY, context=_CONTEXT))
+        out.append(sign_batch_manifest(m, key, context=_CONTEXT))
     return out
 
 
 def _verify_manifest(data: bytes) -> BatchManifest:
-    return verify_batch_manifest(data, _TRUSTED, context=_CONTEXT, layout=_LAYOUT)
+    return verify_batch_manifest(data, _keys()[2], context=_CONTEXT, layout=_LAYOUT)
+
+
+@functools.cache
+def _signed_manifests() -> tuple[BatchManifest, ...]:
+    return tuple(_verify_manifest(s) for s in _manifest_seeds())
+
+
+def _is_signed_manifest(out: object, _expected: object) -> bool:
+    """Exactness for a signature: the output is a manifest the trusted key signed (module docstring)."""
+    return out in _signed_manifests()
 
 
 _ODD_VALUES = [None, True, -1, 0, 2**63, 1e308, "", "x" * 300, [], {}, "inf-b", "../x", "ab" * 32, [1] * 40]
@@ -166,9 +185,7 @@ def _mutate_body(data: bytes, rng: random.Random) -> bytes:
         body[f"extra{rng.randrange(3)}"] = rng.choice(_ODD_VALUES)
     try:
         if rng.random() < 0.3:
-            from pulsenet.signing import sign_document
-
-            return sign_document(body, _OTHER, context=_CONTEXT)
+            return sign_document(body, _keys()[1], context=_CONTEXT)
         return json.dumps(env, allow_nan=True).encode()
     except (ValueError, TypeError):
         return data
@@ -191,7 +208,7 @@ def _mutate_envelope(data: bytes, rng: random.Random) -> bytes:
     if action == 1:
         env["context"] = rng.choice(["", _CONTEXT + "x", "pulsesync/policy", None])
     elif action == 2:
-        env["key_id"] = rng.choice([key_id(_OTHER.public_key()), "", None, 5])
+        env["key_id"] = rng.choice([key_id(_keys()[1].public_key()), "", None, 5])
     else:
         sig = env.get("sig")
         if isinstance(sig, str) and sig:
@@ -213,6 +230,7 @@ TARGETS: list[dict] = [
         "seeds": _manifest_seeds,
         "decode": _verify_manifest,
         "exact": True,
+        "equal": _is_signed_manifest,
         "mutators": [_mutate_body, _mutate_envelope],
     },
 ]
