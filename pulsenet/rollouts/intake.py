@@ -6,7 +6,8 @@ A batch is accepted only if, in this order (the first failing check is the count
 2. it verifies under a key trusted *for the node whose store it is in*, signed for that node's
    context — ``wrong_node_key`` when another node's key signed it, ``signature`` otherwise;
    malformed bodies and bodies that disagree with their key name — ``malformed``;
-3. ``trainer_version - version <= max_staleness`` — else dropped as stale *in flight*;
+3. ``trainer_version - version <= max_staleness`` — else dropped as stale *in flight* (judged
+   from the key name before any GET: a body must match its name anyway);
 4. its model digest is the one published for its version (``digest_of``) — ``unknown_version``,
    ``wrong_digest``;
 5. its declared size and rows are within limits — ``too_large``, refused before download;
@@ -251,6 +252,12 @@ class RolloutIntake:
                 continue
             if name.version > trainer_version:
                 continue  # from a version this trainer has not reached: look again later
+            if trainer_version - name.version > self.config.max_staleness:
+                # Stale by its name: dropped without a GET. Nothing valid is lost, since a body
+                # must name the batch its key names to be accepted at all.
+                self.stats.stale_in_flight += 1
+                seen[info.key] = info.etag
+                continue
             bid = self.batch_id(source.node, name)
             if owner(bid, self._participants(name.version)) != self.trainer_id:
                 self.stats.other_trainer += 1
