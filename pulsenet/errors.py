@@ -105,6 +105,10 @@ class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
 
 
+class RolloutError(PulsenetError, ValueError):
+    """A rollout batch (Parquet payload or its manifest) is malformed, inconsistent or over a limit."""
+
+
 # --- engines ---------------------------------------------------------------
 
 

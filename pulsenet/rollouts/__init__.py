@@ -1,0 +1,31 @@
+"""The rollout channel (inference -> trainer): signed Parquet batches in each inference node's own
+store. See docs/rollouts.md; key layout in layout.py, manifests in manifest.py."""
+
+from pulsenet.rollouts.intake import (
+    REASONS,
+    IntakeStats,
+    RolloutBatch,
+    RolloutIntake,
+    RolloutIntakeConfig,
+    RolloutSource,
+)
+from pulsenet.rollouts.layout import RolloutLayout
+from pulsenet.rollouts.manifest import BatchManifest, context
+from pulsenet.rollouts.partition import owner
+from pulsenet.rollouts.writer import RolloutWriter, RolloutWriterConfig, WriterStats
+
+__all__ = [
+    "REASONS",
+    "BatchManifest",
+    "IntakeStats",
+    "RolloutBatch",
+    "RolloutIntake",
+    "RolloutIntakeConfig",
+    "RolloutLayout",
+    "RolloutSource",
+    "RolloutWriter",
+    "RolloutWriterConfig",
+    "WriterStats",
+    "context",
+    "owner",
+]

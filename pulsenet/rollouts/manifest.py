@@ -1,0 +1,194 @@
+"""Rollout batch manifests: the inference node's signed statement that a batch exists and what it is.
+
+A manifest is a signed document (``pulsenet.signing``) whose body is::
+
+    {"format": "pulsenet-rollout-manifest", "schema": 1,
+     "node": "inf-0", "seq": 17, "version": 12,
+     "model_digest": "<hex digest of the weights that served every row>",
+     "payload": {"key": "rollouts/batches/v...-inf-0-00000017-<sha16>.parquet", "size": 81234, "sha256": "<hex>"},
+     "rows": 64, "groups": 8, "tokens": 9120,
+     "publisher": "<key id of the signer>", "created": "2025-01-01T00:00:00.000000+00:00"}
+
+It is signed for the context ``context(run, store_url, prefix, node)`` (see there for why), written
+create-only after the payload. Readers accept it only if a key trusted *for that node* signed it,
+``publisher`` is that key, and its node/version/seq are the ones its own key names.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from pulsenet.errors import ManifestError
+from pulsenet.rollouts.layout import MAX_SEQ, MAX_VERSION, NODE, BatchName, RolloutLayout
+from pulsenet.signing import key_id, sign_document, verify_document
+
+FORMAT = "pulsenet-rollout-manifest"
+SCHEMA = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_FIELDS = frozenset(
+    {
+        "format",
+        "schema",
+        "node",
+        "seq",
+        "version",
+        "model_digest",
+        "payload",
+        "rows",
+        "groups",
+        "tokens",
+        "publisher",
+        "created",
+    }
+)
+
+
+def context(run: str, store_url: str, prefix: str, node: str) -> str:
+    """What a batch manifest is signed for: ``rollouts/{run}/{node}@{store_url}/{prefix}``.
+
+    The run keeps a batch of one run out of another under the same keys; the node keeps one site
+    key that signs for several nodes from passing one node's batch off as another's; the store URL
+    and prefix keep a manifest copied into another bucket (or channel) from verifying there.
+    """
+    return f"rollouts/{run}/{node}@{store_url.rstrip('/')}/{prefix}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchRef:
+    """The payload object as the manifest names it."""
+
+    key: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchManifest:
+    """A validated manifest body (see the module docstring for the wire form)."""
+
+    node: str
+    seq: int
+    version: int
+    model_digest: str
+    payload: BatchRef
+    rows: int
+    groups: int
+    tokens: int
+    """Prompt plus completion tokens over all rows."""
+    publisher: str
+    """Key id of the signer."""
+    created: str
+
+    @property
+    def name(self) -> BatchName:
+        return BatchName(self.version, self.node, self.seq)
+
+    def to_body(self) -> dict:
+        return {
+            "format": FORMAT,
+            "schema": SCHEMA,
+            "node": self.node,
+            "seq": self.seq,
+            "version": self.version,
+            "model_digest": self.model_digest,
+            "payload": {"key": self.payload.key, "size": self.payload.size, "sha256": self.payload.sha256},
+            "rows": self.rows,
+            "groups": self.groups,
+            "tokens": self.tokens,
+            "publisher": self.publisher,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping, layout: RolloutLayout) -> BatchManifest:
+        """Validate a body's shape; ManifestError names what is wrong."""
+        try:
+            return _from_body(body, layout)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ManifestError(f"malformed rollout manifest: {type(e).__name__}: {e}") from None
+
+
+def _from_body(body: Mapping, layout: RolloutLayout) -> BatchManifest:
+    if body.get("format") != FORMAT or body.get("schema") != SCHEMA or set(body) != _FIELDS:
+        raise ManifestError(f"not a {FORMAT} v{SCHEMA} manifest (fields {sorted(body)[:20]})")
+    node = body["node"]
+    if not isinstance(node, str) or not NODE.fullmatch(node):
+        raise ManifestError(f"rollout manifest node {str(node)[:80]!r} is not a node id")
+    seq, version = _int(body, "seq", MAX_SEQ), _int(body, "version", MAX_VERSION)
+    p = body["payload"]
+    if not isinstance(p, dict) or set(p) != {"key", "size", "sha256"}:
+        raise ManifestError("rollout manifest payload must be {key, size, sha256}")
+    ref = BatchRef(key=p["key"], size=_int(p, "size", 1 << 62), sha256=p["sha256"])
+    if not _is_hex(ref.sha256) or ref.key != layout.batch(version, node, seq, ref.sha256):
+        raise ManifestError(f"rollout manifest names payload {str(ref.key)[:200]!r}, not its own batch key")
+    if not _is_hex(body["model_digest"]):
+        raise ManifestError("rollout manifest model_digest is not 64 lowercase hex digits")
+    rows, groups, tokens = (_int(body, n, 1 << 62) for n in ("rows", "groups", "tokens"))
+    if not 0 < groups <= rows:
+        raise ManifestError(f"rollout manifest: {groups} groups for {rows} rows")
+    if not isinstance(body["publisher"], str) or not isinstance(body["created"], str):
+        raise ManifestError("rollout manifest publisher and created must be strings")
+    return BatchManifest(
+        node=node,
+        seq=seq,
+        version=version,
+        model_digest=body["model_digest"],
+        payload=ref,
+        rows=rows,
+        groups=groups,
+        tokens=tokens,
+        publisher=body["publisher"],
+        created=body["created"],
+    )
+
+
+def _int(body: Mapping, name: str, most: int) -> int:
+    v = body[name]
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= most:
+        raise ManifestError(f"rollout manifest field {name!r} must be an int in 0..{most}, got {str(v)[:40]}")
+    return v
+
+
+def _is_hex(s: object) -> bool:
+    return isinstance(s, str) and _HEX64.fullmatch(s) is not None
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+
+
+def sign_batch_manifest(manifest: BatchManifest, key: Ed25519PrivateKey, *, context: str) -> bytes:
+    if manifest.publisher != key_id(key.public_key()):
+        raise ManifestError(f"manifest publisher {manifest.publisher!r} is not the signing key")
+    return sign_document(manifest.to_body(), key, context=context)
+
+
+def verify_batch_manifest(
+    data: bytes,
+    trusted: Mapping[str, Ed25519PublicKey],
+    *,
+    context: str,
+    layout: RolloutLayout,
+    name: BatchName | None = None,
+) -> BatchManifest:
+    """A manifest a key in ``trusted`` (the node's own keys) signed for ``context``.
+
+    ``name``: what the object's key says (layout.parse_manifest); a body naming another batch is a
+    copy or a misplaced object: ManifestError. Bad or untrusted signatures: SignatureError.
+    """
+    signed = verify_document(data, trusted, context=context)
+    m = BatchManifest.from_body(signed.body, layout)
+    if m.publisher != signed.signer:
+        raise ManifestError(
+            f"rollout manifest claims publisher {m.publisher!r} but {signed.signer!r} signed it"
+        )
+    if name is not None and m.name != name:
+        raise ManifestError(f"rollout manifest at {name} is signed for {m.name}: copied or misplaced")
+    return m

@@ -1,0 +1,177 @@
+"""Inference side of the rollout channel: upload batches to the node's own store, then sign them.
+
+Per batch: Parquet encode and SHA-256 in a thread, the payload put create-only under its
+content-tagged key, then the signed manifest create-only (layout.py). Nothing is ever overwritten:
+if either key is taken (a restarted node racing its old self, a planted object) the batch moves to
+the next sequence number. ``start()`` continues the sequence from the listing, so a restarted node
+neither reuses a number nor overwrites a batch.
+
+Retention (``retain``): trainers cannot write here (each site writes only its own bucket), so the
+owner cannot learn which batches were consumed; it deletes what nobody may train on any more,
+batches whose version is below ``newest_policy_version - max_staleness``, manifests first so no
+manifest ever names a missing payload. Storage stays bounded by ``max_staleness + 1`` versions of
+batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
+from pulsenet.errors import ConditionFailed, RolloutError
+from pulsenet.rollouts.layout import RolloutLayout, check_node
+from pulsenet.rollouts.manifest import BatchManifest, BatchRef, context, now_iso, sign_batch_manifest
+from pulsenet.signing import key_id
+from pulsenet.store.base import ObjectStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutWriterConfig:
+    run: str = "default"
+    """Run id: part of the signing context, so batches never cross runs."""
+    prefix: str = "rollouts"
+    """Key prefix of the channel inside the node's store (layout.py)."""
+    max_staleness: int = 2
+    """Versions a trainer may lag its rollouts; ``retain`` deletes what is older than that."""
+    zstd_level: int = ZSTD_LEVEL
+    timeout_s: float | None = 30.0
+    """Deadline of each small store call (manifest put, list, delete)."""
+    transfer_timeout_s: float | None = 300.0
+    """Deadline of one payload upload."""
+    taken_retries: int = 8
+    """Sequence numbers tried per batch when keys are already taken."""
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0 or self.taken_retries < 1:
+            raise ValueError("max_staleness must be >= 0 and taken_retries >= 1")
+
+
+@dataclass(slots=True)
+class WriterStats:
+    batches: int = 0
+    rows: int = 0
+    bytes_uploaded: int = 0
+    seq_taken: int = 0
+    """Sequence numbers skipped because a key already existed."""
+    deleted: int = 0
+    """Objects removed by retention."""
+
+
+class RolloutWriter:
+    """Publishes one inference node's rollout batches; ``await start()`` before ``write``."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: Ed25519PrivateKey,
+        node: str,
+        config: RolloutWriterConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.key = key
+        self.key_id = key_id(key.public_key())
+        self.node = check_node(node)
+        self.config = config = config or RolloutWriterConfig()
+        self.layout = RolloutLayout(config.prefix)
+        self.context = context(config.run, store.url, config.prefix, node)
+        self.stats = WriterStats()
+        self.next_seq: int | None = None
+        """Sequence number of the next batch (None before ``start``)."""
+
+    async def start(self) -> None:
+        """Continue the sequence after every batch or manifest of this node already in the store."""
+        seqs = [-1]
+        for prefix, parse in (
+            (self.layout.manifests, self.layout.parse_manifest),
+            (self.layout.batches, self.layout.parse_batch),
+        ):
+            for info in await self.store.list(prefix, timeout=self.config.timeout_s):
+                name = parse(info.key)
+                if name is not None and name.node == self.node:
+                    seqs.append(name.seq)
+        self.next_seq = max(seqs) + 1
+        log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
+
+    async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
+        """Upload one batch (rows of one policy version and digest, sampled by this node)."""
+        if self.next_seq is None:
+            await self.start()
+        if not rows:
+            raise RolloutError("a rollout batch needs at least one row")
+        version, digest = rows[0].version, rows[0].model_digest
+        for r in rows:
+            if r.node != self.node or r.version != version or r.model_digest != digest:
+                raise RolloutError(
+                    f"every row of a batch must be node {self.node!r}, v{version}, digest {digest[:16]}…; "
+                    f"got node {r.node!r}, v{r.version}"
+                )
+        data = await asyncio.to_thread(encode_batch, rows, zstd_level=self.config.zstd_level)
+        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        for _ in range(self.config.taken_retries):
+            seq = self.next_seq or 0
+            self.next_seq = seq + 1
+            key = self.layout.batch(version, self.node, seq, sha)
+            try:
+                await self.store.put(key, data, if_none_match=True, timeout=self.config.transfer_timeout_s)
+            except ConditionFailed:
+                self.stats.seq_taken += 1
+                log.warning("batch key %s exists; moving to the next sequence number", key)
+                continue
+            manifest = BatchManifest(
+                node=self.node,
+                seq=seq,
+                version=version,
+                model_digest=digest,
+                payload=BatchRef(key=key, size=len(data), sha256=sha),
+                rows=len(rows),
+                groups=len({r.group for r in rows}),
+                tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows),
+                publisher=self.key_id,
+                created=now_iso(),
+            )
+            signed = sign_batch_manifest(manifest, self.key, context=self.context)
+            mkey = self.layout.manifest(version, self.node, seq)
+            try:
+                await self.store.put(mkey, signed, if_none_match=True, timeout=self.config.timeout_s)
+            except ConditionFailed:
+                # Our payload put succeeded, so that key was free and is ours alone: remove it.
+                self.stats.seq_taken += 1
+                log.warning("manifest %s exists; moving to the next sequence number", mkey)
+                await self.store.delete([key], timeout=self.config.timeout_s)
+                continue
+            self.stats.batches += 1
+            self.stats.rows += len(rows)
+            self.stats.bytes_uploaded += len(data) + len(signed)
+            return manifest
+        raise ConditionFailed(
+            f"{self.config.taken_retries} sequence numbers in a row were taken in {self.store.url}"
+        )
+
+    async def retain(self, newest_version: int) -> int:
+        """Delete this node's batches no trainer may accept any more (version below
+        ``newest_version - max_staleness``); returns how many objects went."""
+        floor = newest_version - self.config.max_staleness
+        doomed: dict[str, list[str]] = {"manifests": [], "batches": []}
+        for kind, prefix, parse in (
+            ("manifests", self.layout.manifests, self.layout.parse_manifest),
+            ("batches", self.layout.batches, self.layout.parse_batch),
+        ):
+            for info in await self.store.list(prefix, timeout=self.config.timeout_s):
+                name = parse(info.key)
+                if name is not None and name.node == self.node and name.version < floor:
+                    doomed[kind].append(info.key)
+        for kind in ("manifests", "batches"):  # manifests first: none ever names a missing payload
+            await self.store.delete(doomed[kind], timeout=self.config.timeout_s)
+        n = len(doomed["manifests"]) + len(doomed["batches"])
+        self.stats.deleted += n
+        if n:
+            log.info("retention: deleted %d rollout objects of %s below v%d", n, self.node, floor)
+        return n

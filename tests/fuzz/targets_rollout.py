@@ -1,0 +1,236 @@
+"""Fuzz targets of the rollout channel: the Parquet batch decoder and the batch-manifest verify path.
+
+``rollout.batch`` is not exact (the Parquet bytes carry no integrity check of their own: the
+manifest's SHA-256 does that), so a mutated batch may decode to other rows; it must never raise
+anything but a ``RolloutError``. ``rollout.manifest`` is exact: the signature covers the body, so
+whatever still verifies is a body the trusted key signed: one of the seeds' manifests. Not always
+the mutated seed's own: JSON objects may repeat a key (the last one wins), so splicing seed A's
+head onto seed B's tail can carry B's signed body intact, which verifies, correctly, as B.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import struct
+
+from pulsenet.codec.rollout import Rollout, decode_batch, encode_batch
+from pulsenet.rollouts.layout import RolloutLayout
+from pulsenet.rollouts.manifest import (
+    BatchManifest,
+    BatchRef,
+    context,
+    sign_batch_manifest,
+    verify_batch_manifest,
+)
+from pulsenet.signing import key_id, sign_document
+
+_DIGEST = "3f" * 32
+_LAYOUT = RolloutLayout()
+_CONTEXT = context("fuzz", "s3://pulsenet-a/site", _LAYOUT.prefix, "inf-a")
+
+
+@functools.cache
+def _keys() -> tuple:
+    """(trusted signing key, an untrusted one, the trusted map): fixed bytes, so seeds are stable."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.from_private_bytes(bytes(range(32)))
+    other = Ed25519PrivateKey.from_private_bytes(bytes(range(1, 33)))
+    return key, other, {key_id(key.public_key()): key.public_key()}
+
+
+def _rows(seed: int, groups: int, g: int, max_len: int) -> list[Rollout]:
+    rng = random.Random(seed)
+    rows = []
+    for gi in range(groups):
+        prompt = tuple(rng.randrange(1 << 17) for _ in range(rng.randrange(1, max_len)))
+        for _ in range(g):
+            n = rng.randrange(0, max_len)
+            rows.append(
+                Rollout(
+                    group=f"g{seed}-{gi}",
+                    prompt_ids=prompt,
+                    completion_ids=tuple(rng.randrange(1 << 17) for _ in range(n)),
+                    logprobs=tuple(
+                        struct.unpack("f", struct.pack("f", -rng.random() * 8))[0] for _ in range(n)
+                    ),
+                    reward=rng.choice([0.0, 1.0, 0.5]),
+                    version=seed,
+                    model_digest=_DIGEST,
+                    node="inf-a",
+                    seed=rng.randrange(1 << 40),
+                )
+            )
+    return rows
+
+
+def _batch_seeds() -> list[bytes]:
+    return [
+        encode_batch(_rows(1, 1, 1, 4)),
+        encode_batch(_rows(2, 2, 4, 24)),
+        encode_batch(_rows(3, 4, 2, 64)),
+    ]
+
+
+def _decode_batch(data: bytes) -> list[Rollout]:
+    return decode_batch(data, max_rows=256, max_tokens=1 << 16)
+
+
+def _footer_region(data: bytes) -> tuple[int, int]:
+    """(start, end) of the Thrift footer, or the whole input when it cannot be found."""
+    if len(data) >= 12 and data[-4:] == b"PAR1":
+        n = int.from_bytes(data[-8:-4], "little")
+        if 0 < n <= len(data) - 12:
+            return len(data) - 8 - n, len(data) - 8
+    return 0, len(data)
+
+
+def _mutate_footer(data: bytes, rng: random.Random) -> bytes:
+    """Change one byte of the footer (row counts, offsets, sizes, types, key-value metadata)."""
+    start, end = _footer_region(data)
+    if end <= start:
+        return data
+    out = bytearray(data)
+    out[rng.randrange(start, end)] = rng.choice([0x00, 0x7F, 0x80, 0xFF, rng.randrange(256)])
+    return bytes(out)
+
+
+def _mutate_pages(data: bytes, rng: random.Random) -> bytes:
+    """Overwrite a few bytes among the pages (headers, levels, compressed values) with big varints."""
+    start, _ = _footer_region(data)
+    if start <= 4:
+        return data
+    out = bytearray(data)
+    pos = rng.randrange(4, start)
+    patch = rng.choice(
+        [b"\xff\xff\xff\xff\x0f", b"\x80\x80\x80\x80\x10", b"\x00", b"\x15\x00", b"\xfe\xff\xff\x07"]
+    )
+    out[pos : pos + len(patch)] = patch[: max(0, start - pos)]
+    return bytes(out)
+
+
+def _truncate_or_splice(data: bytes, rng: random.Random) -> bytes:
+    """Cut the file, or drop / duplicate a slice of it while keeping the trailing magic."""
+    if len(data) < 16:
+        return data
+    a = rng.randrange(4, len(data) - 8)
+    b = rng.randrange(a, len(data) - 8)
+    choice = rng.randrange(3)
+    if choice == 0:
+        return data[:a]
+    if choice == 1:
+        return data[:a] + data[b:]
+    return data[:b] + data[a:b] + data[b:]
+
+
+def _manifest_seeds() -> list[bytes]:
+    key = _keys()[0]
+    out = []
+    for seq, (version, rows, size) in enumerate([(0, 1, 900), (7, 24, 81234), (123456, 512, 1 << 30)]):
+        sha = f"{seq:02x}" * 32
+        m = BatchManifest(
+            node="inf-a",
+            seq=seq,
+            version=version,
+            model_digest=_DIGEST,
+            payload=BatchRef(key=_LAYOUT.batch(version, "inf-a", seq, sha), size=size, sha256=sha),
+            rows=rows,
+            groups=max(1, rows // 4),
+            tokens=rows * 100,
+            publisher=key_id(key.public_key()),
+            created="2026-01-01T00:00:00.000000+00:00",
+        )
+        out.append(sign_batch_manifest(m, key, context=_CONTEXT))
+    return out
+
+
+def _verify_manifest(data: bytes) -> BatchManifest:
+    return verify_batch_manifest(data, _keys()[2], context=_CONTEXT, layout=_LAYOUT)
+
+
+@functools.cache
+def _signed_manifests() -> tuple[BatchManifest, ...]:
+    return tuple(_verify_manifest(s) for s in _manifest_seeds())
+
+
+def _is_signed_manifest(out: object, _expected: object) -> bool:
+    """Exactness for a signature: the output is a manifest the trusted key signed (module docstring)."""
+    return out in _signed_manifests()
+
+
+_ODD_VALUES = [None, True, -1, 0, 2**63, 1e308, "", "x" * 300, [], {}, "inf-b", "../x", "ab" * 32, [1] * 40]
+
+
+def _mutate_body(data: bytes, rng: random.Random) -> bytes:
+    """Change, drop or add one body field (signature unchanged: must fail), or re-sign the change
+    with an untrusted key, or re-sign the original body for another context."""
+    try:
+        env = json.loads(data)
+        body = env["body"]
+        if not isinstance(body, dict) or not body:
+            return data
+    except (ValueError, KeyError, TypeError):
+        return data
+    name = rng.choice(sorted(body))
+    action = rng.randrange(4)
+    if action == 0:
+        body[name] = rng.choice(_ODD_VALUES)
+    elif action == 1:
+        del body[name]
+    elif action == 2 and isinstance(body.get("payload"), dict):
+        body["payload"][rng.choice(["key", "size", "sha256", "extra"])] = rng.choice(_ODD_VALUES)
+    else:
+        body[f"extra{rng.randrange(3)}"] = rng.choice(_ODD_VALUES)
+    try:
+        if rng.random() < 0.3:
+            return sign_document(body, _keys()[1], context=_CONTEXT)
+        return json.dumps(env, allow_nan=True).encode()
+    except (ValueError, TypeError):
+        return data
+
+
+def _mutate_envelope(data: bytes, rng: random.Random) -> bytes:
+    """Rewrite the envelope: other whitespace and key order (still valid), or a changed context,
+    key id or signature."""
+    try:
+        env = json.loads(data)
+        if not isinstance(env, dict):
+            return data
+    except ValueError:
+        return data
+    action = rng.randrange(4)
+    if action == 0:
+        items = list(env.items())
+        rng.shuffle(items)
+        return json.dumps(dict(items), indent=rng.choice([None, 1, 2])).encode()
+    if action == 1:
+        env["context"] = rng.choice(["", _CONTEXT + "x", "pulsesync/policy", None])
+    elif action == 2:
+        env["key_id"] = rng.choice([key_id(_keys()[1].public_key()), "", None, 5])
+    else:
+        sig = env.get("sig")
+        if isinstance(sig, str) and sig:
+            i = rng.randrange(len(sig))
+            env["sig"] = sig[:i] + rng.choice("AB+/=") + sig[i + 1 :]
+    return json.dumps(env).encode()
+
+
+TARGETS: list[dict] = [
+    {
+        "name": "rollout.batch",
+        "seeds": _batch_seeds,
+        "decode": _decode_batch,
+        "exact": False,
+        "mutators": [_mutate_footer, _mutate_pages, _truncate_or_splice],
+    },
+    {
+        "name": "rollout.manifest",
+        "seeds": _manifest_seeds,
+        "decode": _verify_manifest,
+        "exact": True,
+        "equal": _is_signed_manifest,
+        "mutators": [_mutate_body, _mutate_envelope],
+    },
+]
