@@ -311,3 +311,130 @@ async def test_perturbed_states_round_trip(tmp_path: Path, states: list[dict]) -
     """The synthetic states the retention test uses are valid, distinct versions."""
     chain = perturbed_states(states[0], 3)
     assert len({model_digest(s) for s in chain}) == 3
+
+
+# --- hostile bucket writers (issue 12) --------------------------------------------------------------
+
+
+class CountingStore(LocalStore):
+    """A LocalStore that records what each read actually moved: bytes returned or written per key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.read_bytes: dict[str, int] = {}
+
+    async def _get(self, key: str, byte_range, max_bytes: int | None) -> bytes:
+        data = await super()._get(key, byte_range, max_bytes)
+        self.read_bytes[key] = self.read_bytes.get(key, 0) + len(data)
+        return data
+
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
+        self.read_bytes.setdefault(key, 0)
+        n = await super()._get_file(key, path, max_bytes)
+        self.read_bytes[key] += n
+        return n
+
+
+def _hostile_manifests(key, layout: Layout, version: int) -> list[bytes]:
+    """Objects a bucket writer (or a compromised key, for the signed ones) can put at a manifest key."""
+    kid = key_id(key.public_key())
+    ctx = json.dumps(layout.context)
+    good = _manifest(key, version).to_body()
+    envelope = '{"body": %s, "context": %s, "key_id": "%s", "sig": "AAAA"}'
+    return [
+        f'{{"body": {{}}, "key_id": "{kid}", "x": {"[" * 5000 + "]" * 5000}}}'.encode(),  # deep nesting
+        (envelope % ('{"version": NaN}', ctx, kid)).encode(),
+        (envelope % ('{"version": 1e400}', ctx, kid)).encode(),
+        (envelope % ('{"name": "\\ud800"}', ctx, kid)).encode(),  # a lone surrogate
+        (envelope % ('{"version": 1%s}' % ("0" * 5000), ctx, kid)).encode(),  # a 5000-digit int
+        b"\xff\xfe not utf-8",
+        b"[]",
+        # Signed by the trusted key (a compromised one) but with fields of the wrong type or size:
+        sign_document(good | {"payloads": "xx"}, key, context=layout.context),
+        sign_document(good | {"payloads": [{"role": ["patch"]}]}, key, context=layout.context),
+        sign_document(good | {"payloads": [good["payloads"][0] | {"size": "10"}]}, key, context=layout.context),
+        sign_document(good | {"version": 10**30}, key, context=layout.context),
+        sign_document(good | {"publisher": [kid]}, key, context=layout.context),
+        sign_document(good | {"step": 2**70}, key, context=layout.context),
+        sign_manifest(_manifest(key, version), key, context="pulsesync/default/elsewhere/policy"),
+    ]
+
+
+async def test_planted_manifests_never_block_a_valid_version(tmp_path: Path, states: list[dict]) -> None:
+    store = CountingStore(tmp_path / "store")
+    key, trusted = keypair()
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        for s in states[:3]:
+            await pub.publish_now(s)
+    layout = Layout("policy", store_url=store.url)
+    hostile = _hostile_manifests(key, layout, 50)
+    for i, data in enumerate(hostile):  # every one newer than the valid v2; one of them at the top
+        await store.put(layout.manifest(10 + i), data)
+    await store.put(layout.manifest(999_999_999_999), b"{" * 100_000)
+    await store.delete([layout.head])  # no head to point at v2: the subscriber must find it alone
+    async with Subscriber(store, trusted, SubscriberConfig(max_targets=1)) as sub:
+        assert await sub.sync_once() == 2  # one round, though max_targets=1 and 15 junk objects sit above
+        assert sub.digest == model_digest(states[2])
+        assert sub.stats.manifests_rejected == len(hostile) + 1
+        reads = dict(store.read_bytes)
+        assert await sub.sync_once() is None  # refused objects are remembered, not fetched again
+        assert store.read_bytes == reads and sub.stats.manifests_rejected == len(hostile) + 1
+        await store.put(layout.manifest(10), b"changed")  # a changed object (new ETag) is looked at again
+        with pytest.raises(ManifestError):
+            await sub.sync_once()
+        assert sub.stats.manifests_rejected == len(hostile) + 2 and sub.version == 2
+
+
+def test_every_hostile_manifest_is_a_manifest_error() -> None:
+    key, trusted = keypair()
+    layout = Layout("policy", store_url="s3://bucket/prefix/")
+    for data in _hostile_manifests(key, layout, 50):
+        with pytest.raises(ManifestError) as e:
+            verify_manifest(data, trusted, context=layout.context, key_version=50)
+        assert len(str(e.value)) < 600  # hostile values are not echoed whole into logs
+
+
+async def test_planted_version_names_never_stop_the_publisher(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    cfg = PublisherConfig(anchor_every=100)
+    async with Publisher(store, key, cfg) as pub:
+        await pub.publish_now(states[0])
+        await store.put(layout.manifest(999_999_999_999), b"unsigned")  # the highest name there is
+        await store.put(layout.manifest(1), b"unsigned")  # the number it would take next
+        assert (await pub.publish_now(states[1])).version == 2  # a running publisher skips the taken v1
+    async with Publisher(store, key, cfg) as again:  # a restarted one resumes from its own newest, v2
+        assert again.version == 2 and again.digest == model_digest(states[1])
+        other, _ = keypair()  # a key nobody trusts, and the next number taken with it
+        await store.put(layout.manifest(3), sign_manifest(_manifest(other, 3), other, context=layout.context))
+        assert (await again.publish_now(states[2])).version == 4
+        assert (await again.publish_now(states[3])).version == 5
+    async with Subscriber(store, trusted) as sub:
+        assert await sub.sync_once() == 5 and sub.digest == model_digest(states[3])
+
+
+async def test_oversized_objects_are_never_downloaded(tmp_path: Path, states: list[dict]) -> None:
+    store = CountingStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(states[0])
+        await pub.publish_now(states[1])
+        patch = (await pub._reader.get(1)).patch
+    assert patch is not None and patch.size < 1 << 20
+    big = b"x" * (4 << 20)
+    await store.put(layout.manifest(7), big)  # a 4 MB "manifest", listed as such
+    await store.put(patch.key, big)  # v1's 30 KB patch swapped for 4 MB
+    cfg = SubscriberConfig(max_manifest_bytes=64 << 10)
+    async with Subscriber(store, trusted, cfg) as sub:
+        # v7 is refused from its listed size, v1 cannot be built: the subscriber settles for v0.
+        assert await sub.sync_once() == 0
+        assert layout.manifest(7) not in store.read_bytes  # never even requested
+        assert store.read_bytes[patch.key] == 0  # refused from its size before a byte was written
+        assert sub.stats.manifests_rejected == 1 and sub.stats.payloads_rejected == 1
+        assert not any(p.stat().st_size > patch.size for p in sub.cache.root.iterdir())
+        # A fetch that does not know the listed size (a chain walk) is capped all the same.
+        with pytest.raises(ManifestError, match="limit"):
+            await sub._reader.get(7)
+        assert store.read_bytes.get(layout.manifest(7), 0) <= (64 << 10) + 1
