@@ -438,3 +438,37 @@ async def test_oversized_objects_are_never_downloaded(tmp_path: Path, states: li
         with pytest.raises(ManifestError, match="limit"):
             await sub._reader.get(7)
         assert store.read_bytes.get(layout.manifest(7), 0) <= (64 << 10) + 1
+
+
+async def test_head_record_alarms_on_deleted_stale_and_replayed_heads(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(states[0])
+        head_v0 = await store.get(layout.head)
+        for s in states[1:3]:
+            await pub.publish_now(s)
+        async with Subscriber(store, trusted, SubscriberConfig(head_max_age_s=0.5)) as sub:
+            assert await sub.sync_once() == 2
+            st = sub.stats
+            assert (st.head_version, st.head_stale, st.head_missing_version, st.head_alarms) == (2, False, None, 0)
+            await store.put(layout.head, head_v0)  # an old signed head copied back: a replay
+            assert await sub.sync_once() is None
+            assert st.heads_rejected == 1 and st.head_alarms == 1 and st.head_version == 2
+            await asyncio.sleep(0.6)  # no new version, no head refresh: the head goes stale
+            await sub.sync_once()
+            assert st.head_stale and st.head_alarms >= 2
+            await pub.write_head()  # the publisher refreshes it: fresh again
+            await sub.sync_once()
+            assert not sub.stats.head_stale
+            await store.delete([layout.head])
+            await sub.sync_once()  # a head seen before and now gone is an alarm too
+            assert st.head_stale
+    # Whoever can delete removes the two newest manifests: a subscriber with no state would settle
+    # for v0 unnoticed. The head still names v2, whose manifest is gone: alarm, count, keep serving.
+    await pub.write_head()
+    await store.delete([layout.manifest(2), layout.manifest(1)])
+    async with Subscriber(store, trusted) as late:
+        assert await late.sync_once() == 0
+        assert late.stats.head_missing_version == 2 and late.stats.head_alarms == 1
