@@ -472,3 +472,27 @@ async def test_head_record_alarms_on_deleted_stale_and_replayed_heads(tmp_path: 
     async with Subscriber(store, trusted) as late:
         assert await late.sync_once() == 0
         assert late.stats.head_missing_version == 2 and late.stats.head_alarms == 1
+
+
+async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, states: list[dict]) -> None:
+    from safetensors.torch import save_file
+
+    state, digest = states[1], model_digest(states[1])
+    meta = {"pulsenet.format": localstate.META_FORMAT, "pulsenet.digest": digest}
+    for version in ("-5", "1" + "0" * 5000, "٣", "3 "):  # negative, huge, a non-ASCII digit, padded
+        save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=meta | {"pulsenet.version": version})
+        with pytest.raises(VerificationError):
+            localstate.load(tmp_path)
+    localstate.save(tmp_path, 7, digest, state, channel="policy")
+    for bad in (b"[" * 100_000, b'{"version": 1' + b"0" * 5000 + b"}", b"\xff", b'{"version": "7"}', b"x" * 100_000):
+        (tmp_path / localstate.INFO).write_bytes(bad)
+        with pytest.raises(VerificationError):
+            localstate.read_info(tmp_path)
+    # A subscriber resuming from that directory rewrites the record instead of crashing.
+    store = LocalStore(tmp_path / "store")
+    _, trusted = keypair()
+    async with Subscriber(store, trusted, SubscriberConfig(state_dir=tmp_path)) as sub:
+        assert sub.resumed_from == 7
+    assert localstate.read_info(tmp_path) == {
+        "version": 7, "digest": digest, "channel": "policy", "updated": localstate.read_info(tmp_path)["updated"]
+    }
