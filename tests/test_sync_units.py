@@ -480,9 +480,17 @@ async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, s
     state, digest = states[1], model_digest(states[1])
     meta = {"pulsenet.format": localstate.META_FORMAT, "pulsenet.digest": digest}
     for version in ("-5", "1" + "0" * 5000, "٣", "3 "):  # negative, huge, a non-ASCII digit, padded
-        save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=meta | {"pulsenet.version": version})
+        check = localstate._check(version, digest)
+        save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=meta | {"pulsenet.version": version, "pulsenet.check": check})
         with pytest.raises(VerificationError):
             localstate.load(tmp_path)
+    # A corrupted version number (7 -> 6, one bit) is caught by the header check, not resumed from.
+    good = meta | {"pulsenet.version": "7", "pulsenet.check": localstate._check("7", digest)}
+    save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=good)
+    assert localstate.load(tmp_path).version == 7
+    save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=good | {"pulsenet.version": "6"})
+    with pytest.raises(VerificationError, match="check"):
+        localstate.load(tmp_path)
     localstate.save(tmp_path, 7, digest, state, channel="policy")
     for bad in (b"[" * 100_000, b'{"version": 1' + b"0" * 5000 + b"}", b"\xff", b'{"version": "7"}', b"x" * 100_000):
         (tmp_path / localstate.INFO).write_bytes(bad)

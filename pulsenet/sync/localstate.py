@@ -11,12 +11,14 @@ crash leaves the old file or the new one, never a mix. ``version.json`` is writt
 may lag by one version after a crash; it is rewritten from the weights file on the next start.
 
 On load the metadata is never trusted on its own: the values are hashed and must give the recorded
-digest, or the state is refused (VerificationError) and the subscriber starts from an anchor. Any
+digest, and the version must match the header's check value (a SHA-256 over format, version and
+digest: it catches a corrupted version number, which no digest covers), or the state is refused (VerificationError) and the subscriber starts from an anchor. Any
 malformed file (either one) ends in a VerificationError, never another exception.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from collections.abc import Mapping
@@ -59,14 +61,20 @@ def read_version(directory: Path) -> tuple[int, str] | None:
             meta = f.metadata() or {}
         if meta.get("pulsenet.format") != META_FORMAT:
             return None
-        version, digest = meta["pulsenet.version"], meta["pulsenet.digest"]
+        version, digest, check = meta["pulsenet.version"], meta["pulsenet.digest"], meta["pulsenet.check"]
     except (SafetensorError, KeyError, ValueError, OSError) as e:
         raise VerificationError(f"{path} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
     if not (isinstance(version, str) and re.fullmatch(r"[0-9]{1,12}", version)) or not (
         isinstance(digest, str) and _HEX64.fullmatch(digest)
     ):
         raise VerificationError(f"{path} has a malformed version or digest in its header")
+    if check != _check(version, digest):
+        raise VerificationError(f"{path}: the header's version and digest do not match its check value")
     return int(version), digest
+
+
+def _check(version: str, digest: str) -> str:
+    return hashlib.sha256(f"{META_FORMAT}\n{version}\n{digest}".encode()).hexdigest()[:32]
 
 
 def load(directory: Path, *, threads: int = 2) -> LocalState | None:
@@ -100,7 +108,12 @@ def save(
     directory = Path(directory)
     names = sorted(state, key=lambda n: n.encode("utf-8"))
     meta = {n: (dtype_name(state[n].dtype), tuple(state[n].shape)) for n in names}
-    metadata = {"pulsenet.format": META_FORMAT, "pulsenet.version": str(version), "pulsenet.digest": digest}
+    metadata = {
+        "pulsenet.format": META_FORMAT,
+        "pulsenet.version": str(version),
+        "pulsenet.digest": digest,
+        "pulsenet.check": _check(str(version), digest),
+    }
     write_safetensors(directory / WEIGHTS, meta, ((n, state[n]) for n in names), metadata=metadata)
     write_info(directory, version, digest, channel=channel)
 
