@@ -216,13 +216,34 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from pulsenet.errors import ManifestError, ObjectNotFound, ObjectTooLarge
-    from pulsenet.signing import trusted_keys
+    from pulsenet.signing import parse_envelope, trusted_keys
     from pulsenet.sync.layout import Layout
-    from pulsenet.sync.manifest import MAX_MANIFEST, read_manifest_unverified, verify_manifest
+    from pulsenet.sync.manifest import (
+        MAX_HEAD,
+        MAX_MANIFEST,
+        Head,
+        read_manifest_unverified,
+        verify_head,
+        verify_manifest,
+    )
 
     trusted = trusted_keys(args.trust) if args.trust else None
 
-    async def go() -> tuple[list[dict], int, int]:
+    async def head_row(store, layout: Layout) -> dict | None:
+        try:
+            data = await store.get(layout.head, timeout=args.timeout, max_bytes=MAX_HEAD)
+            head = (
+                verify_head(data, trusted, context=layout.context)
+                if trusted
+                else Head.from_body(parse_envelope(data)["body"])
+            )
+        except ObjectNotFound:
+            return None
+        except (ManifestError, ObjectTooLarge) as e:
+            return {"verified": False, "error": f"{type(e).__name__}: {e}"}
+        return {"version": head.version, "time_ms": head.time_ms, "verified": bool(trusted)}
+
+    async def go() -> tuple[list[dict], int, int, dict | None]:
         async with _open(args) as store:
             layout = Layout(args.channel, run=args.run, store_url=store.url)
             infos = await store.list(f"{layout.channel}/", timeout=args.timeout)
@@ -260,15 +281,12 @@ def _ls(args: argparse.Namespace) -> int:
                     publisher=m.publisher,
                 )
                 rows.append(row)
-            return rows, len(infos), sum(i.size for i in infos)
+            return rows, len(infos), sum(i.size for i in infos), await head_row(store, layout)
 
-    rows, count, total = asyncio.run(go())
+    rows, count, total, head = asyncio.run(go())
     if args.json:
-        print(
-            json.dumps(
-                {"channel": args.channel, "objects": count, "bytes": total, "versions": rows}, indent=1
-            )
-        )
+        doc = {"channel": args.channel, "run": args.run, "objects": count, "bytes": total, "head": head, "versions": rows}
+        print(json.dumps(doc, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -307,7 +325,14 @@ def _ls(args: argparse.Namespace) -> int:
             r["created"][:19],
             "verified" if r["verified"] else "not checked",
         )
-    Console(width=max(Console().width, 150)).print(table)
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    if head is not None:
+        console.print(
+            f"head: {head['error']}"
+            if "error" in head
+            else f"head: v{head['version']} at {head['time_ms']} ms ({'verified' if head['verified'] else 'not checked'})"
+        )
     return 0
 
 
