@@ -504,3 +504,15 @@ async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, s
     assert localstate.read_info(tmp_path) == {
         "version": 7, "digest": digest, "channel": "policy", "updated": localstate.read_info(tmp_path)["updated"]
     }
+
+
+def test_keygen_never_overwrites_a_key(tmp_path: Path) -> None:
+    from pulsenet.errors import ConfigError
+    from pulsenet.signing import generate_keypair
+
+    kid = generate_keypair(tmp_path / "k")
+    pub = (tmp_path / "k.pub").read_bytes()
+    (tmp_path / "k").unlink()  # even with the private half gone, its public half is someone's trust root
+    with pytest.raises(ConfigError, match="already exists"):
+        generate_keypair(tmp_path / "k")
+    assert (tmp_path / "k.pub").read_bytes() == pub and not (tmp_path / "k").exists() and kid
