@@ -371,8 +371,9 @@ async def test_retention_bounds_objects_over_100_versions(s3_factory: StoreFacto
     states = perturbed_states(train_states(1)[0], 100, fraction=0.005)
     key, trusted = keypair()
     store = s3_factory()
-    # Per version a manifest and a patch, plus an anchor every k: at most keep*k versions are live.
-    bound = 2 * keep * k + keep
+    # Per version a manifest and a patch, plus an anchor every k: at most keep*k versions are live;
+    # plus the head record.
+    bound = 2 * keep * k + keep + 1
     counts = []
     async with Publisher(store, key, PublisherConfig(anchor_every=k, keep_anchors=keep)) as pub:
         for i, s in enumerate(states):
