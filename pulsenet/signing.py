@@ -110,7 +110,7 @@ def canonical(body: Mapping) -> bytes:
     try:
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except (ValueError, TypeError, RecursionError) as e:  # NaN, lone surrogates (UnicodeEncodeError), depth
-        raise ManifestError(f"document body cannot be encoded canonically: {type(e).__name__}: {e}") from None
+        raise ManifestError(f"document body cannot be encoded canonically: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def sign_document(body: Mapping, key: Ed25519PrivateKey, *, context: str) -> bytes:
@@ -134,9 +134,9 @@ def verify_document(data: bytes, trusted: Mapping[str, Ed25519PublicKey], *, con
         raise ManifestError(f"signed document's signature is not base64: {e}") from None
     key = trusted.get(kid) if isinstance(kid, str) else None
     if key is None:
-        raise SignatureError(f"document signed by untrusted key {kid!r}")
+        raise SignatureError(f"document signed by untrusted key {_short(kid)}")
     if env.get("context") != context:
-        raise SignatureError(f"document signed for context {env.get('context')!r}, expected {context!r}")
+        raise SignatureError(f"document signed for context {_short(env.get('context'), 300)}, expected {context!r}")
     try:
         key.verify(sig, _message(context, canonical(env["body"])))
     except InvalidSignature:
@@ -163,11 +163,17 @@ def parse_envelope(data: bytes) -> dict[str, Any]:
 
 def _message(context: str, body: bytes) -> bytes:
     if not isinstance(context, str) or "\n" in context:
-        raise ManifestError(f"signing context must be a one-line string, got {context!r}")
+        raise ManifestError(f"signing context must be a one-line string, got {_short(context)}")
     try:
         return DOMAIN + context.encode() + b"\n" + body
     except UnicodeEncodeError as e:
         raise ManifestError(f"signing context is not valid text: {e}") from None
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """A bounded repr for error messages: hostile values must not flood a log."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}… ({len(r)} chars)"
 
 
 def _reject_constant(name: str) -> None:

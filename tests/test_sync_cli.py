@@ -84,6 +84,11 @@ def test_publish_pull_follow_and_refuse(
     assert r.stdout.split() == ["v0", digests[0]]
     assert model_digest(Checkpoint(out / "model.safetensors")) == digests[0]
 
+    # The same store and key under another run name (--run, or PULSENET_RUN) verifies nothing.
+    r = _cli([*pull, "--out", str(tmp_path / "other-run")], reader | {"PULSENET_RUN": "other"})
+    assert r.returncode != 0 and "signed for context" in r.stderr, r.stderr
+    assert not (tmp_path / "other-run" / "model.safetensors").exists()
+
     # --follow picks up a version published by another process, then stops cleanly on SIGTERM.
     followed = tmp_path / "followed"
     follow = subprocess.Popen(
@@ -167,7 +172,8 @@ def test_ls_prints_versions(
         (0, "anchor", True),
         (1, "patch", True),
     ]
-    assert doc["objects"] == 4 and doc["versions"][1]["ratio"] > 0
+    assert doc["objects"] == 5 and doc["versions"][1]["ratio"] > 0  # 2 manifests, 2 payloads, the head
+    assert doc["head"] == {"version": 1, "time_ms": doc["head"]["time_ms"], "verified": True}
     assert main(["ls", "--store", url]) == 0
     table = capsys.readouterr().out
     assert "anchor" in table and "not checked" in table

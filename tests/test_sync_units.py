@@ -311,3 +311,208 @@ async def test_perturbed_states_round_trip(tmp_path: Path, states: list[dict]) -
     """The synthetic states the retention test uses are valid, distinct versions."""
     chain = perturbed_states(states[0], 3)
     assert len({model_digest(s) for s in chain}) == 3
+
+
+# --- hostile bucket writers (issue 12) --------------------------------------------------------------
+
+
+class CountingStore(LocalStore):
+    """A LocalStore that records what each read actually moved: bytes returned or written per key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.read_bytes: dict[str, int] = {}
+
+    async def _get(self, key: str, byte_range, max_bytes: int | None) -> bytes:
+        data = await super()._get(key, byte_range, max_bytes)
+        self.read_bytes[key] = self.read_bytes.get(key, 0) + len(data)
+        return data
+
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
+        self.read_bytes.setdefault(key, 0)
+        n = await super()._get_file(key, path, max_bytes)
+        self.read_bytes[key] += n
+        return n
+
+
+def _hostile_manifests(key, layout: Layout, version: int) -> list[bytes]:
+    """Objects a bucket writer (or a compromised key, for the signed ones) can put at a manifest key."""
+    kid = key_id(key.public_key())
+    ctx = json.dumps(layout.context)
+    good = _manifest(key, version).to_body()
+    envelope = '{"body": %s, "context": %s, "key_id": "%s", "sig": "AAAA"}'
+    return [
+        f'{{"body": {{}}, "key_id": "{kid}", "x": {"[" * 5000 + "]" * 5000}}}'.encode(),  # deep nesting
+        (envelope % ('{"version": NaN}', ctx, kid)).encode(),
+        (envelope % ('{"version": 1e400}', ctx, kid)).encode(),
+        (envelope % ('{"name": "\\ud800"}', ctx, kid)).encode(),  # a lone surrogate
+        (envelope % ('{"version": 1%s}' % ("0" * 5000), ctx, kid)).encode(),  # a 5000-digit int
+        b"\xff\xfe not utf-8",
+        b"[]",
+        # Signed by the trusted key (a compromised one) but with fields of the wrong type or size:
+        sign_document(good | {"payloads": "xx"}, key, context=layout.context),
+        sign_document(good | {"payloads": [{"role": ["patch"]}]}, key, context=layout.context),
+        sign_document(good | {"payloads": [good["payloads"][0] | {"size": "10"}]}, key, context=layout.context),
+        sign_document(good | {"version": 10**30}, key, context=layout.context),
+        sign_document(good | {"publisher": [kid]}, key, context=layout.context),
+        sign_document(good | {"step": 2**70}, key, context=layout.context),
+        sign_manifest(_manifest(key, version), key, context="pulsesync/default/elsewhere/policy"),
+    ]
+
+
+async def test_planted_manifests_never_block_a_valid_version(tmp_path: Path, states: list[dict]) -> None:
+    store = CountingStore(tmp_path / "store")
+    key, trusted = keypair()
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        for s in states[:3]:
+            await pub.publish_now(s)
+    layout = Layout("policy", store_url=store.url)
+    hostile = _hostile_manifests(key, layout, 50)
+    for i, data in enumerate(hostile):  # every one newer than the valid v2; one of them at the top
+        await store.put(layout.manifest(10 + i), data)
+    await store.put(layout.manifest(999_999_999_999), b"{" * 100_000)
+    await store.delete([layout.head])  # no head to point at v2: the subscriber must find it alone
+    async with Subscriber(store, trusted, SubscriberConfig(max_targets=1)) as sub:
+        assert await sub.sync_once() == 2  # one round, though max_targets=1 and 15 junk objects sit above
+        assert sub.digest == model_digest(states[2])
+        assert sub.stats.manifests_rejected == len(hostile) + 1
+        reads = dict(store.read_bytes)
+        assert await sub.sync_once() is None  # refused objects are remembered, not fetched again
+        assert store.read_bytes == reads and sub.stats.manifests_rejected == len(hostile) + 1
+        await store.put(layout.manifest(10), b"changed")  # a changed object (new ETag) is looked at again
+        with pytest.raises(ManifestError):
+            await sub.sync_once()
+        assert sub.stats.manifests_rejected == len(hostile) + 2 and sub.version == 2
+
+
+def test_every_hostile_manifest_is_a_manifest_error() -> None:
+    key, trusted = keypair()
+    layout = Layout("policy", store_url="s3://bucket/prefix/")
+    for data in _hostile_manifests(key, layout, 50):
+        with pytest.raises(ManifestError) as e:
+            verify_manifest(data, trusted, context=layout.context, key_version=50)
+        assert len(str(e.value)) < 600  # hostile values are not echoed whole into logs
+
+
+async def test_planted_version_names_never_stop_the_publisher(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    cfg = PublisherConfig(anchor_every=100)
+    async with Publisher(store, key, cfg) as pub:
+        await pub.publish_now(states[0])
+        await store.put(layout.manifest(999_999_999_999), b"unsigned")  # the highest name there is
+        await store.put(layout.manifest(1), b"unsigned")  # the number it would take next
+        assert (await pub.publish_now(states[1])).version == 2  # a running publisher skips the taken v1
+    async with Publisher(store, key, cfg) as again:  # a restarted one resumes from its own newest, v2
+        assert again.version == 2 and again.digest == model_digest(states[1])
+        other, _ = keypair()  # a key nobody trusts, and the next number taken with it
+        await store.put(layout.manifest(3), sign_manifest(_manifest(other, 3), other, context=layout.context))
+        assert (await again.publish_now(states[2])).version == 4
+        assert (await again.publish_now(states[3])).version == 5
+    async with Subscriber(store, trusted) as sub:
+        assert await sub.sync_once() == 5 and sub.digest == model_digest(states[3])
+
+
+async def test_oversized_objects_are_never_downloaded(tmp_path: Path, states: list[dict]) -> None:
+    store = CountingStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(states[0])
+        await pub.publish_now(states[1])
+        patch = (await pub._reader.get(1)).patch
+    assert patch is not None and patch.size < 1 << 20
+    big = b"x" * (4 << 20)
+    await store.put(layout.manifest(7), big)  # a 4 MB "manifest", listed as such
+    await store.put(patch.key, big)  # v1's 30 KB patch swapped for 4 MB
+    cfg = SubscriberConfig(max_manifest_bytes=64 << 10)
+    async with Subscriber(store, trusted, cfg) as sub:
+        # v7 is refused from its listed size, v1 cannot be built: the subscriber settles for v0.
+        assert await sub.sync_once() == 0
+        assert layout.manifest(7) not in store.read_bytes  # never even requested
+        assert store.read_bytes[patch.key] == 0  # refused from its size before a byte was written
+        assert sub.stats.manifests_rejected == 1 and sub.stats.payloads_rejected == 1
+        assert not any(p.stat().st_size > patch.size for p in sub.cache.root.iterdir())
+        # A fetch that does not know the listed size (a chain walk) is capped all the same.
+        with pytest.raises(ManifestError, match="limit"):
+            await sub._reader.get(7)
+        assert store.read_bytes.get(layout.manifest(7), 0) <= (64 << 10) + 1
+
+
+async def test_head_record_alarms_on_deleted_stale_and_replayed_heads(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(states[0])
+        head_v0 = await store.get(layout.head)
+        for s in states[1:3]:
+            await pub.publish_now(s)
+        async with Subscriber(store, trusted, SubscriberConfig(head_max_age_s=0.5)) as sub:
+            assert await sub.sync_once() == 2
+            st = sub.stats
+            assert (st.head_version, st.head_stale, st.head_missing_version, st.head_alarms) == (2, False, None, 0)
+            await store.put(layout.head, head_v0)  # an old signed head copied back: a replay
+            assert await sub.sync_once() is None
+            assert st.heads_rejected == 1 and st.head_alarms == 1 and st.head_version == 2
+            await asyncio.sleep(0.6)  # no new version, no head refresh: the head goes stale
+            await sub.sync_once()
+            assert st.head_stale and st.head_alarms >= 2
+            await pub.write_head()  # the publisher refreshes it: fresh again
+            await sub.sync_once()
+            assert not sub.stats.head_stale
+            await store.delete([layout.head])
+            await sub.sync_once()  # a head seen before and now gone is an alarm too
+            assert st.head_stale
+    # Whoever can delete removes the two newest manifests: a subscriber with no state would settle
+    # for v0 unnoticed. The head still names v2, whose manifest is gone: alarm, count, keep serving.
+    await pub.write_head()
+    await store.delete([layout.manifest(2), layout.manifest(1)])
+    async with Subscriber(store, trusted) as late:
+        assert await late.sync_once() == 0
+        assert late.stats.head_missing_version == 2 and late.stats.head_alarms == 1
+
+
+async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, states: list[dict]) -> None:
+    from safetensors.torch import save_file
+
+    state, digest = states[1], model_digest(states[1])
+    meta = {"pulsenet.format": localstate.META_FORMAT, "pulsenet.digest": digest}
+    for version in ("-5", "1" + "0" * 5000, "٣", "3 "):  # negative, huge, a non-ASCII digit, padded
+        check = localstate._check(version, digest)
+        save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=meta | {"pulsenet.version": version, "pulsenet.check": check})
+        with pytest.raises(VerificationError):
+            localstate.load(tmp_path)
+    # A corrupted version number (7 -> 6, one bit) is caught by the header check, not resumed from.
+    good = meta | {"pulsenet.version": "7", "pulsenet.check": localstate._check("7", digest)}
+    save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=good)
+    assert localstate.load(tmp_path).version == 7
+    save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=good | {"pulsenet.version": "6"})
+    with pytest.raises(VerificationError, match="check"):
+        localstate.load(tmp_path)
+    localstate.save(tmp_path, 7, digest, state, channel="policy")
+    for bad in (b"[" * 100_000, b'{"version": 1' + b"0" * 5000 + b"}", b"\xff", b'{"version": "7"}', b"x" * 100_000):
+        (tmp_path / localstate.INFO).write_bytes(bad)
+        with pytest.raises(VerificationError):
+            localstate.read_info(tmp_path)
+    # A subscriber resuming from that directory rewrites the record instead of crashing.
+    store = LocalStore(tmp_path / "store")
+    _, trusted = keypair()
+    async with Subscriber(store, trusted, SubscriberConfig(state_dir=tmp_path)) as sub:
+        assert sub.resumed_from == 7
+    assert localstate.read_info(tmp_path) == {
+        "version": 7, "digest": digest, "channel": "policy", "updated": localstate.read_info(tmp_path)["updated"]
+    }
+
+
+def test_keygen_never_overwrites_a_key(tmp_path: Path) -> None:
+    from pulsenet.errors import ConfigError
+    from pulsenet.signing import generate_keypair
+
+    kid = generate_keypair(tmp_path / "k")
+    pub = (tmp_path / "k.pub").read_bytes()
+    (tmp_path / "k").unlink()  # even with the private half gone, its public half is someone's trust root
+    with pytest.raises(ConfigError, match="already exists"):
+        generate_keypair(tmp_path / "k")
+    assert (tmp_path / "k.pub").read_bytes() == pub and not (tmp_path / "k").exists() and kid

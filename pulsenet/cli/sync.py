@@ -102,6 +102,11 @@ def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", required=True, metavar="URL", help="s3://bucket[/prefix] or file:///path")
     p.add_argument("--channel", default="policy", help="policy stream inside the store (default: policy)")
     p.add_argument(
+        "--run",
+        default="default",
+        help="run name, part of what manifests are signed for: publisher and readers must agree (default: default)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=60.0, metavar="S", help="deadline of each small store call"
     )
 
@@ -130,6 +135,7 @@ def _publish(args: argparse.Namespace) -> int:
         state[name] = t.to(torch.bfloat16) if args.dtype == "bf16" and t.is_floating_point() else t
     config = PublisherConfig(
         channel=args.channel,
+        run=args.run,
         anchor_every=args.anchor_every,
         keep_anchors=args.keep_anchors or None,
         threads=args.threads,
@@ -171,6 +177,7 @@ def _pull(args: argparse.Namespace) -> int:
     trusted = trusted_keys(args.trust)
     config = SubscriberConfig(
         channel=args.channel,
+        run=args.run,
         interval_s=args.interval,
         state_dir=args.out,
         cache_dir=args.cache or default_cache(args.store, args.channel, args.out),
@@ -208,16 +215,37 @@ def _pull(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from pulsenet.errors import ManifestError, ObjectNotFound
-    from pulsenet.signing import trusted_keys
+    from pulsenet.errors import ManifestError, ObjectNotFound, ObjectTooLarge
+    from pulsenet.signing import parse_envelope, trusted_keys
     from pulsenet.sync.layout import Layout
-    from pulsenet.sync.manifest import read_manifest_unverified, verify_manifest
+    from pulsenet.sync.manifest import (
+        MAX_HEAD,
+        MAX_MANIFEST,
+        Head,
+        read_manifest_unverified,
+        verify_head,
+        verify_manifest,
+    )
 
-    layout = Layout(args.channel)
     trusted = trusted_keys(args.trust) if args.trust else None
 
-    async def go() -> tuple[list[dict], int, int]:
+    async def head_row(store, layout: Layout) -> dict | None:
+        try:
+            data = await store.get(layout.head, timeout=args.timeout, max_bytes=MAX_HEAD)
+            head = (
+                verify_head(data, trusted, context=layout.context)
+                if trusted
+                else Head.from_body(parse_envelope(data)["body"])
+            )
+        except ObjectNotFound:
+            return None
+        except (ManifestError, ObjectTooLarge) as e:
+            return {"verified": False, "error": f"{type(e).__name__}: {e}"}
+        return {"version": head.version, "time_ms": head.time_ms, "verified": bool(trusted)}
+
+    async def go() -> tuple[list[dict], int, int, dict | None]:
         async with _open(args) as store:
+            layout = Layout(args.channel, run=args.run, store_url=store.url)
             infos = await store.list(f"{layout.channel}/", timeout=args.timeout)
             rows = []
             for info in infos:
@@ -226,14 +254,16 @@ def _ls(args: argparse.Namespace) -> int:
                     continue
                 row: dict = {"version": v, "key": info.key}
                 try:
-                    data = await store.get(info.key, timeout=args.timeout)
+                    if info.size > MAX_MANIFEST:
+                        raise ManifestError(f"{info.size} bytes, over the {MAX_MANIFEST}-byte manifest limit")
+                    data = await store.get(info.key, timeout=args.timeout, max_bytes=MAX_MANIFEST)
                     m = (
                         verify_manifest(data, trusted, context=layout.context, key_version=v)
                         if trusted
                         else read_manifest_unverified(data)
                     )
                     row["verified"] = bool(trusted)
-                except (ManifestError, ObjectNotFound) as e:
+                except (ManifestError, ObjectNotFound, ObjectTooLarge) as e:
                     row.update(verified=False, error=f"{type(e).__name__}: {e}")
                     rows.append(row)
                     continue
@@ -251,15 +281,12 @@ def _ls(args: argparse.Namespace) -> int:
                     publisher=m.publisher,
                 )
                 rows.append(row)
-            return rows, len(infos), sum(i.size for i in infos)
+            return rows, len(infos), sum(i.size for i in infos), await head_row(store, layout)
 
-    rows, count, total = asyncio.run(go())
+    rows, count, total, head = asyncio.run(go())
     if args.json:
-        print(
-            json.dumps(
-                {"channel": args.channel, "objects": count, "bytes": total, "versions": rows}, indent=1
-            )
-        )
+        doc = {"channel": args.channel, "run": args.run, "objects": count, "bytes": total, "head": head, "versions": rows}
+        print(json.dumps(doc, indent=1))
         return 0
     from rich.console import Console
     from rich.table import Table
@@ -298,7 +325,14 @@ def _ls(args: argparse.Namespace) -> int:
             r["created"][:19],
             "verified" if r["verified"] else "not checked",
         )
-    Console(width=max(Console().width, 150)).print(table)
+    console = Console(width=max(Console().width, 150))
+    console.print(table)
+    if head is not None:
+        console.print(
+            f"head: {head['error']}"
+            if "error" in head
+            else f"head: v{head['version']} at {head['time_ms']} ms ({'verified' if head['verified'] else 'not checked'})"
+        )
     return 0
 
 

@@ -28,11 +28,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
-from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
+from pulsenet.errors import (
+    ManifestError,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PatchError,
+    ReplayError,
+    VerificationError,
+)
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
 from pulsenet.sync.layout import Layout
-from pulsenet.sync.manifest import Manifest, PayloadRef, verify_manifest
+from pulsenet.sync.manifest import MAX_MANIFEST, Manifest, PayloadRef, verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +87,9 @@ class ManifestReader:
     trusted: Mapping[str, Ed25519PublicKey]
     timeout_s: float | None = 30.0
     """Deadline of each small store call (list, get)."""
+    max_bytes: int = MAX_MANIFEST
+    """Largest manifest object fetched: a bigger one is refused from its listed size, and every
+    fetch is capped at it (a planted 10 GB "manifest" costs nothing)."""
     _cache: dict[int, Manifest] = field(default_factory=dict)
 
     async def list_versions(self) -> dict[int, ObjectInfo]:
@@ -92,12 +102,23 @@ class ManifestReader:
                 out[v] = info
         return out
 
-    async def get(self, version: int, *, current: int | None = None) -> Manifest:
+    async def get(
+        self, version: int, *, current: int | None = None, info: ObjectInfo | None = None
+    ) -> Manifest:
         """The verified manifest at ``version``: ObjectNotFound, ManifestError, SignatureError, or
-        ReplayError when ``current`` is given and the manifest is not newer than it."""
+        ReplayError when ``current`` is given and the manifest is not newer than it.
+
+        ``info``: the listing entry; an object listed over ``max_bytes`` is refused unread.
+        """
         m = self._cache.get(version)
         if m is None:
-            data = await self.store.get(self.layout.manifest(version), timeout=self.timeout_s)
+            key = self.layout.manifest(version)
+            if info is not None and info.size > self.max_bytes:
+                raise ManifestError(f"{key} is {info.size} bytes, over the {self.max_bytes}-byte manifest limit")
+            try:
+                data = await self.store.get(key, timeout=self.timeout_s, max_bytes=self.max_bytes)
+            except ObjectTooLarge as e:
+                raise ManifestError(f"{key}: {e}") from None
             m = await asyncio.to_thread(
                 verify_manifest, data, self.trusted, context=self.layout.context, key_version=version, current=current
             )
@@ -194,7 +215,10 @@ class PayloadCache:
         data = await asyncio.to_thread(_read_checked, path, ref)
         if data is not None:
             return data
-        await self.store.get_file(ref.key, path, timeout=self.timeout_s)
+        try:  # the signed size caps the download: a swapped-in huge object is refused unread
+            await self.store.get_file(ref.key, path, timeout=self.timeout_s, max_bytes=ref.size)
+        except ObjectTooLarge as e:
+            raise VerificationError(f"payload {ref.key} is larger than its manifest says: {e}") from None
         self.downloaded.append(ref.key)
         self.bytes_downloaded += ref.size
         data = await asyncio.to_thread(_read_checked, path, ref)
@@ -224,7 +248,8 @@ class PayloadCache:
 def _read_checked(path: Path, ref: PayloadRef) -> bytes | None:
     """The file's bytes if they match ``ref``; None (and the file deleted) if absent or wrong."""
     try:
-        data = path.read_bytes()
+        with path.open("rb") as f:
+            data = f.read(ref.size + 1)  # never more than the manifest allows, whatever is on disk
     except FileNotFoundError:
         return None
     if len(data) == ref.size and hashlib.sha256(data).hexdigest() == ref.sha256:

@@ -11,12 +11,16 @@ crash leaves the old file or the new one, never a mix. ``version.json`` is writt
 may lag by one version after a crash; it is rewritten from the weights file on the next start.
 
 On load the metadata is never trusted on its own: the values are hashed and must give the recorded
-digest, or the state is refused (VerificationError) and the subscriber starts from an anchor.
+digest, and the version must match the header's check value (a SHA-256 over format, version and
+digest: it catches a corrupted version number, which no digest covers), or the state is refused (VerificationError) and the subscriber starts from an anchor. Any
+malformed file (either one) ends in a VerificationError, never another exception.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,11 +33,15 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.dtypes import dtype_name
 from pulsenet.errors import VerificationError
 from pulsenet.fsutil import atomic_write_bytes
+from pulsenet.sync.layout import MAX_VERSION
 from pulsenet.sync.manifest import now_iso
 
 WEIGHTS = "model.safetensors"
 INFO = "version.json"
 META_FORMAT = "pulsenet-sync-state/1"
+MAX_INFO = 64 << 10
+"""Largest ``version.json`` read (a real one is about 150 bytes)."""
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +61,20 @@ def read_version(directory: Path) -> tuple[int, str] | None:
             meta = f.metadata() or {}
         if meta.get("pulsenet.format") != META_FORMAT:
             return None
-        return int(meta["pulsenet.version"]), str(meta["pulsenet.digest"])
-    except (SafetensorError, KeyError, ValueError) as e:
-        raise VerificationError(f"{path} is unreadable: {type(e).__name__}: {e}") from None
+        version, digest, check = meta["pulsenet.version"], meta["pulsenet.digest"], meta["pulsenet.check"]
+    except (SafetensorError, KeyError, ValueError, OSError) as e:
+        raise VerificationError(f"{path} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
+    if not (isinstance(version, str) and re.fullmatch(r"[0-9]{1,12}", version)) or not (
+        isinstance(digest, str) and _HEX64.fullmatch(digest)
+    ):
+        raise VerificationError(f"{path} has a malformed version or digest in its header")
+    if check != _check(version, digest):
+        raise VerificationError(f"{path}: the header's version and digest do not match its check value")
+    return int(version), digest
+
+
+def _check(version: str, digest: str) -> str:
+    return hashlib.sha256(f"{META_FORMAT}\n{version}\n{digest}".encode()).hexdigest()[:32]
 
 
 def load(directory: Path, *, threads: int = 2) -> LocalState | None:
@@ -72,8 +91,8 @@ def load(directory: Path, *, threads: int = 2) -> LocalState | None:
     try:
         with safe_open(directory / WEIGHTS, framework="pt") as f:
             state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    except SafetensorError as e:
-        raise VerificationError(f"{directory / WEIGHTS} is unreadable: {e}") from None
+    except (SafetensorError, ValueError, TypeError, RuntimeError, OSError) as e:
+        raise VerificationError(f"{directory / WEIGHTS} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
     actual = model_digest(state, threads)
     if actual != digest:
         raise VerificationError(
@@ -89,19 +108,55 @@ def save(
     directory = Path(directory)
     names = sorted(state, key=lambda n: n.encode("utf-8"))
     meta = {n: (dtype_name(state[n].dtype), tuple(state[n].shape)) for n in names}
-    metadata = {"pulsenet.format": META_FORMAT, "pulsenet.version": str(version), "pulsenet.digest": digest}
+    metadata = {
+        "pulsenet.format": META_FORMAT,
+        "pulsenet.version": str(version),
+        "pulsenet.digest": digest,
+        "pulsenet.check": _check(str(version), digest),
+    }
     write_safetensors(directory / WEIGHTS, meta, ((n, state[n]) for n in names), metadata=metadata)
     write_info(directory, version, digest, channel=channel)
+
+
+def read_info(directory: Path) -> dict | None:
+    """``version.json`` as written by ``write_info`` (informational, never a resume point); None if
+    absent, VerificationError if malformed."""
+    path = Path(directory) / INFO
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_INFO + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise VerificationError(f"{path} is unreadable: {e}") from None
+    if len(raw) > MAX_INFO:
+        raise VerificationError(f"{path} is over {MAX_INFO} bytes")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, 4300+ digit ints, deep nesting
+        raise VerificationError(f"{path} is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if not (
+        isinstance(doc, dict)
+        and isinstance(doc.get("version"), int)
+        and not isinstance(doc["version"], bool)
+        and 0 <= doc["version"] <= MAX_VERSION
+        and isinstance(doc.get("digest"), str)
+        and _HEX64.fullmatch(doc["digest"])
+        and isinstance(doc.get("channel"), str)
+        and isinstance(doc.get("updated"), str)
+    ):
+        raise VerificationError(f"{path} is not a pulsenet version record")
+    return {k: doc[k] for k in ("version", "digest", "channel", "updated")}
 
 
 def write_info(directory: Path, version: int, digest: str, *, channel: str = "") -> None:
     """Write ``version.json`` atomically, unless it already says this version and digest."""
     try:
-        old = json.loads((directory / INFO).read_text())
-        if old.get("version") == version and old.get("digest") == digest and old.get("channel") == channel:
+        old = read_info(directory)
+        if old is not None and (old["version"], old["digest"], old["channel"]) == (version, digest, channel):
             return
-    except (OSError, ValueError, AttributeError):
-        pass
+    except VerificationError:
+        pass  # rewritten below
     doc = {"version": version, "digest": digest, "channel": channel, "updated": now_iso()}
     atomic_write_bytes(directory / INFO, json.dumps(doc, indent=1).encode())
 

@@ -33,10 +33,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pulsenet.codec.patch import VERSION as CODEC_VERSION
 from pulsenet.errors import ManifestError, ReplayError
 from pulsenet.signing import key_id, parse_envelope, sign_document, verify_document
+from pulsenet.sync.layout import MAX_VERSION
 
 FORMAT = "pulsenet-sync-manifest"
 SCHEMA = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_MAX_INT = 2**63 - 1
+MAX_MANIFEST = 1 << 20
+"""Largest manifest object a reader fetches: real ones are about 1 KB; bigger ones are refused
+from the listed size, and the fetch itself is capped at this."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,50 +112,61 @@ class Manifest:
         """Validate a body's shape and consistency; ManifestError names what is wrong."""
         try:
             return _from_body(body)
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ManifestError):
-                raise
-            raise ManifestError(f"malformed manifest: {type(e).__name__}: {e}") from None
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:  # a missing field, an unhashable value
+            raise ManifestError(f"malformed manifest: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _from_body(body: Mapping) -> Manifest:
     if body.get("format") != FORMAT or body.get("schema") != SCHEMA:
         raise ManifestError(
-            f"not a {FORMAT} v{SCHEMA} manifest (format {body.get('format')!r}, schema {body.get('schema')!r})"
+            f"not a {FORMAT} v{SCHEMA} manifest (format {_short(body.get('format'))}, schema {_short(body.get('schema'))})"
         )
-    version = _int(body, "version")
+    version = _int(body, "version", MAX_VERSION)
     codec = _int(body, "codec_version")
     if codec != CODEC_VERSION:
         raise ManifestError(
             f"manifest v{version} uses patch codec v{codec}; this build reads v{CODEC_VERSION}"
         )
+    raw_payloads = body["payloads"]
+    if not isinstance(raw_payloads, list) or len(raw_payloads) > 2:
+        raise ManifestError(f"manifest v{version}: payloads must be a list of at most 2 objects")
     payloads: dict[str, PayloadRef] = {}
-    for p in body["payloads"]:
-        ref = PayloadRef(role=p["role"], key=p["key"], size=int(p["size"]), sha256=p["sha256"])
-        if ref.role not in ("anchor", "patch") or ref.role in payloads:
-            raise ManifestError(f"manifest v{version}: bad or repeated payload role {ref.role!r}")
-        if not isinstance(ref.key, str) or not ref.key or ref.size < 0 or not _is_hex(ref.sha256):
-            raise ManifestError(f"manifest v{version}: malformed {ref.role} payload {p!r}")
-        payloads[ref.role] = ref
+    for p in raw_payloads:
+        if not isinstance(p, dict):
+            raise ManifestError(f"manifest v{version}: a payload entry is not an object: {_short(p)}")
+        role = p.get("role")
+        if role not in ("anchor", "patch") or role in payloads:
+            raise ManifestError(f"manifest v{version}: bad or repeated payload role {_short(role)}")
+        ref = PayloadRef(role=role, key=p.get("key"), size=_int(p, "size"), sha256=p.get("sha256"))
+        if not isinstance(ref.key, str) or not ref.key or len(ref.key) > 1024 or not _is_hex(ref.sha256):
+            raise ManifestError(f"manifest v{version}: malformed {role} payload {_short(p)}")
+        payloads[role] = ref
     base_version, base_digest = body["base_version"], body["base_digest"]
     if ("patch" in payloads) != (base_version is not None) or (base_version is None) != (base_digest is None):
         raise ManifestError(
             f"manifest v{version}: a patch payload needs base_version and base_digest, and only it"
         )
-    if base_version is not None and not (isinstance(base_version, int) and 0 <= base_version < version):
-        raise ManifestError(f"manifest v{version}: base_version {base_version!r} must be an earlier version")
+    if base_version is not None and not (
+        isinstance(base_version, int) and not isinstance(base_version, bool) and 0 <= base_version < version
+    ):
+        raise ManifestError(f"manifest v{version}: base_version {_short(base_version)} must be an earlier version")
     if base_digest is not None and not _is_hex(base_digest):
         raise ManifestError(f"manifest v{version}: malformed base_digest")
     kind = body["kind"]
     if kind not in ("anchor", "patch") or (kind == "anchor") != ("anchor" in payloads) or not payloads:
         raise ManifestError(
-            f"manifest v{version}: kind {kind!r} does not match its payloads {sorted(payloads)}"
+            f"manifest v{version}: kind {_short(kind)} does not match its payloads {sorted(payloads)}"
         )
     if not _is_hex(body["model_digest"]):
         raise ManifestError(f"manifest v{version}: malformed model_digest")
     step = body.get("step")
-    if step is not None and not isinstance(step, int):
-        raise ManifestError(f"manifest v{version}: step must be an int or null")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or abs(step) > _MAX_INT):
+        raise ManifestError(f"manifest v{version}: step must be a 64-bit int or null")
+    publisher, created = body["publisher"], body["created"]
+    if not isinstance(publisher, str) or not isinstance(created, str) or len(created) > 64:
+        raise ManifestError(f"manifest v{version}: publisher and created must be short strings")
     return Manifest(
         version=version,
         kind=kind,
@@ -160,18 +176,25 @@ def _from_body(body: Mapping) -> Manifest:
         anchor=payloads.get("anchor"),
         patch=payloads.get("patch"),
         full_bytes=_int(body, "full_bytes"),
-        publisher=str(body["publisher"]),
-        created=str(body["created"]),
+        publisher=publisher,
+        created=created,
         codec_version=codec,
         step=step,
     )
 
 
-def _int(body: Mapping, name: str) -> int:
-    v = body[name]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-        raise ManifestError(f"manifest field {name!r} must be a non-negative int, got {v!r}")
+def _int(body: Mapping, name: str, limit: int | None = None) -> int:
+    """A non-negative int field, at most ``limit`` (default: 2**63 - 1, any real size)."""
+    v = body.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= (limit if limit is not None else _MAX_INT):
+        raise ManifestError(f"field {name!r} must be an int in 0..{limit or _MAX_INT}, got {_short(v)}")
     return v
+
+
+def _short(v: object, limit: int = 80) -> str:
+    """A bounded repr for error messages: a hostile value must not flood a log (depth is already capped)."""
+    r = repr(v)
+    return r if len(r) <= limit else f"{r[:limit]}… ({len(r)} chars)"
 
 
 def _is_hex(s: object) -> bool:
@@ -226,3 +249,67 @@ def verify_manifest(
 def read_manifest_unverified(data: bytes) -> Manifest:
     """Parse a manifest without checking its signature (listings, diagnostics): never trust it."""
     return Manifest.from_body(parse_envelope(data)["body"])
+
+
+# --- head record -------------------------------------------------------------------------------
+
+HEAD_FORMAT = "pulsenet-sync-head"
+MAX_HEAD = 64 << 10
+"""Largest head object a reader fetches (a real one is about 400 bytes)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Head:
+    """The publisher's signed statement "the newest version is ``version``, as of ``time_ms``".
+
+    Manifests are create-only, but whoever can delete objects can remove the newest ones, and a
+    reader with no state would settle for the older version left. The head (``Layout.head``, one
+    overwritable object, written after each manifest) lets it notice: a head naming a version whose
+    manifest is gone, or a head older than the reader's freshness bound, is an alarm.
+    """
+
+    version: int
+    model_digest: str
+    publisher: str
+    """Key id of the signer."""
+    time_ms: int
+    """Unix time in milliseconds when the publisher signed it."""
+
+    def to_body(self) -> dict:
+        return {
+            "format": HEAD_FORMAT,
+            "schema": SCHEMA,
+            "version": self.version,
+            "model_digest": self.model_digest,
+            "publisher": self.publisher,
+            "time_ms": self.time_ms,
+        }
+
+    @classmethod
+    def from_body(cls, body: Mapping) -> Head:
+        if body.get("format") != HEAD_FORMAT or body.get("schema") != SCHEMA:
+            raise ManifestError(f"not a {HEAD_FORMAT} v{SCHEMA} record (format {_short(body.get('format'))})")
+        digest, publisher = body.get("model_digest"), body.get("publisher")
+        if not _is_hex(digest) or not isinstance(publisher, str):
+            raise ManifestError("head record: malformed model_digest or publisher")
+        return cls(
+            version=_int(body, "version", MAX_VERSION),
+            model_digest=digest,
+            publisher=publisher,
+            time_ms=_int(body, "time_ms"),
+        )
+
+
+def sign_head(head: Head, key: Ed25519PrivateKey, *, context: str) -> bytes:
+    if head.publisher != key_id(key.public_key()):
+        raise ManifestError(f"head publisher {head.publisher!r} is not the signing key")
+    return sign_document(head.to_body(), key, context=context)
+
+
+def verify_head(data: bytes, trusted: Mapping[str, Ed25519PublicKey], *, context: str) -> Head:
+    """A head record a trusted key signed for ``context``, else ManifestError/SignatureError."""
+    signed = verify_document(data, trusted, context=context)
+    head = Head.from_body(signed.body)
+    if head.publisher != signed.signer:
+        raise ManifestError(f"head record claims publisher {head.publisher!r} but {signed.signer!r} signed it")
+    return head

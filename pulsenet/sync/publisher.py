@@ -43,6 +43,7 @@ from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
 from pulsenet.errors import (
     ConditionFailed,
     ManifestError,
+    ObjectTooLarge,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
@@ -59,8 +60,16 @@ from pulsenet.sync.chain import (
     primary_error,
     rebuild,
 )
-from pulsenet.sync.layout import Layout
-from pulsenet.sync.manifest import Manifest, PayloadRef, now_iso, sign_manifest, verify_manifest
+from pulsenet.sync.layout import DEFAULT_RUN, MAX_VERSION, Layout
+from pulsenet.sync.manifest import (
+    Head,
+    Manifest,
+    PayloadRef,
+    now_iso,
+    sign_head,
+    sign_manifest,
+    verify_manifest,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,8 @@ _TAKEN_RETRIES = 8
 class PublisherConfig:
     channel: str = "policy"
     """Key prefix of this policy stream inside the store (see layout.py)."""
+    run: str = DEFAULT_RUN
+    """Run name, part of what every manifest is signed for (layout.py): subscribers must name the same."""
     anchor_every: int = 10
     """A full anchor at least every this many versions (1: every version is an anchor)."""
     keep_anchors: int | None = 2
@@ -193,7 +204,7 @@ class Publisher:
         """``trusted``: other keys whose manifests count when resuming (the own key always does)."""
         self.store = store
         self.config = config = config or PublisherConfig()
-        self.layout = Layout(config.channel)
+        self.layout = Layout(config.channel, run=config.run, store_url=store.url)
         self.key = key
         self.key_id = key_id(key.public_key())
         self.trusted = {**(trusted or {}), self.key_id: key.public_key()}
@@ -270,14 +281,21 @@ class Publisher:
         if not listing:
             log.info("channel %s is empty: the first version will be v0", self.layout.channel)
             return
-        self._next = max(max(listing) + 1, self._next)
+        # Never act on a listed name alone: anyone who can write the bucket can plant
+        # "v999999999999.json". The newest version is the newest manifest a trusted key signed.
         newest: Manifest | None = None
+        ignored: list[int] = []
         for v in sorted(listing, reverse=True):
             try:
-                newest = await self._reader.get(v)
+                newest = await self._reader.get(v, info=listing[v])
                 break
             except (ManifestError, KeyError) as e:  # ObjectNotFound is a KeyError (deleted meanwhile)
-                log.warning("resume: skipping manifest v%d: %s", v, e)
+                ignored.append(v)
+                if len(ignored) <= 3:
+                    log.warning("resume: ignoring manifest v%d, not ours: %s", v, e)
+        if len(ignored) > 3:
+            log.warning("resume: ignored %d manifest names that are not ours in all", len(ignored))
+        self._next = max(newest.version + 1 if newest is not None else 0, self._next)
         if newest is None:
             log.warning(
                 "resume: no trusted manifest in %s; starting over with an anchor at v%d",
@@ -419,8 +437,15 @@ class Publisher:
                 except ConditionFailed:
                     if await self._is_ours(manifest):
                         break  # an earlier attempt landed but its reply was lost: that version is this one
+                    # Someone holds this number: take the next free one. Listed names only tell
+                    # which numbers are taken, never which version is newest.
                     listing = await self._reader.list_versions()
-                    self._next = max([version + 1, *(v + 1 for v in listing)])
+                    nxt = version + 1
+                    while nxt in listing:
+                        nxt += 1
+                    if nxt > MAX_VERSION:
+                        raise ConditionFailed(f"no free version number above v{version} in {self.layout.channel}") from None
+                    self._next = nxt
                     log.warning(
                         "v%d is already taken in %s (attempt %d): moving to v%d",
                         version,
@@ -440,6 +465,7 @@ class Publisher:
                 version + 1,
             )
             self._reader.remember(manifest)
+            await self.write_head()
             if "anchor" in refs:
                 self._anchor_version = version
             deleted = await self._retain()
@@ -474,14 +500,35 @@ class Publisher:
         )
         return record
 
+    async def write_head(self) -> None:
+        """Sign and overwrite the head record with the last published version and the time now.
+
+        Call it periodically while no new version is due if subscribers set a freshness bound
+        (``SubscriberConfig.head_max_age_s``). A failed write is logged only: the manifest is what
+        publishes a version; the head only lets readers notice deleted or withheld ones.
+        """
+        if self.version is None or self.digest is None:
+            return
+        head = Head(
+            version=self.version, model_digest=self.digest, publisher=self.key_id, time_ms=int(time.time() * 1000)
+        )
+        try:
+            await self.store.put(
+                self.layout.head, sign_head(head, self.key, context=self.layout.context), timeout=self.config.timeout_s
+            )
+        except StoreError as e:
+            log.warning("head record for v%d not written: %s: %s", self.version, type(e).__name__, e)
+
     async def _is_ours(self, manifest: Manifest) -> bool:
         """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""
         try:
-            data = await self.store.get(self.layout.manifest(manifest.version), timeout=self.config.timeout_s)
+            data = await self.store.get(
+                self.layout.manifest(manifest.version), timeout=self.config.timeout_s, max_bytes=self._reader.max_bytes
+            )
             there = verify_manifest(
                 data, {self.key_id: self.key.public_key()}, context=self.layout.context, key_version=manifest.version
             )
-        except (ManifestError, KeyError):
+        except (ManifestError, KeyError, ObjectTooLarge):
             return False
         return (there.model_digest, there.payloads, there.base_version) == (
             manifest.model_digest,
@@ -553,7 +600,7 @@ class Publisher:
                 if m.anchor is not None and m.anchor.key in anchor_keys:
                     anchors.append(v)
         cutoff = anchors[-1] if len(anchors) >= keep else 0
-        newest = max(manifests)
+        newest = self.version if self.version is not None else -1  # ours: never a listed name
         old_manifests = [key for v, key in manifests.items() if v < cutoff]
         old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]
         # Manifests first: a manifest must never name a deleted payload.

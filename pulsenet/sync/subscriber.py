@@ -12,6 +12,13 @@ digest)``. Nothing unverified is ever handed out; a failure leaves the current w
   or corrupt object marks that payload bad and the next path is tried.
 - **Replay**: a manifest that is not newer than the current version (a copied old manifest, a
   store rolled back) is a ReplayError: logged once, ignored.
+- **Hostile objects**: anything in the bucket may be planted. A manifest object that is too big
+  (listed size), malformed, unsigned or signed for another context is rejected, remembered by key
+  and ETag (not fetched again until it changes) and never stops an older valid version from being
+  taken in the same round.
+- **Head** (``{channel}/head.json``): read before the listing; a head naming a version whose
+  manifest is missing, older than ``head_max_age_s``, or moving backwards is an alarm (logged,
+  counted in the stats), never a reason to stop serving.
 - **Persistence** (``state_dir``): after each swap the weights are written atomically with their
   version (localstate.py), so a restarted, even SIGKILLed, subscriber resumes from disk and
   fetches only the patches it missed.
@@ -37,15 +44,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsenet.errors import (
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     PulsenetError,
     ReplayError,
+    StoreError,
     VerificationError,
 )
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync import localstate
 from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
-from pulsenet.sync.layout import Layout
-from pulsenet.sync.manifest import Manifest
+from pulsenet.sync.layout import DEFAULT_RUN, Layout
+from pulsenet.sync.manifest import MAX_HEAD, MAX_MANIFEST, Head, Manifest, verify_head
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +65,8 @@ OnUpdate = Callable[[int, Mapping[str, torch.Tensor], str], Awaitable[None] | No
 class SubscriberConfig:
     channel: str = "policy"
     """Key prefix of the policy stream (see layout.py)."""
+    run: str = DEFAULT_RUN
+    """Run name the publisher signed for (layout.py): manifests of another run do not verify."""
     interval_s: float = 2.0
     """Time between polls."""
     jitter: float = 0.2
@@ -76,7 +87,13 @@ class SubscriberConfig:
     parallel_downloads: int = 4
     """Payloads fetched at once when catching up."""
     max_targets: int = 3
-    """Versions tried per round, newest first, when the newest cannot be built."""
+    """Versions whose payloads are tried per round, newest first, when the newest cannot be built
+    (rejected manifests do not count: they cost one small fetch each, once)."""
+    max_manifest_bytes: int = MAX_MANIFEST
+    """Manifest objects listed (or found) larger than this are rejected unread."""
+    head_max_age_s: float | None = None
+    """Alarm when the head record is older than this (or missing); None: no freshness bound. The
+    publisher must then rewrite its head more often (``Publisher.write_head``)."""
 
 
 @dataclass(slots=True)
@@ -103,6 +120,19 @@ class SubscriberStats:
     """Decoding and verifying the last update."""
     errors: list[str] = field(default_factory=list)
     """The last few round errors, newest last."""
+    head_version: int | None = None
+    """Version the newest verified head record names."""
+    head_age_s: float | None = None
+    """Age of that head record at the last poll."""
+    head_stale: bool = False
+    """The head is older than ``head_max_age_s``, or missing where one is expected."""
+    head_missing_version: int | None = None
+    """The head names this version but its manifest is not listed (deleted or withheld)."""
+    head_alarms: int = 0
+    """Head alarms raised, one per condition per poll: stale or missing head, missing version,
+    refused or replayed head."""
+    heads_rejected: int = 0
+    """Head records refused: malformed, untrusted, other context, or moving backwards."""
 
 
 class Subscriber:
@@ -124,7 +154,7 @@ class Subscriber:
             raise ManifestError("a subscriber needs at least one trusted publisher key")
         self.store = store
         self.config = config = config or SubscriberConfig()
-        self.layout = Layout(config.channel)
+        self.layout = Layout(config.channel, run=config.run, store_url=store.url)
         self.on_update = on_update
         self.on_saved = on_saved
         self.stats = SubscriberStats()
@@ -134,7 +164,9 @@ class Subscriber:
         self.state: Mapping[str, torch.Tensor] | None = None
         self.resumed_from: int | None = None
         """Version loaded from ``state_dir`` at start, if any."""
-        self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s)
+        self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s, config.max_manifest_bytes)
+        self._head: Head | None = None
+        self._head_gone = False
         self._bad_payloads: set[str] = set()
         self._rejected: dict[str, str] = {}  # manifest key -> etag of a copy we refused
         self._tmp_cache: tempfile.TemporaryDirectory[str] | None = None
@@ -168,7 +200,7 @@ class Subscriber:
         await asyncio.to_thread(localstate.sweep, state_dir)
         try:
             local = await asyncio.to_thread(localstate.load, state_dir, threads=self.config.threads)
-        except (VerificationError, OSError, ValueError) as e:
+        except (PulsenetError, OSError, ValueError) as e:
             log.error("local state in %s is unusable (%s): starting from an anchor", state_dir, e)
             return
         if local is None:
@@ -226,8 +258,15 @@ class Subscriber:
         """
         await self.start()
         self.stats.polls += 1
+        head = await self._read_head()  # before the listing: a version it names is listed by then
         listing = await self._reader.list_versions()
+        self._check_head(head, listing)
+        keys = {self.layout.manifest(v) for v in listing}
+        self._rejected = {k: e for k, e in self._rejected.items() if k in keys}
         newer = sorted((v for v in listing if self.version is None or v > self.version), reverse=True)
+        if head is not None and head.version in newer:  # the publisher's word first: planted names wait
+            newer.remove(head.version)
+            newer.insert(0, head.version)
         errors: list[Exception] = []
         tried = 0
         for v in newer:
@@ -236,9 +275,8 @@ class Subscriber:
                 continue  # refused before, unchanged since: don't fetch or log it again
             if tried >= self.config.max_targets:
                 break
-            tried += 1
             try:
-                target = await self._reader.get(v, current=self.version)
+                target = await self._reader.get(v, current=self.version, info=listing[v])
             except ReplayError as e:
                 self._reject(key, listing[v].etag, e)
                 self.stats.replays += 1
@@ -252,6 +290,7 @@ class Subscriber:
             except ObjectNotFound as e:  # retired between the listing and the get
                 errors.append(e)
                 continue
+            tried += 1
             try:
                 await self._update_to(target)
                 return target.version
@@ -330,6 +369,65 @@ class Subscriber:
             if self.on_saved is not None:
                 self.on_saved(version, digest)
         log.info("now at v%d (%s…)", version, digest[:16])
+
+    # --- head record -----------------------------------------------------------------------------
+
+    async def _read_head(self) -> Head | None:
+        """The newest verified head record seen (this one, or an earlier one if this is refused)."""
+        self._head_gone = False
+        try:
+            data = await self.store.get(self.layout.head, timeout=self.config.timeout_s, max_bytes=MAX_HEAD)
+            head = await asyncio.to_thread(verify_head, data, self._reader.trusted, context=self.layout.context)
+        except ObjectNotFound:
+            if self._head is not None or self.config.head_max_age_s is not None:
+                self._alarm("head record %s is missing", self.layout.head)
+                self._head_gone = self.stats.head_stale = True
+            return self._head
+        except (ManifestError, ObjectTooLarge) as e:
+            self.stats.heads_rejected += 1
+            self._alarm("head record %s refused: %s: %s", self.layout.head, type(e).__name__, e)
+            return self._head
+        except StoreError as e:  # transient: the listing will tell whether the store is reachable
+            log.warning("head record %s not read: %s: %s", self.layout.head, type(e).__name__, e)
+            return self._head
+        old = self._head
+        if old is not None and (head.version, head.time_ms) < (old.version, old.time_ms):
+            self.stats.heads_rejected += 1
+            self._alarm(
+                "head record moved backwards (v%d at %d ms after v%d at %d ms): replay ignored",
+                head.version,
+                head.time_ms,
+                old.version,
+                old.time_ms,
+            )
+            return old
+        self._head = head
+        return head
+
+    def _check_head(self, head: Head | None, listing: Mapping[int, object]) -> None:
+        """Alarm on a stale head, or one naming a version whose manifest is not listed."""
+        st = self.stats
+        if head is None:
+            return
+        st.head_version = head.version
+        st.head_age_s = time.time() - head.time_ms / 1000
+        max_age = self.config.head_max_age_s
+        too_old = max_age is not None and st.head_age_s > max_age
+        st.head_stale = too_old or self._head_gone
+        if too_old:
+            self._alarm("head record v%d is %.1f s old, over the %g s bound", head.version, st.head_age_s, max_age)
+        missing = head.version not in listing and (self.version is None or head.version > self.version)
+        st.head_missing_version = head.version if missing else None
+        if missing:
+            self._alarm(
+                "head record names v%d but its manifest is not in the store (deleted or withheld); serving v%s",
+                head.version,
+                self.version,
+            )
+
+    def _alarm(self, msg: str, *args: object) -> None:
+        self.stats.head_alarms += 1
+        log.error(msg, *args)
 
     def _reject(self, key: str, etag: str, e: Exception) -> None:
         self._rejected[key] = etag
