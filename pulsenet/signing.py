@@ -151,7 +151,9 @@ def parse_envelope(data: bytes) -> dict[str, Any]:
     if len(data) > MAX_DOCUMENT:
         raise ManifestError(f"signed document is {len(data)} bytes, over the {MAX_DOCUMENT}-byte limit")
     try:
-        env = json.loads(bytes(data).decode("utf-8"), parse_constant=_reject_constant)
+        env = json.loads(
+            bytes(data).decode("utf-8"), parse_constant=_reject_constant, object_pairs_hook=_unique_keys
+        )
     except (ValueError, RecursionError) as e:  # bad UTF-8 / JSON, NaN, 4300+ digit ints, deep nesting
         raise ManifestError(f"not a signed pulsenet document: {type(e).__name__}: {str(e)[:200]}") from None
     if _depth(env) > MAX_DEPTH:
@@ -174,6 +176,15 @@ def _short(v: object, limit: int = 80) -> str:
     """A bounded repr for error messages: hostile values must not flood a log."""
     r = repr(v)
     return r if len(r) <= limit else f"{r[:limit]}… ({len(r)} chars)"
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys repeat has two readings (JSON parsers keep the first or the last):
+    refused, so a splice of two signed documents can never verify as either."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError("repeated key in a JSON object")
+    return obj
 
 
 def _reject_constant(name: str) -> None:

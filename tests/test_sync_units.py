@@ -516,3 +516,15 @@ def test_keygen_never_overwrites_a_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="already exists"):
         generate_keypair(tmp_path / "k")
     assert (tmp_path / "k.pub").read_bytes() == pub and not (tmp_path / "k").exists() and kid
+
+
+def test_spliced_documents_with_repeated_keys_never_verify() -> None:
+    """Two signed documents spliced into one object with a repeated "body" key: JSON parsers keep
+    the first or the last, so the splice would verify as one of them; it is refused outright."""
+    key, trusted = keypair()
+    layout = Layout("policy", store_url="s3://bucket/prefix/")
+    old = sign_manifest(_manifest(key, 3), key, context=layout.context)
+    new = sign_manifest(_manifest(key, 4), key, context=layout.context)
+    spliced = new[:-1] + b',"body":' + json.dumps(json.loads(old)["body"]).encode() + b"}"
+    with pytest.raises(ManifestError, match="repeated key"):
+        verify_manifest(spliced, trusted, context=layout.context)
