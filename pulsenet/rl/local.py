@@ -129,18 +129,35 @@ class LocalTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss(input_ids, labels)
         loss.backward()
+        self.apply_gradients()
+        return float(loss.detach())
+
+    def apply_gradients(self) -> float | None:
+        """Clip (if configured) and AdamW-step the gradients already in ``.grad``; count the step.
+
+        For losses built outside ``step`` (GRPO accumulates micro-batches, then steps once).
+        Returns the global grad norm before clipping, or None when clipping is off.
+        """
+        norm = None
         if self.config.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self._params.values(), self.config.grad_clip)
+            norm = float(torch.nn.utils.clip_grad_norm_(self._params.values(), self.config.grad_clip))
         self.optimizer.step()
         self.steps += 1
-        return float(loss.detach())
+        return norm
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[rows, tokens, vocab]`` logits of the current weights through the configured forward.
+
+        Autograd follows the caller's mode; under ``autocast-bf16`` they are BF16, so upcast
+        before a softmax.
+        """
+        with self._forward_context():
+            return self._forward(input_ids).logits
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The FP32 loss of the current weights through the configured forward (autograd as the caller's mode)."""
-        with self._forward_context():
-            logits = self._forward(input_ids).logits
         # The loss runs outside autocast: BF16 logits are upcast so the softmax/log run in FP32.
-        return causal_lm_loss(logits, labels)
+        return causal_lm_loss(self.logits(input_ids), labels)
 
     def eval_loss(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``(input_ids, labels)`` batches, without gradients, through the trainer's forward.
