@@ -1,0 +1,240 @@
+"""The inference node: follow the policy, generate rollout groups with the newest verified weights,
+upload them to this site's own store.
+
+One asyncio loop (``InferenceNode.run``) with, in one TaskGroup:
+
+- one PULSESync ``Subscriber`` per trusted trainer channel (any trainer may publish a version: the
+  global weights are bit-identical across trainers, so whichever channel delivers a version first
+  wins and a dead trainer's channel simply stops moving);
+- the generation loop: draw problems as a pure function of (node, version, batch), sample G
+  completions each on the engine in a thread, score them, write one signed rollout batch, apply
+  retention;
+- the status server (``/healthz``, ``/status``, ``/metrics``).
+
+The engine takes a verified update only between batches (the torch engine parks one that arrives
+mid-batch), so every row of a batch carries the version and digest that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pulsenet.engines.base import SamplingParams
+from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.errors import PulsenetError
+from pulsenet.nodes.common import TextCodec, model_config
+from pulsenet.nodes.status import NodeState, StatusServer
+from pulsenet.rl.tasks import RewardTask, assign_problems
+from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
+from pulsenet.store.base import ObjectStore
+from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class InferenceConfig:
+    """``[inference]`` in configs/inference.toml; every field also ``PULSENET_<FIELD>`` and ``--field``."""
+
+    id: str = "i0"
+    """This node's id: names its rollout batches and picks its problems."""
+    run: str = "default"
+    """Run id: part of every signature's context, shared by all nodes of one run."""
+    store: str = ""
+    """This site's own store URL; rollout batches are written here (s3://bucket[/prefix])."""
+    key: Path = Path("keys/i0.key")
+    """This site's Ed25519 signing key (its public half goes to the trainers)."""
+    policy: list[str] = field(default_factory=list)
+    """Trainer channels to follow, as store URLs (read-only credentials are enough)."""
+    trust: list[Path] = field(default_factory=list)
+    """Public keys of the trainers whose PULSESync versions this node accepts."""
+    channel: str = "policy"
+    """PULSESync channel name inside each trainer store."""
+    model: str = "tiny"
+    """Architecture and tokenizer: tiny or smollm2 (the weights come from the channel)."""
+    task: str = "arith"
+    """arith, chain, or a .jsonl file of {"problem", "answer"} rows."""
+    prompts: int = 8
+    """Prompts per batch."""
+    group_size: int = 4
+    """Completions per prompt (GRPO's G)."""
+    max_new_tokens: int = 8
+    """Tokens generated per completion at most (stops at EOS)."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer's GRPO temperature must match."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_staleness: int = 2
+    """Versions a trainer may lag its rollouts; older batches of this node are deleted."""
+    seed: int = 0
+    """Run seed: with the node id and version it fixes the problems and samples."""
+    state_dir: Path = Path("state/i0")
+    """Verified weights per channel (restart resumes from them) and caches."""
+    poll_s: float = 1.0
+    """Time between policy polls."""
+    status_host: str = "127.0.0.1"
+    """Address of /healthz, /status, /metrics."""
+    status_port: int = 0
+    """Port of /healthz, /status, /metrics (0: a free one)."""
+    stuck_after_s: float = 600.0
+    """/healthz answers 503 when the loop has made no progress for this long."""
+
+
+class InferenceNode:
+    """Wires subscribers, an engine and a rollout writer; ``await node.run(stop)``."""
+
+    def __init__(
+        self,
+        config: InferenceConfig,
+        *,
+        store: ObjectStore,
+        policy_stores: list[ObjectStore],
+        trusted: dict,
+        key: object,
+        task: RewardTask,
+        text: TextCodec,
+        engine_config: TorchEngineConfig | None = None,
+    ) -> None:
+        self.config = c = config
+        self.task, self.text = task, text
+        self.state = NodeState(role="inference", node_id=c.id)
+        self.writer = RolloutWriter(
+            store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
+        )
+        self.subscribers = [
+            Subscriber(
+                s,
+                trusted,
+                SubscriberConfig(
+                    channel=c.channel,
+                    run=c.run,
+                    interval_s=c.poll_s,
+                    state_dir=Path(c.state_dir) / f"policy-{k}",
+                ),
+                on_update=self._on_update,
+            )
+            for k, s in enumerate(policy_stores)
+        ]
+        self.engine: TorchEngine | None = None
+        self.engine_config = engine_config or TorchEngineConfig()
+        self.update_apply_s: list[float] = []
+        self.served: list[tuple[int, str]] = []
+        """(version, digest) of every version this node served, as verified by its subscriber."""
+        self._update_lock = asyncio.Lock()
+        self._first = asyncio.Event()
+        self._batches_at: dict[int, int] = {}
+
+    # --- policy ---------------------------------------------------------------------------------
+
+    async def _on_update(self, version: int, state: dict[str, torch.Tensor], digest: str) -> None:
+        """Verified weights from any trainer channel: the newest version wins, once."""
+        async with self._update_lock:
+            if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
+                return
+            t = time.perf_counter()
+            if self.engine is None:
+                hf = model_config(self.config.model)
+                self.engine = await asyncio.to_thread(
+                    TorchEngine.from_state, hf, state, digest, version=version, config=self.engine_config
+                )
+            else:
+                await asyncio.to_thread(self.engine.update, version, state, digest)
+            self.update_apply_s.append(time.perf_counter() - t)
+            self.served.append((version, digest))
+            self.state.version, self.state.digest = version, digest
+            self.state.beat()
+            self._first.set()
+            log.info("%s serves v%d (%s…)", self.config.id, version, digest[:12])
+
+    def newest_published(self) -> int | None:
+        """The newest version any followed channel's head or manifests announced."""
+        seen = [v for s in self.subscribers for v in (s.stats.head_version, s.version) if v is not None]
+        return max(seen, default=None)
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, status: StatusServer | None = None) -> None:
+        """Follow, generate and upload until ``stop``; a SIGTERM finishes the batch in hand."""
+        await self.writer.start()
+        async with asyncio.TaskGroup() as tg:
+            for sub in self.subscribers:
+                tg.create_task(sub.run(stop))
+            tg.create_task(self._generate_loop(stop))
+        for sub in self.subscribers:
+            await sub.close()
+
+    async def _generate_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if not self._first.is_set():
+                await _wait_any(self._first, stop, timeout=1.0)
+                self.state.beat()  # waiting for the first version is progress of a kind
+                continue
+            try:
+                await self.generate_batch()
+            except PulsenetError as e:  # store hiccup, a bad update: logged, counted, retried
+                self.state.error(e)
+                log.error("%s: batch failed: %s", self.config.id, e)
+                await _wait_any(stop, timeout=1.0)
+
+    async def generate_batch(self) -> int:
+        """One batch at the engine's current version; returns the version it was generated with."""
+        c, engine = self.config, self.engine
+        assert engine is not None and engine.version is not None
+        version = engine.version
+        index = self._batches_at.get(version, 0)
+        self._batches_at[version] = index + 1
+        problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=c.prompts, batch=index)
+        prompts = [self.text.encode(p.prompt) for p in problems for _ in range(c.group_size)]
+        params = SamplingParams(
+            temperature=c.temperature,
+            top_p=c.top_p,
+            max_new_tokens=c.max_new_tokens,
+            seed=_sample_seed(c.seed, c.id, version, index),
+        )
+        gens = await asyncio.to_thread(engine.generate, prompts, params)
+        rows, rewards = [], []
+        for i, g in enumerate(gens):
+            problem = problems[i // c.group_size]
+            text = self.text.decode([t for t in g.completion_ids if t != self.text.eos_id])
+            reward = self.task.score(text, problem)
+            rewards.append(reward)
+            rows.append(g.to_rollout(group=f"{c.id}-v{g.version}-b{index}-p{i // c.group_size}", reward=reward, node=c.id))
+        if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
+            raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
+        manifest = await self.writer.write(rows)
+        newest = self.newest_published()
+        if newest is not None:
+            await self.writer.retain(newest)
+        s = self.state
+        s.rollouts["produced"] += len(rows)
+        s.reward = sum(rewards) / len(rewards)
+        s.staleness = None if newest is None else newest - version
+        s.bytes["rollouts"] = self.writer.stats.bytes_uploaded
+        s.bytes["pulsesync"] = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
+        s.beat()
+        log.info("%s: v%d batch %d, %d rows, reward %.3f (%s)", c.id, version, index, len(rows), s.reward, manifest)
+        return version
+
+
+def _sample_seed(seed: int, node: str, version: int, index: int) -> int:
+    """A sampling seed that is a pure function of (run seed, node, version, batch)."""
+    import hashlib
+
+    h = hashlib.sha256(f"pulsenet-sample:{seed}:{node}:{version}:{index}".encode()).digest()
+    return int.from_bytes(h[:4], "little")
+
+
+async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
+    """Return when any event is set or ``timeout`` passes."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
