@@ -17,6 +17,7 @@ import re
 import secrets
 import signal
 import socket
+import ssl
 import stat
 import subprocess
 import sys
@@ -39,7 +40,14 @@ from conftest import TEST_BUCKET, StoreFactory, unique_prefix
 
 from pulsenet.errors import AccessDenied, ConditionFailed, StoreUnavailable
 from pulsenet.store import S3Store
-from pulsenet.store.seaweed import IDENTITIES_FILE, LOG_FILE, SECURITY_FILE, SeaweedServer, find_weed
+from pulsenet.store.seaweed import (
+    IDENTITIES_FILE,
+    LOG_FILE,
+    SECURITY_FILE,
+    TLS_DIR,
+    SeaweedServer,
+    find_weed,
+)
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -192,6 +200,43 @@ def test_internal_ports_refuse_unauthenticated_requests(
     assert _http(f"{volume}/{fid}", token=_jwt(sec["signing"]["read"]["key"], fid=fid)) == (200, b"raw")
     assert s3.get_object(Bucket=TEST_BUCKET, Key=key)["Body"].read() == b"secret"  # S3 still serves
     s3.close()
+
+
+def _grpc_answers(port: int, tls: ssl.SSLContext | None) -> bool:
+    """Whether an HTTP/2 (gRPC) server on ``port`` answers our preface with its SETTINGS frame."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            conn = tls.wrap_socket(raw, server_hostname="localhost") if tls else raw
+            conn.sendall(preface)
+            frame = conn.recv(9)
+    except (OSError, ssl.SSLError):  # refused, reset, or a TLS alert ("certificate required")
+        return False
+    return len(frame) >= 4 and frame[3] == 4
+
+
+def test_grpc_ports_require_the_servers_certificate(seaweed: SeaweedServer) -> None:
+    """Every gRPC port speaks mutual TLS only: no plaintext, no TLS without this server's client cert."""
+    ports = seaweed.ports
+    grpc = {n: ports[n] for n in ports if n.endswith(".grpc")}
+    grpc["admin.grpc"] = ports["admin"] + 10000  # where weed mini's admin listens for workers
+    for name, port in grpc.items():
+        assert not _grpc_answers(port, None), f"{name} answers plaintext gRPC"
+
+    tls_dir = seaweed.data_dir / TLS_DIR
+
+    def context(client_cert: bool) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_dir / "ca.crt")
+        ctx.check_hostname = False  # weed's certificate names no host; the chain is what counts
+        ctx.set_alpn_protocols(["h2"])
+        if client_cert:
+            ctx.load_cert_chain(tls_dir / "weed.crt", tls_dir / "weed.key")
+        return ctx
+
+    anonymous, member = context(False), context(True)
+    for name, port in grpc.items():
+        assert not _grpc_answers(port, anonymous), f"{name} answers without a client certificate"
+        assert _grpc_answers(port, member), f"{name} refuses this server's own certificate"
 
 
 def test_server_files_are_private(tmp_path: Path) -> None:

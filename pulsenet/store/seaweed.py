@@ -20,7 +20,10 @@ Hardening (what ``weed mini`` lets us close; docs/store.md lists what stays open
 - every start writes fresh random JWT signing keys to ``<dir>/security.toml`` (mode 0600; weed reads
   it from its working directory, the data directory): the volume server then refuses reads and writes
   without a token minted by the master, and the filer would refuse HTTP without one of the S3
-  gateway's; admin UI, WebDAV, Iceberg, Lance and the IAM API are off; every listener is on 127.0.0.1;
+  gateway's;
+- every start also makes a fresh CA and certificate (``<dir>/tls/``) and turns on mutual TLS for all
+  gRPC ports (master, volume, filer, S3, admin, worker): without the key, no gRPC call gets through;
+- admin UI, WebDAV, Iceberg, Lance and the IAM API are off; every listener is on 127.0.0.1;
 - the data directory is 0700 and the server runs under umask 077, so its files are private;
 - on Linux the server gets ``PR_SET_PDEATHSIG``: it is killed when the process that started it dies,
   even by SIGKILL or an unhandled SIGTERM (``stop()``/atexit cover orderly exits).
@@ -61,6 +64,20 @@ SECURITY_FILE = "security.toml"
 # writes/reads (tokens minted by the S3 gateway; belt and braces, as -disableHttp closes that API).
 _JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
 _JWT_TTL_S = 10
+TLS_DIR = "tls"
+# Every gRPC server in weed mini, plus "client" (what each component presents when it dials another).
+_GRPC_SECTIONS = (
+    "master",
+    "volume",
+    "filer",
+    "s3",
+    "admin",
+    "worker",
+    "msg_broker",
+    "msg_agent",
+    "mq",
+    "client",
+)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SITE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # The admin component's worker dials admin.port + 10000 whatever admin.port.grpc says.
@@ -120,8 +137,8 @@ def _write_private(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _security_toml() -> str:
-    """Fresh random JWT keys; UIs off and no directory metadata without a token."""
+def _security_toml(data_dir: Path) -> str:
+    """Fresh random JWT keys and gRPC mTLS material; UIs off, no directory metadata without a token."""
     out = []
     for section in _JWT_SECTIONS:
         out += [
@@ -131,7 +148,71 @@ def _security_toml() -> str:
             "",
         ]
     out += ["[access]", "ui = false", "", "[filer.expose_directory_metadata]", "enabled = false", ""]
+    ca, cert, key = _write_tls(data_dir / TLS_DIR)
+    out += ["[grpc]", f"ca = {json.dumps(str(ca))}", ""]
+    for section in _GRPC_SECTIONS:
+        out += [f"[grpc.{section}]", f"cert = {json.dumps(str(cert))}", f"key = {json.dumps(str(key))}", ""]
     return "\n".join(out)
+
+
+def _write_tls(tls_dir: Path) -> tuple[Path, Path, Path]:
+    """A fresh CA and one certificate signed by it, for every gRPC server and client of this weed.
+
+    Every component presents the same certificate: weed checks the chain, not host names, so what
+    matters is that only this server (and whoever can read its 0700 directory) holds the CA's child
+    key. The CA key is never written. EC P-256: generating all of it takes milliseconds.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(name: str, issuer: str, public: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+        )
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        build("pulsenet-weed-ca", "pulsenet-weed-ca", ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        build("pulsenet-weed", "pulsenet-weed-ca", key.public_key())
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    _private_dir(tls_dir)
+    paths = tls_dir / "ca.crt", tls_dir / "weed.crt", tls_dir / "weed.key"
+    pem = serialization.Encoding.PEM
+    _write_private(paths[0], ca.public_bytes(pem).decode())
+    _write_private(paths[1], cert.public_bytes(pem).decode())
+    _write_private(
+        paths[2],
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode(),
+    )
+    return paths
 
 
 def _die_with_parent() -> Callable[[], None] | None:
@@ -198,7 +279,7 @@ class SeaweedServer:
         if self.running:
             return self
         _private_dir(self.data_dir)
-        _write_private(self.data_dir / SECURITY_FILE, _security_toml())
+        _write_private(self.data_dir / SECURITY_FILE, _security_toml(self.data_dir))
         if not self._ports:
             # Reuse the ports of an earlier run on this directory when they are free: the endpoint
             # users pasted stays valid, and the master's state (kept per port) carries over.
