@@ -548,8 +548,8 @@ class SeaweedServer:
         """Poll until S3 answers an authenticated request and, if a bucket exists, can store data.
 
         The write probe matters after a restart: S3 answers at once, but the first write can then
-        stall for ~5 s inside SeaweedFS (seen in about one restart in six). Absorbing that here keeps
-        client deadlines about the client's own requests. It uploads one multipart part and aborts
+        stall for 5-20 s inside SeaweedFS (about one restart in three, hardened or not). Absorbing
+        that here keeps client deadlines about the client's own requests. It uploads one multipart part and aborts
         the upload, so it allocates and writes a volume chunk yet leaves no object behind.
         """
         import botocore.exceptions as bex
