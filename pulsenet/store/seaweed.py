@@ -159,8 +159,8 @@ def _write_tls(tls_dir: Path) -> tuple[Path, Path, Path]:
     """A fresh CA and one certificate signed by it, for every gRPC server and client of this weed.
 
     Every component presents the same certificate: weed checks the chain, not host names, so what
-    matters is that only this server (and whoever can read its 0700 directory) holds the CA's child
-    key. The CA key is never written. EC P-256: generating all of it takes milliseconds.
+    matters is that only this server (and whoever can read its 0700 directory) holds the key. The CA
+    key is never written, so no other certificate can join. EC P-256: all of it takes milliseconds.
     """
     import datetime
     import ipaddress
