@@ -94,6 +94,8 @@ def test_assignment_is_a_pure_function_of_node_version_seed() -> None:
     assert assign_problems(task, node="inf-2", version=5, seed=7, n=16) != a
     assert assign_problems(task, node="inf-1", version=6, seed=7, n=16) != a
     assert assign_problems(task, node="inf-1", version=5, seed=8, n=16) != a
+    second = assign_problems(task, node="inf-1", version=5, seed=7, n=16, batch=1)  # same version, next batch
+    assert second != a and second == assign_problems(ArithmeticTask(1), node="inf-1", version=5, seed=7, n=16, batch=1)
     # Fields cannot bleed into each other ("1" + "23" vs "12" + "3").
     assert assign_problems(task, node="a1", version=23, seed=0, n=4) != assign_problems(
         task, node="a12", version=3, seed=0, n=4

@@ -14,7 +14,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pulsenet.errors import ConfigError
-from pulsenet.rl.models import BYTE_EOS, BYTE_PAD, load_model, load_tokenizer, smollm2_checkpoint, tiny_qwen2_config
+from pulsenet.rl.models import (
+    BYTE_EOS,
+    BYTE_PAD,
+    load_model,
+    load_tokenizer,
+    smollm2_checkpoint,
+    tiny_qwen2_config,
+)
 from pulsenet.rl.tasks import ChainTask, JsonlTask, RewardTask
 from pulsenet.rl.warmup import tiny_task, warm_tiny_model
 from pulsenet.signing import key_id, load_public_key

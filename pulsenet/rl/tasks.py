@@ -67,14 +67,19 @@ class RewardTask(Protocol):
         ...
 
 
-def assign_problems(task: RewardTask, *, node: str, version: int, seed: int, n: int) -> list[Problem]:
+def assign_problems(
+    task: RewardTask, *, node: str, version: int, seed: int, n: int, batch: int = 0
+) -> list[Problem]:
     """The ``n`` problems ``node`` must answer for policy ``version`` in run ``seed``: a pure function.
+
+    ``batch`` numbers the batches a node generates while the policy stays at one version, so a
+    slow trainer does not make a node answer the same problems again.
 
     The RNG is seeded with a string (SHA-512 inside ``random.Random``), stable across processes
     and Python versions, unlike ``hash()``; a node id cannot collide with another field because
     the fields are JSON-encoded.
     """
-    rng = random.Random("pulsenet-assign:" + json.dumps([task.key, seed, node, version]))
+    rng = random.Random("pulsenet-assign:" + json.dumps([task.key, seed, node, version, batch]))
     return [task.draw(rng) for _ in range(n)]
 
 
