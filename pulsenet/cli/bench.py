@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with ``add_arguments(parser)`` and
 ``run(args) -> dict`` (the JSON document); this module only wires them.
@@ -15,6 +15,7 @@ BENCHES = {
     "sync": "PULSESync codec on real checkpoint pairs: sizes, ratios, speed, entropy bounds",
     "e2e": "publish -> every subscriber verified, through a real S3 server on an emulated link",
     "loco": "PULSELoCo vs DiLoCo vs DDP: bytes per worker per round, learning metric",
+    "rl": "asynchronous GRPO through storage: a trainer and K inference engines, reward and bytes",
 }
 
 

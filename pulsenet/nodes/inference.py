@@ -72,6 +72,9 @@ class InferenceConfig:
     """Nucleus sampling mass."""
     max_staleness: int = 2
     """Versions a trainer may lag its rollouts; older batches of this node are deleted."""
+    batches_per_version: int = 2
+    """Batches generated per policy version at most, then wait for the next one: an engine faster
+    than the trainer would otherwise fill the store with rollouts that go stale unread."""
     seed: int = 0
     """Run seed: with the node id and version it fixes the problems and samples."""
     state_dir: Path = Path("state/i0")
@@ -128,6 +131,8 @@ class InferenceNode:
         """(version, digest) of every version this node served, as verified by its subscriber."""
         self._update_lock = asyncio.Lock()
         self._first = asyncio.Event()
+        self._newer = asyncio.Event()
+        """Set by each update: a generation loop waiting for a newer version wakes up."""
         self._batches_at: dict[int, int] = {}
 
     # --- policy ---------------------------------------------------------------------------------
@@ -150,6 +155,7 @@ class InferenceNode:
             self.state.version, self.state.digest = version, digest
             self.state.beat()
             self._first.set()
+            self._newer.set()
             log.info("%s serves v%d (%s…)", self.config.id, version, digest[:12])
 
     def newest_published(self) -> int | None:
@@ -171,9 +177,10 @@ class InferenceNode:
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            if not self._first.is_set():
-                await _wait_any(self._first, stop, timeout=1.0)
-                self.state.beat()  # waiting for the first version is progress of a kind
+            if not self._first.is_set() or self._batches_at.get(self.engine.version, 0) >= self.config.batches_per_version:  # type: ignore[union-attr]
+                self._newer.clear()
+                await _wait_any(self._newer, stop, timeout=1.0)
+                self.state.beat()  # waiting for a (first or newer) version is progress of a kind
                 continue
             try:
                 await self.generate_batch()

@@ -1,0 +1,236 @@
+"""``pulsenet bench rl``: asynchronous GRPO through storage, one trainer and K inference engines.
+
+Everything a deployment runs, in one process on this machine: an embedded SeaweedFS with one
+bucket and one write identity per site (the trainer writes only its bucket, each inference node
+only its own), the trainer node (rollout intake -> GRPO step -> PULSESync version) and K inference
+nodes (PULSESync subscriber -> engine -> signed rollout batches), each with its own store client
+and, with ``--link-mbps``, its own emulated link. The nodes are the daemons' own classes
+(``pulsenet.nodes``), so the benchmark measures the code that ships.
+
+Summary (JSON ``summary``): reward per step, the staleness histogram, dropped batches (stale in
+flight / in the queue), mismatch KL per step, bytes per channel (rollouts, PULSESync downloads,
+what full checkpoints would have cost), update apply times, and ``digests_equal``: every version
+every engine served has the digest the trainer published for it, and every engine's own weights
+hash to the digest it claims at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pulsenet.bench import workdir as bench_workdir
+
+SCHEMA = "pulsenet.bench.rl/1"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    p.add_argument("--steps", type=int, default=30, help="GRPO steps = policy versions published")
+    p.add_argument("--inference", type=int, default=2, help="inference nodes (engines)")
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--link-mbps", type=float, default=None, help="emulated link per node, each way")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
+    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    p.add_argument("--rows-per-step", type=int, default=128, help="completions per GRPO step at least")
+    p.add_argument(
+        "--batches-per-version", type=int, default=1, help="batches each engine generates per policy version"
+    )
+    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 (tiny), 3e-6 (smollm2)")
+    p.add_argument("--task", default="arith", help="arith, chain or a .jsonl file")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 5 (tiny), 16 (smollm2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", type=Path, default=None, help="keep keys, states and caches here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    return asyncio.run(_run(args))
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
+
+    from pulsenet.store.seaweed import SeaweedServer
+
+    console = Console(stderr=True)
+    if args.steps < 1 or args.inference < 1 or args.max_staleness < 0:
+        raise SystemExit("pulsenet bench rl: --steps and --inference must be >= 1, --max-staleness >= 0")
+    with bench_workdir(args.workdir, "rl") as workdir, tempfile.TemporaryDirectory(dir=workdir) as run_tmp:
+        rundir = Path(run_tmp)  # a fresh store and fresh node states every run
+        sites = ["t0", *(f"i{k}" for k in range(args.inference))]
+        with SeaweedServer(rundir / "s3", sites=sites) as server:
+            server.create_buckets(*(server.bucket(s) for s in sites))
+            network = _Network(args, workdir, rundir, server)
+            console.print(
+                f"[bold]bench rl[/]: {args.model}, {args.steps} GRPO steps, {args.inference} inference "
+                f"nodes, max staleness {args.max_staleness}, "
+                f"{'unlimited' if args.link_mbps is None else f'{args.link_mbps:g} Mbit/s'} links"
+            )
+            t0 = time.perf_counter()
+            await network.run(console)
+            wall = time.perf_counter() - t0
+            return network.result(wall)
+
+
+class _Network:
+    """The trainer and the inference nodes of one benchmark run, wired to one server."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, rundir: Path, server: Any) -> None:
+        """``workdir`` keeps what runs may share (keys, the warm-up cache); ``rundir`` is this run's."""
+        from pulsenet.nodes.common import initial_model, make_task, text_codec
+        from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+        from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+        from pulsenet.rl.grpo import GRPOConfig
+        from pulsenet.rollouts import RolloutSource
+        from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
+        from pulsenet.store import S3Store
+
+        self.args = args
+        tiny = args.model == "tiny"
+        lr = args.lr if args.lr is not None else (1e-3 if tiny else 3e-6)
+        max_new = args.max_new_tokens if args.max_new_tokens is not None else (5 if tiny else 16)
+        keys = {}
+        for site in ["t0", *(f"i{k}" for k in range(args.inference))]:
+            path = workdir / "keys" / f"{site}.key"
+            if not path.exists():
+                generate_keypair(path)
+            keys[site] = (load_private_key(path), load_public_key(f"{path}.pub"))
+
+        def store(identity_site: str, bucket_site: str) -> S3Store:
+            cfg = server.config(server.writer(identity_site), link_mbps=args.link_mbps)
+            return S3Store(server.bucket(bucket_site), "", cfg)
+
+        text = text_codec(args.model)
+        grpo = GRPOConfig(lr=lr, pad_id=text.pad_id)
+        tcfg = TrainerConfig(
+            id="t0",
+            run="bench",
+            model=args.model,
+            steps=args.steps,
+            rows_per_step=args.rows_per_step,
+            max_staleness=args.max_staleness,
+            anchor_every=max(args.steps + 1, 10),
+            seed=args.seed,
+            state_dir=rundir / "t0",
+            grpo=grpo,
+        )
+        model = initial_model(args.model, workdir / "cache", seed=args.seed)
+        sources = [
+            RolloutSource(f"i{k}", store("t0", f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
+            for k in range(args.inference)
+        ]
+        self.trainer = TrainerNode(tcfg, store=store("t0", "t0"), key=keys["t0"][0], sources=sources, model=model)
+        trusted = {key_id(keys["t0"][1]): keys["t0"][1]}
+        self.inference = []
+        for k in range(args.inference):
+            icfg = InferenceConfig(
+                id=f"i{k}",
+                run="bench",
+                model=args.model,
+                prompts=args.prompts,
+                group_size=args.group_size,
+                max_new_tokens=max_new,
+                max_staleness=args.max_staleness,
+                batches_per_version=args.batches_per_version,
+                seed=args.seed,
+                state_dir=rundir / f"i{k}",
+                poll_s=0.2,
+            )
+            self.inference.append(
+                InferenceNode(
+                    icfg,
+                    store=store(f"i{k}", f"i{k}"),
+                    policy_stores=[store(f"i{k}", "t0")],
+                    trusted=trusted,
+                    key=keys[f"i{k}"][0],
+                    task=make_task(args.task, args.seed),
+                    text=text,
+                )
+            )
+
+    async def run(self, console: Any) -> None:
+        from rich.live import Live
+
+        stop_inference = asyncio.Event()
+        stop = asyncio.Event()
+
+        async def trainer() -> None:
+            try:
+                await self.trainer.run(stop)
+            finally:
+                stop_inference.set()
+
+        with Live(self._table(), console=console, refresh_per_second=2, transient=False) as live:
+
+            async def refresh() -> None:
+                while not stop_inference.is_set():
+                    live.update(self._table())
+                    await asyncio.sleep(0.5)
+                live.update(self._table())
+
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(trainer())
+                for node in self.inference:
+                    tg.create_task(node.run(stop_inference))
+                tg.create_task(refresh())
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        t = Table(title="pulsenet bench rl", expand=False)
+        for col in ("node", "version", "reward", "staleness", "rollouts", "pulsesync B", "rollout B", "errors"):
+            t.add_column(col, justify="right")
+        for node in [self.trainer, *self.inference]:
+            s = node.state
+            rollouts = s.rollouts["consumed"] if s.role == "trainer" else s.rollouts["produced"]
+            t.add_row(
+                s.node_id,
+                "-" if s.version is None else str(s.version),
+                "-" if s.reward is None else f"{s.reward:.3f}",
+                "-" if s.staleness is None else str(s.staleness),
+                str(rollouts),
+                f"{s.bytes['pulsesync']:,}",
+                f"{s.bytes['rollouts']:,}",
+                str(s.errors),
+            )
+        return t
+
+    def result(self, wall: float) -> dict[str, Any]:
+        tr = self.trainer
+        published = {h["version"]: h["digest"] for h in tr.history}
+        steps = [h for h in tr.history if h["metrics"] is not None]
+        served_ok = all(published.get(v) == d for n in self.inference for v, d in n.served)
+        own_ok = all(n.engine is not None and n.engine.weights_digest() == n.engine.digest for n in self.inference)
+        full = {h["version"]: h["full_bytes"] for h in tr.history}
+        st = tr.intake.stats
+        summary = {
+            "reward": [h["metrics"]["reward_mean"] for h in steps],
+            "mismatch_kl": [h["metrics"]["mismatch_kl"] for h in steps],
+            "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
+            "dropped": {"stale_in_flight": st.stale_in_flight, "stale_queued": st.stale_queued},
+            "rejected": dict(st.rejected),
+            "bytes": {
+                "rollouts": sum(n.writer.stats.bytes_uploaded for n in self.inference),
+                "pulsesync": sum(s.stats.bytes_downloaded for n in self.inference for s in n.subscribers),
+                "pulsesync_published": sum(h["bytes"] for h in tr.history),
+                "full_sync": sum(full.get(v, 0) for n in self.inference for v, _ in n.served),
+            },
+            "update_apply_s": [round(x, 4) for n in self.inference for x in n.update_apply_s],
+            "versions_served": {n.config.id: [v for v, _ in n.served] for n in self.inference},
+            "digests_equal": bool(served_ok and own_ok and all(n.served for n in self.inference)),
+            "final_version": tr.version,
+            "wall_s": round(wall, 2),
+        }
+        return {
+            "schema": SCHEMA,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items() if k != "func"},
+            "steps": tr.history,
+            "summary": summary,
+        }

@@ -1,0 +1,246 @@
+"""The trainer node: verified rollouts in, GRPO steps, a new policy version out over PULSESync.
+
+One asyncio loop (``TrainerNode.run``) with, in one TaskGroup:
+
+- the rollout intake polling every trusted inference node's store (its own task, so downloads and
+  verification overlap the GRPO step, which runs in a thread);
+- the training loop: take fresh batches until a step's worth of rows is there, one GRPO step,
+  checkpoint (atomically, before publishing: a restart then republishes what it had not), publish
+  the BF16 state as the next version.
+
+With one trainer the policy version is the optimizer step. Restart-safe: a SIGKILLed trainer
+resumes from its checkpoint with the same command; the publisher resumes from what its own key
+signed in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import pickle
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pulsenet.fsutil import atomic_path
+from pulsenet.nodes.status import NodeState
+from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer
+from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
+from pulsenet.store.base import ObjectStore
+from pulsenet.sync.publisher import Publisher, PublisherConfig, PublishRecord
+
+log = logging.getLogger(__name__)
+CHECKPOINT = "trainer.pt"
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """``[trainer]`` in configs/trainer.toml; every field also ``PULSENET_<FIELD>`` and ``--field``."""
+
+    id: str = "t0"
+    """This trainer's id."""
+    run: str = "default"
+    """Run id: part of every signature's context, shared by all nodes of one run."""
+    store: str = ""
+    """This site's own store URL: its PULSESync channel is published here."""
+    key: Path = Path("keys/t0.key")
+    """This site's Ed25519 signing key (its public half goes to inference nodes and peers)."""
+    inference: list[str] = field(default_factory=list)
+    """Rollout sources as ID=STORE_URL, one per inference node (read-only credentials suffice)."""
+    trust_inference: list[str] = field(default_factory=list)
+    """Inference public keys as ID=PATH (or PATH named ID.key.pub): a node's slot takes only its key."""
+    channel: str = "policy"
+    """PULSESync channel name inside this store."""
+    model: str = "tiny"
+    """Initial policy: tiny (warmed-up, cached under state_dir) or smollm2."""
+    steps: int = 20
+    """Policy versions to train and publish (optimizer steps); the node exits after the last."""
+    rows_per_step: int = 32
+    """Completions (rollout rows) per GRPO step at least; whole batches are taken."""
+    max_staleness: int = 2
+    """Largest trainer version minus rollout version trained on (older batches are dropped)."""
+    anchor_every: int = 10
+    """A full anchor every this many versions, patches in between."""
+    keep_anchors: int = 2
+    """Retention: the newest this many anchors and every version after the oldest of them."""
+    checkpoint_every: int = 1
+    """Local resume point every this many steps (always written before publishing)."""
+    seed: int = 0
+    """Seeds the warm-up and the trainer's generators."""
+    state_dir: Path = Path("state/t0")
+    """Checkpoints and caches of this node."""
+    status_host: str = "127.0.0.1"
+    """Address of /healthz, /status, /metrics."""
+    status_port: int = 0
+    """Port of /healthz, /status, /metrics (0: a free one)."""
+    stuck_after_s: float = 900.0
+    """/healthz answers 503 when the loop has made no progress for this long."""
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
+    """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
+
+
+class TrainerNode:
+    """One trainer: ``await node.run(stop)`` trains and publishes until ``config.steps`` versions."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        store: ObjectStore,
+        key: Any,
+        sources: list[RolloutSource],
+        model: torch.nn.Module,
+    ) -> None:
+        self.config = c = config
+        self.state = NodeState(role="trainer", node_id=c.id)
+        self.grpo = GRPOTrainer(model, c.grpo)
+        self.publisher = Publisher(
+            store,
+            key,
+            PublisherConfig(channel=c.channel, run=c.run, anchor_every=c.anchor_every, keep_anchors=c.keep_anchors),
+        )
+        self.digests: dict[int, str] = {}
+        """Published model digest per version: what a rollout batch must have been served with."""
+        self.intake = RolloutIntake(
+            sources,
+            self.digests.get,
+            RolloutIntakeConfig(run=c.run, max_staleness=c.max_staleness, interval_s=0.5),
+            trainer_id=c.id,
+        )
+        self.version = -1
+        self.history: list[dict[str, Any]] = []
+        """One entry per published version: metrics, bytes, timings."""
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Resume from the local checkpoint and the store; publish the initial policy as v0 if new."""
+        await self.publisher.start()  # rebuilds the newest version its key signed, if any
+        published = self.publisher.version
+        ckpt = await asyncio.to_thread(self._load_checkpoint)
+        if ckpt is not None:
+            self.grpo.local.restore(ckpt["local"])
+            self.digests.update(ckpt["digests"])
+        if published is None or (ckpt is not None and ckpt["version"] == published + 1):
+            # A new channel, or a step checkpointed but not yet published: publish it now.
+            self.version = -1 if published is None else published
+            await self._publish(self.grpo.bf16_state(), None)
+        else:
+            if ckpt is None or ckpt["version"] != published:
+                # No usable checkpoint for the published version: continue from the published
+                # weights (BF16) with a fresh optimizer rather than fork the chain.
+                log.warning("%s: no checkpoint for v%d: continuing from the published weights", self.config.id, published)
+                assert self.publisher.state is not None
+                self.grpo.local.load_state_fp32({n: t.float() for n, t in self.publisher.state.items()})
+            self.version = published
+            self.digests[published] = self.publisher.digest  # type: ignore[assignment]
+        self.state.version, self.state.digest = self.version, self.digests.get(self.version)
+        log.info("%s: at v%d", self.config.id, self.version)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        done = asyncio.Event()  # the intake stops with training, however training ends
+
+        async def train() -> None:
+            try:
+                await self._train(stop)
+            finally:
+                done.set()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self.intake.run(lambda: self.version, done))
+                tg.create_task(train())
+        finally:
+            await self.publisher.close(flush_timeout=60)
+
+    # --- the loop ---------------------------------------------------------------------------------
+
+    async def _train(self, stop: asyncio.Event) -> None:
+        c = self.config
+        while self.version < c.steps and not stop.is_set():
+            rows, versions = await self._collect(stop)
+            if rows is None:
+                return
+            t0 = time.perf_counter()
+            metrics: GRPOMetrics = await asyncio.to_thread(self.grpo.step, rows)
+            step_s = time.perf_counter() - t0
+            state = self.grpo.bf16_state()
+            if (self.version + 1) % c.checkpoint_every == 0 or self.version + 1 == c.steps:
+                await asyncio.to_thread(self._save_checkpoint, self.version + 1)
+            record = await self._publish(state, metrics)
+            self.history[-1].update(
+                step_s=step_s, staleness=[self.version - 1 - v for v in versions], rows=len(rows)
+            )
+            log.info("%s: v%d reward %.3f (%d rows)", c.id, record.version, metrics.reward_mean, len(rows))
+
+    async def _collect(self, stop: asyncio.Event) -> tuple[list | None, list[int]]:
+        """Take fresh batches until a step's worth of rows; (None, []) if stopped first."""
+        rows: list = []
+        versions: list[int] = []
+        while len(rows) < self.config.rows_per_step:
+            for b in self.intake.take(self.version, max_batches=1):  # whole batches, no more than needed
+                rows.extend(b.rows)
+                versions.append(b.version)
+            if len(rows) >= self.config.rows_per_step:
+                break
+            if len(self.intake):
+                continue
+            self.state.beat()
+            try:
+                async with asyncio.timeout(0.2):
+                    await stop.wait()
+                return None, []
+            except TimeoutError:
+                continue
+        return rows, versions
+
+    async def _publish(self, state: dict[str, torch.Tensor], metrics: GRPOMetrics | None) -> PublishRecord:
+        record = await self.publisher.publish_now(state, step=self.version + 1)
+        self.version = record.version
+        self.digests[record.version] = record.digest
+        for v in [v for v in self.digests if v < record.version - self.config.max_staleness - 1]:
+            del self.digests[v]
+        entry = {
+            "version": record.version,
+            "kind": record.kind,
+            "digest": record.digest,
+            "bytes": sum(record.payload_bytes.values()),
+            "full_bytes": record.full_bytes,
+            "metrics": metrics.as_dict() if metrics is not None else None,
+        }
+        self.history.append(entry)
+        s = self.state
+        s.version, s.digest = record.version, record.digest
+        s.bytes["pulsesync"] += entry["bytes"]
+        s.bytes["rollouts"] = self.intake.stats.bytes_downloaded
+        s.rollouts["consumed"] = self.intake.stats.rows_accepted
+        s.rollouts["rejected"] = sum(self.intake.stats.rejected.values())
+        s.rollouts["dropped_in_flight"] = self.intake.stats.stale_in_flight
+        s.rollouts["dropped_queued"] = self.intake.stats.stale_queued
+        if metrics is not None:
+            s.reward = metrics.reward_mean
+            s.staleness = max(self.intake.stats.staleness, default=0)
+        s.beat()
+        return record
+
+    # --- local resume point -------------------------------------------------------------------------
+
+    def _save_checkpoint(self, version: int) -> None:
+        path = Path(self.config.state_dir) / CHECKPOINT
+        with atomic_path(path, 0o600) as tmp:
+            torch.save({"version": version, "local": self.grpo.local.checkpoint(), "digests": dict(self.digests)}, tmp)
+
+    def _load_checkpoint(self) -> dict[str, Any] | None:
+        path = Path(self.config.state_dir) / CHECKPOINT
+        if not path.is_file():
+            return None
+        try:  # our own file on local disk; a torn or foreign one is ignored, not fatal
+            ckpt = torch.load(path, weights_only=False)
+            return ckpt if {"version", "local", "digests"} <= set(ckpt) else None
+        except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, AttributeError, pickle.UnpicklingError) as e:
+            log.error("%s: checkpoint %s unusable (%s): ignored", self.config.id, path, e)
+            return None
