@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from pulsenet.errors import (
     ManifestError,
+    ObjectTooLarge,
     PayloadError,
     PulsenetError,
     RoundError,
@@ -32,7 +34,7 @@ from pulsenet.errors import (
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco.config import MODES, LocoConfig
-from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore
+from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore, all_of
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +149,18 @@ class Collector:
         fetched and decoded.
         """
         cached = await self._cached(ref, base_digest)
-        return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
+        payload = (
+            cached
+            if cached is not None
+            else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
+        )
+        # The record's writer judged it, but a record is only as good as its writer's key: never
+        # average a payload that is not for its round and mode, or not finite.
+        m = re.match(r"trainers/[^/]+/(\d{8})/", ref.key)
+        if m is None:
+            raise ManifestError(f"{ref.key}: not a payload key")
+        await asyncio.to_thread(alg.validate, payload, round=int(m.group(1)), mode=self.mode)
+        return payload
 
     async def sleep(self) -> None:
         """One poll interval, jittered x0.5-1.5 so trainers do not poll in lockstep."""
@@ -160,7 +173,7 @@ class Collector:
     ) -> Record | None:
         """One look at the store: the round's record if it exists (or we just wrote it), else None."""
         r = ctx.round
-        record = await self.rs.read_record(r)
+        record = await self.read_record(r)
         if record is not None:
             self._log_follow(r, record)
             return record
@@ -182,6 +195,24 @@ class Collector:
             self._log_follow(r, record)
         return record
 
+    async def read_record(self, r: int) -> Record | None:
+        """Round r's record, if written; RoundError if what stands there cannot be followed.
+
+        A record that fails verification (planted, foreign, malformed) or names fewer than a quorum
+        occupies the create-only key for good: the round cannot complete, and says so as a
+        RoundError (retried, then fatal) rather than any other exception.
+        """
+        try:
+            record = await self.rs.read_record(r)
+        except (ManifestError, ObjectTooLarge) as e:
+            raise RoundError(f"round {r}: the round record in the store cannot be used: {e}") from e
+        if record is not None and len(record.participants) < self.config.quorum:
+            raise RoundError(
+                f"round {r}: the record by {record.writer} names {len(record.participants)} participants, "
+                f"fewer than the quorum of {self.config.quorum}"
+            )
+        return record
+
     def _log_follow(self, r: int, record: Record) -> None:
         if record.writer != self.id:
             log.info(
@@ -193,15 +224,17 @@ class Collector:
             )
 
     async def _try_manifest(self, tid: str, r: int, unreadable: set[str]) -> Manifest | None:
+        """``tid``'s verified manifest, or None: one member's bad or unreachable manifest never stops
+        the poll from reading the others'."""
         try:
             return await self.rs.read_manifest(tid, r)
-        except (
-            ManifestError,
-            VerificationError,
-        ) as e:  # unverifiable: that trainer is out this round, loudly
+        except (ManifestError, VerificationError, ObjectTooLarge) as e:
+            # unverifiable (planted, foreign, malformed, oversized): that trainer is out this round, loudly
             log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
             unreadable.add(tid)
-            return None
+        except StoreError as e:  # transient: try this member again next poll
+            log.warning("%s: round %d: store error reading %s's manifest: %s", self.id, r, tid, e)
+        return None
 
     def _proposal(
         self, r: int, fetches: Mapping[str, asyncio.Task[Entry]], base_digest: str
@@ -290,4 +323,6 @@ class Collector:
                 ) from e
 
         tids = sorted(record.participants)
-        return dict(zip(tids, await asyncio.gather(*(one(t) for t in tids)), strict=True))
+        return dict(
+            zip(tids, await all_of(one(t) for t in tids), strict=True)
+        )  # one failure cancels the rest

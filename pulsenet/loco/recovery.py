@@ -10,7 +10,6 @@ restarted trainers use the same replay to catch up. docs/loco.md, "Digests", has
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -20,7 +19,7 @@ import torch
 
 from pulsenet.errors import ObjectNotFound, PulsenetError, RoundError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import ObjectRef, RoundStore
+from pulsenet.loco.round import ObjectRef, RoundStore, all_of
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
@@ -76,7 +75,7 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
                 raise RoundError(f"cannot replay round {r}: payload {ref.key} is gone") from e
 
         tids = sorted(record.participants)
-        payloads = await asyncio.gather(*(one(record.participants[t]) for t in tids))
+        payloads = await all_of(one(record.participants[t]) for t in tids)  # one failure cancels the rest
         await apply(state, dict(zip(tids, payloads, strict=True)))
         state.round = r
 
