@@ -291,3 +291,25 @@ async def test_unexpected_background_failure_fails_the_run(s3_factory: StoreFact
     with pytest.raises(RuntimeError, match="injected"):
         await trainer.run(3)
     assert trainer.round < 3
+
+
+# --- item 1: the trainer's own state files ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "over",
+    [{"round": "5"}, {"round": -1}, {"theta": [1, 2]}, {"momentum": {"w": "x"}}, {"error": 3},
+     {"inner": {"rng": {}, "steps": 1}}, {"inner": {"optimizer": {}, "rng": {}, "steps": "1"}}, {"theta": None}],
+)  # fmt: skip
+def test_malformed_trainer_state_files_are_verification_errors(tmp_path: Path, over: dict[str, Any]) -> None:
+    import torch
+
+    from pulsenet.errors import VerificationError
+    from pulsenet.loco.state import TRAINER_FORMAT, TrainerState
+
+    w = {"w": torch.zeros(3, 4)}
+    obj = {"format": TRAINER_FORMAT, "round": 5, "theta": w, "momentum": w, "error": None,
+           "inner": {"optimizer": {}, "rng": {}, "steps": 1}, **over}  # fmt: skip
+    torch.save(obj, tmp_path / "state.pt")
+    with pytest.raises(VerificationError):
+        TrainerState.load(tmp_path / "state.pt", {"w": (3, 4)})

@@ -298,28 +298,33 @@ class RoundStore:
 
     # --- signed documents ---------------------------------------------------------------------
 
+    def sign(self, body: Mapping[str, Any]) -> bytes:
+        """The document this trainer writes for ``body``: the run id added, signed for the run's context."""
+        return sign_document({**body, "run": self.run}, self.key, context=self.context)
+
     async def _put_doc(self, key: str, body: dict[str, Any], *, create_only: bool) -> None:
-        body = {**body, "run": self.run}
-        await self.store.put(
-            key,
-            sign_document(body, self.key, context=self.context),
-            if_none_match=create_only,
-            timeout=self.t.small_s,
-        )
+        await self.store.put(key, self.sign(body), if_none_match=create_only, timeout=self.t.small_s)
+
+    async def _get_raw(self, key: str) -> bytes | None:
+        """The bytes at ``key`` (at most ``max_document``, else ObjectTooLarge), or None if absent."""
+        try:
+            return await self.store.get(key, timeout=self.t.small_s, max_bytes=self.max_document)
+        except ObjectNotFound:
+            return None
 
     async def _get_doc(self, key: str, kind: str, *, signer: str | None) -> dict[str, Any] | None:
-        """The verified body at ``key``, or None if there is no object there yet.
+        data = await self._get_raw(key)
+        return None if data is None else self._verify(key, data, kind, signer=signer)
+
+    def _verify(self, key: str, data: bytes, kind: str, *, signer: str | None) -> dict[str, Any]:
+        """The verified body of the document ``data`` read at ``key``.
 
         ``signer``: the trainer whose key alone may have signed it (its own slot); None: any
-        trainer of the run, which the body must name as its ``writer``. Any malformed, oversized,
-        foreign or misattributed document raises a typed error (ManifestError, ObjectTooLarge).
+        trainer of the run, which the body must name as its ``writer``. Any malformed, foreign or
+        misattributed document raises a ManifestError (SignatureError: the wrong key or context).
         """
         if signer is not None and signer not in self.keys:
             raise SignatureError(f"{key}: {signer!r} is not a trainer of this run (no public key for it)")
-        try:
-            data = await self.store.get(key, timeout=self.t.small_s, max_bytes=self.max_document)
-        except ObjectNotFound:
-            return None
         trusted = self._all if signer is None else {self._kid[signer]: self.keys[signer]}
         signed = verify_document(data, trusted, context=self.context)
         body = signed.body
@@ -382,10 +387,13 @@ class RoundStore:
         return manifest, True
 
     async def read_manifest(self, tid: str, round_: int) -> Manifest | None:
+        data = await self._get_raw(manifest_key(tid, round_))
+        return None if data is None else self.parse_manifest(data, tid, round_)
+
+    def parse_manifest(self, data: bytes, tid: str, round_: int) -> Manifest:
+        """``tid``'s round-``round_`` manifest from its bytes: verified under ``tid``'s key and checked."""
         key = manifest_key(tid, round_)
-        body = await self._get_doc(key, KIND_MANIFEST, signer=tid)
-        if body is None:
-            return None
+        body = self._verify(key, data, KIND_MANIFEST, signer=tid)
         m = Manifest(
             trainer=tid,
             round=_int(body, "round", key),
@@ -416,10 +424,13 @@ class RoundStore:
     # --- round records ------------------------------------------------------------------------
 
     async def read_record(self, round_: int) -> Record | None:
+        data = await self._get_raw(record_key(round_))
+        return None if data is None else self.parse_record(data, round_)
+
+    def parse_record(self, data: bytes, round_: int) -> Record:
+        """Round ``round_``'s record from its bytes: verified under its writer's key and checked."""
         key = record_key(round_)
-        body = await self._get_doc(key, KIND_RECORD, signer=None)
-        if body is None:
-            return None
+        body = self._verify(key, data, KIND_RECORD, signer=None)
         participants = body.get("participants")
         if not isinstance(participants, dict):
             raise ManifestError(f"{key}: participants must be an object")
@@ -488,10 +499,13 @@ class RoundStore:
             return stored if stored is not None else digest
 
     async def read_digest(self, tid: str, round_: int) -> str | None:
+        data = await self._get_raw(digest_key(tid, round_))
+        return None if data is None else self.parse_digest(data, tid, round_)
+
+    def parse_digest(self, data: bytes, tid: str, round_: int) -> str:
+        """``tid``'s post-round digest from its document's bytes (verified under ``tid``'s key)."""
         key = digest_key(tid, round_)
-        body = await self._get_doc(key, KIND_DIGEST, signer=tid)
-        if body is None:
-            return None
+        body = self._verify(key, data, KIND_DIGEST, signer=tid)
         if _int(body, "round", key) != round_:
             raise ManifestError(f"{key}: digest document is for round {body['round']}")
         digest = _str(body, "digest", key, limit=64)
@@ -527,10 +541,13 @@ class RoundStore:
         return StateRef(state.round, ref, digest, self.id)
 
     async def read_state_ref(self, round_: int) -> StateRef | None:
+        data = await self._get_raw(state_manifest_key(round_))
+        return None if data is None else self.parse_state_ref(data, round_)
+
+    def parse_state_ref(self, data: bytes, round_: int) -> StateRef:
+        """Round ``round_``'s global-state manifest from its bytes (verified under its writer's key)."""
         key = state_manifest_key(round_)
-        body = await self._get_doc(key, KIND_STATE, signer=None)
-        if body is None:
-            return None
+        body = self._verify(key, data, KIND_STATE, signer=None)
         ref = StateRef(
             round=_int(body, "round", key),
             state=ObjectRef.parse(body.get("state"), key),

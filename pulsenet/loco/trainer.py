@@ -618,22 +618,26 @@ class LocoTrainer:
 
     async def _load_resume_point(self) -> TrainerState | None:
         candidates: list[TrainerState] = []
+        shapes = {n: tuple(p.shape) for n, p in self.local.model.named_parameters()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
-            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE))
+            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
         remote = await self.rs.latest_checkpoint()
         if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
             with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
                 path = Path(tmp) / STATE_FILE
                 await self.rs.fetch_checkpoint(remote[1], path)
-                candidates.append(await asyncio.to_thread(TrainerState.load, path))
+                candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
         if not candidates:
             return None
         ts = max(candidates, key=lambda s: s.global_.round)
+        try:
+            self.local.load_state_fp32(ts.global_.theta)
+            self.local.load_optimizer_state(ts.inner["optimizer"])
+            self.local.load_rng_state(ts.inner["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
+            raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
         self.state, self.error = ts.global_, ts.error
-        self.local.load_state_fp32(ts.global_.theta)
-        self.local.load_optimizer_state(ts.inner["optimizer"])
-        self.local.load_rng_state(ts.inner["rng"])
-        self.local.steps = int(ts.inner["steps"])
+        self.local.steps = ts.inner["steps"]
         log.warning("%s: resumed from round %d", self.id, ts.global_.round)
         return ts
 
