@@ -313,3 +313,65 @@ def test_malformed_trainer_state_files_are_verification_errors(tmp_path: Path, o
     torch.save(obj, tmp_path / "state.pt")
     with pytest.raises(VerificationError):
         TrainerState.load(tmp_path / "state.pt", {"w": (3, 4)})
+
+
+# --- item 7: a record is only as good as its writer's key: followers check what it names --------------
+
+
+async def test_record_cannot_name_a_payload_its_owner_did_not_sign(
+    s3_factory: StoreFactory, keys: Any
+) -> None:
+    import torch
+
+    from pulsenet.loco.collect import Collector
+
+    store = s3_factory()
+    t0, t1 = _rs(store, "t0", keys), _rs(store, "t1", keys)
+    await _plant(t1, manifest_key("t1", 1), _manifest_body("t1", 1))  # t1 signed its payload ab..ab
+    sha = hashlib.sha256(b"0123456789").hexdigest()
+    planted = ObjectRef(payload_key("t1", 1, sha), 10, sha)
+    await store.put(planted.key, b"0123456789", timeout=10)  # a bucket writer's object under t1's prefix
+    record, _ = await t0.propose_record(Record(round=1, writer="t0", participants={"t1": planted}))
+    collector = Collector(_rs(store, "t2", keys), LocoConfig(min_quorum=1), {"w": (4,)})
+    with pytest.raises(RoundError, match="signed round-1 manifest"):
+        await collector.load_record(record, {"w": torch.zeros(4)})
+
+
+@pytest.mark.timeout(90)
+async def test_compromised_record_writer_cannot_average_an_outsized_payload(
+    s3_factory: StoreFactory, tmp_path: Path
+) -> None:
+    """``e`` holds a trusted key, sends a 1000x payload, screens nothing and writes the record first:
+    the honest trainers refuse to average it (and fail the round) instead of following."""
+    import numpy as np
+
+    from pulsenet.loco import LocoTrainer
+    from pulsenet.loco import payload as wire
+
+    class Outsized(LocoTrainer):
+        def encode_payload(self, payload: wire.Payload) -> bytes:
+            big = {
+                n: wire.SparseTensor(t.shape, t.indices, t.values * np.float32(1000))
+                for n, t in payload.tensors.items()
+            }
+            return wire.encode(wire.Payload(payload.round, payload.mode, big))
+
+    priv, pubs = make_keys(tmp_path / "keys", ("e", "h1", "h2"))
+    cfg = _config(workers_expected=3, deadline_s=10.0)
+    evil = tiny_trainer(
+        "e", s3_factory(), priv, pubs, _config(workers_expected=3, norm_min_payloads=99), cls=Outsized
+    )
+    honest = [tiny_trainer(t, s3_factory(), priv, pubs, cfg) for t in ("h1", "h2")]
+    for h in honest:  # let e's record win the race
+        propose = h.rs.propose_record
+
+        async def late(record: Record, propose: Any = propose) -> Any:
+            await asyncio.sleep(3)
+            return await propose(record)
+
+        h.rs.propose_record = late  # type: ignore[method-assign]
+    results = await asyncio.gather(evil.run(1), *(h.run(1) for h in honest), return_exceptions=True)
+    assert evil.reports and evil.reports[-1].participants == ["e", "h1", "h2"]  # e's record stood
+    for h, res in zip(honest, results[1:], strict=True):
+        assert isinstance(res, RoundError) and "norm screen" in str(res), res
+        assert h.round == 0  # nothing was averaged

@@ -38,6 +38,9 @@ from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore, all_of
 
 log = logging.getLogger(__name__)
 
+SCREEN_SLACK = 1.001
+"""A reader re-applies the norm screen to a record's set with this much room (norms are sums of
+squares, computed in a different order on another machine)."""
 Entry = tuple[wire.Payload, float, ObjectRef]
 """A judged payload: decoded, validated, its L2 norm, and the object it came from."""
 
@@ -136,31 +139,43 @@ class Collector:
                     "%s: round %d: record writer %s trained from base %s, ours is %s",
                     *(self.id, r, record.writer, record.base_digest[:16], base_digest[:16]),
                 )
-            return record, await self._participants_payloads(ctx, record, fetches)
+            return record, await self._record_payloads(record, ctx.base, ctx.base_digest, fetches)
         finally:
             for t in fetches.values():
                 t.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
 
-    async def load(self, ref: ObjectRef, base: Base, base_digest: str | None = None) -> wire.Payload:
-        """A payload a record names (judged by the record's writer), decoded against ``base``.
+    async def load_record(
+        self, record: Record, base: Base, base_digest: str | None = None
+    ) -> dict[str, wire.Payload]:
+        """The payloads a record names, each fetched, bound to its owner's manifest, validated and
+        decoded against ``base``, and screened as a whole (replays and repairs; base_digest None:
+        no cache)."""
+        return await self._record_payloads(record, base, base_digest, {})
 
-        From the cache when ``base_digest`` names the base (replays pass None: no cache), else
-        fetched and decoded.
+    async def _load(self, ref: ObjectRef, base: Base, base_digest: str | None) -> tuple[wire.Payload, float]:
+        """A payload a record names, and its norm, from the store or the cache.
+
+        The record's writer judged it, but a record is only as good as its writer's key: the
+        payload must be the one its owner's own signed manifest names (a record cannot speak for
+        another trainer), and for its round and mode, with finite values.
         """
+        m = re.fullmatch(r"trainers/([^/]+)/(\d{8})/[^/]+", ref.key)
+        if m is None:
+            raise ManifestError(f"{ref.key}: not a payload key")
+        tid, r = m.group(1), int(m.group(2))
+        manifest = await self.rs.read_manifest(tid, r)
+        if manifest is None or manifest.payload != ref:
+            raise VerificationError(
+                f"{ref.key}: not the payload that {tid}'s signed round-{r} manifest names"
+            )
         cached = await self._cached(ref, base_digest)
         payload = (
             cached
             if cached is not None
             else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
         )
-        # The record's writer judged it, but a record is only as good as its writer's key: never
-        # average a payload that is not for its round and mode, or not finite.
-        m = re.match(r"trainers/[^/]+/(\d{8})/", ref.key)
-        if m is None:
-            raise ManifestError(f"{ref.key}: not a payload key")
-        await asyncio.to_thread(alg.validate, payload, round=int(m.group(1)), mode=self.mode)
-        return payload
+        return payload, await asyncio.to_thread(alg.validate, payload, round=r, mode=self.mode)
 
     async def sleep(self) -> None:
         """One poll interval, jittered x0.5-1.5 so trainers do not poll in lockstep."""
@@ -255,11 +270,11 @@ class Collector:
             else:
                 raise exc
         cfg = self.config
-        for tid, why in alg.screen_norms(
-            norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads
-        ).items():
-            rejected[tid] = f"PayloadError: {why}"
-            del refs[tid]
+        # To a fixed point: what remains passes the screen on its own, as every reader checks.
+        while outsized := alg.screen_norms(norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads):
+            for tid, why in outsized.items():
+                rejected[tid] = f"PayloadError: {why}"
+                del refs[tid], norms[tid]
         if len(refs) < cfg.quorum:
             return None
         return Record(
@@ -302,27 +317,38 @@ class Collector:
             self.cache.put(ref.sha256, base_digest, payload)
         return payload
 
-    async def _participants_payloads(
-        self, ctx: _Context, record: Record, fetches: Mapping[str, asyncio.Task[Entry]]
+    async def _record_payloads(
+        self, record: Record, base: Base, base_digest: str | None, fetches: Mapping[str, asyncio.Task[Entry]]
     ) -> dict[str, wire.Payload]:
-        """The decoded payload of every participant the record names, reusing fetches already done."""
+        """The decoded payload of every participant the record names, reusing fetches already done;
+        RoundError if one cannot be used or the set fails the norm screen."""
 
-        async def one(tid: str) -> wire.Payload:
+        async def one(tid: str) -> tuple[wire.Payload, float]:
             ref = record.participants[tid]
             task = fetches.get(tid)
             if task is not None:
                 with contextlib.suppress(PulsenetError):
-                    payload, _, got = await task
+                    payload, norm, got = await task
                     if got == ref:
-                        return payload
+                        return payload, norm
             try:
-                return await self.load(ref, ctx.base, ctx.base_digest)
+                return await self._load(ref, base, base_digest)
             except PulsenetError as e:
                 raise RoundError(
-                    f"round {ctx.round}: cannot use participant {tid}'s payload named by the record: {e}"
+                    f"round {record.round}: cannot use participant {tid}'s payload named by the record: {e}"
                 ) from e
 
         tids = sorted(record.participants)
-        return dict(
-            zip(tids, await all_of(one(t) for t in tids), strict=True)
-        )  # one failure cancels the rest
+        judged = await all_of(one(t) for t in tids)  # one failure cancels the rest
+        norms = {t: norm for t, (_, norm) in zip(tids, judged, strict=True)}
+        # Writers screen to a fixed point (_proposal), so an honest record passes this with room
+        # for a last-bit difference in a norm; a record that averages an outsized payload does not.
+        cfg = self.config
+        outsized = alg.screen_norms(
+            norms, factor=cfg.norm_factor * SCREEN_SLACK, min_payloads=cfg.norm_min_payloads
+        )
+        if outsized:
+            raise RoundError(
+                f"round {record.round}: {record.writer}'s record averages payloads the norm screen rejects: {outsized}"
+            )
+        return {t: payload for t, (payload, _) in zip(tids, judged, strict=True)}

@@ -19,13 +19,14 @@ import torch
 
 from pulsenet.errors import ObjectNotFound, PulsenetError, RoundError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import ObjectRef, RoundStore, all_of
+from pulsenet.loco.round import Record, RoundStore
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[ObjectRef, Mapping[str, torch.Tensor]], Awaitable[wire.Payload]]
-"""Fetches and decodes a payload a round record names, against the round's base weights."""
+Loader = Callable[[Record, Mapping[str, torch.Tensor]], Awaitable[dict[str, wire.Payload]]]
+"""Fetches, checks and decodes the payloads a round record names, against the round's base weights
+(``Collector.load_record``)."""
 Apply = Callable[[GlobalState, Mapping[str, wire.Payload]], Awaitable[None]]
 """Averages payloads into a state and takes the outer step, in place (``algorithm.apply_round``)."""
 
@@ -67,16 +68,11 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
         record = await rs.read_record(r)
         if record is None:
             raise RoundError(f"cannot replay round {r}: it has no record")
-
-        async def one(ref: ObjectRef, r: int = r) -> wire.Payload:
-            try:
-                return await load(ref, state.theta)
-            except ObjectNotFound as e:
-                raise RoundError(f"cannot replay round {r}: payload {ref.key} is gone") from e
-
-        tids = sorted(record.participants)
-        payloads = await all_of(one(record.participants[t]) for t in tids)  # one failure cancels the rest
-        await apply(state, dict(zip(tids, payloads, strict=True)))
+        try:
+            payloads = await load(record, state.theta)
+        except ObjectNotFound as e:
+            raise RoundError(f"cannot replay round {r}: a payload is gone: {e}") from e
+        await apply(state, payloads)
         state.round = r
 
 

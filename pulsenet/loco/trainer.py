@@ -549,7 +549,7 @@ class LocoTrainer:
             # No newer published state: replaying from our own (verified) state is cheapest.
             with contextlib.suppress(RoundError, StoreError, VerificationError):
                 state = self._state.copy()
-                await recovery.replay(state, target, self.rs, self._collector.load, self._apply)
+                await recovery.replay(state, target, self.rs, self._collector.load_record, self._apply)
         if state is None or state.round != target:
             state = await self._rebuild(target)
         await self._adopt(state, await asyncio.to_thread(state.digest))
@@ -565,7 +565,7 @@ class LocoTrainer:
 
     async def _rebuild(self, target: int) -> GlobalState:
         return await recovery.rebuild(
-            target, self.rs, self._state.shapes(), self._collector.load, self._apply
+            target, self.rs, self._state.shapes(), self._collector.load_record, self._apply
         )
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
