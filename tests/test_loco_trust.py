@@ -375,3 +375,31 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
     for h, res in zip(honest, results[1:], strict=True):
         assert isinstance(res, RoundError) and "norm screen" in str(res), res
         assert h.round == 0  # nothing was averaged
+
+
+async def test_a_published_state_needs_its_participants_digests(s3_factory: StoreFactory, keys: Any) -> None:
+    """Any trusted key can write a round's state manifest first; repair and catch-up use it only if a
+    majority of the round's participants (and a quorum) published its digest under their own keys."""
+    from pulsenet.loco.recovery import vouched
+    from pulsenet.loco.round import StateRef
+
+    store = s3_factory()
+    rs = {t: _rs(store, t, keys) for t in IDS}
+    sha = "ab" * 32
+    parts = {t: ObjectRef(payload_key(t, 4, sha), 10, sha) for t in ("t1", "t2")}
+    await rs["t1"].propose_record(Record(round=4, writer="t1", participants=parts))
+    good, bogus = "1" * 64, "2" * 64
+    ref = {
+        d: StateRef(4, ObjectRef(f"state/00000004/{d[:16]}.safetensors", 1, sha), d, "t0")
+        for d in (good, bogus)
+    }
+    assert not await vouched(rs["t0"], ref[good], quorum=2)  # no digests yet
+    await rs["t1"].publish_digest(4, good)
+    assert not await vouched(rs["t0"], ref[good], quorum=2)  # 1 of 2 is no majority
+    await rs["t2"].publish_digest(4, good)
+    assert await vouched(rs["t0"], ref[good], quorum=2)
+    assert not await vouched(rs["t0"], ref[bogus], quorum=2)  # what t0 alone says
+    await _plant(
+        rs["t0"], digest_key("t0", 4), {"kind": KIND_DIGEST, "trainer": "t0", "round": 4, "digest": bogus}
+    )
+    assert not await vouched(rs["t0"], ref[bogus], quorum=1)  # t0 is not a participant of round 4

@@ -565,7 +565,12 @@ class LocoTrainer:
 
     async def _rebuild(self, target: int) -> GlobalState:
         return await recovery.rebuild(
-            target, self.rs, self._state.shapes(), self._collector.load_record, self._apply
+            target,
+            self.rs,
+            self._state.shapes(),
+            self._collector.load_record,
+            self._apply,
+            quorum=self.config.quorum,
         )
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
