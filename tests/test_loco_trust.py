@@ -256,6 +256,8 @@ async def test_planted_manifests_do_not_block_valid_peers(
         assert t.reports[-1].participants == ["b", "c"]
     assert trainers[0].digest == trainers[1].digest
     assert "ignoring d's manifest" in caplog.text
+    record = await trainers[0].rs.read_record(1)
+    assert record is not None and record.unavailable["d"].startswith("ManifestError")  # recorded, with why
 
 
 @pytest.mark.timeout(60)

@@ -114,7 +114,9 @@ class Collector:
         deadline, give_up = loop.time() + cfg.deadline_s, loop.time() + cfg.round_timeout_s
         ctx = _Context(r, base, base_digest)
         fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(ctx, upload))}
-        unreadable: set[str] = set()  # members whose manifest failed verification: warned once, skipped
+        unreadable: dict[
+            str, str
+        ] = {}  # members whose manifest failed verification, why: warned once, skipped
         try:
             while True:
                 try:
@@ -184,7 +186,11 @@ class Collector:
     # --- one poll -----------------------------------------------------------------------------
 
     async def _poll_once(
-        self, ctx: _Context, fetches: dict[str, asyncio.Task[Entry]], unreadable: set[str], deadline: float
+        self,
+        ctx: _Context,
+        fetches: dict[str, asyncio.Task[Entry]],
+        unreadable: dict[str, str],
+        deadline: float,
     ) -> Record | None:
         """One look at the store: the round's record if it exists (or we just wrote it), else None."""
         r = ctx.round
@@ -199,7 +205,7 @@ class Collector:
                     fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
         if not all(t.done() for t in fetches.values()):
             return None
-        proposal = self._proposal(r, fetches, ctx.base_digest)
+        proposal = self._proposal(r, fetches, ctx.base_digest, unreadable)
         complete = len(fetches) >= self.config.workers_expected
         if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
             return None
@@ -238,7 +244,7 @@ class Collector:
                 sorted(record.participants),
             )
 
-    async def _try_manifest(self, tid: str, r: int, unreadable: set[str]) -> Manifest | None:
+    async def _try_manifest(self, tid: str, r: int, unreadable: dict[str, str]) -> Manifest | None:
         """``tid``'s verified manifest, or None: one member's bad or unreachable manifest never stops
         the poll from reading the others'."""
         try:
@@ -246,19 +252,24 @@ class Collector:
         except (ManifestError, VerificationError, ObjectTooLarge) as e:
             # unverifiable (planted, foreign, malformed, oversized): that trainer is out this round, loudly
             log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
-            unreadable.add(tid)
+            unreadable[tid] = f"{type(e).__name__}: {str(e)[:300]}"
         except StoreError as e:  # transient: try this member again next poll
             log.warning("%s: round %d: store error reading %s's manifest: %s", self.id, r, tid, e)
         return None
 
     def _proposal(
-        self, r: int, fetches: Mapping[str, asyncio.Task[Entry]], base_digest: str
+        self,
+        r: int,
+        fetches: Mapping[str, asyncio.Task[Entry]],
+        base_digest: str,
+        unreadable: Mapping[str, str] | None = None,
     ) -> Record | None:
-        """The record this trainer would write now, or None if it would not reach the quorum."""
+        """The record this trainer would write now, or None if it would not reach the quorum.
+        ``unreadable``: members whose manifest could not be used, and why (recorded as unavailable)."""
         norms: dict[str, float] = {}
         refs: dict[str, ObjectRef] = {}
         rejected: dict[str, str] = {}
-        unavailable: dict[str, str] = {}
+        unavailable: dict[str, str] = dict(unreadable or {})
         for tid, task in sorted(fetches.items()):
             exc = task.exception()
             if exc is None:
