@@ -118,7 +118,7 @@ async def all_of(aws: Iterable[Awaitable[T]]) -> list[T]:
         async with asyncio.TaskGroup() as tg:
             tasks = [tg.create_task(_awaited(a)) for a in aws]
     except BaseExceptionGroup as eg:
-        raise _first_error(eg) from None
+        raise first_error(eg) from None
     return [t.result() for t in tasks]
 
 
@@ -126,10 +126,11 @@ async def _awaited(a: Awaitable[T]) -> T:
     return await a
 
 
-def _first_error(eg: BaseExceptionGroup) -> BaseException:
+def first_error(eg: BaseExceptionGroup) -> BaseException:
+    """What the caller of a TaskGroup should see: the first error in it that is not a cancellation."""
     for e in eg.exceptions:
         if isinstance(e, BaseExceptionGroup):
-            return _first_error(e)
+            return first_error(e)
         if not isinstance(e, asyncio.CancelledError):
             return e
     return eg.exceptions[0]

@@ -54,7 +54,7 @@ from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
-from pulsenet.loco.round import ObjectRef, Record, RoundStore
+from pulsenet.loco.round import ObjectRef, Record, RoundStore, first_error
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.rl.local import LocalTrainer
 from pulsenet.rl.tasks import ArithmeticTask
@@ -145,7 +145,7 @@ class LocoTrainer:
                 finally:
                     await self.drain()
         except BaseExceptionGroup as eg:
-            raise _first_error(eg) from None
+            raise first_error(eg) from None
         finally:
             self._group = None
         return self.reports
@@ -718,13 +718,3 @@ class LocoTrainer:
         """A finished background task is dropped unless it failed: ``drain`` must still see that."""
         if not task.cancelled() and task.exception() is None:
             self._background.discard(task)
-
-
-def _first_error(eg: BaseExceptionGroup) -> BaseException:
-    """What ``run``'s caller should see: the first error in the group that is not a cancellation."""
-    for e in eg.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            return _first_error(e)
-        if not isinstance(e, asyncio.CancelledError):
-            return e
-    return eg.exceptions[0]
