@@ -13,9 +13,9 @@ import torch
 
 from pulsenet.cli.loco import data_seed
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
-from pulsenet.loco.round import digest_key
+from pulsenet.loco.round import digest_key, trainer_keys
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
-from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
+from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store.base import ObjectStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +51,7 @@ def tiny_trainer(
         LocalTrainerConfig(lr=lr, batch_size=4, seq_len=32, seed=data_seed(seed, tid)),
     )
     task = ArithmeticTask(data_seed(seed, tid))
-    return cls(tid, store, load_private_key(keys[tid]), trusted_keys(pubs), local, task, config, **kwargs)
+    return cls(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), local, task, config, **kwargs)
 
 
 def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:

@@ -15,8 +15,8 @@ from loco_helpers import make_keys, published_digests, tiny_trainer
 
 from pulsenet.loco import LocoConfig, LocoTrainer, Record, RoundReport, RoundStore
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import ObjectRef
-from pulsenet.signing import load_private_key, trusted_keys
+from pulsenet.loco.round import ObjectRef, trainer_keys
+from pulsenet.signing import load_private_key
 
 pytestmark = pytest.mark.integration
 IDS = ("a", "b", "c")
@@ -130,7 +130,7 @@ async def test_resume_from_the_store_checkpoint_without_local_state(
 @pytest.mark.timeout(30)
 async def test_round_record_first_writer_wins(s3_factory: StoreFactory, tmp_path: Path) -> None:
     keys, pubs = make_keys(tmp_path, IDS)
-    trusted = trusted_keys(pubs)
+    trusted = trainer_keys(pubs)
     stores = [RoundStore(s3_factory(), tid, load_private_key(keys[tid]), trusted) for tid in IDS]
     ref = {t: ObjectRef(f"trainers/{t}/00000001/{'0' * 16}.payload", 1, "0" * 64) for t in IDS}
     proposals = [

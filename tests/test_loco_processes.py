@@ -14,8 +14,8 @@ from conftest import TEST_BUCKET, unique_prefix
 from loco_helpers import make_keys, published_digests, spawn, trainer_args
 
 from pulsenet.loco import RoundStore
-from pulsenet.loco.round import manifest_key
-from pulsenet.signing import load_private_key, trusted_keys
+from pulsenet.loco.round import manifest_key, trainer_keys
+from pulsenet.signing import load_private_key
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer
 
@@ -78,7 +78,7 @@ class Run:
 
     def round_store(self) -> RoundStore:
         store = S3Store(TEST_BUCKET, self.prefix, self.s3)
-        return RoundStore(store, "reader", load_private_key(self.keys["a"]), trusted_keys(self.pubs))
+        return RoundStore(store, "reader", load_private_key(self.keys["a"]), trainer_keys(self.pubs))
 
 
 @pytest.fixture

@@ -329,7 +329,9 @@ def test_global_and_trainer_state_round_trip(tmp_path: Path) -> None:
     with pytest.raises(VerificationError):
         GlobalState.load(tmp_path / "g.safetensors", {**g.shapes(), "b.bias": (17,)})
     ts = TrainerState(
-        g, {n: torch.ones_like(t) for n, t in g.theta.items()}, {"steps": 40, "rng": {"x": (1, 2)}}
+        g,
+        {n: torch.ones_like(t) for n, t in g.theta.items()},
+        {"steps": 40, "rng": {"x": (1, 2)}, "optimizer": {}},
     )
     ts.save(tmp_path / "t.pt")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left

@@ -392,3 +392,58 @@ async def test_max_bytes_refuses_oversized_objects_before_reading_them(
     assert dest.read_bytes() == data
     with pytest.raises(ValueError):
         await store.get("big/obj", max_bytes=-1)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("create_only", [False, True])
+async def test_multipart_completion_whose_response_is_lost(
+    s3_factory: StoreFactory, tmp_path: Path, create_only: bool
+) -> None:
+    """The server completes the upload but its response is lost, and the retry is told NoSuchUpload:
+    the object landed, so the put succeeded (issue 12, item 9).
+
+    Faults injected on the real client: the first completion's response is dropped after the server
+    acted on it, and the retry names the upload id as consumed (SeaweedFS itself answers a repeated
+    completion with 200 for a while; AWS and others forget the id): the server's real 404 NoSuchUpload.
+    """
+    from botocore.exceptions import ConnectionClosedError
+
+    store = s3_factory(**SMALL_PARTS)
+    assert isinstance(store, S3Store)
+    src = tmp_path / "state.bin"
+    src.write_bytes(os.urandom(11 * MiB))  # 3 parts
+    lost: list[int] = []
+    answers: list[str] = []
+
+    def lose_response(http_response: object = None, parsed: dict | None = None, **_: object) -> None:
+        answers.append(str((parsed or {}).get("Error", {}).get("Code", "OK")))
+        if not lost:  # the first completion reached the server; its answer never arrives
+            lost.append(1)
+            raise ConnectionClosedError(endpoint_url="injected: connection closed after the server completed")
+
+    def consumed(params: dict, **_: object) -> None:
+        if lost:
+            params["UploadId"] = f"consumed-{params['UploadId']}"
+
+    events = store._client.meta.events
+    events.register("after-call.s3.CompleteMultipartUpload", lose_response)
+    events.register("provide-client-params.s3.CompleteMultipartUpload", consumed)
+    await store.put_file("big", src, if_none_match=create_only)
+    assert answers == ["OK", "NoSuchUpload"]
+    dest = tmp_path / "back.bin"
+    await store.get_file("big", dest)
+    assert dest.read_bytes() == src.read_bytes()
+    # Not ours: the first completion never reaches the server, the retry is told NoSuchUpload, and
+    # another object stands at the key: the put fails.
+    def never_sent(**_: object) -> None:
+        if not lost:
+            lost.append(1)
+            raise ConnectionClosedError(endpoint_url="injected: connection closed before sending")
+
+    events.unregister("after-call.s3.CompleteMultipartUpload", lose_response)
+    events.register("before-send.s3.CompleteMultipartUpload", never_sent)
+    lost.clear()
+    await store.put("big", b"someone else's", timeout=10)
+    with pytest.raises(ConditionFailed if create_only else ObjectNotFound):
+        await store.put_file("big", src, if_none_match=create_only)
+    assert await store.get("big", timeout=10) == b"someone else's"

@@ -96,14 +96,15 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
 
     from pulsenet.cli.loco import data_seed
     from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
+    from pulsenet.loco.round import trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
-    from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
+    from pulsenet.signing import generate_keypair, load_private_key
     from pulsenet.store import LocalStore
 
     ids = [f"w{k}" for k in range(args.workers)]
     for tid in ids:
         generate_keypair(tmp / "keys" / tid)
-    trusted = trusted_keys([tmp / "keys" / f"{t}.pub" for t in ids])
+    trusted = trainer_keys([f"{t}={tmp / 'keys' / t}.pub" for t in ids])
     config = LocoConfig(
         mode=mode,
         inner_steps=args.inner_steps,

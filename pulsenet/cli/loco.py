@@ -2,9 +2,13 @@
 
 Example, three trainers on one S3 run prefix::
 
-    pulsenet keygen --out keys/a   # likewise b, c; every trainer trusts all three .pub files
-    pulsenet loco train --store s3://pulsenet-a/run1 --id a --key keys/a --trust keys/*.pub \\
+    pulsenet keygen --out keys/a   # likewise b, c; every trainer is given all three .pub files
+    pulsenet loco train --store s3://pulsenet-a/run1 --run run1 --id a --key keys/a --trust keys/*.pub \\
         --workers-expected 3 --rounds 20 --state-dir state/a
+
+``--trust`` maps each trainer id to its public key (``ID=PATH``, or a bare ``PATH`` whose file name
+up to the first dot is the id: ``keys/a.pub`` is trainer ``a``). A trainer's documents verify only
+under its own key; every document is signed for ``pulseloco/<run>/<store url>``.
 
 S3 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ...), read here at the edge and nowhere else.
@@ -43,7 +47,16 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--key", required=True, type=Path, help="this trainer's Ed25519 private key (pulsenet keygen)"
     )
     p.add_argument(
-        "--trust", required=True, nargs="+", type=Path, metavar="PUB", help="public keys of all trainers"
+        "--trust",
+        required=True,
+        nargs="+",
+        metavar="[ID=]PUB",
+        help="every trainer's public key: ID=PATH, or PATH whose file name up to the first '.' is the id",
+    )
+    p.add_argument(
+        "--run",
+        default="default",
+        help="run id, signed into every document with the store URL (default: %(default)s)",
     )
     p.add_argument(
         "--workers-expected", type=int, default=1, help="trainers in the run (default: %(default)s)"
@@ -146,9 +159,9 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
     import torch
 
     from pulsenet.loco import LocoConfig, LocoTrainer
-    from pulsenet.loco.round import Timeouts
+    from pulsenet.loco.round import Timeouts, trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
-    from pulsenet.signing import load_private_key, trusted_keys
+    from pulsenet.signing import load_private_key
     from pulsenet.store import S3Config, open_store
 
     if args.threads:
@@ -167,6 +180,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
     )
     task = ArithmeticTask(data_seed(args.seed, args.id), tokenizer)
     config = LocoConfig(
+        run=args.run,
         mode=args.mode,
         inner_steps=args.inner_steps,
         outer_lr=args.outer_lr,
@@ -193,7 +207,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
             args.id,
             store,
             load_private_key(args.key),
-            trusted_keys(args.trust),
+            trainer_keys(args.trust),
             local,
             task,
             config,

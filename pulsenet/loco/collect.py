@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from pulsenet.errors import (
     ManifestError,
+    ObjectTooLarge,
     PayloadError,
     PulsenetError,
     RoundError,
@@ -32,10 +34,13 @@ from pulsenet.errors import (
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco.config import MODES, LocoConfig
-from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore
+from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore, all_of
 
 log = logging.getLogger(__name__)
 
+SCREEN_SLACK = 1.001
+"""A reader re-applies the norm screen to a record's set with this much room (norms are sums of
+squares, computed in a different order on another machine)."""
 Entry = tuple[wire.Payload, float, ObjectRef]
 """A judged payload: decoded, validated, its L2 norm, and the object it came from."""
 
@@ -109,7 +114,9 @@ class Collector:
         deadline, give_up = loop.time() + cfg.deadline_s, loop.time() + cfg.round_timeout_s
         ctx = _Context(r, base, base_digest)
         fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(ctx, upload))}
-        unreadable: set[str] = set()  # members whose manifest failed verification: warned once, skipped
+        unreadable: dict[
+            str, str
+        ] = {}  # members whose manifest failed verification, why: warned once, skipped
         try:
             while True:
                 try:
@@ -134,20 +141,43 @@ class Collector:
                     "%s: round %d: record writer %s trained from base %s, ours is %s",
                     *(self.id, r, record.writer, record.base_digest[:16], base_digest[:16]),
                 )
-            return record, await self._participants_payloads(ctx, record, fetches)
+            return record, await self._record_payloads(record, ctx.base, ctx.base_digest, fetches)
         finally:
             for t in fetches.values():
                 t.cancel()
             await asyncio.gather(*fetches.values(), return_exceptions=True)
 
-    async def load(self, ref: ObjectRef, base: Base, base_digest: str | None = None) -> wire.Payload:
-        """A payload a record names (judged by the record's writer), decoded against ``base``.
+    async def load_record(
+        self, record: Record, base: Base, base_digest: str | None = None
+    ) -> dict[str, wire.Payload]:
+        """The payloads a record names, each fetched, bound to its owner's manifest, validated and
+        decoded against ``base``, and screened as a whole (replays and repairs; base_digest None:
+        no cache)."""
+        return await self._record_payloads(record, base, base_digest, {})
 
-        From the cache when ``base_digest`` names the base (replays pass None: no cache), else
-        fetched and decoded.
+    async def _load(self, ref: ObjectRef, base: Base, base_digest: str | None) -> tuple[wire.Payload, float]:
+        """A payload a record names, and its norm, from the store or the cache.
+
+        The record's writer judged it, but a record is only as good as its writer's key: the
+        payload must be the one its owner's own signed manifest names (a record cannot speak for
+        another trainer), and for its round and mode, with finite values.
         """
+        m = re.fullmatch(r"trainers/([^/]+)/(\d{8})/[^/]+", ref.key)
+        if m is None:
+            raise ManifestError(f"{ref.key}: not a payload key")
+        tid, r = m.group(1), int(m.group(2))
+        manifest = await self.rs.read_manifest(tid, r)
+        if manifest is None or manifest.payload != ref:
+            raise VerificationError(
+                f"{ref.key}: not the payload that {tid}'s signed round-{r} manifest names"
+            )
         cached = await self._cached(ref, base_digest)
-        return cached if cached is not None else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
+        payload = (
+            cached
+            if cached is not None
+            else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
+        )
+        return payload, await asyncio.to_thread(alg.validate, payload, round=r, mode=self.mode)
 
     async def sleep(self) -> None:
         """One poll interval, jittered x0.5-1.5 so trainers do not poll in lockstep."""
@@ -156,11 +186,15 @@ class Collector:
     # --- one poll -----------------------------------------------------------------------------
 
     async def _poll_once(
-        self, ctx: _Context, fetches: dict[str, asyncio.Task[Entry]], unreadable: set[str], deadline: float
+        self,
+        ctx: _Context,
+        fetches: dict[str, asyncio.Task[Entry]],
+        unreadable: dict[str, str],
+        deadline: float,
     ) -> Record | None:
         """One look at the store: the round's record if it exists (or we just wrote it), else None."""
         r = ctx.round
-        record = await self.rs.read_record(r)
+        record = await self.read_record(r)
         if record is not None:
             self._log_follow(r, record)
             return record
@@ -171,7 +205,7 @@ class Collector:
                     fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
         if not all(t.done() for t in fetches.values()):
             return None
-        proposal = self._proposal(r, fetches, ctx.base_digest)
+        proposal = self._proposal(r, fetches, ctx.base_digest, unreadable)
         complete = len(fetches) >= self.config.workers_expected
         if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
             return None
@@ -180,6 +214,24 @@ class Collector:
             log.info("%s: round %d: wrote the record %s", self.id, r, sorted(record.participants))
         else:
             self._log_follow(r, record)
+        return record
+
+    async def read_record(self, r: int) -> Record | None:
+        """Round r's record, if written; RoundError if what stands there cannot be followed.
+
+        A record that fails verification (planted, foreign, malformed) or names fewer than a quorum
+        occupies the create-only key for good: the round cannot complete, and says so as a
+        RoundError (retried, then fatal) rather than any other exception.
+        """
+        try:
+            record = await self.rs.read_record(r)
+        except (ManifestError, ObjectTooLarge) as e:
+            raise RoundError(f"round {r}: the round record in the store cannot be used: {e}") from e
+        if record is not None and len(record.participants) < self.config.quorum:
+            raise RoundError(
+                f"round {r}: the record by {record.writer} names {len(record.participants)} participants, "
+                f"fewer than the quorum of {self.config.quorum}"
+            )
         return record
 
     def _log_follow(self, r: int, record: Record) -> None:
@@ -192,25 +244,32 @@ class Collector:
                 sorted(record.participants),
             )
 
-    async def _try_manifest(self, tid: str, r: int, unreadable: set[str]) -> Manifest | None:
+    async def _try_manifest(self, tid: str, r: int, unreadable: dict[str, str]) -> Manifest | None:
+        """``tid``'s verified manifest, or None: one member's bad or unreachable manifest never stops
+        the poll from reading the others'."""
         try:
             return await self.rs.read_manifest(tid, r)
-        except (
-            ManifestError,
-            VerificationError,
-        ) as e:  # unverifiable: that trainer is out this round, loudly
+        except (ManifestError, VerificationError, ObjectTooLarge) as e:
+            # unverifiable (planted, foreign, malformed, oversized): that trainer is out this round, loudly
             log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
-            unreadable.add(tid)
-            return None
+            unreadable[tid] = f"{type(e).__name__}: {str(e)[:300]}"
+        except StoreError as e:  # transient: try this member again next poll
+            log.warning("%s: round %d: store error reading %s's manifest: %s", self.id, r, tid, e)
+        return None
 
     def _proposal(
-        self, r: int, fetches: Mapping[str, asyncio.Task[Entry]], base_digest: str
+        self,
+        r: int,
+        fetches: Mapping[str, asyncio.Task[Entry]],
+        base_digest: str,
+        unreadable: Mapping[str, str] | None = None,
     ) -> Record | None:
-        """The record this trainer would write now, or None if it would not reach the quorum."""
+        """The record this trainer would write now, or None if it would not reach the quorum.
+        ``unreadable``: members whose manifest could not be used, and why (recorded as unavailable)."""
         norms: dict[str, float] = {}
         refs: dict[str, ObjectRef] = {}
         rejected: dict[str, str] = {}
-        unavailable: dict[str, str] = {}
+        unavailable: dict[str, str] = dict(unreadable or {})
         for tid, task in sorted(fetches.items()):
             exc = task.exception()
             if exc is None:
@@ -222,11 +281,11 @@ class Collector:
             else:
                 raise exc
         cfg = self.config
-        for tid, why in alg.screen_norms(
-            norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads
-        ).items():
-            rejected[tid] = f"PayloadError: {why}"
-            del refs[tid]
+        # To a fixed point: what remains passes the screen on its own, as every reader checks.
+        while outsized := alg.screen_norms(norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads):
+            for tid, why in outsized.items():
+                rejected[tid] = f"PayloadError: {why}"
+                del refs[tid], norms[tid]
         if len(refs) < cfg.quorum:
             return None
         return Record(
@@ -269,25 +328,38 @@ class Collector:
             self.cache.put(ref.sha256, base_digest, payload)
         return payload
 
-    async def _participants_payloads(
-        self, ctx: _Context, record: Record, fetches: Mapping[str, asyncio.Task[Entry]]
+    async def _record_payloads(
+        self, record: Record, base: Base, base_digest: str | None, fetches: Mapping[str, asyncio.Task[Entry]]
     ) -> dict[str, wire.Payload]:
-        """The decoded payload of every participant the record names, reusing fetches already done."""
+        """The decoded payload of every participant the record names, reusing fetches already done;
+        RoundError if one cannot be used or the set fails the norm screen."""
 
-        async def one(tid: str) -> wire.Payload:
+        async def one(tid: str) -> tuple[wire.Payload, float]:
             ref = record.participants[tid]
             task = fetches.get(tid)
             if task is not None:
                 with contextlib.suppress(PulsenetError):
-                    payload, _, got = await task
+                    payload, norm, got = await task
                     if got == ref:
-                        return payload
+                        return payload, norm
             try:
-                return await self.load(ref, ctx.base, ctx.base_digest)
+                return await self._load(ref, base, base_digest)
             except PulsenetError as e:
                 raise RoundError(
-                    f"round {ctx.round}: cannot use participant {tid}'s payload named by the record: {e}"
+                    f"round {record.round}: cannot use participant {tid}'s payload named by the record: {e}"
                 ) from e
 
         tids = sorted(record.participants)
-        return dict(zip(tids, await asyncio.gather(*(one(t) for t in tids)), strict=True))
+        judged = await all_of(one(t) for t in tids)  # one failure cancels the rest
+        norms = {t: norm for t, (_, norm) in zip(tids, judged, strict=True)}
+        # Writers screen to a fixed point (_proposal), so an honest record passes this with room
+        # for a last-bit difference in a norm; a record that averages an outsized payload does not.
+        cfg = self.config
+        outsized = alg.screen_norms(
+            norms, factor=cfg.norm_factor * SCREEN_SLACK, min_payloads=cfg.norm_min_payloads
+        )
+        if outsized:
+            raise RoundError(
+                f"round {record.round}: {record.writer}'s record averages payloads the norm screen rejects: {outsized}"
+            )
+        return {t: payload for t, (payload, _) in zip(tids, judged, strict=True)}

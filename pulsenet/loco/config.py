@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pulsenet.errors import ConfigError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import Timeouts
+from pulsenet.loco.round import Timeouts, check_run_id
 
 MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
 
@@ -15,6 +15,9 @@ MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
 class LocoConfig:
     """Algorithm and protocol settings of one run; every trainer of the run must use the same."""
 
+    run: str = "default"
+    """The run's id: every document is signed for it (and the store URL), so one signed for another
+    run (or another store) is refused even under a trusted key."""
     mode: str = "pulseloco"
     """``pulseloco`` (gated sparse payload + error feedback) or ``diloco`` (dense FP32 baseline)."""
     inner_steps: int = 8
@@ -59,6 +62,7 @@ class LocoConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
 
     def __post_init__(self) -> None:
+        check_run_id(self.run)
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
         if self.inner_steps < 1 or self.workers_expected < 1 or self.state_every < 1:

@@ -10,7 +10,6 @@ restarted trainers use the same replay to catch up. docs/loco.md, "Digests", has
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -18,15 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pulsenet.errors import ObjectNotFound, PulsenetError, RoundError
+from pulsenet.errors import ManifestError, ObjectNotFound, PulsenetError, RoundError, VerificationError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import ObjectRef, RoundStore
+from pulsenet.loco.round import Record, RoundStore, StateRef
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
 
-Loader = Callable[[ObjectRef, Mapping[str, torch.Tensor]], Awaitable[wire.Payload]]
-"""Fetches and decodes a payload a round record names, against the round's base weights."""
+Loader = Callable[[Record, Mapping[str, torch.Tensor]], Awaitable[dict[str, wire.Payload]]]
+"""Fetches, checks and decodes the payloads a round record names, against the round's base weights
+(``Collector.load_record``)."""
 Apply = Callable[[GlobalState, Mapping[str, wire.Payload]], Awaitable[None]]
 """Averages payloads into a state and takes the outer step, in place (``algorithm.apply_round``)."""
 
@@ -68,31 +68,60 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
         record = await rs.read_record(r)
         if record is None:
             raise RoundError(f"cannot replay round {r}: it has no record")
-
-        async def one(ref: ObjectRef, r: int = r) -> wire.Payload:
-            try:
-                return await load(ref, state.theta)
-            except ObjectNotFound as e:
-                raise RoundError(f"cannot replay round {r}: payload {ref.key} is gone") from e
-
-        tids = sorted(record.participants)
-        payloads = await asyncio.gather(*(one(record.participants[t]) for t in tids))
-        await apply(state, dict(zip(tids, payloads, strict=True)))
+        try:
+            payloads = await load(record, state.theta)
+        except ObjectNotFound as e:
+            raise RoundError(f"cannot replay round {r}: a payload is gone: {e}") from e
+        await apply(state, payloads)
         state.round = r
 
 
-async def rebuild(
-    target: int, rs: RoundStore, shapes: dict[str, tuple[int, ...]], load: Loader, apply: Apply
-) -> GlobalState:
-    """The agreed global state after round ``target``: the newest published state <= target, replayed forward.
+async def vouched(rs: RoundStore, ref: StateRef, quorum: int) -> bool:
+    """Whether round ``ref.round``'s participants vouch for a published state: a strict majority of
+    them, and at least ``quorum``, published its digest (each under its own key).
 
-    Older published states are tried in turn if a newer one cannot be loaded or replayed.
+    Any one trusted key can write a state manifest first, so the state is taken on the word of the
+    trainers that computed it, not of its writer. Genesis (round 0) has no participants: its first
+    writer's word stands, and every trainer logs when it differs from its own initial weights.
+    """
+    if ref.round == 0:
+        return True
+    record = await rs.read_record(ref.round)
+    if record is None:
+        return False
+    votes = 0
+    for tid in sorted(record.participants):
+        try:
+            votes += await rs.read_digest(tid, ref.round) == ref.digest
+        except ManifestError as e:
+            log.warning("%s: round %d: unverifiable digest of %s: %s", rs.id, ref.round, tid, e)
+    return 2 * votes > len(record.participants) and votes >= quorum
+
+
+async def rebuild(
+    target: int,
+    rs: RoundStore,
+    shapes: dict[str, tuple[int, ...]],
+    load: Loader,
+    apply: Apply,
+    *,
+    quorum: int = 1,
+) -> GlobalState:
+    """The agreed global state after round ``target``: the newest published state <= target that its
+    round's participants vouch for (:func:`vouched`), replayed forward.
+
+    Older published states are tried in turn if a newer one cannot be loaded, vouched for or replayed.
     """
     for c in sorted((c for c in await rs.state_rounds() if c <= target), reverse=True):
         try:
             ref = await rs.read_state_ref(c)
             if ref is None:
                 continue
+            if not await vouched(rs, ref, quorum):
+                raise VerificationError(
+                    f"state {ref.state.key} by {ref.writer}: digest {ref.digest[:16]} is not the one a "
+                    f"majority of round {c}'s participants published"
+                )
             state = await rs.fetch_state(ref, shapes)
             await replay(state, target, rs, load, apply)
             return state

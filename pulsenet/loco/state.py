@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import struct
+import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,14 +118,56 @@ class TrainerState:
             torch.save(obj, tmp)
 
     @classmethod
-    def load(cls, path: Path) -> TrainerState:
+    def load(cls, path: Path, shapes: Mapping[str, tuple[int, ...]] | None = None) -> TrainerState:
+        """Read a file written by :meth:`save`; VerificationError for anything else (torn, foreign,
+        malformed), including tensors that do not match ``shapes`` (the model's) when given."""
         try:
-            obj = torch.load(path, weights_only=True)
-        except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
-            raise VerificationError(f"{path}: unreadable trainer state: {e}") from e
+            obj = torch.load(path, weights_only=True, map_location="cpu")
+        except _TORCH_LOAD_ERRORS as e:
+            raise VerificationError(f"{path}: unreadable trainer state: {type(e).__name__}: {e}") from e
         if not isinstance(obj, dict) or obj.get("format") != TRAINER_FORMAT:
             raise VerificationError(f"{path}: not a {TRAINER_FORMAT} file")
-        return cls(GlobalState(obj["round"], obj["theta"], obj["momentum"]), obj["error"], obj["inner"])
+        round_, inner = obj.get("round"), obj.get("inner")
+        if type(round_) is not int or not 0 <= round_ < 10**8:
+            raise VerificationError(f"{path}: round {str(round_)[:40]!r} is not a round number")
+        theta = _tensors(obj.get("theta"), "theta", path, shapes)
+        want = {n: tuple(t.shape) for n, t in theta.items()}
+        momentum = _tensors(obj.get("momentum"), "momentum", path, want)
+        error = None if obj.get("error") is None else _tensors(obj["error"], "error", path, want)
+        if (
+            not isinstance(inner, dict)
+            or not isinstance(inner.get("optimizer"), dict)
+            or not isinstance(inner.get("rng"), dict)
+            or type(inner.get("steps")) is not int
+            or inner["steps"] < 0
+        ):
+            raise VerificationError(f"{path}: inner state is not {{optimizer, rng, steps}}")
+        return cls(GlobalState(round_, theta, momentum), error, inner)
+
+
+_TORCH_LOAD_ERRORS = (
+    OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, KeyError, IndexError, TypeError,
+    AttributeError, AssertionError, OverflowError, MemoryError, RecursionError, struct.error, zipfile.BadZipFile,
+)  # fmt: skip
+"""What ``torch.load(weights_only=True)`` raises on a torn or foreign file (it documents none):
+corrupt zip members, truncated pickles, forbidden globals, tensors past their storage, and
+``AssertionError`` for a malformed persistent id (found by tests/fuzz/targets_loco.py)."""
+
+
+def _tensors(
+    obj: object, what: str, path: Path, shapes: Mapping[str, tuple[int, ...]] | None
+) -> dict[str, torch.Tensor]:
+    """``obj`` as ``{name: FP32 tensor}``, with exactly ``shapes``' names and shapes when given."""
+    if not isinstance(obj, dict) or not all(
+        isinstance(n, str) and isinstance(t, torch.Tensor) and t.dtype == torch.float32
+        for n, t in obj.items()
+    ):
+        raise VerificationError(f"{path}: {what} is not a map of float32 tensors")
+    if shapes is not None and {n: tuple(t.shape) for n, t in obj.items()} != {
+        n: tuple(s) for n, s in shapes.items()
+    }:
+        raise VerificationError(f"{path}: {what} does not match the model's names and shapes")
+    return obj
 
 
 def file_sha256(path: Path) -> str:

@@ -41,16 +41,24 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pulsenet.errors import ManifestError, PulsenetError, RoundError, StoreError, VerificationError
+from pulsenet.errors import (
+    ConfigError,
+    ManifestError,
+    PulsenetError,
+    RoundError,
+    StoreError,
+    VerificationError,
+)
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
-from pulsenet.loco.round import ObjectRef, Record, RoundStore
+from pulsenet.loco.round import ObjectRef, Record, RoundStore, first_error
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.rl.local import LocalTrainer
 from pulsenet.rl.tasks import ArithmeticTask
+from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -83,7 +91,7 @@ class LocoTrainer:
         trainer_id: str,
         store: ObjectStore,
         key: Ed25519PrivateKey,
-        trusted: Mapping[str, Ed25519PublicKey],
+        keys: Mapping[str, Ed25519PublicKey],
         local: LocalTrainer,
         task: ArithmeticTask,
         config: LocoConfig,
@@ -94,8 +102,14 @@ class LocoTrainer:
         payload_cache: PayloadCache | None = None,
     ) -> None:
         self.config = config
-        self.rs = RoundStore(store, trainer_id, key, trusted, config.timeouts)
+        self.rs = RoundStore(store, trainer_id, key, keys, config.timeouts, run=config.run)
         self.id = self.rs.id
+        own = self.rs.keys.get(self.id)
+        if own is None or key_id(own) != key_id(key.public_key()):
+            raise ConfigError(
+                f"trainer {self.id!r}: its private key must be the one the trainer keys give for {self.id!r} "
+                f"(have {sorted(self.rs.keys)}); peers accept its documents only under that key"
+            )
         self.local = local
         self.task = task
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -109,6 +123,8 @@ class LocoTrainer:
         self.reports: list[RoundReport] = []
         self.collector: Collector | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._group: asyncio.TaskGroup | None = None
+        """The lifetime of background uploads while ``run`` runs: an unexpected failure in one fails the run."""
         self._failures = 0
         self._queued_s = 0.0
         self._ahead_queued_s = 0.0  # the same, for the inner phase trained ahead (overlap)
@@ -116,31 +132,48 @@ class LocoTrainer:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def run(self, rounds: int) -> list[RoundReport]:
-        """Start (or resume) and take part until the global state has reached ``rounds``."""
+        """Start (or resume) and take part until the global state has reached ``rounds``.
+
+        Background uploads live in a TaskGroup for the whole call: a typed store error in one is
+        logged (``_spawn``), anything else fails the run, as itself, rather than vanishing.
+        """
         try:
-            if self.state is None:
-                await self.start()
-            carried: tuple[list[float], float] | None = None
-            while self.round < rounds:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
                 try:
-                    if self.config.overlap:
-                        carried = await self.run_round_overlapped(rounds, carried)
-                    else:
-                        await self.run_round()
-                    self._failures = 0
-                except (RoundError, StoreError) as e:
-                    carried = None
-                    # The next iteration finds the round's record (or not) and catches up from the store.
-                    self._failures += 1
-                    log.error(
-                        "%s: round %d failed (%d in a row): %s", self.id, self.round + 1, self._failures, e
-                    )
-                    if self._failures >= self.config.max_round_failures:
-                        raise
-                    await self._collector.sleep()
+                    await self._run(rounds)
+                finally:
+                    await self.drain()
+        except BaseExceptionGroup as eg:
+            raise first_error(eg) from None
         finally:
-            await self.drain()
+            self._group = None
         return self.reports
+
+    async def _run(self, rounds: int) -> None:
+        if self.state is None:
+            await self.start()
+        carried: tuple[list[float], float] | None = None
+        while self.round < rounds:
+            try:
+                if self.config.overlap:
+                    carried = await self.run_round_overlapped(rounds, carried)
+                else:
+                    await self.run_round()
+                self._failures = 0
+            except (RoundError, StoreError, ManifestError, VerificationError) as e:
+                # Anything the store holds that cannot be used (unreachable, unverifiable, malformed)
+                # fails the round, typed; the next iteration finds the round's record (or not) and
+                # catches up from the store.
+                carried = None
+                self._failures += 1
+                log.error(
+                    "%s: round %d failed (%d in a row): %s: %s",
+                    *(self.id, self.round + 1, self._failures, type(e).__name__, e),
+                )
+                if self._failures >= self.config.max_round_failures:
+                    raise
+                await self._collector.sleep()
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
@@ -159,9 +192,15 @@ class LocoTrainer:
         log.info("%s: starting at round %d, digest %s", self.id, self.round, self.digest[:16])
 
     async def drain(self) -> None:
-        """Wait for background uploads (checkpoints, global states) to finish."""
+        """Wait for background uploads (checkpoints, global states) to finish; re-raise an
+        unexpected failure of one (typed store errors were logged by ``_spawn``)."""
         while self._background:
-            await asyncio.gather(*list(self._background), return_exceptions=True)
+            tasks = list(self._background)
+            await asyncio.wait(tasks)
+            self._background.difference_update(tasks)
+            for t in tasks:
+                if not t.cancelled() and (e := t.exception()) is not None:
+                    raise e
 
     @property
     def round(self) -> int:
@@ -250,7 +289,7 @@ class LocoTrainer:
 
     async def _behind(self, r: int) -> RoundReport | None:
         """If round r was decided without us, catch up from the store and return that report."""
-        existing = await self.rs.read_record(r)
+        existing = await self._collector.read_record(r)
         if existing is not None and self.id not in existing.participants:
             return await self.catch_up(await self.rs.latest_record_round())
         # A record that already includes us means we published this round and died before saving
@@ -270,7 +309,13 @@ class LocoTrainer:
         t1 = self._clock()
         local = dict(self.local.model.named_parameters())
         own, new_error = await self._heavy(
-            alg.make_update, state.theta, local, self.error, round=r, sparse=cfg.sparse, gate_scale=cfg.gate_scale
+            alg.make_update,
+            state.theta,
+            local,
+            self.error,
+            round=r,
+            sparse=cfg.sparse,
+            gate_scale=cfg.gate_scale,
         )
         data = await self._heavy(self.encode_payload, own)
         t2 = self._clock()
@@ -504,13 +549,13 @@ class LocoTrainer:
             # No newer published state: replaying from our own (verified) state is cheapest.
             with contextlib.suppress(RoundError, StoreError, VerificationError):
                 state = self._state.copy()
-                await recovery.replay(state, target, self.rs, self._collector.load, self._apply)
+                await recovery.replay(state, target, self.rs, self._collector.load_record, self._apply)
         if state is None or state.round != target:
             state = await self._rebuild(target)
         await self._adopt(state, await asyncio.to_thread(state.digest))
         report = RoundReport(round=target, trainer=self.id, caught_up_from=start + 1)
         report.apply_s = time.perf_counter() - t0
-        record = await self.rs.read_record(target)
+        record = await self._collector.read_record(target)
         if record is not None:
             report.participants = sorted(record.participants)
             report.rejected = dict(record.rejected)
@@ -520,7 +565,12 @@ class LocoTrainer:
 
     async def _rebuild(self, target: int) -> GlobalState:
         return await recovery.rebuild(
-            target, self.rs, self._state.shapes(), self._collector.load, self._apply
+            target,
+            self.rs,
+            self._state.shapes(),
+            self._collector.load_record,
+            self._apply,
+            quorum=self.config.quorum,
         )
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
@@ -573,22 +623,26 @@ class LocoTrainer:
 
     async def _load_resume_point(self) -> TrainerState | None:
         candidates: list[TrainerState] = []
+        shapes = {n: tuple(p.shape) for n, p in self.local.model.named_parameters()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
-            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE))
+            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
         remote = await self.rs.latest_checkpoint()
         if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
             with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
                 path = Path(tmp) / STATE_FILE
                 await self.rs.fetch_checkpoint(remote[1], path)
-                candidates.append(await asyncio.to_thread(TrainerState.load, path))
+                candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
         if not candidates:
             return None
         ts = max(candidates, key=lambda s: s.global_.round)
+        try:
+            self.local.load_state_fp32(ts.global_.theta)
+            self.local.load_optimizer_state(ts.inner["optimizer"])
+            self.local.load_rng_state(ts.inner["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
+            raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
         self.state, self.error = ts.global_, ts.error
-        self.local.load_state_fp32(ts.global_.theta)
-        self.local.load_optimizer_state(ts.inner["optimizer"])
-        self.local.load_rng_state(ts.inner["rng"])
-        self.local.steps = int(ts.inner["steps"])
+        self.local.steps = ts.inner["steps"]
         log.warning("%s: resumed from round %d", self.id, ts.global_.round)
         return ts
 
@@ -645,12 +699,22 @@ class LocoTrainer:
         return time.perf_counter() - self._queued_s
 
     def _spawn(self, coro: Awaitable[None], what: str) -> None:
+        """Run ``coro`` in the background: in ``run``'s TaskGroup (an unexpected exception fails the
+        run), else tracked until ``drain`` awaits it and re-raises such an exception."""
+
         async def guarded() -> None:
             try:
                 await coro
-            except (PulsenetError, OSError) as e:  # top of a background task: log, never kill the round loop
+            except (PulsenetError, OSError) as e:  # a store or disk failure: logged, the next round retries
                 log.error("%s: background %s failed: %s: %s", self.id, what, type(e).__name__, e)
 
-        task = asyncio.create_task(guarded())
+        task = (
+            self._group.create_task(guarded()) if self._group is not None else asyncio.create_task(guarded())
+        )
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._forget_if_ok)
+
+    def _forget_if_ok(self, task: asyncio.Task[None]) -> None:
+        """A finished background task is dropped unless it failed: ``drain`` must still see that."""
+        if not task.cancelled() and task.exception() is None:
+            self._background.discard(task)

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import random
+import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -383,8 +384,12 @@ class S3Store(ObjectStore):
 
             try:
                 await self._call("put_file", key, complete, conditional=if_none_match)
-            except ConditionFailed:
-                if not (attempts > 1 and await self._is_ours(key, _multipart_etag(parts))):
+            except (ConditionFailed, ObjectNotFound):
+                # A completion that landed but whose response was lost is retried, and the retry is
+                # told NoSuchUpload (404: the upload id was consumed) or, create-only, that the key
+                # exists. Only a retry can see that; the object then tells whether it was ours.
+                etag = _multipart_etag(parts)
+                if not (attempts > 1 and await self._completed(key, size, etag, if_none_match)):
                     raise
         except BaseException:
             self._abort_soon(full, upload_id)
@@ -510,6 +515,22 @@ class S3Store(ObjectStore):
             return (await self._head(key)).etag == etag
         except ObjectNotFound:
             return False
+
+
+    async def _completed(self, key: str, size: int, etag: str, create_only: bool) -> bool:
+        """After a retried multipart completion failed: is the object at ``key`` the one we completed?
+
+        Its ETag must be the multipart ETag of our parts. A server that computes ETags otherwise
+        (no ``-<parts>`` suffix) gets a size check for a plain put, where a racing writer would win
+        anyway, and the conservative answer for a create-only one.
+        """
+        try:
+            info = await self._head(key)
+        except ObjectNotFound:
+            return False
+        if info.etag == etag:
+            return True
+        return not create_only and info.size == size and not re.fullmatch(r"[0-9a-f]{32}-\d+", info.etag)
 
 
 async def _all_or_first_error(coros: Iterable[Coroutine[Any, Any, None]]) -> None:

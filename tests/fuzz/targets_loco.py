@@ -1,0 +1,450 @@
+"""Fuzz targets for PULSELoCo's round documents and the trainer's state files (issue 12).
+
+``loco.manifest``, ``loco.record``, ``loco.digest``, ``loco.state_ref``: the bytes of a signed
+document through ``RoundStore.parse_*``, exactly as a trainer reads them from the store (envelope,
+signature under the right trainer's key and the run's context, body checks). Exact: whatever
+verifies is the seed's document, so a mutant either fails typed or decodes to the same value.
+
+``loco.<doc>.resigned``: hostile bodies (wrong types, huge or negative numbers, deep values, missing
+or extra fields, other trainers and rounds) re-signed with a trusted key, some with the right
+trainer's key and context and some not: what a compromised trainer key can write. Not exact; a
+document that decodes must still satisfy the reader's promises (checked here).
+
+``loco.trainer_state``, ``loco.global_state``: a trainer's local resume point (``torch.save``,
+``weights_only``) and a global state (safetensors) through their loaders, against the model's
+shapes. Not exact: neither file format carries a checksum (the resume point is written atomically
+on the trainer's own disk; a global state from the store is checked against its signed SHA-256
+before it is loaded), so a flipped value bit loads; anything that loads must have the model's
+names, shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import json
+import random
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from pulsenet.loco.round import (
+    KIND_DIGEST,
+    KIND_MANIFEST,
+    KIND_RECORD,
+    KIND_STATE,
+    Manifest,
+    ObjectRef,
+    Record,
+    RoundStore,
+    StateRef,
+    payload_key,
+    round_prefix,
+)
+from pulsenet.signing import key_id, sign_document
+from pulsenet.store.local import LocalStore
+
+IDS = ("t0", "t1", "t2")
+R = 3
+HOSTILE: list[Any] = [
+    -1, 0, 1, 3, 2**31, 2**63, 10**30, -(10**30), 1.5, 1e308, True, False, None, "", "3", "t1", "T1",
+    "x" * 5000, [], [3], [[[[]]]], {}, {"key": "k"}, "0" * 64, "ab" * 32, "\u202e", "a\u0000b",
+]  # fmt: skip
+
+
+@functools.cache
+def _key(tid: str) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"pulsenet-fuzz:{tid}".encode()).digest())
+
+
+@functools.cache
+def _dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="pulsenet-fuzz-loco-"))
+
+
+@functools.cache
+def _rs(tid: str = "t2", run: str = "fuzz-run") -> RoundStore:
+    keys = {t: _key(t).public_key() for t in IDS}
+    return RoundStore(LocalStore(_dir() / "store"), tid, _key(tid), keys, run=run)
+
+
+def _sha(i: int) -> str:
+    return hashlib.sha256(str(i).encode()).hexdigest()
+
+
+def _ref(tid: str, i: int) -> ObjectRef:
+    return ObjectRef(payload_key(tid, R, _sha(i)), 1000 + i, _sha(i))
+
+
+# --- seeds: what the writers really write (RoundStore.sign over the bodies they build) ------------
+
+
+def _manifest_seeds() -> list[bytes]:
+    out = []
+    for i, (mode, sent) in enumerate((("pulseloco", 17), ("diloco", 0), ("pulseloco", 0))):
+        m = Manifest("t1", R, _ref("t1", i), mode, sent, 1 << 20, _sha(99))
+        out.append(_rs("t1").sign({"kind": KIND_MANIFEST, **asdict(m)}))
+    return out
+
+
+def _record_body(rec: Record) -> dict[str, Any]:
+    return {
+        "kind": KIND_RECORD, "round": rec.round, "writer": rec.writer,
+        "participants": {t: asdict(r) for t, r in rec.participants.items()},
+        "rejected": dict(rec.rejected), "unavailable": dict(rec.unavailable), "base_digest": rec.base_digest,
+    }  # fmt: skip
+
+
+def _record_seeds() -> list[bytes]:
+    recs = [
+        Record(
+            R,
+            "t0",
+            {"t0": _ref("t0", 0), "t1": _ref("t1", 1)},
+            {"t2": "PayloadError: norm 1e9 > 10 x median"},
+        ),
+        Record(R, "t1", {t: _ref(t, k) for k, t in enumerate(IDS)}, base_digest=_sha(7)),
+        Record(R, "t2", {"t2": _ref("t2", 5)}, unavailable={"t0": "StoreTimeout: ..."}, rejected={"t1": "x"}),
+    ]
+    return [_rs(rec.writer).sign(_record_body(rec)) for rec in recs]
+
+
+def _digest_seeds() -> list[bytes]:
+    return [
+        _rs("t2").sign({"kind": KIND_DIGEST, "trainer": "t2", "round": R, "digest": _sha(i)})
+        for i in range(2)
+    ]
+
+
+def _state_seeds() -> list[bytes]:
+    refs = [StateRef(R, ObjectRef(f"state/{R:08d}/{_sha(i)[:16]}.safetensors", 10**6 + i, _sha(i)), _sha(9), w)
+            for i, w in enumerate(("t0", "t2"))]  # fmt: skip
+    return [_rs(s.writer).sign({"kind": KIND_STATE, "round": s.round, "state": asdict(s.state), "digest": s.digest,
+                                "writer": s.writer}) for s in refs]  # fmt: skip
+
+
+# --- decoders (the reader is trainer t2 of run "fuzz-run"), with the reader's promises checked ------
+
+
+def _manifest(data: bytes) -> Manifest:
+    return _rs().parse_manifest(data, "t1", R)
+
+
+def _record(data: bytes) -> Record:
+    return _rs().parse_record(data, R)
+
+
+def _digest(data: bytes) -> str:
+    return _rs().parse_digest(data, "t2", R)
+
+
+def _state_ref(data: bytes) -> StateRef:
+    return _rs().parse_state_ref(data, R)
+
+
+def _ref_ok(ref: ObjectRef, prefix: str) -> bool:
+    return (
+        type(ref.size) is int and ref.size >= 0 and isinstance(ref.key, str) and ref.key.startswith(prefix)
+        and len(ref.sha256) == 64 and set(ref.sha256) <= set("0123456789abcdef")
+    )  # fmt: skip
+
+
+def _checked(decode: Callable[[bytes], Any], ok: Callable[[Any], bool]) -> Callable[[bytes], Any]:
+    def run(data: bytes) -> Any:
+        out = decode(data)
+        if not ok(out):
+            raise AssertionError(f"decoded to a value the reader must never return: {out!r}"[:500])
+        return out
+
+    run.__name__ = decode.__name__
+    return run
+
+
+def _manifest_ok(m: Manifest) -> bool:
+    return (
+        m.trainer == "t1"
+        and m.round == R
+        and _ref_ok(m.payload, round_prefix("t1", R))
+        and type(m.sent) is int
+    )
+
+
+def _record_ok(rec: Record) -> bool:
+    return (
+        rec.round == R and rec.writer in IDS and bool(rec.participants) and set(rec.participants) <= set(IDS)
+        and all(_ref_ok(r, round_prefix(t, R)) for t, r in rec.participants.items())
+        and all(isinstance(v, str) for v in (*rec.rejected.values(), *rec.unavailable.values()))
+    )  # fmt: skip
+
+
+def _digest_ok(d: str) -> bool:
+    return isinstance(d, str) and len(d) == 64
+
+
+def _state_ok(s: StateRef) -> bool:
+    return s.round == R and s.writer in IDS and _ref_ok(s.state, f"state/{R:08d}/")
+
+
+# --- mutators -------------------------------------------------------------------------------------
+
+
+def _envelope(data: bytes) -> dict[str, Any] | None:
+    """The envelope of a (possibly already mutated) document, or None if it no longer is one."""
+    try:
+        env = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return env if isinstance(env, dict) and isinstance(env.get("body"), dict) else None
+
+
+def _dump(env: Any, rng: random.Random) -> bytes:
+    try:
+        if rng.random() < 0.5:
+            return json.dumps(env, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+        return json.dumps(env, indent=rng.choice((None, 1)), ensure_ascii=rng.random() < 0.5).encode()
+    except (ValueError, RecursionError):  # lone surrogates (UTF-8), deep values: the escaped spelling
+        return json.dumps(env, ensure_ascii=True).encode()
+
+
+def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    out = [prefix]
+    if len(prefix) > 40:  # a deep value planted by an earlier mutation: its top is enough
+        return out
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _set(obj: Any, path: tuple, value: Any) -> Any:
+    if not path:
+        return value
+    parent = obj
+    for p in path[:-1]:
+        parent = parent[p]
+    parent[path[-1]] = value
+    return obj
+
+
+def _hostile_value(rng: random.Random) -> Any:
+    return copy.deepcopy(_hostile(rng))  # never share a list or dict between places (cycles)
+
+
+def _hostile(rng: random.Random) -> Any:
+    r = rng.random()
+    if r < 0.1:
+        deep: Any = 0
+        for _ in range(rng.choice((31, 33, 200))):
+            deep = [deep]
+        return deep
+    if r < 0.15:
+        return {t: rng.choice(HOSTILE) for t in rng.sample(IDS, rng.randint(0, 3))}
+    return rng.choice(HOSTILE)
+
+
+def _mutate_body(body: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        paths = _paths(body)[1:]
+        op = rng.random()
+        if op < 0.6 and paths:
+            body = _set(body, rng.choice(paths), _hostile_value(rng))
+        elif op < 0.8 and paths:
+            path = rng.choice(paths)
+            parent = body
+            for p in path[:-1]:
+                parent = parent[p]
+            del parent[path[-1]]
+        else:
+            body[rng.choice(("extra", "trainer", "writer", "round", "run", "kind"))] = _hostile_value(rng)
+    return body
+
+
+def env_swap(data: bytes, rng: random.Random) -> bytes:
+    """Keep the signature, change what it is claimed to cover: context, key id, body, signature."""
+    env = _envelope(data)
+    if env is None:
+        return data
+    field = rng.choice(("context", "key_id", "sig", "body", "body"))
+    if field == "context":
+        env["context"] = rng.choice((_rs(run="other-run").context, "pulseloco", f"{env.get('context')}/", ""))
+    elif field == "key_id":
+        env["key_id"] = key_id(_key(rng.choice(IDS)).public_key())
+    elif field == "sig":
+        sig = str(env.get("sig"))
+        env["sig"] = rng.choice(("", "AA==", "!!!", sig[::-1], sig[:-4], None, 5))
+    else:
+        env["body"] = _mutate_body(env["body"], rng)
+    return _dump(env, rng)
+
+
+def env_reformat(data: bytes, rng: random.Random) -> bytes:
+    """Same envelope, other JSON spelling (whitespace, escapes, key order): must verify the same."""
+    env = _envelope(data)
+    return data if env is None else _dump(env, rng)
+
+
+def env_hostile_json(data: bytes, rng: random.Random) -> bytes:
+    """Splice JSON a parser must not choke on: NaN, huge ints, lone surrogates, deep nesting, dup keys."""
+    text = data.decode(errors="replace")
+    i = text.index('"body":{') + len('"body":{') if '"body":{' in text else 1
+    bad = rng.choice((
+        '"round":NaN,', '"round":Infinity,', f'"round":{"9" * 5000},', '"trainer":"\\ud800",',
+        '"x":' + "[" * 5000 + "]" * 5000 + ",", '"round":1,"round":3,', '"round":3e0,', '"round":-0,',
+    ))  # fmt: skip
+    return (text[:i] + bad + text[i:]).encode()
+
+
+def _resign(data: bytes, rng: random.Random) -> bytes:
+    """A hostile body signed with a trusted key: the right trainer's and context mostly, else not."""
+    env = _envelope(data)
+    if env is None:
+        return data
+    body = _mutate_body(env["body"], rng) if rng.random() < 0.9 else env["body"]
+    r = rng.random()
+    if r < 0.7:
+        signer = env["body"].get("trainer") or env["body"].get("writer") or "t0"
+        signer = signer if signer in IDS else "t0"
+        context = _rs().context
+    elif r < 0.9:
+        signer, context = rng.choice(IDS), _rs().context
+    else:
+        signer, context = rng.choice(IDS), _rs(run="other-run").context
+    try:
+        return sign_document(body, _key(signer), context=context)
+    except (ValueError, RecursionError):  # a body the signer cannot encode (ManifestError): keep the bytes
+        return data
+
+
+RESIGN = [_resign, _resign, env_hostile_json]
+ENVELOPE = [env_swap, env_reformat, env_hostile_json]
+
+
+# --- state files ------------------------------------------------------------------------------------
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+
+
+def _tensors(seed: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(*s, generator=g) for n, s in SHAPES.items()}
+
+
+def _trainer_state_seeds() -> list[bytes]:
+    from pulsenet.loco.state import GlobalState, TrainerState
+
+    out = []
+    for k, error in enumerate((True, False)):
+        g = GlobalState(5 + k, _tensors(k), _tensors(10 + k))
+        inner = {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-3, "params": [0, 1]}]},
+                 "rng": {"python": (3, (1, 2, 3), None)}, "steps": 40}  # fmt: skip
+        path = _dir() / f"seed-{k}.pt"
+        TrainerState(g, _tensors(20) if error else None, inner).save(path)
+        out.append(path.read_bytes())
+    return out
+
+
+def _trainer_state(data: bytes) -> Any:
+    from pulsenet.loco.state import TrainerState
+
+    path = _dir() / "case.pt"
+    path.write_bytes(data)
+    ts = TrainerState.load(path, SHAPES)
+    for d in (ts.global_.theta, ts.global_.momentum, ts.error or ts.global_.theta):
+        if {n: tuple(t.shape) for n, t in d.items()} != SHAPES:
+            raise AssertionError("loaded a trainer state that does not match the model")
+    return ts
+
+
+def _global_state_seeds() -> list[bytes]:
+    from pulsenet.loco.state import GlobalState
+
+    out = []
+    for k in range(2):
+        path = _dir() / f"g-{k}.safetensors"
+        GlobalState(k, _tensors(k), _tensors(5 + k)).save(path)
+        out.append(path.read_bytes())
+    return out
+
+
+def _global_state(data: bytes) -> Any:
+    from pulsenet.loco.state import GlobalState
+
+    path = _dir() / "case.safetensors"
+    path.write_bytes(data)
+    g = GlobalState.load(path, SHAPES)
+    if g.shapes() != SHAPES or type(g.round) is not int:
+        raise AssertionError("loaded a global state that does not match the model")
+    return g
+
+
+def _zip_member_flip(data: bytes, rng: random.Random) -> bytes:
+    """Flip bytes in the pickle member of a torch zip (where structure, not values, lives)."""
+    i = data.find(b"data.pkl")
+    if i < 0:
+        return data
+    j = min(len(data) - 1, i + 30 + rng.randrange(400))
+    b = bytearray(data)
+    b[j] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+def _safetensors_header(data: bytes, rng: random.Random) -> bytes:
+    """Rewrite the JSON header of a safetensors file with hostile offsets, dtypes and shapes."""
+    n = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return data
+    names = [k for k in header if k != "__metadata__"]
+    if names:
+        t = header[rng.choice(names)]
+        what = rng.choice(("dtype", "shape", "data_offsets", "meta"))
+        if what == "dtype":
+            t["dtype"] = rng.choice(("F16", "BF16", "I64", "F64", "X"))
+        elif what == "shape":
+            t["shape"] = rng.choice(([], [2**40], [-1], [3, 4, 1], [0]))
+        elif what == "data_offsets":
+            t["data_offsets"] = rng.choice(([0, 2**40], [5, 1], [0, 0], [-1, 4]))
+        else:
+            header["__metadata__"] = rng.choice(({"format": "x"}, {"round": "-1"}, {"round": "9" * 50}, {}))
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data[8 + n :]
+
+
+def _any_seed(seeds: Callable[[], list[bytes]], decode: Callable[[bytes], Any]) -> Callable[[Any, Any], bool]:
+    """Exact, modulo whose signature: a splice of two seeds can verify as the second one (a JSON
+    object with a repeated key means its last value), so the output may be any seed's."""
+    outputs = functools.cache(lambda: [decode(s) for s in seeds()])
+    return lambda out, expected: out == expected or out in outputs()
+
+
+TARGETS: list[dict] = []
+for _name, _seeds, _decode, _ok in (
+    ("loco.manifest", _manifest_seeds, _manifest, _manifest_ok),
+    ("loco.record", _record_seeds, _record, _record_ok),
+    ("loco.digest", _digest_seeds, _digest, _digest_ok),
+    ("loco.state_ref", _state_seeds, _state_ref, _state_ok),
+):
+    TARGETS.append(
+        {"name": _name, "seeds": _seeds, "decode": _decode, "exact": True, "equal": _any_seed(_seeds, _decode),
+         "mutators": ENVELOPE}
+    )  # fmt: skip
+    TARGETS.append(
+        {"name": f"{_name}.resigned", "seeds": _seeds, "decode": _checked(_decode, _ok), "mutators": RESIGN}
+    )
+TARGETS += [
+    {"name": "loco.trainer_state", "seeds": _trainer_state_seeds, "decode": _trainer_state,
+     "mutators": [_zip_member_flip]},
+    {"name": "loco.global_state", "seeds": _global_state_seeds, "decode": _global_state,
+     "mutators": [_safetensors_header]},
+]  # fmt: skip
