@@ -188,9 +188,13 @@ def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.
             raise PatchCorruptError("bitmap padding bits are not zero")
         pos = np.flatnonzero(flags[: a.size])
     else:
-        gaps = from_planes(mask, z.width, z.count).astype(np.int64)
-        ranks = np.cumsum(gaps + 1) - 1
-        if ranks.size and (int(gaps.max()) >= a.size or int(ranks[-1]) >= a.size):
+        gaps = from_planes(mask, z.width, z.count)
+        # check the unsigned gaps before the cast: a width-8 gap >= 2^63 turns negative in int64
+        # (and a negative rank indexes from the end); a float sum under a.size rules out int64 overflow.
+        if gaps.size and (int(gaps.max()) >= a.size or gaps.sum(dtype=np.float64) >= a.size):
+            raise PatchCorruptError(f"rank gap {int(gaps.max())} out of range for a tensor of {a.size} entries")
+        ranks = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        if ranks.size and int(ranks[-1]) >= a.size:
             raise PatchCorruptError(f"rank {int(ranks[-1])} out of range for a tensor of {a.size} entries")
         if z.mode == "ones":
             pos = ranks

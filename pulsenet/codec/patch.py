@@ -26,6 +26,7 @@ tensor, never writes into the base, and checks each rebuilt tensor's SHA-256 bef
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import threading
@@ -61,6 +62,10 @@ VERSION = 1
 _HEADER = struct.Struct("<8sHHIIQ")
 HEADER_SIZE = _HEADER.size  # 28
 MAX_TABLE_RAW = 64 << 20
+MAX_NUMEL = 1 << 48  # elements in one tensor: far above any model, far below what overflows a size
+MIN_OUTPUT_CAP = 1 << 30
+"""Floor of the default cap on a rebuilt model's bytes (``output_cap``): room for an anchor of a
+small model against the empty base. Callers that rebuild large anchors pass their own maximum."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 PATCH_ZSTD_LEVEL = 1  # mask and value planes are near-random: level 1 is as small as 3 on SmolLM2 pairs, 20-30% faster
 FULL_CHECK_RATE = 0.25  # above this change rate, also try the full encoding and keep the smaller
@@ -257,17 +262,17 @@ def parse_patch(data: bytes | memoryview, *, max_table_raw: int = MAX_TABLE_RAW)
         )
     if traw > max_table_raw:
         raise PatchSizeLimitError(f"table declares {traw} bytes, over the {max_table_raw}-byte limit")
-    try:
+    try:  # ValueError: bad UTF-8 or JSON, or an integer past Python's 4300-digit limit
         table = json.loads(decompress(bytes(mv[HEADER_SIZE : HEADER_SIZE + tsize]), traw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PatchCorruptError(f"patch table is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise PatchCorruptError(f"patch table is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     body = mv[HEADER_SIZE + tsize :]
     try:
         return _parse_table(table, body, len(mv))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError) as e:
         if isinstance(e, PatchError):
             raise
-        raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {e}") from None
+        raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
@@ -285,8 +290,10 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
         prev = key
         dtype_from_name(d["dtype"])
         shape = tuple(d["shape"])
-        if not all(isinstance(s, int) and 0 <= s < (1 << 48) for s in shape) or len(shape) > 8:
-            raise PatchCorruptError(f"tensor {name!r}: bad shape {d['shape']!r}")
+        if len(shape) > 8 or not all(type(s) is int and 0 <= s < MAX_NUMEL for s in shape):
+            raise PatchCorruptError(f"tensor {name!r}: bad shape {str(d['shape'])[:100]}")
+        if math.prod(shape) > MAX_NUMEL:
+            raise PatchSizeLimitError(f"tensor {name!r}: shape {list(shape)} is larger than any tensor this format carries")
         sha = d["sha256"]
         if not (isinstance(sha, str) and _SHA256_HEX.fullmatch(sha)):
             raise PatchCorruptError(f"tensor {name!r}: bad sha256 {sha!r}")
@@ -347,6 +354,35 @@ def check_base(patch: Patch, base: StateDict) -> None:
         raise BaseMismatchError(f"base has tensors the patch does not account for: {sorted(unknown)[:5]}")
 
 
+def output_cap(base_bytes: int) -> int:
+    """The default cap on a rebuilt model's bytes: twice the base, at least ``MIN_OUTPUT_CAP``.
+
+    A step patch rebuilds a model of the base's size (plus the odd added tensor); only an anchor
+    against the empty model rebuilds one from nothing, and its caller knows how large a model it
+    expects. The table's shapes are an attacker's word until the digests check out, so without a
+    cap a few kilobytes of zstd could make the decoder allocate gigabytes first.
+    """
+    return max(2 * base_bytes, MIN_OUTPUT_CAP)
+
+
+def check_output_size(patch: Patch, base: StateDict, max_output_bytes: int | None = None) -> int:
+    """Refuse a patch whose rebuilt model would exceed ``max_output_bytes`` (default
+    ``output_cap`` of the bytes of the base tensors it names), before anything is decompressed.
+
+    Returns the rebuilt model's bytes.
+    """
+    out = sum(e.numel * e.itemsize for e in patch.tensors)
+    if max_output_bytes is None:
+        named = (base[e.name] for e in patch.tensors if e.name in base)
+        max_output_bytes = output_cap(sum(t.numel() * t.element_size() for t in named))
+    if out > max_output_bytes:
+        raise PatchSizeLimitError(
+            f"patch rebuilds a {out}-byte model, over the {max_output_bytes}-byte limit "
+            "(max_output_bytes; the default allows twice the base)"
+        )
+    return out
+
+
 def iter_apply(
     base: StateDict,
     patch: Patch | bytes,
@@ -354,6 +390,7 @@ def iter_apply(
     base_digest: str | None = None,
     threads: int = 2,
     window_bytes: int | None = None,
+    max_output_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
 
@@ -365,10 +402,15 @@ def iter_apply(
     Workers run ahead of the consumer by up to ``window_bytes`` of rebuilt tensors (default: twice
     the largest), so a big tensor at the head of the line does not idle the other threads while
     memory stays bounded whatever the model size.
+
+    ``max_output_bytes``: the most bytes the rebuilt model may hold (default: ``output_cap`` of
+    the base); a patch declaring more raises ``PatchSizeLimitError`` before anything is decoded.
+    Rebuilding an anchor of a model over 1 GiB from the empty base needs it set explicitly.
     """
     if not isinstance(patch, Patch):
         patch = parse_patch(patch)
     check_base(patch, base)
+    check_output_size(patch, base, max_output_bytes)
     if base_digest is None:
         from pulsenet.codec.digest import model_digest
 
