@@ -195,3 +195,68 @@ def test_trailing_bytes_after_a_payload_frame_are_refused(tail):
     assert wire.decode(data).tensors["w"].values.tolist() == [1.0, -2.0, 0.5]
     with pytest.raises(PayloadError, match="unused data"):
         wire.decode(padded)
+
+
+# --------------------------------------------------------------------------- numba bounds checking
+
+_BOUNDSCHECK_SCRIPT = """
+import sys
+import numpy as np, torch
+from numba.core import config
+assert config.BOUNDSCHECK, "NUMBA_BOUNDSCHECK did not take"
+from pulsenet.codec.bf16 import bits
+from pulsenet.codec.patch import PatchEncoder, apply_patch
+from pulsenet.loco import payload as wire
+from pulsenet.loco.algorithm import gate
+
+g = torch.Generator().manual_seed(5)
+w = (torch.randn(192, 256, generator=g) * 0.05).to(torch.bfloat16)
+a = {"w": w, "i": torch.randint(-9, 9, (300,), generator=g, dtype=torch.int32), "f": torch.randn(77, generator=g)}
+steps = [  # additive steps of several sizes: multi-zone masks in every mode
+    {**a, "w": (w.float() + eps * torch.randn(w.shape, generator=g)).to(torch.bfloat16)} for eps in (1e-5, 1e-4, 3e-4)
+] + [
+    {**a, "w": (w.float() * (1 + 2e-3 * torch.randn(w.shape, generator=g))).to(torch.bfloat16)},
+    {**a, "w": (w.float() * (1 + 0.3 * torch.randn(w.shape, generator=g))).to(torch.bfloat16), "i": a["i"] + 1},
+    {**a, "f": a["f"].reshape(7, 11), "new": torch.ones(3)},
+]
+for b in steps:
+    for zones in (1, 4, 12):
+        out = apply_patch(a, PatchEncoder(threads=2, max_zones=zones).encode(a, b), threads=2)
+        assert all(np.array_equal(bits(out[k]), bits(b[k])) for k in b)
+
+theta = {"w": (np.random.default_rng(1).standard_normal((64, 50)) * 0.05).astype(np.float32)}
+local = theta["w"] + (np.random.default_rng(2).standard_normal((64, 50)) * 2e-4).astype(np.float32)
+s = theta["w"] - local
+idx, vals, _ = gate(torch.from_numpy(theta["w"]), torch.from_numpy(s))
+for p in (wire.Payload(1, wire.SPARSE, {"w": wire.SparseTensor((64, 50), idx, vals)}),
+          wire.Payload(1, wire.DENSE, {"w": wire.SparseTensor((64, 50), None, s.reshape(-1))})):
+    for base in (theta, None):
+        q = wire.decode(wire.encode(p, base), {"w": (64, 50)}, theta)
+        assert np.array_equal(q.tensors["w"].values.view(np.uint32), p.tensors["w"].values.view(np.uint32))
+
+sys.path.insert(0, sys.argv[1])
+import harness
+stats = [harness.run_target(t, int(sys.argv[2])) for t in harness.load_targets(["codec"])]
+for st in stats:
+    print(st.row())
+    for c in st.crashes[:5]:
+        print("CRASH", c.mutators, c.error, c.trace)
+print("BOUNDSCHECK-OK" if not any(st.crashes for st in stats) else "BOUNDSCHECK-CRASHES")
+"""
+
+
+def test_kernels_under_numba_boundscheck(tmp_path):
+    """The codec and payload kernels, on valid and fuzzed input, with numba's bounds checks on.
+
+    A fresh ``NUMBA_CACHE_DIR`` keeps the bounds-checked builds out of the normal cache (and
+    makes this test compile every kernel: most of its ~1 min).
+    """
+    import os
+    from pathlib import Path
+
+    env = {**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    fuzz_dir = str(Path(__file__).parent / "fuzz")
+    r = subprocess.run([sys.executable, "-c", _BOUNDSCHECK_SCRIPT, fuzz_dir, "300"], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=str(Path(__file__).parents[1]))
+    assert r.returncode == 0 and "BOUNDSCHECK-OK" in r.stdout, (r.stdout[-3000:], r.stderr[-3000:])
+    assert "IndexError" not in r.stdout + r.stderr
