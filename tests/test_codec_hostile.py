@@ -91,22 +91,35 @@ def test_cli_apply_refuses_the_bomb_with_small_rss(tmp_path):
     """``pulsenet patch apply`` on an untrusted 16 KB file: refused, peak RSS far below 1.4 GB."""
     base = {"a": torch.arange(16, dtype=torch.float32)}
     save_state(tmp_path / "base.safetensors", base)
-    bomb = full_bomb(100, 3_500_000, model_digest(base), base)
-    (tmp_path / "bomb.pnp").write_bytes(bomb)
+    (tmp_path / "bomb.pnp").write_bytes(full_bomb(100, 3_500_000, model_digest(base), base))
+    (tmp_path / "table.pnp").write_bytes(table_bomb())
     script = textwrap.dedent(
         f"""
         import resource, sys
         from pulsenet.cli import main
         d = {str(tmp_path)!r}
-        rc = main(["patch", "apply", d + "/base.safetensors", d + "/bomb.pnp", "-o", d + "/out.safetensors"])
-        print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+        for name in ("bomb", "table"):
+            rc = main(["patch", "apply", d + "/base.safetensors", d + f"/{{name}}.pnp", "-o", d + "/out.safetensors"])
+            print(rc, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, flush=True)
         """
     )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    rc, rss_mb = map(int, r.stdout.split())
-    assert rc == 2 and "PatchSizeLimitError" in r.stderr, r.stderr
-    assert rss_mb < 700, f"peak RSS {rss_mb} MB"
+    (rc, rss_mb), (rc2, rss2_mb) = (map(int, line.split()) for line in r.stdout.splitlines())
+    assert rc == rc2 == 2 and r.stderr.count("PatchSizeLimitError") == 2, r.stderr
+    assert rss_mb < 700 and rss2_mb < 700, f"peak RSS {rss_mb} / {rss2_mb} MB"
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def table_bomb() -> bytes:
+    """A 6 KB patch whose table is 64 MiB of empty JSON lists: 1.5 GB of Python objects parsed."""
+    return forge(b'{"tensors":[' + b"[]," * ((64 << 20) // 3 - 10) + b"1]}")
+
+
+def test_table_bomb_is_refused_against_a_known_base():
+    bomb = table_bomb()
+    assert len(bomb) < 8 << 10
+    with pytest.raises(PatchSizeLimitError, match="table declares"):
+        apply_patch({"a": torch.zeros(3)}, bomb)
 
 
 # --------------------------------------------------------------------------- item 6: untyped errors

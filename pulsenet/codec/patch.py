@@ -63,6 +63,7 @@ _HEADER = struct.Struct("<8sHHIIQ")
 HEADER_SIZE = _HEADER.size  # 28
 MAX_TABLE_RAW = 64 << 20
 MAX_NUMEL = 1 << 48  # elements in one tensor: far above any model, far below what overflows a size
+TABLE_BYTES_PER_TENSOR = 4 << 10  # a real table entry is 0.1-1 KB: name, SHA-256, up to 12 zones
 MIN_OUTPUT_CAP = 1 << 30
 """Floor of the default cap on a rebuilt model's bytes (``output_cap``): room for an anchor of a
 small model against the empty base. Callers that rebuild large anchors pass their own maximum."""
@@ -354,6 +355,15 @@ def check_base(patch: Patch, base: StateDict) -> None:
         raise BaseMismatchError(f"base has tensors the patch does not account for: {sorted(unknown)[:5]}")
 
 
+def table_cap(base_tensors: int) -> int:
+    """The default cap on a table's raw bytes when the base is known: 4 MiB + 4 KiB per base tensor.
+
+    Parsing JSON costs up to ~25x its size in Python objects (a 6 KB patch holding a 64 MiB table
+    of empty lists took 1.5 GB), so a decoder that holds the base bounds the table by it.
+    """
+    return min(MAX_TABLE_RAW, (4 << 20) + TABLE_BYTES_PER_TENSOR * base_tensors)
+
+
 def output_cap(base_bytes: int) -> int:
     """The default cap on a rebuilt model's bytes: twice the base, at least ``MIN_OUTPUT_CAP``.
 
@@ -405,10 +415,11 @@ def iter_apply(
 
     ``max_output_bytes``: the most bytes the rebuilt model may hold (default: ``output_cap`` of
     the base); a patch declaring more raises ``PatchSizeLimitError`` before anything is decoded.
+    Patch bytes are parsed with the table bounded by ``table_cap`` of the base.
     Rebuilding an anchor of a model over 1 GiB from the empty base needs it set explicitly.
     """
     if not isinstance(patch, Patch):
-        patch = parse_patch(patch)
+        patch = parse_patch(patch, max_table_raw=table_cap(len(base)))
     check_base(patch, base)
     check_output_size(patch, base, max_output_bytes)
     if base_digest is None:
