@@ -85,7 +85,6 @@ def _encode(args: argparse.Namespace) -> int:
 def _apply(args: argparse.Namespace) -> int:
     from pulsenet.checkpoint import SINGLE_NAME, Checkpoint, copy_model_files, write_safetensors
     from pulsenet.codec.patch import (
-        check_base,
         check_output_size,
         iter_apply,
         output_cap,
@@ -96,8 +95,7 @@ def _apply(args: argparse.Namespace) -> int:
     base = Checkpoint(args.base)
     patch = parse_patch(args.patch.read_bytes(), max_table_raw=table_cap(len(base)))
     limit = args.max_output_bytes if args.max_output_bytes is not None else output_cap(base.nbytes)
-    check_base(patch, base)
-    check_output_size(patch, base, limit)  # before any output file or directory is made
+    check_output_size(patch, limit)  # before any output file or directory is made
     meta = {e.name: (e.dtype, e.shape) for e in patch.tensors}
     out = args.output
     if base.is_dir and out.suffix != ".safetensors":

@@ -334,11 +334,18 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
 # --------------------------------------------------------------------------- decoder
 
 
-def check_base(patch: Patch, base: StateDict) -> None:
-    """Names, dtypes and shapes of the base against the table, before anything is rebuilt."""
+def check_base(patch: Patch, base: StateDict) -> int:
+    """Names, dtypes and shapes of the base against the table, before anything is rebuilt.
+
+    Returns the bytes of the base tensors the patch names (what ``output_cap`` scales with).
+    """
     carried = {e.name for e in patch.tensors}
+    named = 0
     for e in patch.tensors:
-        if e.op == "full":
+        if e.op == "full":  # added, replaced or rewritten: the base may lack it or hold another shape
+            if e.name in base:
+                t = base[e.name]
+                named += t.numel() * t.element_size()
             continue
         if e.name not in base:
             raise BaseMismatchError(f"base has no tensor {e.name!r}: this patch was made against another model")
@@ -347,12 +354,14 @@ def check_base(patch: Patch, base: StateDict) -> None:
             raise BaseMismatchError(
                 f"base tensor {e.name!r} is {dtype_name(t.dtype)}{list(t.shape)}, patch expects {e.dtype}{list(e.shape)}"
             )
+        named += e.numel * e.itemsize
     missing = [r for r in patch.removed if r not in base]
     if missing:
         raise BaseMismatchError(f"patch removes tensors the base does not have: {missing[:5]}")
     unknown = [n for n in base if n not in carried and n not in patch.removed]
     if unknown:
         raise BaseMismatchError(f"base has tensors the patch does not account for: {sorted(unknown)[:5]}")
+    return named
 
 
 def table_cap(base_tensors: int) -> int:
@@ -375,16 +384,10 @@ def output_cap(base_bytes: int) -> int:
     return max(2 * base_bytes, MIN_OUTPUT_CAP)
 
 
-def check_output_size(patch: Patch, base: StateDict, max_output_bytes: int | None = None) -> int:
-    """Refuse a patch whose rebuilt model would exceed ``max_output_bytes`` (default
-    ``output_cap`` of the bytes of the base tensors it names), before anything is decompressed.
-
-    Returns the rebuilt model's bytes.
-    """
+def check_output_size(patch: Patch, max_output_bytes: int) -> int:
+    """Refuse a patch whose rebuilt model would exceed ``max_output_bytes``, before anything is
+    decompressed. Returns the rebuilt model's bytes."""
     out = sum(e.numel * e.itemsize for e in patch.tensors)
-    if max_output_bytes is None:
-        named = (base[e.name] for e in patch.tensors if e.name in base)
-        max_output_bytes = output_cap(sum(t.numel() * t.element_size() for t in named))
     if out > max_output_bytes:
         raise PatchSizeLimitError(
             f"patch rebuilds a {out}-byte model, over the {max_output_bytes}-byte limit "
@@ -420,8 +423,8 @@ def iter_apply(
     """
     if not isinstance(patch, Patch):
         patch = parse_patch(patch, max_table_raw=table_cap(len(base)))
-    check_base(patch, base)
-    check_output_size(patch, base, max_output_bytes)
+    named = check_base(patch, base)
+    check_output_size(patch, output_cap(named) if max_output_bytes is None else max_output_bytes)
     if base_digest is None:
         from pulsenet.codec.digest import model_digest
 
