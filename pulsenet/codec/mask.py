@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import reprlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,11 +65,11 @@ class Zone:
     @classmethod
     def from_json(cls, v: object) -> Zone:
         if not (isinstance(v, list) and len(v) == 6 and v[1] in MODES):
-            raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {v!r}")
+            raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {reprlib.repr(v)}")
         hi, mode, count, width, size, nnz = v
         ints = hi, count, width, size, nnz
         if set(map(type, ints)) != {int} or min(ints) < 0 or max(ints) >= 1 << 62:  # (bool is not int here)
-            raise PatchCorruptError(f"invalid zone entry {v!r}")
+            raise PatchCorruptError(f"invalid zone entry {reprlib.repr(v)}")
         if mode != "bitmap" and width not in (1, 2, 4, 8):
             raise PatchCorruptError(f"zone gap width {width} is not 1, 2, 4 or 8")
         return cls(hi, mode, count, width, size, nnz)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import reprlib
 import struct
 import threading
 from collections import deque
@@ -284,7 +285,7 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
     for d in table["tensors"]:
         name = d["name"]
         if not isinstance(name, str) or not name:
-            raise PatchCorruptError(f"bad tensor name {name!r}")
+            raise PatchCorruptError(f"bad tensor name {reprlib.repr(name)}")
         key = name.encode("utf-8")
         if prev is not None and key <= prev:
             raise PatchCorruptError(f"tensor names not strictly sorted at {name!r}")
@@ -292,16 +293,16 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
         dtype_from_name(d["dtype"])
         shape = tuple(d["shape"])
         if len(shape) > 8 or not all(type(s) is int and 0 <= s < MAX_NUMEL for s in shape):
-            raise PatchCorruptError(f"tensor {name!r}: bad shape {str(d['shape'])[:100]}")
+            raise PatchCorruptError(f"tensor {name!r}: bad shape {reprlib.repr(d['shape'])}")
         if math.prod(shape) > MAX_NUMEL:
             raise PatchSizeLimitError(f"tensor {name!r}: shape {list(shape)} is larger than any tensor this format carries")
         sha = d["sha256"]
         if not (isinstance(sha, str) and _SHA256_HEX.fullmatch(sha)):
-            raise PatchCorruptError(f"tensor {name!r}: bad sha256 {sha!r}")
+            raise PatchCorruptError(f"tensor {name!r}: bad sha256 {reprlib.repr(sha)}")
         e = TensorEntry(name, d["dtype"], shape, sha, d["op"])
         want = {"keep": (), "full": ("data",), "sparse": ("mask", "values")}.get(e.op)
         if want is None:
-            raise PatchCorruptError(f"tensor {name!r}: unknown op {e.op!r}")
+            raise PatchCorruptError(f"tensor {name!r}: unknown op {reprlib.repr(e.op)}")
         for s in want:
             off, sz, raw = d[s]
             if not all(isinstance(x, int) and x >= 0 for x in (off, sz, raw)) or off + sz > len(body):
@@ -313,7 +314,7 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
         if e.op == "sparse":
             e.nnz = d["nnz"]
             if not (isinstance(e.nnz, int) and 0 < e.nnz <= n):
-                raise PatchCorruptError(f"tensor {name!r}: nnz {e.nnz!r} outside 1..{n}")
+                raise PatchCorruptError(f"tensor {name!r}: nnz {reprlib.repr(e.nnz)} outside 1..{n}")
             e.zones = [maskcode.Zone.from_json(z) for z in d["zones"]]
             if e.sections["values"][2] != e.nnz * w:
                 raise PatchCorruptError(f"tensor {name!r}: values declare {e.sections['values'][2]} bytes for nnz {e.nnz}")

@@ -30,6 +30,10 @@ HOSTILE = [-1, 0, 1, 2, 3, 7, 8, 9, 255, 256, 2**31, 2**32, 2**48, 2**62, 2**63,
            1e308, float("nan"), True, False, None, "", "x", "BF16", "sparse", "ones", [], [0], [[]], {}, "0" * 64]
 
 
+def _numel(shape: object) -> int:
+    return math.prod(x for x in shape if type(x) is int) if isinstance(shape, list) else 1
+
+
 def _int(rng: random.Random) -> int:
     return rng.choice([0, 1, 2, 7, 8, 255, 2**16, 2**31 - 1, 2**32, 2**48, 2**63 - 1, 2**63, 2**64 - 1, -1])
 
@@ -180,7 +184,7 @@ def patch_huge_sizes(data: bytes, rng: random.Random) -> bytes:
         e["shape"] = rng.choice([[1 << 47, 1 << 47], [1 << 40], [3_500_000], [1 << 20, 1 << 20], [2**48 - 1] * 2])
         frame = zstandard.ZstdCompressor(write_content_size=False).compress(b"\0" * rng.choice((0, 64, 1 << 16)))
         e["op"], e["dtype"] = "full", "F32"
-        e["data"] = [len(body), len(frame), 4 * math.prod(x if type(x) is int else 1 for x in e["shape"])]
+        e["data"] = [len(body), len(frame), 4 * _numel(e["shape"])]
         body += frame
     elif what == 1:
         for s in ("data", "mask", "values"):
@@ -232,7 +236,7 @@ def patch_rank_gaps(data: bytes, rng: random.Random) -> bytes:
         return data
     table, body = split
     e = rng.choice(sparse)
-    n = math.prod(x if type(x) is int else 1 for x in e.get("shape", []))
+    n = _numel(e.get("shape"))
     mode, count = rng.choice(("ones", "zeros")), max(1, min(e["nnz"], 8))
     hostile = [0, 1, n - 1, n, n + 1, 1 << 62, 1 << 63, (1 << 64) - 1, (1 << 64) - n]
     gaps = [rng.choice(hostile) & ((1 << 64) - 1) for _ in range(count)]
