@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     app.add_argument("-o", "--output", type=Path, required=True,
                      help="output .safetensors file (or directory when BASE is a directory)")
     app.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    app.add_argument("--max-output-bytes", type=int, default=None,
+                     help="refuse a patch that rebuilds more bytes than this (default: twice BASE, at least 1 GiB)")
     app.set_defaults(func=_apply)
 
     ins = psub.add_parser("inspect", help="tensors, changes, sizes and digests of a patch")
@@ -82,17 +84,25 @@ def _encode(args: argparse.Namespace) -> int:
 
 def _apply(args: argparse.Namespace) -> int:
     from pulsenet.checkpoint import SINGLE_NAME, Checkpoint, copy_model_files, write_safetensors
-    from pulsenet.codec.patch import iter_apply, parse_patch
+    from pulsenet.codec.patch import (
+        check_output_size,
+        iter_apply,
+        output_cap,
+        parse_patch,
+        table_cap,
+    )
 
     base = Checkpoint(args.base)
-    patch = parse_patch(args.patch.read_bytes())
+    patch = parse_patch(args.patch.read_bytes(), max_table_raw=table_cap(len(base)))
+    limit = args.max_output_bytes if args.max_output_bytes is not None else output_cap(base.nbytes)
+    check_output_size(patch, limit)  # before any output file or directory is made
     meta = {e.name: (e.dtype, e.shape) for e in patch.tensors}
     out = args.output
     if base.is_dir and out.suffix != ".safetensors":
         copy_model_files(args.base, out)
         out = out / SINGLE_NAME
     t0 = time.perf_counter()
-    write_safetensors(out, meta, iter_apply(base, patch, threads=args.threads))
+    write_safetensors(out, meta, iter_apply(base, patch, threads=args.threads, max_output_bytes=limit))
     print(f"wrote {out}: digest {patch.target_digest} verified ({time.perf_counter() - t0:.1f}s)")
     return 0
 

@@ -8,7 +8,7 @@
   position's own statistics (high planes of small numbers are runs of zeros).
 - positions: strictly increasing indices as gaps, downcast to the narrowest width, byte planes.
 - ``decompress``: zstd with the output size fixed in advance; a frame that would expand past it is
-  rejected before anything is allocated (no zstd bomb gets through).
+  rejected before anything is allocated (no zstd bomb gets through), and so are bytes after it.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def decode_positions(buf: bytes, width: int, count: int, limit: int) -> np.ndarr
     """Inverse of :func:`encode_positions`; checks every position is < ``limit``.
 
     Gaps are unsigned and each adds at least one, so the result is strictly increasing by
-    construction; only the upper bound needs checking (done on the sum, in int64 without overflow
-    because count * max_gap is bounded by the check below before cumsum can wrap).
+    construction; only the upper bound needs checking, on the unsigned gaps and their (float) sum
+    before the int64 cumsum, which then cannot wrap.
     """
     if width not in UINT:
         raise PatchCorruptError(f"position width {width} is not 1, 2, 4 or 8")
@@ -106,8 +106,8 @@ def decode_positions(buf: bytes, width: int, count: int, limit: int) -> np.ndarr
             raise PatchCorruptError("positions section has bytes but declares no positions")
         return np.zeros(0, dtype=np.int64)
     gaps = from_planes(buf, width, count)
-    if width == 8 and int(gaps.max()) >= limit:
-        raise PatchCorruptError(f"position gap {int(gaps.max())} exceeds tensor size {limit}")
+    if int(gaps.max()) >= limit or gaps.sum(dtype=np.float64) >= limit:  # before int64 can wrap
+        raise PatchCorruptError(f"position gaps run out of range for a tensor of {limit} elements")
     pos = np.cumsum(gaps.astype(np.int64) + 1) - 1
     if int(pos[-1]) >= limit:
         raise PatchCorruptError(f"position {int(pos[-1])} out of range for a tensor of {limit} elements")
@@ -126,8 +126,16 @@ def compress(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
     return cctx.compress(data)
 
 
+_STREAM_CHUNK = 8 << 20  # a frame without a content size is read this much at a time
+
+
 def decompress(data: bytes, raw_size: int) -> bytes:
-    """Decompress one zstd frame to exactly ``raw_size`` bytes, or raise."""
+    """Decompress one zstd frame to exactly ``raw_size`` bytes, or raise.
+
+    The caller bounds ``raw_size`` (by the base, a format limit or a configured maximum); this
+    never allocates more than that. Anything after the frame (padding, a second frame) is refused:
+    one payload has one encoding, so a store cannot hide bytes in it that a digest never covers.
+    """
     if raw_size == 0 and not data:
         return b""
     try:
@@ -139,26 +147,32 @@ def decompress(data: bytes, raw_size: int) -> bytes:
     dctx = _local.__dict__.get("dctx")
     if dctx is None:
         dctx = _local.dctx = zstandard.ZstdDecompressor()
-    if declared == raw_size:  # one allocation of the size we accept; zstd checks the content against it
-        try:
-            out = dctx.decompress(data)
-        except zstandard.ZstdError as e:
-            raise PatchCorruptError(f"corrupt zstd section: {e}") from None
-        if len(out) != raw_size:
-            raise PatchCorruptError(f"section decompressed to {len(out)} bytes, expected {raw_size}")
-        return out
-    try:
-        with dctx.stream_reader(data) as reader:
-            out = reader.read(raw_size + 1)
-            while len(out) < raw_size + 1:  # stream_reader may return short reads
-                more = reader.read(raw_size + 1 - len(out))
-                if not more:
-                    break
-                out += more
+    if declared == -1:  # no content size in the header: stream under the cap before trusting it
+        _check_stream(dctx, data, raw_size)
+    try:  # one allocation of the size we accept; zstd checks the content against it
+        out = dctx.decompress(data, max_output_size=raw_size, allow_extra_data=False)
     except zstandard.ZstdError as e:
         raise PatchCorruptError(f"corrupt zstd section: {e}") from None
+    except (MemoryError, OverflowError):  # the frame header names a size no buffer can hold
+        raise PatchSizeLimitError(f"cannot allocate the {raw_size} bytes a zstd frame declares") from None
     if len(out) != raw_size:
-        kind = PatchSizeLimitError if len(out) > raw_size else PatchCorruptError
-        raise kind(f"section decompressed to {'more than ' if len(out) > raw_size else ''}"
-                   f"{min(len(out), raw_size)} bytes, expected {raw_size}")
+        raise PatchCorruptError(f"section decompressed to {len(out)} bytes, expected {raw_size}")
     return out
+
+
+def _check_stream(dctx: zstandard.ZstdDecompressor, data: bytes, raw_size: int) -> None:
+    """Raise unless the frame decompresses to exactly ``raw_size`` bytes, holding one chunk at a time."""
+    n = 0
+    try:
+        with dctx.stream_reader(data) as reader:
+            while n <= raw_size:
+                more = reader.read(min(_STREAM_CHUNK, raw_size + 1 - n))
+                if not more:
+                    break
+                n += len(more)
+    except zstandard.ZstdError as e:
+        raise PatchCorruptError(f"corrupt zstd section: {e}") from None
+    if n > raw_size:
+        raise PatchSizeLimitError(f"section decompressed to more than {raw_size} bytes")
+    if n < raw_size:
+        raise PatchCorruptError(f"section decompressed to {n} bytes, expected {raw_size}")

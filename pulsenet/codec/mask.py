@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import reprlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,11 +65,11 @@ class Zone:
     @classmethod
     def from_json(cls, v: object) -> Zone:
         if not (isinstance(v, list) and len(v) == 6 and v[1] in MODES):
-            raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {v!r}")
+            raise PatchCorruptError(f"zone entry must be [hi, mode, count, width, size, nnz], got {reprlib.repr(v)}")
         hi, mode, count, width, size, nnz = v
         ints = hi, count, width, size, nnz
         if set(map(type, ints)) != {int} or min(ints) < 0 or max(ints) >= 1 << 62:  # (bool is not int here)
-            raise PatchCorruptError(f"invalid zone entry {v!r}")
+            raise PatchCorruptError(f"invalid zone entry {reprlib.repr(v)}")
         if mode != "bitmap" and width not in (1, 2, 4, 8):
             raise PatchCorruptError(f"zone gap width {width} is not 1, 2, 4 or 8")
         return cls(hi, mode, count, width, size, nnz)
@@ -188,9 +189,13 @@ def _decode_one_zone(a: np.ndarray, dtype: str, z: Zone, mask: bytes, codes: np.
             raise PatchCorruptError("bitmap padding bits are not zero")
         pos = np.flatnonzero(flags[: a.size])
     else:
-        gaps = from_planes(mask, z.width, z.count).astype(np.int64)
-        ranks = np.cumsum(gaps + 1) - 1
-        if ranks.size and (int(gaps.max()) >= a.size or int(ranks[-1]) >= a.size):
+        gaps = from_planes(mask, z.width, z.count)
+        # check the unsigned gaps before the cast: a width-8 gap >= 2^63 turns negative in int64
+        # (and a negative rank indexes from the end); a float sum under a.size rules out int64 overflow.
+        if gaps.size and (int(gaps.max()) >= a.size or gaps.sum(dtype=np.float64) >= a.size):
+            raise PatchCorruptError(f"rank gap {int(gaps.max())} out of range for a tensor of {a.size} entries")
+        ranks = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        if ranks.size and int(ranks[-1]) >= a.size:
             raise PatchCorruptError(f"rank {int(ranks[-1])} out of range for a tensor of {a.size} entries")
         if z.mode == "ones":
             pos = ranks

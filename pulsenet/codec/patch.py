@@ -26,7 +26,9 @@ tensor, never writes into the base, and checks each rebuilt tensor's SHA-256 bef
 from __future__ import annotations
 
 import json
+import math
 import re
+import reprlib
 import struct
 import threading
 from collections import deque
@@ -61,6 +63,11 @@ VERSION = 1
 _HEADER = struct.Struct("<8sHHIIQ")
 HEADER_SIZE = _HEADER.size  # 28
 MAX_TABLE_RAW = 64 << 20
+MAX_NUMEL = 1 << 48  # elements in one tensor: far above any model, far below what overflows a size
+TABLE_BYTES_PER_TENSOR = 4 << 10  # a real table entry is 0.1-1 KB: name, SHA-256, up to 12 zones
+MIN_OUTPUT_CAP = 1 << 30
+"""Floor of the default cap on a rebuilt model's bytes (``output_cap``): room for an anchor of a
+small model against the empty base. Callers that rebuild large anchors pass their own maximum."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 PATCH_ZSTD_LEVEL = 1  # mask and value planes are near-random: level 1 is as small as 3 on SmolLM2 pairs, 20-30% faster
 FULL_CHECK_RATE = 0.25  # above this change rate, also try the full encoding and keep the smaller
@@ -257,17 +264,17 @@ def parse_patch(data: bytes | memoryview, *, max_table_raw: int = MAX_TABLE_RAW)
         )
     if traw > max_table_raw:
         raise PatchSizeLimitError(f"table declares {traw} bytes, over the {max_table_raw}-byte limit")
-    try:
+    try:  # ValueError: bad UTF-8 or JSON, or an integer past Python's 4300-digit limit
         table = json.loads(decompress(bytes(mv[HEADER_SIZE : HEADER_SIZE + tsize]), traw))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PatchCorruptError(f"patch table is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+        raise PatchCorruptError(f"patch table is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     body = mv[HEADER_SIZE + tsize :]
     try:
         return _parse_table(table, body, len(mv))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError) as e:
         if isinstance(e, PatchError):
             raise
-        raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {e}") from None
+        raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
@@ -278,22 +285,24 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
     for d in table["tensors"]:
         name = d["name"]
         if not isinstance(name, str) or not name:
-            raise PatchCorruptError(f"bad tensor name {name!r}")
+            raise PatchCorruptError(f"bad tensor name {reprlib.repr(name)}")
         key = name.encode("utf-8")
         if prev is not None and key <= prev:
             raise PatchCorruptError(f"tensor names not strictly sorted at {name!r}")
         prev = key
         dtype_from_name(d["dtype"])
         shape = tuple(d["shape"])
-        if not all(isinstance(s, int) and 0 <= s < (1 << 48) for s in shape) or len(shape) > 8:
-            raise PatchCorruptError(f"tensor {name!r}: bad shape {d['shape']!r}")
+        if len(shape) > 8 or not all(type(s) is int and 0 <= s < MAX_NUMEL for s in shape):
+            raise PatchCorruptError(f"tensor {name!r}: bad shape {reprlib.repr(d['shape'])}")
+        if math.prod(shape) > MAX_NUMEL:
+            raise PatchSizeLimitError(f"tensor {name!r}: shape {list(shape)} is larger than any tensor this format carries")
         sha = d["sha256"]
         if not (isinstance(sha, str) and _SHA256_HEX.fullmatch(sha)):
-            raise PatchCorruptError(f"tensor {name!r}: bad sha256 {sha!r}")
+            raise PatchCorruptError(f"tensor {name!r}: bad sha256 {reprlib.repr(sha)}")
         e = TensorEntry(name, d["dtype"], shape, sha, d["op"])
         want = {"keep": (), "full": ("data",), "sparse": ("mask", "values")}.get(e.op)
         if want is None:
-            raise PatchCorruptError(f"tensor {name!r}: unknown op {e.op!r}")
+            raise PatchCorruptError(f"tensor {name!r}: unknown op {reprlib.repr(e.op)}")
         for s in want:
             off, sz, raw = d[s]
             if not all(isinstance(x, int) and x >= 0 for x in (off, sz, raw)) or off + sz > len(body):
@@ -305,7 +314,7 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
         if e.op == "sparse":
             e.nnz = d["nnz"]
             if not (isinstance(e.nnz, int) and 0 < e.nnz <= n):
-                raise PatchCorruptError(f"tensor {name!r}: nnz {e.nnz!r} outside 1..{n}")
+                raise PatchCorruptError(f"tensor {name!r}: nnz {reprlib.repr(e.nnz)} outside 1..{n}")
             e.zones = [maskcode.Zone.from_json(z) for z in d["zones"]]
             if e.sections["values"][2] != e.nnz * w:
                 raise PatchCorruptError(f"tensor {name!r}: values declare {e.sections['values'][2]} bytes for nnz {e.nnz}")
@@ -326,11 +335,18 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
 # --------------------------------------------------------------------------- decoder
 
 
-def check_base(patch: Patch, base: StateDict) -> None:
-    """Names, dtypes and shapes of the base against the table, before anything is rebuilt."""
+def check_base(patch: Patch, base: StateDict) -> int:
+    """Names, dtypes and shapes of the base against the table, before anything is rebuilt.
+
+    Returns the bytes of the base tensors the patch names (what ``output_cap`` scales with).
+    """
     carried = {e.name for e in patch.tensors}
+    named = 0
     for e in patch.tensors:
-        if e.op == "full":
+        if e.op == "full":  # added, replaced or rewritten: the base may lack it or hold another shape
+            if e.name in base:
+                t = base[e.name]
+                named += t.numel() * t.element_size()
             continue
         if e.name not in base:
             raise BaseMismatchError(f"base has no tensor {e.name!r}: this patch was made against another model")
@@ -339,12 +355,46 @@ def check_base(patch: Patch, base: StateDict) -> None:
             raise BaseMismatchError(
                 f"base tensor {e.name!r} is {dtype_name(t.dtype)}{list(t.shape)}, patch expects {e.dtype}{list(e.shape)}"
             )
+        named += e.numel * e.itemsize
     missing = [r for r in patch.removed if r not in base]
     if missing:
         raise BaseMismatchError(f"patch removes tensors the base does not have: {missing[:5]}")
     unknown = [n for n in base if n not in carried and n not in patch.removed]
     if unknown:
         raise BaseMismatchError(f"base has tensors the patch does not account for: {sorted(unknown)[:5]}")
+    return named
+
+
+def table_cap(base_tensors: int) -> int:
+    """The default cap on a table's raw bytes when the base is known: 4 MiB + 4 KiB per base tensor.
+
+    Parsing JSON costs up to ~25x its size in Python objects (a 6 KB patch holding a 64 MiB table
+    of empty lists took 1.5 GB), so a decoder that holds the base bounds the table by it.
+    """
+    return min(MAX_TABLE_RAW, (4 << 20) + TABLE_BYTES_PER_TENSOR * base_tensors)
+
+
+def output_cap(base_bytes: int) -> int:
+    """The default cap on a rebuilt model's bytes: twice the base, at least ``MIN_OUTPUT_CAP``.
+
+    A step patch rebuilds a model of the base's size (plus the odd added tensor); only an anchor
+    against the empty model rebuilds one from nothing, and its caller knows how large a model it
+    expects. The table's shapes are an attacker's word until the digests check out, so without a
+    cap a few kilobytes of zstd could make the decoder allocate gigabytes first.
+    """
+    return max(2 * base_bytes, MIN_OUTPUT_CAP)
+
+
+def check_output_size(patch: Patch, max_output_bytes: int) -> int:
+    """Refuse a patch whose rebuilt model would exceed ``max_output_bytes``, before anything is
+    decompressed. Returns the rebuilt model's bytes."""
+    out = sum(e.numel * e.itemsize for e in patch.tensors)
+    if out > max_output_bytes:
+        raise PatchSizeLimitError(
+            f"patch rebuilds a {out}-byte model, over the {max_output_bytes}-byte limit "
+            "(max_output_bytes; the default allows twice the base)"
+        )
+    return out
 
 
 def iter_apply(
@@ -354,6 +404,7 @@ def iter_apply(
     base_digest: str | None = None,
     threads: int = 2,
     window_bytes: int | None = None,
+    max_output_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
 
@@ -365,10 +416,16 @@ def iter_apply(
     Workers run ahead of the consumer by up to ``window_bytes`` of rebuilt tensors (default: twice
     the largest), so a big tensor at the head of the line does not idle the other threads while
     memory stays bounded whatever the model size.
+
+    ``max_output_bytes``: the most bytes the rebuilt model may hold (default: ``output_cap`` of
+    the base); a patch declaring more raises ``PatchSizeLimitError`` before anything is decoded.
+    Patch bytes are parsed with the table bounded by ``table_cap`` of the base.
+    Rebuilding an anchor of a model over 1 GiB from the empty base needs it set explicitly.
     """
     if not isinstance(patch, Patch):
-        patch = parse_patch(patch)
-    check_base(patch, base)
+        patch = parse_patch(patch, max_table_raw=table_cap(len(base)))
+    named = check_base(patch, base)
+    check_output_size(patch, output_cap(named) if max_output_bytes is None else max_output_bytes)
     if base_digest is None:
         from pulsenet.codec.digest import model_digest
 

@@ -35,8 +35,8 @@ SmolLM2 pseudo-gradients it makes payloads ~20% smaller than raw coding (docs/lo
 Every value, including -0.0, subnormals and non-finite ones, round-trips bit for bit (whatever
 does not fit the code is an escape). The decoder checks the magic, version, tensor names and shapes
 against what the caller expects, bounds every size before it allocates, rejects positions outside
-the tensor and impossible codes, and never lets a zstd frame expand past its declared size; any
-failure raises ``PayloadError``. Full spec: docs/format.md.
+the tensor and impossible codes, and never lets a zstd frame expand past its declared size or
+carry bytes after it; any failure raises ``PayloadError``. Full spec: docs/format.md.
 """
 
 from __future__ import annotations
