@@ -334,7 +334,10 @@ def _apply(state: StateDict, digest: str | None, step: Step, data: bytes, thread
         raise VerificationError(
             f"patch target {patch.target_digest[:16]}… is not the manifest's {m.model_digest[:16]}…"
         )
-    return apply_patch(state, patch, base_digest=digest, threads=threads)
+    # An anchor rebuilds from nothing, so the codec's default cap (relative to the base) would refuse
+    # a model over 1 GiB; the size a trusted key signed is the exact bound instead.
+    cap = {"max_output_bytes": m.full_bytes} if step.payload.role == "anchor" else {}
+    return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
 
 
 def primary_error(eg: BaseExceptionGroup) -> BaseException:
