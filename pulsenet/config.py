@@ -55,7 +55,7 @@ def apply_defaults(
     command-line values to its default list, where the command line should replace it.
     """
     chain = command_path(parser, argv)
-    if not chain:
+    if not chain or chain[-1][1].get_default("settings_table"):  # nodes: pulsenet/settings.py reads it
         return lambda args: args
     name = ".".join(n for n, _ in chain)
     target = chain[-1][1]

@@ -21,6 +21,7 @@ _MODULES = (
     "pulsenet.cli.loco",
     "pulsenet.cli.s3",
     "pulsenet.cli.bench",
+    "pulsenet.cli.nodes",
 )
 
 

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class InferenceConfig:
-    """``[inference]`` in configs/inference.toml; every field also ``PULSENET_<FIELD>`` and ``--field``."""
+    """A inference node. Settings: the [inference] table of --config FILE, then PULSENET_<FIELD>, then --field."""
 
     id: str = "i0"
     """This node's id: names its rollout batches and picks its problems."""

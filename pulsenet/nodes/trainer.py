@@ -38,7 +38,7 @@ CHECKPOINT = "trainer.pt"
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """``[trainer]`` in configs/trainer.toml; every field also ``PULSENET_<FIELD>`` and ``--field``."""
+    """A trainer node. Settings: the [trainer] table of --config FILE, then PULSENET_<FIELD>, then --field."""
 
     id: str = "t0"
     """This trainer's id."""
@@ -78,6 +78,13 @@ class TrainerConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 900.0
     """/healthz answers 503 when the loop has made no progress for this long."""
+    loco_store: str = ""
+    """The PULSELoCo run's store, writable by every trainer of the run; empty: a lone trainer
+    that publishes after every optimizer step."""
+    peers: list[str] = field(default_factory=list)
+    """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
+    inner_steps: int = 8
+    """PULSELoCo: GRPO steps per round (H); each round publishes one policy version."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
 
