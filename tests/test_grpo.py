@@ -335,3 +335,18 @@ def test_reference_sampler_records_tempered_logprobs_and_stops() -> None:
     for s in samples:
         assert len(s.completion_ids) == len(s.logprobs) == 3  # no EOS in the vocab: runs to the limit
         assert s.logprobs == pytest.approx([float(tempered[t]) for t in s.completion_ids], abs=1e-6)
+
+
+def test_checkpoint_restore_continues_identically() -> None:
+    torch.set_num_threads(1)
+    cfg = GRPOConfig(lr=1e-3, beta=0.1)
+    a = GRPOTrainer(build_tiny_model(0), cfg)
+    a.step(_fake_rollouts())
+    ck = a.checkpoint()
+    ma = a.step(_fake_rollouts(2))
+    b = GRPOTrainer(build_tiny_model(5), cfg)  # other weights and reference until restored
+    b.restore(ck)
+    mb = b.step(_fake_rollouts(2))
+    assert ma == mb and b.steps == 2
+    sa, sb = a.local.state_fp32(), b.local.state_fp32()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
