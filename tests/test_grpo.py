@@ -318,3 +318,35 @@ def test_a_bf16_engine_shows_up_as_mismatch(cache_dir: Path) -> None:
         f"\nBF16 engine vs bf16-weights trainer: mismatch k3 KL {m.mismatch_kl:.2e}, max |dlogp| {m.mismatch_max:.3f}, TIS-truncated {m.tis_frac:.4f}"
     )
     assert 0 < m.mismatch_kl < 0.05 and m.mismatch_max > 0
+
+
+def test_reference_sampler_records_tempered_logprobs_and_stops() -> None:
+    base = torch.tensor([0.0, 1.0, 4.0])
+
+    def logits_fn(x: torch.Tensor) -> torch.Tensor:
+        return base.expand(x.shape[0], x.shape[1], 3)
+
+    (greedy,) = sample_group(logits_fn, [0], 1, max_new_tokens=4, eos_id=2, temperature=0)
+    assert greedy.completion_ids == (2,)  # EOS is kept in the completion, then it stops
+    assert greedy.logprobs == pytest.approx([float(torch.log_softmax(base, 0)[2])], abs=1e-6)
+    gen = torch.Generator().manual_seed(0)
+    samples = sample_group(logits_fn, [0, 1], 6, max_new_tokens=3, eos_id=7, temperature=2.0, generator=gen)
+    tempered = torch.log_softmax(base / 2.0, 0)
+    for s in samples:
+        assert len(s.completion_ids) == len(s.logprobs) == 3  # no EOS in the vocab: runs to the limit
+        assert s.logprobs == pytest.approx([float(tempered[t]) for t in s.completion_ids], abs=1e-6)
+
+
+def test_checkpoint_restore_continues_identically() -> None:
+    torch.set_num_threads(1)
+    cfg = GRPOConfig(lr=1e-3, beta=0.1)
+    a = GRPOTrainer(build_tiny_model(0), cfg)
+    a.step(_fake_rollouts())
+    ck = a.checkpoint()
+    ma = a.step(_fake_rollouts(2))
+    b = GRPOTrainer(build_tiny_model(5), cfg)  # other weights and reference until restored
+    b.restore(ck)
+    mb = b.step(_fake_rollouts(2))
+    assert ma == mb and b.steps == 2
+    sa, sb = a.local.state_fp32(), b.local.state_fp32()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

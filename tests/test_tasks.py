@@ -16,6 +16,7 @@ from pulsenet.rl.tasks import (
     IGNORE_INDEX,
     ArithmeticTask,
     ChainTask,
+    FewShotTask,
     JsonlTask,
     Problem,
     answers_match,
@@ -104,6 +105,22 @@ def test_assignment_is_a_pure_function_of_node_version_seed() -> None:
     assert chains != a and all(
         p.prompt.count("+") + p.prompt.count("-") + p.prompt.count("*") == 2 for p in chains
     )
+
+
+def test_few_shot_prefixes_solved_examples() -> None:
+    base = ChainTask(0)
+    task = FewShotTask(base, k=3)
+    assert len(task.shots) == 3 and task.prefix.count("\n") == 3
+    for line in task.prefix.splitlines():
+        prompt, answer = line.split("=")
+        assert _eval(prompt) == int(answer)
+    drawn = assign_problems(task, node="n", version=1, seed=2, n=5)
+    plain = assign_problems(base, node="n", version=1, seed=2, n=5)
+    assert [p.prompt for p in drawn] != [task.prefix + p.prompt for p in plain]  # own stream (key differs)
+    assert all(p.prompt.startswith(task.prefix) for p in drawn)
+    assert drawn == assign_problems(FewShotTask(ChainTask(9), k=3), node="n", version=1, seed=2, n=5)
+    assert FewShotTask(base, k=3, seed=1).prefix != task.prefix
+    assert task.score(drawn[0].answer + "\n(2+3)*4=", drawn[0]) == 1.0
 
 
 # --- JSONL -------------------------------------------------------------------

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -243,6 +244,18 @@ class GRPOTrainer:
     def bf16_state(self) -> dict[str, torch.Tensor]:
         """The BF16 weights to publish (PULSESync) after a step."""
         return self.local.bf16_state()
+
+    def checkpoint(self) -> dict[str, Any]:
+        """``LocalTrainer.checkpoint`` plus the reference weights when ``beta > 0``; ``torch.save``-able."""
+        ck = self.local.checkpoint()
+        if self.reference is not None:
+            ck["reference"] = self.reference.state_fp32()
+        return ck
+
+    def restore(self, checkpoint: dict[str, Any]) -> None:
+        self.local.restore(checkpoint)
+        if self.reference is not None:
+            self.reference.load_state_fp32(checkpoint["reference"])
 
     def step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
         """``steps_per_batch`` optimizer steps on one batch of rollouts; returns its metrics."""

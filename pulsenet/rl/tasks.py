@@ -324,3 +324,33 @@ class JsonlTask:
 
     def score(self, completion: str, problem: Problem) -> float:
         return 1.0 if answers_match(extract_answer(completion), problem.answer) else 0.0
+
+
+class FewShotTask:
+    """``task`` with ``k`` solved examples before every prompt: ``"3+4=7\\n12-5=7\\n" + "87+20="``.
+
+    A pretrained model given a bare ``87+20=`` rambles (SmolLM2-135M-Instruct: ``111, so 11``,
+    greedy reward 0/16); with three solved examples before the prompt it answers on the first
+    line (2/16 greedy on ``a±b`` and on 2-step chains, measured with hand-written shots), so GRPO
+    gets groups that are not flat. The shots are drawn once, fixed by ``(task.key, k, seed)``.
+    """
+
+    def __init__(self, task: RewardTask, k: int = 3, seed: int = 0) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        rng = random.Random("pulsenet-shots:" + json.dumps([task.key, k, seed]))
+        self.task = task
+        self.shots = [task.draw(rng) for _ in range(k)]
+        self.prefix = "".join(f"{p.prompt}{p.answer}\n" for p in self.shots)
+        self._key = f"{task.key}+shots:{k}:{seed}"
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def draw(self, rng: random.Random) -> Problem:
+        p = self.task.draw(rng)
+        return Problem(prompt=self.prefix + p.prompt, answer=p.answer)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        return self.task.score(completion, problem)
