@@ -32,17 +32,17 @@ SCHEMA = "pulsenet.bench.rl/1"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps = policy versions published")
+    p.add_argument("--steps", type=int, default=60, help="GRPO steps = policy versions published")
     p.add_argument("--inference", type=int, default=2, help="inference nodes (engines)")
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--link-mbps", type=float, default=None, help="emulated link per node, each way")
-    p.add_argument("--prompts", type=int, default=8, help="prompts per rollout batch")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--rows-per-step", type=int, default=128, help="completions per GRPO step at least")
+    p.add_argument("--rows-per-step", type=int, default=512, help="completions per GRPO step at least")
     p.add_argument(
-        "--batches-per-version", type=int, default=1, help="batches each engine generates per policy version"
+        "--batches-per-version", type=int, default=2, help="batches each engine generates per policy version (2: generation overlaps the GRPO step)"
     )
-    p.add_argument("--lr", type=float, default=None, help="default: 1e-3 (tiny), 3e-6 (smollm2)")
+    p.add_argument("--lr", type=float, default=None, help="default: 5e-4 (tiny), 3e-6 (smollm2)")
     p.add_argument("--task", default="arith", help="arith, chain or a .jsonl file")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: 5 (tiny), 16 (smollm2)")
     p.add_argument("--seed", type=int, default=0)
@@ -93,7 +93,7 @@ class _Network:
 
         self.args = args
         tiny = args.model == "tiny"
-        lr = args.lr if args.lr is not None else (1e-3 if tiny else 3e-6)
+        lr = args.lr if args.lr is not None else (5e-4 if tiny else 3e-6)
         max_new = args.max_new_tokens if args.max_new_tokens is not None else (5 if tiny else 16)
         keys = {}
         for site in ["t0", *(f"i{k}" for k in range(args.inference))]:
@@ -120,7 +120,7 @@ class _Network:
             state_dir=rundir / "t0",
             grpo=grpo,
         )
-        model = initial_model(args.model, workdir / "cache", seed=args.seed)
+        model = initial_model(args.model, seed=args.seed)
         sources = [
             RolloutSource(f"i{k}", store("t0", f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
             for k in range(args.inference)
@@ -209,8 +209,12 @@ class _Network:
         own_ok = all(n.engine is not None and n.engine.weights_digest() == n.engine.digest for n in self.inference)
         full = {h["version"]: h["full_bytes"] for h in tr.history}
         st = tr.intake.stats
+        rewards = [h["metrics"]["reward_mean"] for h in steps]
+        tenth = max(1, len(rewards) // 10)
         summary = {
-            "reward": [h["metrics"]["reward_mean"] for h in steps],
+            "reward": rewards,
+            "reward_first_last": [_mean(rewards[:tenth]), _mean(rewards[-tenth:])],
+            "entropy": [h["metrics"]["entropy"] for h in steps],
             "mismatch_kl": [h["metrics"]["mismatch_kl"] for h in steps],
             "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
             "dropped": {"stale_in_flight": st.stale_in_flight, "stale_queued": st.stale_queued},
@@ -234,3 +238,7 @@ class _Network:
             "steps": tr.history,
             "summary": summary,
         }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 4) if xs else None

@@ -72,10 +72,15 @@ def model_config(model: str) -> PretrainedConfig:
     raise ConfigError(f"model must be one of {MODELS}, got {model!r}")
 
 
-def initial_model(model: str, cache_dir: Path | None, seed: int = 0) -> PreTrainedModel:
+CACHE_DIR = Path("~/.cache/pulsenet")
+"""Where derived models are cached (the tiny warm-up, keyed by everything it depends on; SmolLM2's
+conversion lives in its own default directory)."""
+
+
+def initial_model(model: str, cache_dir: Path | None = None, seed: int = 0) -> PreTrainedModel:
     """The FP32 policy a run starts from: the warmed-up tiny model (cached), or SmolLM2-135M-Instruct."""
     if model == "tiny":
-        return warm_tiny_model(cache_dir, seed=seed)
+        return warm_tiny_model((cache_dir or CACHE_DIR).expanduser(), seed=seed)
     if model == "smollm2":
         return load_model(smollm2_checkpoint(), dtype=torch.float32)
     raise ConfigError(f"model must be one of {MODELS}, got {model!r}")

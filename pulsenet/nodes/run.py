@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.common import (
@@ -43,7 +42,7 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
     sources = [RolloutSource(n, open_site_store(url), keys[n]) for n, url in sources_urls.items()]
     text = text_codec(c.model)
     c.grpo.pad_id = text.pad_id
-    model = initial_model(c.model, Path(c.state_dir) / "cache", seed=c.seed)
+    model = initial_model(c.model, seed=c.seed)
     return TrainerNode(c, store=open_site_store(c.store), key=load_private_key(c.key), sources=sources, model=model)
 
 
