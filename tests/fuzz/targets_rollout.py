@@ -171,7 +171,7 @@ def _mutate_body(data: bytes, rng: random.Random) -> bytes:
         body = env["body"]
         if not isinstance(body, dict) or not body:
             return data
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return data
     name = rng.choice(sorted(body))
     action = rng.randrange(4)
@@ -198,7 +198,7 @@ def _mutate_envelope(data: bytes, rng: random.Random) -> bytes:
         env = json.loads(data)
         if not isinstance(env, dict):
             return data
-    except ValueError:
+    except (ValueError, RecursionError):
         return data
     action = rng.randrange(4)
     if action == 0:

@@ -94,6 +94,8 @@ def _hostile(rng: random.Random) -> object:
 
 def _mutate_body(body: dict, rng: random.Random) -> dict:
     """Set, delete or retype one field, possibly inside a payload entry."""
+    if not isinstance(body, dict):  # an earlier mutation retyped it: nothing to set a field in
+        return body
     body = json.loads(json.dumps(body))
     target = body
     if isinstance(body.get("payloads"), list) and body["payloads"] and rng.random() < 0.4:
@@ -112,7 +114,7 @@ def _envelope_field(data: bytes, rng: random.Random) -> bytes:
     """Retype a field of the envelope itself (key_id, context, sig, body) keeping the JSON valid."""
     try:
         env = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return data
     if not isinstance(env, dict) or not env:
         return data
@@ -125,7 +127,7 @@ def _body_field(data: bytes, rng: random.Random) -> bytes:
     try:
         env = json.loads(data)
         env["body"] = _mutate_body(env["body"], rng)
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):  # input already mutated out of shape
         return data
     return json.dumps(env).encode()
 
@@ -142,9 +144,9 @@ def _reencode(data: bytes, rng: random.Random) -> bytes:
     """The same document with other whitespace and key order: must still verify to the same manifest."""
     try:
         env = json.loads(data)
-    except ValueError:
+        return json.dumps(env, indent=rng.choice((None, 1, 4)), sort_keys=rng.random() < 0.5).encode()
+    except (ValueError, RecursionError):
         return data
-    return json.dumps(env, indent=rng.choice((None, 1, 4)), sort_keys=rng.random() < 0.5).encode()
 
 
 # --- manifest bodies under a trusted (compromised) key --------------------------------------------
@@ -163,7 +165,7 @@ def decode_body(data: bytes) -> Manifest:
 def _body_value(data: bytes, rng: random.Random) -> bytes:
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return data
     if not isinstance(body, dict):
         return data
