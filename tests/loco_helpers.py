@@ -15,6 +15,7 @@ from pulsenet.cli.loco import data_seed
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
 from pulsenet.loco.round import digest_key, trainer_keys
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
+from pulsenet.rl.inner import SupervisedInner
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store.base import ObjectStore
 
@@ -51,7 +52,7 @@ def tiny_trainer(
         LocalTrainerConfig(lr=lr, batch_size=4, seq_len=32, seed=data_seed(seed, tid)),
     )
     task = ArithmeticTask(data_seed(seed, tid))
-    return cls(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), local, task, config, **kwargs)
+    return cls(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), SupervisedInner(local, task), config, **kwargs)
 
 
 def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:
@@ -62,16 +63,16 @@ def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:
     """
     from pulsenet.rl.local import causal_lm_loss
 
-    model = trainer.local.model
+    model = trainer.inner.local.model  # type: ignore[attr-defined]
     held_out = ArithmeticTask(10_007)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer.local.load_state_fp32(trainer.state.theta)  # type: ignore[union-attr]
+    trainer.inner.load_state_fp32(trainer.state.theta)  # type: ignore[union-attr]
     total = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for step in range(batches):
             ids, labels = held_out.batch(16, 32, step=step)
             total += float(causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels))
-    trainer.local.load_state_fp32(saved)
+    trainer.inner.load_state_fp32(saved)
     return total / batches
 
 

@@ -122,7 +122,7 @@ async def test_resume_from_the_store_checkpoint_without_local_state(
     again = tiny_trainer("solo", s3_factory(), keys, pubs, cfg)
     await again.start()
     assert again.round == 4 and again.digest == first.digest
-    assert again.local.steps == first.local.steps
+    assert again.inner.local.steps == first.inner.local.steps
     await again.run(5)
     assert again.round == 5
 

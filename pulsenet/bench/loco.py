@@ -98,6 +98,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
     from pulsenet.loco.round import trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
+    from pulsenet.rl.inner import SupervisedInner
     from pulsenet.signing import generate_keypair, load_private_key
     from pulsenet.store import LocalStore
 
@@ -156,7 +157,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
         trainers.append(
             LocoTrainer(
-                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, local, task, config,
+                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, SupervisedInner(local, task), config,
                 compute=compute, payload_cache=cache, on_round=evaluate if k == 0 else None,
             )
         )  # fmt: skip
@@ -208,13 +209,13 @@ def _eval_global(trainer: Any, task: Any, args: argparse.Namespace) -> float:
     """The global weights' loss, evaluated in the trainer's model. With ``--overlap`` the local
     weights hold the next round's progress when a round closes, so they are set aside and put back."""
     if trainer.state is None:
-        return _eval(trainer.local, task, args)
-    saved = trainer.local.state_fp32()
-    trainer.local.load_state_fp32(trainer.state.theta)
+        return _eval(trainer.inner.local, task, args)
+    saved = trainer.inner.state_fp32()
+    trainer.inner.load_state_fp32(trainer.state.theta)
     try:
-        return _eval(trainer.local, task, args)
+        return _eval(trainer.inner.local, task, args)
     finally:
-        trainer.local.load_state_fp32(saved)
+        trainer.inner.load_state_fp32(saved)
 
 
 def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:

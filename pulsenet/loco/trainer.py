@@ -54,10 +54,9 @@ from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
+from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.round import ObjectRef, Record, RoundStore, first_error
 from pulsenet.loco.state import GlobalState, TrainerState
-from pulsenet.rl.local import LocalTrainer
-from pulsenet.rl.tasks import ArithmeticTask
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 
@@ -92,8 +91,7 @@ class LocoTrainer:
         store: ObjectStore,
         key: Ed25519PrivateKey,
         keys: Mapping[str, Ed25519PublicKey],
-        local: LocalTrainer,
-        task: ArithmeticTask,
+        inner: InnerLoop,
         config: LocoConfig,
         *,
         state_dir: Path | None = None,
@@ -110,8 +108,8 @@ class LocoTrainer:
                 f"trainer {self.id!r}: its private key must be the one the trainer keys give for {self.id!r} "
                 f"(have {sorted(self.rs.keys)}); peers accept its documents only under that key"
             )
-        self.local = local
-        self.task = task
+        self.inner = inner
+        """The H local steps (``loco.inner``): supervised, GRPO, or a test's."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
         self.compute = compute
         """Shared by trainers in one process (benchmarks) so their heavy phases take turns on the cores."""
@@ -178,7 +176,7 @@ class LocoTrainer:
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
         if await self._load_resume_point() is None:
-            self.state = await asyncio.to_thread(GlobalState.genesis, self.local.state_fp32())
+            self.state = await asyncio.to_thread(GlobalState.genesis, self.inner.state_fp32())
             self.error = (
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
             )
@@ -250,7 +248,7 @@ class LocoTrainer:
         ahead: asyncio.Task[tuple[list[float], float]] | None = None
         base: alg.StateDict = {}
         if r < rounds:
-            base = await self._heavy(self.local.state_fp32)
+            base = await self._heavy(self.inner.state_fp32)
             ahead = asyncio.create_task(self._train_ahead(r + 1))
         try:
             # collect, apply and settle touch neither the local model nor the inner optimizer
@@ -258,7 +256,7 @@ class LocoTrainer:
         except BaseException:
             if ahead is not None:
                 await asyncio.gather(ahead, return_exceptions=True)  # a thread cannot be cancelled
-                await self._heavy(self.local.load_state_fp32, self._state.theta)
+                await self._heavy(self.inner.load_state_fp32, self._state.theta)
             raise
         nxt = None
         if ahead is not None:
@@ -273,10 +271,10 @@ class LocoTrainer:
         if ahead is None:
             return None
         if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
-            await self._heavy(self.local.load_state_fp32, self._state.theta)  # start r+1 afresh from θ
+            await self._heavy(self.inner.load_state_fp32, self._state.theta)  # start r+1 afresh from θ
             return None
-        local = dict(self.local.model.named_parameters())
-        await self._heavy(lambda: self.local.load_state_fp32(alg.rebase(local, base, self._state.theta)))
+        local = self.inner.parameters()
+        await self._heavy(lambda: self.inner.load_state_fp32(alg.rebase(local, base, self._state.theta)))
         return nxt
 
     async def _train_ahead(self, r: int) -> tuple[list[float], float]:
@@ -307,7 +305,7 @@ class LocoTrainer:
         cfg, state = self.config, self._state
         report.loss = float(np.mean(losses)) if losses else None
         t1 = self._clock()
-        local = dict(self.local.model.named_parameters())
+        local = self.inner.parameters()
         own, new_error = await self._heavy(
             alg.make_update,
             state.theta,
@@ -348,7 +346,7 @@ class LocoTrainer:
         await self._apply(state, payloads)
         state.round = r
         if load_local:
-            await self._heavy(self.local.load_state_fp32, state.theta)
+            await self._heavy(self.inner.load_state_fp32, state.theta)
         self.digest = await asyncio.to_thread(state.digest)
         if p.new_error is not None:
             self.error = self._settle_error(record, p.own, p.new_error, payloads, reproduced=stood is p.data)
@@ -379,9 +377,7 @@ class LocoTrainer:
         return wire.encode(payload, self._state.theta if self.config.sparse else None)
 
     def _train_inner(self) -> list[float]:
-        losses = [self.local.train_step(self.task) for _ in range(self.config.inner_steps)]
-        self.local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
-        return losses
+        return self.inner.train(self.config.inner_steps)
 
     async def _publish(self, r: int, data: bytes, report: RoundReport) -> tuple[bytes, ObjectRef]:
         """Upload payload + manifest; returns the payload bytes that stand in the store (normally ours)."""
@@ -576,7 +572,7 @@ class LocoTrainer:
     async def _adopt(self, state: GlobalState, digest: str) -> None:
         self.state = state
         self.digest = digest
-        await self._heavy(self.local.load_state_fp32, state.theta)
+        await self._heavy(self.inner.load_state_fp32, state.theta)
 
     async def _agree_genesis(self) -> None:
         """Round 0: the first trainer publishes its initial state; everyone else must hold the same."""
@@ -607,12 +603,7 @@ class LocoTrainer:
     # --- persistence ----------------------------------------------------------------------------
 
     def _trainer_state(self) -> TrainerState:
-        inner = {
-            "optimizer": self.local.optimizer_state(),
-            "rng": self.local.rng_state(),
-            "steps": self.local.steps,
-        }
-        return TrainerState(self._state, self.error, inner)
+        return TrainerState(self._state, self.error, self.inner.checkpoint())
 
     async def _save_local(self) -> Path | None:
         if self.state_dir is None:
@@ -623,7 +614,7 @@ class LocoTrainer:
 
     async def _load_resume_point(self) -> TrainerState | None:
         candidates: list[TrainerState] = []
-        shapes = {n: tuple(p.shape) for n, p in self.local.model.named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in self.inner.parameters().items()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
             candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
         remote = await self.rs.latest_checkpoint()
@@ -636,13 +627,11 @@ class LocoTrainer:
             return None
         ts = max(candidates, key=lambda s: s.global_.round)
         try:
-            self.local.load_state_fp32(ts.global_.theta)
-            self.local.load_optimizer_state(ts.inner["optimizer"])
-            self.local.load_rng_state(ts.inner["rng"])
+            self.inner.load_state_fp32(ts.global_.theta)
+            self.inner.restore(ts.inner)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
             raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
         self.state, self.error = ts.global_, ts.error
-        self.local.steps = ts.inner["steps"]
         log.warning("%s: resumed from round %d", self.id, ts.global_.round)
         return ts
 
