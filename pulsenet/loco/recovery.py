@@ -43,10 +43,6 @@ class Verdict:
     odd: list[str]
     """Trainers whose digest is not the agreed one (with no majority: not ours)."""
 
-    @property
-    def must_rebuild(self) -> bool:
-        return not self.ours_agreed
-
 
 def judge(digests: Mapping[str, str], own: str) -> Verdict:
     """Compare ``digests`` (trainer -> digest, ours included under ``own``)."""

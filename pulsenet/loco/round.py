@@ -643,8 +643,3 @@ class RoundStore:
         old = [i.key for i in infos if is_old(i.key)]
         await self.store.delete(old, timeout=self.t.small_s)
         return len(old)
-
-    async def delete_states_before(self, round_: int) -> None:
-        infos = await self.store.list("state/", timeout=self.t.small_s)
-        old = [i.key for i in infos if (m := re.match(r"state/(\d{8})/", i.key)) and int(m.group(1)) < round_]
-        await self.store.delete(old, timeout=self.t.small_s)
