@@ -17,8 +17,8 @@ from loco_helpers import make_keys
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.loco import LocoConfig, LocoTrainer
+from pulsenet.loco.documents import trainer_keys
 from pulsenet.loco.inner import InnerLoop
-from pulsenet.loco.round import trainer_keys
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_EOS
@@ -34,7 +34,12 @@ H, ROUNDS = 2, 2
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)  # three trainers' inner threads share the cores
     return tmp_path_factory.mktemp("warm")
+
+
+WARM_STEPS = 20
+"""A few supervised steps are enough: the rewards below are synthetic (the round is under test)."""
 
 
 def _batches(model: torch.nn.Module, tid: str, n: int) -> list[list[Rollout]]:
@@ -71,12 +76,13 @@ async def test_pulseloco_rounds_with_a_grpo_inner_loop(tmp_path: Path, cache_dir
     )  # fmt: skip
     store = LocalStore(tmp_path / "store")
     feeds: dict[str, queue.Queue[Sequence[Rollout] | None]] = {t: queue.Queue() for t in IDS}
-    warm = warm_tiny_model(cache_dir)
+    warm = warm_tiny_model(cache_dir, steps=WARM_STEPS)
     batches = {t: _batches(warm, t, H * ROUNDS) for t in IDS}
     trainers, inners = [], []
     for tid in IDS:
         inner = GRPOInner(
-            GRPOTrainer(warm_tiny_model(cache_dir), GRPOConfig(lr=1e-3)), next_batch=feeds[tid].get
+            GRPOTrainer(warm_tiny_model(cache_dir, steps=WARM_STEPS), GRPOConfig(lr=1e-3)),
+            next_batch=feeds[tid].get,
         )
         assert isinstance(inner, InnerLoop)
         inners.append(inner)
@@ -105,7 +111,7 @@ async def test_pulseloco_rounds_with_a_grpo_inner_loop(tmp_path: Path, cache_dir
 @pytest.mark.timeout(60)
 async def test_grpo_inner_loop_stops_on_none(cache_dir: Path) -> None:
     feed: queue.Queue[Sequence[Rollout] | None] = queue.Queue()
-    warm = warm_tiny_model(cache_dir)
+    warm = warm_tiny_model(cache_dir, steps=WARM_STEPS)
     inner = GRPOInner(GRPOTrainer(warm, GRPOConfig(lr=1e-3)), next_batch=feed.get)
     feed.put(_batches(warm, "g0", 1)[0])
     feed.put(None)

@@ -14,7 +14,7 @@ from conftest import TEST_BUCKET, unique_prefix
 from loco_helpers import make_keys, published_digests, spawn, trainer_args
 
 from pulsenet.loco import RoundStore
-from pulsenet.loco.round import manifest_key, trainer_keys
+from pulsenet.loco.documents import manifest_key, trainer_keys
 from pulsenet.signing import load_private_key
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer

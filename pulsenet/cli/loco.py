@@ -159,7 +159,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
     import torch
 
     from pulsenet.loco import LocoConfig, LocoTrainer
-    from pulsenet.loco.round import Timeouts, trainer_keys
+    from pulsenet.loco.documents import Timeouts, trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
     from pulsenet.rl.inner import SupervisedInner
     from pulsenet.signing import load_private_key

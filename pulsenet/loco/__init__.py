@@ -3,7 +3,7 @@
 - ``payload``: the sparse FP32 wire format.
 - ``algorithm``: pseudo-gradient, visibility gate, error feedback, aggregation, outer Nesterov step.
 - ``state``: global state and per-trainer resume points, written atomically.
-- ``round``: the store protocol (key layout, signed manifests, round records, digests).
+- ``documents``: the round's store documents (key layout, signed manifests, round records, digests).
 - ``config``: the run's settings and per-round reports.
 - ``collect``: the collect phase (fetch, judge, first-writer-wins round record).
 - ``recovery``: digest verdicts, and rebuilding the agreed state from the store.
@@ -15,8 +15,8 @@ Spec and safety arguments: ``docs/loco.md``.
 from pulsenet.loco.algorithm import apply_round, gate, global_digest, make_update, pseudo_gradient
 from pulsenet.loco.collect import PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
+from pulsenet.loco.documents import Record, RoundStore, Timeouts
 from pulsenet.loco.payload import Payload, SparseTensor, decode, encode
-from pulsenet.loco.round import Record, RoundStore, Timeouts
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 

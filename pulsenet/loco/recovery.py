@@ -19,7 +19,7 @@ import torch
 
 from pulsenet.errors import ManifestError, ObjectNotFound, PulsenetError, RoundError, VerificationError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import Record, RoundStore, StateRef
+from pulsenet.loco.documents import Record, RoundStore, StateRef
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
