@@ -14,7 +14,7 @@ One round, read top to bottom, for every trainer k starting from the same global
 6. Every trainer resets its local weights to the new θ.
 
 DiLoCo (the dense baseline) is the same path with ``sparse=False``: ``s_k = θ - θ_k``, every entry
-sent, no error feedback. DDP is accounted in bytes only (``pulsenet.bench.loco``).
+sent, no error feedback. DDP is accounted in bytes only (``pulsenet.bench.loco_phases.ddp_bytes``).
 
 Determinism: steps 4 and 5 must give bit-identical results on every trainer, whatever its CPU.
 They use numpy float32 with one IEEE-754 operation per line (add, multiply, divide, subtract are
@@ -51,9 +51,7 @@ def pseudo_gradient(theta: torch.Tensor, local: torch.Tensor, error: torch.Tenso
     return s
 
 
-def rebase(
-    local: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]
-) -> StateDict:
+def rebase(local: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], theta: Mapping[str, torch.Tensor]) -> StateDict:
     """``θ + (θ_local - base)``: local progress made from ``base``, moved onto the new global ``θ``
     (the one-round-delayed outer step: the next round's inner phase started before θ was known).
     FP32, the subtraction first."""
@@ -61,9 +59,7 @@ def rebase(
         return {name: theta[name] + (local[name].detach() - base[name]) for name in theta}
 
 
-def gate(
-    theta: torch.Tensor, s: torch.Tensor, scale: float = 1.0
-) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+def gate(theta: torch.Tensor, s: torch.Tensor, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
     """Split ``s`` into what is sent and what is kept: ``(indices, values, new_error)``.
 
     Sent: the entries where ``bf16(θ - scale·s) != bf16(θ)`` (``codec.bf16.visible_change``;

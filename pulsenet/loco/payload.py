@@ -235,13 +235,9 @@ def _decode_grouped_positions(frame: bytes, base_flat: np.ndarray, count: int) -
         np.frombuffer(raw, dtype=np.uint8),
     )  # fmt: skip
     if err == kernels.MALFORMED:
-        raise PayloadError(
-            f"position group of context {c}: a position is out of range for {base_flat.size} entries"
-        )
+        raise PayloadError(f"position group of context {c}: a position is out of range for {base_flat.size} entries")
     if err == kernels.OUT_OF_RANGE:
-        raise PayloadError(
-            f"position group of context {c}: an ordinal is out of range for the context's entries"
-        )
+        raise PayloadError(f"position group of context {c}: an ordinal is out of range for the context's entries")
     return positions
 
 
@@ -374,9 +370,7 @@ def _decode_relative(
     esc_width: int,
 ) -> np.ndarray:
     if code_width not in (1, 2, 4) or n_esc > count or (esc_width == 0) != (n_esc == 0):
-        raise PayloadError(
-            f"bad relative coding: code width {code_width}, {n_esc} escapes of width {esc_width}"
-        )
+        raise PayloadError(f"bad relative coding: code width {code_width}, {n_esc} escapes of width {esc_width}")
     if esc_width not in (0, *UINT):
         raise PayloadError(f"escape width {esc_width} is not 1, 2, 4 or 8")
     coded = count - n_esc

@@ -73,9 +73,7 @@ def encode(base_bits: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nd
     Every code is checked by decoding it, so the escape mask is right whatever the inputs.
     """
     base = np.ascontiguousarray(base_bits, dtype=np.uint32).reshape(-1)
-    return kernels.relative_codes(
-        base, np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32)
-    )
+    return kernels.relative_codes(base, np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32))
 
 
 def decode(base_bits: np.ndarray, codes: np.ndarray) -> np.ndarray:
