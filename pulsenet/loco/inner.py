@@ -13,8 +13,8 @@ What the steps train on is the inner loop's business: the supervised adapter dra
 from a task, the GRPO adapter takes rollout batches from its caller (both in ``pulsenet.rl.inner``).
 ``loco/`` therefore imports nothing from ``pulsenet.rl``.
 
-Threading: the round calls ``train`` (and the weight methods) from a worker thread, never two at
-once, and never while ``train`` runs, except ``parameters`` after ``train`` has returned.
+Threading: the round calls these from worker threads (``parameters`` from the event loop), one
+at a time: never two at once, never anything while ``train`` runs (with ``overlap`` too).
 """
 
 from __future__ import annotations

@@ -259,17 +259,18 @@ class LocoTrainer:
         upload = asyncio.create_task(self._publish(sent))
         ahead: asyncio.Task[list[float]] | None = None
         base: alg.StateDict = {}
-        if r < rounds:
-            async with self._phase("rebase", r + 1):
-                base = await asyncio.to_thread(self.inner.state_fp32)
-            ahead = asyncio.create_task(self._train(r + 1))
         try:
+            if r < rounds:
+                async with self._phase("rebase", r + 1):
+                    base = await asyncio.to_thread(self.inner.state_fp32)
+                ahead = asyncio.create_task(self._train(r + 1))
             # collect and apply touch neither the local model nor the inner optimizer
             record, payloads = await self._collect(sent, upload)
             await self._apply(sent, record, payloads, load_local=ahead is None)
         except BaseException:
+            # never abandon our upload half way (a manifest may name it); a thread cannot be cancelled
+            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
             if ahead is not None:
-                await asyncio.gather(ahead, return_exceptions=True)  # a thread cannot be cancelled
                 await self._load_theta("adopt", r)
             raise
         nxt = None
