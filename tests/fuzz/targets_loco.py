@@ -33,7 +33,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from pulsenet.loco.round import (
+from pulsenet.loco.documents import (
     KIND_DIGEST,
     KIND_MANIFEST,
     KIND_RECORD,
