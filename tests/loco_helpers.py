@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +13,10 @@ import torch
 
 from pulsenet.cli.loco import data_seed
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
-from pulsenet.loco.round import digest_key, trainer_keys
+from pulsenet.loco import payload as wire
+from pulsenet.loco.documents import Manifest, digest_key, trainer_keys
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
+from pulsenet.rl.inner import SupervisedInner
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store.base import ObjectStore
 
@@ -51,7 +53,36 @@ def tiny_trainer(
         LocalTrainerConfig(lr=lr, batch_size=4, seq_len=32, seed=data_seed(seed, tid)),
     )
     task = ArithmeticTask(data_seed(seed, tid))
-    return cls(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), local, task, config, **kwargs)
+    return cls(
+        tid,
+        store,
+        load_private_key(keys[tid]),
+        trainer_keys(pubs),
+        SupervisedInner(local, task),
+        config,
+        **kwargs,
+    )
+
+
+def forge_payloads(trainer: LocoTrainer, mutate: Callable[[wire.Payload], wire.Payload | None]) -> None:
+    """A compromised trainer: the payload it publishes in a round is ``mutate(decoded payload)``
+    (unless that returns None), encoded as raw FP32 bits (relative coding needs in-range indices,
+    and a forger need not use it anyway). Done at its store, under its own key, so the
+    trainer itself then judges the stored bytes exactly as its peers do (``fresh=False``: the
+    stored payload stands, as for a restarted trainer whose earlier payload differed)."""
+    publish = trainer.rs.publish_payload
+
+    async def forged(round_: int, data: bytes, **kw: Any) -> tuple[Manifest, bool]:
+        state = trainer.state
+        assert state is not None
+        payload = wire.decode(data, state.shapes(), state.theta if trainer.config.sparse else None)
+        bad = mutate(payload)
+        if bad is None:
+            return await publish(round_, data, **kw)
+        manifest, _ = await publish(round_, wire.encode(bad), **kw)
+        return manifest, False
+
+    trainer.rs.publish_payload = forged  # type: ignore[method-assign]
 
 
 def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:
@@ -62,16 +93,16 @@ def eval_loss(trainer: LocoTrainer, batches: int = 4) -> float:
     """
     from pulsenet.rl.local import causal_lm_loss
 
-    model = trainer.local.model
+    model = trainer.inner.local.model  # type: ignore[attr-defined]
     held_out = ArithmeticTask(10_007)
     saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer.local.load_state_fp32(trainer.state.theta)  # type: ignore[union-attr]
+    trainer.inner.load_state_fp32(trainer.state.theta)  # type: ignore[union-attr]
     total = 0.0
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for step in range(batches):
             ids, labels = held_out.batch(16, 32, step=step)
             total += float(causal_lm_loss(model(input_ids=ids, use_cache=False).logits, labels))
-    trainer.local.load_state_fp32(saved)
+    trainer.inner.load_state_fp32(saved)
     return total / batches
 
 

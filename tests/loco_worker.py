@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pulsenet.cli.loco import add_train_arguments, run_trainer
 from pulsenet.loco import LocoTrainer
@@ -25,12 +28,17 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     class Straggler(LocoTrainer):
-        async def inner_phase(self, round_: int) -> list[float]:
-            losses = await super().inner_phase(round_)
-            if round_ == args.hold_round:
-                logging.warning("%s: holding round %d for %g s", self.id, round_, args.hold_s)
+        """Its inner phase of ``--hold-round`` takes ``--hold-s`` longer (through the phase hook)."""
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, on_phase=self.hold, **kw)
+
+        @contextlib.asynccontextmanager
+        async def hold(self, name: str, r: int) -> AsyncIterator[None]:
+            yield
+            if name == "inner" and r == args.hold_round:
+                logging.warning("%s: holding round %d for %g s", self.id, r, args.hold_s)
                 await asyncio.sleep(args.hold_s)
-            return losses
 
     reports = asyncio.run(run_trainer(args, factory=Straggler))
     print(f"{args.id}: round {reports[-1].round} digest {reports[-1].digest}" if reports else "no rounds")

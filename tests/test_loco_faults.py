@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from conftest import StoreFactory
-from loco_helpers import make_keys, published_digests, tiny_trainer
+from loco_helpers import forge_payloads, make_keys, published_digests, tiny_trainer
 
 from pulsenet.loco import LocoConfig, LocoTrainer, Record, RoundReport, RoundStore
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import ObjectRef, trainer_keys
+from pulsenet.loco.documents import ObjectRef, trainer_keys
 from pulsenet.signing import load_private_key
 
 pytestmark = pytest.mark.integration
@@ -31,29 +32,27 @@ def _config(**kw: object) -> LocoConfig:
     return LocoConfig(**base)  # type: ignore[arg-type]
 
 
-class Poisoner(LocoTrainer):
-    """Publishes a bad payload in one round: NaN, an index past the tensor, or a 1000x norm."""
+def poison(kind: str, at_round: int = 2) -> Callable[[wire.Payload], wire.Payload | None]:
+    """A bad payload in one round: NaN, an index past the tensor, or a 1000x norm."""
 
-    kind = "nan"
-    at_round = 2
-
-    def encode_payload(self, payload: wire.Payload) -> bytes:
-        if payload.round != self.at_round:
-            return super().encode_payload(payload)
+    def mutate(payload: wire.Payload) -> wire.Payload | None:
+        if payload.round != at_round:
+            return None
         bad = {
             n: wire.SparseTensor(t.shape, t.indices.copy(), t.values.copy())
             for n, t in payload.tensors.items()
         }
         t = max(bad.values(), key=lambda t: t.indices.size)
-        if self.kind == "nan":
+        if kind == "nan":
             t.values[0] = np.nan
-        elif self.kind == "index":
+        elif kind == "index":
             t.indices[-1] = t.numel + 7
         else:
             for other in bad.values():
                 other.values *= np.float32(1000)
-        # Raw FP32 bits: relative coding needs in-range indices, and a forger need not use it anyway.
-        return wire.encode(wire.Payload(payload.round, payload.mode, bad))
+        return wire.Payload(payload.round, payload.mode, bad)
+
+    return mutate
 
 
 @pytest.mark.timeout(90)
@@ -65,11 +64,8 @@ async def test_poisoned_payload_is_rejected_and_the_round_completes(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="pulsenet.loco")
     keys, pubs = make_keys(tmp_path, IDS)
-    cls = type("P", (Poisoner,), {"kind": kind})
-    trainers = [
-        tiny_trainer(tid, s3_factory(), keys, pubs, _config(), cls=cls if tid == "c" else LocoTrainer)
-        for tid in IDS
-    ]
+    trainers = [tiny_trainer(tid, s3_factory(), keys, pubs, _config()) for tid in IDS]
+    forge_payloads(trainers[IDS.index("c")], poison(kind))
     await asyncio.gather(*(t.run(3) for t in trainers))
     rs = trainers[0].rs
     record = await rs.read_record(2)
@@ -122,7 +118,7 @@ async def test_resume_from_the_store_checkpoint_without_local_state(
     again = tiny_trainer("solo", s3_factory(), keys, pubs, cfg)
     await again.start()
     assert again.round == 4 and again.digest == first.digest
-    assert again.local.steps == first.local.steps
+    assert again.inner.local.steps == first.inner.local.steps
     await again.run(5)
     assert again.round == 5
 

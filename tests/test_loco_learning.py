@@ -11,14 +11,16 @@ entries), 2 workers, H = 8, same seeds. The slow variant at lr 2e-5 sends ~80%.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 import torch
 from loco_helpers import eval_loss, make_keys, tiny_trainer
 
+from pulsenet.bench.loco_phases import SharedCores
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.store import LocalStore
 
@@ -35,8 +37,8 @@ async def _final_loss(tmp: Path, mode: str, seed: int, lr: float) -> tuple[float
         digest_wait_s=10.0, state_every=100, checkpoint_every=0,
     )  # fmt: skip
     store = LocalStore(tmp / f"store-{mode}-{seed}")
-    compute = asyncio.Semaphore(1)
-    trainers = [tiny_trainer(t, store, keys, pubs, cfg, seed=seed, lr=lr, compute=compute) for t in WORKERS]
+    cores = SharedCores()  # the trainers take turns on the cores, as on separate machines
+    trainers = [tiny_trainer(t, store, keys, pubs, cfg, seed=seed, lr=lr, on_phase=cores.hook(t)) for t in WORKERS]
     await asyncio.gather(*(t.start() for t in trainers))
     initial = eval_loss(trainers[0])
     await asyncio.gather(*(t.run(ROUNDS) for t in trainers))
@@ -75,14 +77,18 @@ async def test_pulseloco_tracks_diloco_over_three_seeds(tmp_path: Path, lr: floa
     print(f"\nlr {lr}: DiLoCo final {diloco}\nPULSELoCo final {pulse}, sent fraction {sent:.3f}")
 
 
-class _Watched(LocoTrainer):
-    """Records the global round each inner phase starts from: (overlap, trainer, round) -> round."""
+def _watched(trainer: LocoTrainer, cores: SharedCores, started: dict[tuple[bool, str, int], int]) -> None:
+    """Record the global round each inner phase starts from: (overlap, trainer, round) -> round."""
+    shared = cores.hook(trainer.id)
 
-    started: ClassVar[dict[tuple[bool, str, int], int]] = {}
+    @contextlib.asynccontextmanager
+    async def phase(name: str, r: int) -> AsyncIterator[None]:
+        if name == "inner":
+            started[(trainer.config.overlap, trainer.id, r)] = trainer.round
+        async with shared(name, r):
+            yield
 
-    async def inner_phase(self, round_: int) -> list[float]:
-        self.started[(self.config.overlap, self.id, round_)] = self.round
-        return await super().inner_phase(round_)
+    trainer.on_phase = phase
 
 
 @pytest.mark.timeout(240)
@@ -94,16 +100,17 @@ async def test_overlapped_outer_step_agrees_and_learns(tmp_path: Path) -> None:
     workers, rounds, seed, lr = ("w0", "w1", "w2"), 5, 0, 1e-3
     keys, pubs = make_keys(tmp_path / "keys", workers)
     initial, finals = 0.0, {}
+    started: dict[tuple[bool, str, int], int] = {}
     for overlap in (False, True):
         cfg = LocoConfig(
             inner_steps=8, workers_expected=len(workers), deadline_s=30.0, poll_s=0.02, digest_wait_s=10.0,
             state_every=100, checkpoint_every=0, overlap=overlap,
         )  # fmt: skip
         store = LocalStore(tmp_path / f"store-{overlap}")
-        compute = asyncio.Semaphore(1)
-        trainers = [
-            tiny_trainer(t, store, keys, pubs, cfg, seed=seed, lr=lr, compute=compute, cls=_Watched) for t in workers
-        ]
+        cores = SharedCores()
+        trainers = [tiny_trainer(t, store, keys, pubs, cfg, seed=seed, lr=lr) for t in workers]
+        for t in trainers:
+            _watched(t, cores, started)
         await asyncio.gather(*(t.start() for t in trainers))
         initial = eval_loss(trainers[0])
         await asyncio.gather(*(t.run(rounds) for t in trainers))
@@ -113,7 +120,7 @@ async def test_overlapped_outer_step_agrees_and_learns(tmp_path: Path) -> None:
             assert all(rep.participants == list(workers) for rep in reports), (overlap, r)
         # synchronous: round r trains from θ_{r-1}; overlapped: from before round r-1 closed
         delay = 2 if overlap else 1
-        starts = {(t, r): _Watched.started[(overlap, t, r)] for t in workers for r in range(1, rounds + 1)}
+        starts = {(t, r): started[(overlap, t, r)] for t in workers for r in range(1, rounds + 1)}
         assert all(v == max(r - delay, 0) for (_, r), v in starts.items()), starts
         finals[overlap] = eval_loss(trainers[0])
         assert finals[overlap] < initial - 0.5, f"overlap={overlap} did not learn: {initial:.3f} -> {finals[overlap]:.3f}"

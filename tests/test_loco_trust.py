@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 from conftest import StoreFactory
-from loco_helpers import make_keys, tiny_trainer
+from loco_helpers import forge_payloads, make_keys, tiny_trainer
 
 from pulsenet.errors import ManifestError, ObjectTooLarge, RoundError, SignatureError, StoreUnavailable
 from pulsenet.loco import LocoConfig, Record, RoundStore
-from pulsenet.loco.round import (
+from pulsenet.loco.documents import (
     KIND_DIGEST,
     KIND_MANIFEST,
     KIND_RECORD,
@@ -347,22 +347,19 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
     the honest trainers refuse to average it (and fail the round) instead of following."""
     import numpy as np
 
-    from pulsenet.loco import LocoTrainer
     from pulsenet.loco import payload as wire
 
-    class Outsized(LocoTrainer):
-        def encode_payload(self, payload: wire.Payload) -> bytes:
-            big = {
-                n: wire.SparseTensor(t.shape, t.indices, t.values * np.float32(1000))
-                for n, t in payload.tensors.items()
-            }
-            return wire.encode(wire.Payload(payload.round, payload.mode, big))
+    def outsized(payload: wire.Payload) -> wire.Payload:
+        big = {
+            n: wire.SparseTensor(t.shape, t.indices, t.values * np.float32(1000))
+            for n, t in payload.tensors.items()
+        }
+        return wire.Payload(payload.round, payload.mode, big)
 
     priv, pubs = make_keys(tmp_path / "keys", ("e", "h1", "h2"))
     cfg = _config(workers_expected=3, deadline_s=10.0)
-    evil = tiny_trainer(
-        "e", s3_factory(), priv, pubs, _config(workers_expected=3, norm_min_payloads=99), cls=Outsized
-    )
+    evil = tiny_trainer("e", s3_factory(), priv, pubs, _config(workers_expected=3, norm_min_payloads=99))
+    forge_payloads(evil, outsized)
     honest = [tiny_trainer(t, s3_factory(), priv, pubs, cfg) for t in ("h1", "h2")]
     for h in honest:  # let e's record win the race
         propose = h.rs.propose_record
@@ -382,8 +379,8 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
 async def test_a_published_state_needs_its_participants_digests(s3_factory: StoreFactory, keys: Any) -> None:
     """Any trusted key can write a round's state manifest first; repair and catch-up use it only if a
     majority of the round's participants (and a quorum) published its digest under their own keys."""
+    from pulsenet.loco.documents import StateRef
     from pulsenet.loco.recovery import vouched
-    from pulsenet.loco.round import StateRef
 
     store = s3_factory()
     rs = {t: _rs(store, t, keys) for t in IDS}

@@ -349,13 +349,13 @@ def test_digest_verdicts() -> None:
     from pulsenet.loco.recovery import judge
 
     v = judge({"a": "x", "b": "x", "c": "x"}, "a")
-    assert v.unanimous and v.ours_agreed and not v.must_rebuild and v.odd == []
+    assert v.unanimous and v.ours_agreed and v.odd == []
     v = judge({"a": "x", "b": "x", "c": "y"}, "a")
     assert v.agreed == "x" and v.ours_agreed and v.odd == ["c"]
     v = judge({"a": "x", "b": "x", "c": "y"}, "c")
-    assert v.agreed == "x" and v.must_rebuild and v.odd == ["c"]
+    assert v.agreed == "x" and not v.ours_agreed and v.odd == ["c"]
     v = judge({"a": "x", "b": "y"}, "a")  # two trainers disagree: nobody knows, both rebuild
-    assert v.agreed is None and v.must_rebuild and v.odd == ["b"]
+    assert v.agreed is None and not v.ours_agreed and v.odd == ["b"]
     assert judge({"a": "x"}, "a").unanimous
 
 

@@ -94,10 +94,12 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
 
     from rich.console import Console
 
+    from pulsenet.bench.loco_phases import SharedCores, SharedPayloads
     from pulsenet.cli.loco import data_seed
-    from pulsenet.loco import LocoConfig, LocoTrainer, PayloadCache, RoundReport
-    from pulsenet.loco.round import trainer_keys
+    from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
+    from pulsenet.loco.documents import trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
+    from pulsenet.rl.inner import SupervisedInner
     from pulsenet.signing import generate_keypair, load_private_key
     from pulsenet.store import LocalStore
 
@@ -123,7 +125,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     )
     # with emulated links each worker opens the store through its own link and pays every download
     stores = [LocalStore(tmp / "store", default_timeout=600.0, link_mbps=args.link_mbps) for _ in ids]
-    compute, cache = asyncio.Semaphore(1), PayloadCache(shares_downloads=args.link_mbps is None)
+    cores, cache = SharedCores(), SharedPayloads(shares_downloads=args.link_mbps is None)
     tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
     lr = args.lr if args.lr is not None else default_lr
     held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
@@ -131,7 +133,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     console, started = Console(stderr=True), time.perf_counter()
 
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
-        async with compute:
+        async with cores.turn:
             loss = await asyncio.to_thread(_eval_global, trainer, held_out, args)
         eval_loss[report.round if report is not None else 0] = loss
         if report is not None:  # progress: long runs take minutes per round
@@ -156,8 +158,9 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
         trainers.append(
             LocoTrainer(
-                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, local, task, config,
-                compute=compute, payload_cache=cache, on_round=evaluate if k == 0 else None,
+                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, SupervisedInner(local, task), config,
+                on_phase=cores.hook(tid), payload_cache=cache.view(stores[k]),
+                on_round=evaluate if k == 0 else None,
             )
         )  # fmt: skip
     for t in trainers:  # announce all first, so the first start() publishes genesis and the rest find it
@@ -173,6 +176,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     for r in range(1, args.rounds + 1):
         reps = [next(x for x in t.reports if x.round == r) for t in trainers]
         trained = [x for x in reps if x.payload_bytes]
+        times = [cores.round_s(x.trainer, r) for x in trained]
         rounds.append(
             {
                 "round": r,
@@ -181,7 +185,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
                 "eval_loss": eval_loss.get(r),
                 "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
                 "digests_equal": len({x.digest for x in reps}) == 1,
-                **{f"{k}_s": statistics.mean(getattr(x, f"{k}_s") for x in trained)
+                **{f"{k}_s": statistics.mean(t[k] for t in times)
                    for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")},
             }
         )  # fmt: skip
@@ -208,13 +212,13 @@ def _eval_global(trainer: Any, task: Any, args: argparse.Namespace) -> float:
     """The global weights' loss, evaluated in the trainer's model. With ``--overlap`` the local
     weights hold the next round's progress when a round closes, so they are set aside and put back."""
     if trainer.state is None:
-        return _eval(trainer.local, task, args)
-    saved = trainer.local.state_fp32()
-    trainer.local.load_state_fp32(trainer.state.theta)
+        return _eval(trainer.inner.local, task, args)
+    saved = trainer.inner.state_fp32()
+    trainer.inner.load_state_fp32(trainer.state.theta)
     try:
-        return _eval(trainer.local, task, args)
+        return _eval(trainer.inner.local, task, args)
     finally:
-        trainer.local.load_state_fp32(saved)
+        trainer.inner.load_state_fp32(saved)
 
 
 def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:
@@ -289,7 +293,8 @@ def _bytes_per_worker_round(
     are the payloads the benchmark's workers actually put into the store (DiLoCo's dense FP32 bits
     under zstd: a stronger baseline than the published method).
     """
-    from pulsenet.loco.algorithm import FP32_BYTES, ddp_bytes
+    from pulsenet.bench.loco_phases import ddp_bytes
+    from pulsenet.loco.algorithm import FP32_BYTES
 
     out: dict[str, float] = {"ddp": ddp_bytes(n_params, args.inner_steps), "diloco": FP32_BYTES * n_params}
     for mode, key in (("diloco", "diloco_zstd"), ("pulseloco", "pulseloco")):

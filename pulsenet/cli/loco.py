@@ -159,8 +159,9 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
     import torch
 
     from pulsenet.loco import LocoConfig, LocoTrainer
-    from pulsenet.loco.round import Timeouts, trainer_keys
+    from pulsenet.loco.documents import Timeouts, trainer_keys
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
+    from pulsenet.rl.inner import SupervisedInner
     from pulsenet.signing import load_private_key
     from pulsenet.store import S3Config, open_store
 
@@ -208,8 +209,7 @@ async def run_trainer(args: argparse.Namespace, factory: Any = None) -> list[Rou
             store,
             load_private_key(args.key),
             trainer_keys(args.trust),
-            local,
-            task,
+            SupervisedInner(local, task),
             config,
             state_dir=state_dir,
         )

@@ -3,11 +3,12 @@
 - ``payload``: the sparse FP32 wire format.
 - ``algorithm``: pseudo-gradient, visibility gate, error feedback, aggregation, outer Nesterov step.
 - ``state``: global state and per-trainer resume points, written atomically.
-- ``round``: the store protocol (key layout, signed manifests, round records, digests).
+- ``documents``: the round's store documents (key layout, signed manifests, round records, digests).
 - ``config``: the run's settings and per-round reports.
 - ``collect``: the collect phase (fetch, judge, first-writer-wins round record).
 - ``recovery``: digest verdicts, and rebuilding the agreed state from the store.
-- ``trainer``: the node loop that ties them together.
+- ``inner``: the inner-loop protocol the round drives (adapters: ``pulsenet.rl.inner``).
+- ``trainer``: the round itself, top to bottom (train, encode and publish, collect, apply, agree, persist).
 
 Spec and safety arguments: ``docs/loco.md``.
 """
@@ -15,13 +16,15 @@ Spec and safety arguments: ``docs/loco.md``.
 from pulsenet.loco.algorithm import apply_round, gate, global_digest, make_update, pseudo_gradient
 from pulsenet.loco.collect import PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
+from pulsenet.loco.documents import Record, RoundStore, Timeouts
+from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.payload import Payload, SparseTensor, decode, encode
-from pulsenet.loco.round import Record, RoundStore, Timeouts
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 
 __all__ = [
     "GlobalState",
+    "InnerLoop",
     "LocoConfig",
     "LocoTrainer",
     "Payload",

@@ -14,7 +14,7 @@ One round, read top to bottom, for every trainer k starting from the same global
 6. Every trainer resets its local weights to the new θ.
 
 DiLoCo (the dense baseline) is the same path with ``sparse=False``: ``s_k = θ - θ_k``, every entry
-sent, no error feedback. DDP is accounted in bytes only (``ddp_bytes``).
+sent, no error feedback. DDP is accounted in bytes only (``pulsenet.bench.loco_phases.ddp_bytes``).
 
 Determinism: steps 4 and 5 must give bit-identical results on every trainer, whatever its CPU.
 They use numpy float32 with one IEEE-754 operation per line (add, multiply, divide, subtract are
@@ -125,11 +125,6 @@ def subtract_sent(error: Mapping[str, torch.Tensor], payload: Payload) -> None:
         flat = error[name].view(-1)
         idx = torch.from_numpy(t.indices)
         flat[idx] = flat[idx] - torch.from_numpy(t.values)
-
-
-def ddp_bytes(num_params: int, inner_steps: int) -> int:
-    """What DDP would send per worker over the same H steps: one dense FP32 gradient per step."""
-    return inner_steps * FP32_BYTES * num_params
 
 
 # --- validation ---------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -34,7 +35,7 @@ from pulsenet.errors import (
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco.config import MODES, LocoConfig
-from pulsenet.loco.round import Manifest, ObjectRef, Record, RoundStore, all_of
+from pulsenet.loco.documents import Manifest, ObjectRef, Record, RoundStore, all_of
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +50,20 @@ Base = Mapping[str, torch.Tensor]
 """The global FP32 weights θ a round starts from: sparse payloads code their values relative to them."""
 
 
-class PayloadCache:
-    """Decoded payloads by (SHA-256, base digest), shared by the trainers of one process (benchmarks).
+class PayloadCache(Protocol):
+    """Decoded payloads by (object, base digest), shared by the trainers of one process (a benchmark:
+    ``pulsenet.bench.loco_phases.SharedPayloads``), so that N simulated trainers hold one decoded
+    copy of each payload instead of N. Sound because payloads are content-addressed and never
+    mutated once decoded, and their values depend only on the bytes and the base weights, named by
+    the digest of the global state they belong to. Bytes put into the store are unaffected."""
 
-    One download and one decoded copy per payload instead of one per trainer: a 135M-parameter
-    dense DiLoCo payload decodes to 540 MB, and four simulated trainers each holding four would not
-    fit in memory. Sound because payloads are content-addressed and never mutated once decoded, and
-    the values depend only on the bytes and the base weights, named by the digest of the global
-    state they belong to. Bytes put into the store are unaffected.
+    async def get(self, ref: ObjectRef, base_digest: str) -> wire.Payload | None: ...
 
-    ``shares_downloads=False``: each trainer still downloads every payload it uses, and only the
-    decoding is shared, for a benchmark that gives each trainer its own (emulated) link.
-    """
-
-    def __init__(self, *, shares_downloads: bool = True) -> None:
-        self.shares_downloads = shares_downloads
-        self._items: dict[tuple[str, str], wire.Payload] = {}
-
-    def get(self, sha256: str, base_digest: str) -> wire.Payload | None:
-        return self._items.get((sha256, base_digest))
-
-    def put(self, sha256: str, base_digest: str, payload: wire.Payload) -> None:
-        self._items[(sha256, base_digest)] = payload
+    def put(self, ref: ObjectRef, base_digest: str, payload: wire.Payload) -> None: ...
 
     def evict_before(self, round_: int) -> None:
-        for key in [k for k, p in self._items.items() if p.round < round_]:
-            del self._items[key]
+        """Forget payloads of rounds before ``round_`` (called as a trainer opens that round)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,19 +302,15 @@ class Collector:
         return payload, norm, ref
 
     async def _cached(self, ref: ObjectRef, base_digest: str | None) -> wire.Payload | None:
-        """The shared decoded copy, if any (downloading the bytes first when the cache does not
-        share downloads)."""
+        """The shared decoded copy, if any."""
         if self.cache is None or base_digest is None:
             return None
-        payload = self.cache.get(ref.sha256, base_digest)
-        if payload is not None and not self.cache.shares_downloads:
-            await self.rs.fetch(ref)  # the bytes still cross this trainer's own link
-        return payload
+        return await self.cache.get(ref, base_digest)
 
     async def _decode(self, data: bytes, ref: ObjectRef, base: Base, base_digest: str | None) -> wire.Payload:
         payload = await asyncio.to_thread(wire.decode, data, self.shapes, base)
         if self.cache is not None and base_digest is not None:
-            self.cache.put(ref.sha256, base_digest, payload)
+            self.cache.put(ref, base_digest, payload)
         return payload
 
     async def _record_payloads(

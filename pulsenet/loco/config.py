@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from pulsenet.errors import ConfigError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import Timeouts, check_run_id
+from pulsenet.loco.documents import Timeouts, check_run_id
 
 MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
 
@@ -83,7 +83,7 @@ class LocoConfig:
 
 @dataclass(slots=True)
 class RoundReport:
-    """What one round did on one trainer (benchmarks and logs)."""
+    """What one round did on one trainer (benchmarks and logs). Phase times: the ``on_phase`` hook."""
 
     round: int
     trainer: str
@@ -98,19 +98,8 @@ class RoundReport:
     """Bytes of this trainer's payload as put into the store (0 if it did not train this round)."""
     loss: float | None = None
     """Mean inner training loss over the H steps."""
-    inner_s: float = 0.0
     overlapped: bool = False
-    """The inner phase ran while the previous round was exchanged (``overlap``): inner_s was then
-    spent beside the previous round's wait, not on this round's path."""
-    encode_s: float = 0.0
-    upload_s: float = 0.0
-    """Putting our payload and manifest (runs while we already wait for peers)."""
-    wait_s: float = 0.0
-    """From payload ready to the record decided and every participant's payload in hand, less upload_s."""
-    apply_s: float = 0.0
-    verify_s: float = 0.0
-    queued_s: float = 0.0
-    """Time spent waiting for cores shared with in-process peers (benchmarks); not in the phase times."""
+    """The inner phase ran while the previous round was exchanged (``overlap``)."""
     digest: str = ""
     agreed: bool = True
     """False if some trainer's digest differed from the majority this round."""

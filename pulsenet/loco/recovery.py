@@ -19,7 +19,7 @@ import torch
 
 from pulsenet.errors import ManifestError, ObjectNotFound, PulsenetError, RoundError, VerificationError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.round import Record, RoundStore, StateRef
+from pulsenet.loco.documents import Record, RoundStore, StateRef
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
@@ -42,10 +42,6 @@ class Verdict:
     """Our digest is the strict-majority one (true when unanimous)."""
     odd: list[str]
     """Trainers whose digest is not the agreed one (with no majority: not ours)."""
-
-    @property
-    def must_rebuild(self) -> bool:
-        return not self.ours_agreed
 
 
 def judge(digests: Mapping[str, str], own: str) -> Verdict:

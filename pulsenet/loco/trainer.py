@@ -1,41 +1,49 @@
-"""One PULSELoCo trainer node: H local steps, publish a payload, agree on the round, outer step, verify.
+"""The PULSELoCo round, top to bottom: one trainer node's part in it (DiLoCo, Douillard et al.
+2023, with PULSE's sparse exchange, arXiv 2602.03839; spec and safety arguments: docs/loco.md).
 
-The loop, per round r (the protocol and its safety argument: docs/loco.md)::
+Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's error feedback e
+(:meth:`LocoTrainer.run_round` reads exactly like this)::
 
-    behind? (rounds/r/record exists without us) -> catch up from the store, go to the newest round
-    inner phase   H AdamW steps from θ_{r-1}                                 (thread)
-    encode        s = e + θ - θ_local, gate, payload bytes                   (thread)
-    publish       payload, then its signed manifest                          (background task)
-    collect       peers' payloads as their manifests appear; the round's     (collect.py)
-                  record, written first-writer-wins or followed
-    apply         mean of the record's payloads, outer Nesterov step         (thread)
-    verify        publish the digest of (θ, m), compare with the participants';
-                  outside the majority: rebuild from the store               (recovery.py)
-    persist       local resume point (atomic), every few rounds to the store,
-                  the agreed global state every ``state_every`` rounds
+    0. behind?   rounds/r/record exists without us -> catch up from the store
+    1. train     H inner steps from θ_{r-1}                              InnerLoop.train (thread)
+    2. encode    s = e + θ_{r-1} - θ_local, visibility gate, payload     algorithm, payload (thread)
+       publish   payload, then its signed manifest                       background task
+    3. collect   peers' payloads as their manifests appear; the round    collect.py
+                 record, written first-writer-wins or followed
+    4. apply     mean of the record's payloads, outer Nesterov step:     algorithm (thread)
+                 θ_r, m_r; e keeps what was not sent
+    5. agree     publish digest(θ_r, m_r), compare with the participants';
+                 outside the majority: rebuild from the store            recovery.py
+    6. persist   local resume point (atomic), every few rounds to the store,
+                 the agreed global state every ``state_every`` rounds    background tasks
 
-With ``overlap`` (the one-round-delayed outer step) the inner phase of round r+1 runs in a task
-while round r is collected and applied, and is re-based onto θ_r afterwards
-(:meth:`LocoTrainer.run_round_overlapped`).
+With ``overlap`` (the one-round-delayed outer step, :meth:`LocoTrainer.run_round_overlapped`)
+step 1 of round r+1 runs while steps 3-4 of round r run, and its progress is re-based onto θ_r.
 
-This module owns the node's mutable state; ``algorithm`` is pure, ``round`` speaks to the store.
+What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
+Each step's work is entered through ``on_phase(name, round)``, an optional async context manager
+factory: a benchmark shares cores and times phases with it (``pulsenet.bench.loco_phases``), a
+test injects a straggler. Phases: ``inner``, ``encode``, ``upload``, ``collect``, ``apply``,
+``agree``, ``persist`` (each tagged with its round; the overlapped ``inner`` with the next round),
+and CPU work outside a round's path: ``rebase``, ``adopt``, ``replay``. Compute phases never nest,
+and I/O phases (``upload``, ``collect``, ``agree``) contain no compute phase other than ``adopt``
+and ``replay``, so a hook may hold a lock across a compute phase. The store documents are
+``documents.py``; ``algorithm`` is pure.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -54,33 +62,31 @@ from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, PayloadCache
 from pulsenet.loco.config import LocoConfig, RoundReport
-from pulsenet.loco.round import ObjectRef, Record, RoundStore, first_error
+from pulsenet.loco.documents import ObjectRef, Record, RoundStore, first_error
+from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.state import GlobalState, TrainerState
-from pulsenet.rl.local import LocalTrainer
-from pulsenet.rl.tasks import ArithmeticTask
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
-_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("pulseloco_ahead", default=False)
-"""Set in the task that trains the next round ahead (``overlap``): its waits for shared cores are
-not the current round's, so they stay out of the phase clock."""
 
 STATE_FILE = "state.pt"
 Hook = Callable[["LocoTrainer", RoundReport], Awaitable[None] | None]
+PhaseHook = Callable[[str, int], AbstractAsyncContextManager[object]]
+"""``on_phase(phase, round)``: entered around each phase's work (see the module docstring)."""
 
 
 @dataclass(slots=True)
-class _Pending:
-    """A round whose payload is out: what closing it needs."""
+class _Sent:
+    """Round r's update as published: what collecting, applying and settling it need."""
 
     round: int
     report: RoundReport
     own: wire.Payload
     new_error: alg.StateDict | None
     data: bytes
-    upload: asyncio.Task[tuple[bytes, ObjectRef]]
-    t_ready: float
+    reproduced: bool = True
+    """False when an earlier, different payload of ours stands in the store (a restarted trainer)."""
 
 
 class LocoTrainer:
@@ -92,13 +98,12 @@ class LocoTrainer:
         store: ObjectStore,
         key: Ed25519PrivateKey,
         keys: Mapping[str, Ed25519PublicKey],
-        local: LocalTrainer,
-        task: ArithmeticTask,
+        inner: InnerLoop,
         config: LocoConfig,
         *,
         state_dir: Path | None = None,
-        compute: asyncio.Semaphore | None = None,
         on_round: Hook | None = None,
+        on_phase: PhaseHook | None = None,
         payload_cache: PayloadCache | None = None,
     ) -> None:
         self.config = config
@@ -110,13 +115,13 @@ class LocoTrainer:
                 f"trainer {self.id!r}: its private key must be the one the trainer keys give for {self.id!r} "
                 f"(have {sorted(self.rs.keys)}); peers accept its documents only under that key"
             )
-        self.local = local
-        self.task = task
+        self.inner = inner
+        """The H local steps (``loco.inner``): supervised, GRPO, or a test's."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.compute = compute
-        """Shared by trainers in one process (benchmarks) so their heavy phases take turns on the cores."""
         self.on_round = on_round
+        self.on_phase = on_phase
         self.cache = payload_cache
+        """Decoded payloads shared by the trainers of one process (a benchmark's), or None."""
         self.state: GlobalState | None = None
         self.error: alg.StateDict | None = None
         self.digest = ""
@@ -126,8 +131,6 @@ class LocoTrainer:
         self._group: asyncio.TaskGroup | None = None
         """The lifetime of background uploads while ``run`` runs: an unexpected failure in one fails the run."""
         self._failures = 0
-        self._queued_s = 0.0
-        self._ahead_queued_s = 0.0  # the same, for the inner phase trained ahead (overlap)
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -153,7 +156,7 @@ class LocoTrainer:
     async def _run(self, rounds: int) -> None:
         if self.state is None:
             await self.start()
-        carried: tuple[list[float], float] | None = None
+        carried: list[float] | None = None
         while self.round < rounds:
             try:
                 if self.config.overlap:
@@ -178,7 +181,7 @@ class LocoTrainer:
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
         if await self._load_resume_point() is None:
-            self.state = await asyncio.to_thread(GlobalState.genesis, self.local.state_fp32())
+            self.state = await asyncio.to_thread(GlobalState.genesis, self.inner.state_fp32())
             self.error = (
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
             )
@@ -218,47 +221,56 @@ class LocoTrainer:
             raise RoundError("the trainer has not started: call start() or run()")
         return self.collector
 
-    # --- one round ----------------------------------------------------------------------------
+    # --- the round ----------------------------------------------------------------------------
 
     async def run_round(self) -> RoundReport:
+        """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order."""
         r = self.round + 1
-        if (behind := await self._behind(r)) is not None:
+        if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
-        report, t0, queued = self._open_report(r)
-        losses = await self.inner_phase(r)
-        pending = await self._publish_update(r, report, losses, t0)
-        record = await self._close_round(pending, load_local=True)
-        return await self._finish(record, report, queued)
+        report = self._open_report(r)
+        losses = await self._train(r)  # 1. H inner steps from θ_{r-1}
+        sent = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
+        upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
+        record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
+        await self._apply(sent, record, payloads, load_local=True)  # 4. outer step: θ_r
+        digests = await self._agree(record, report)  # 5. digests; repair if we diverged
+        await self._persist(r, digests)  # 6. resume point, checkpoint, global state
+        return await self._report(report)
 
-    async def run_round_overlapped(
-        self, rounds: int, carried: tuple[list[float], float] | None
-    ) -> tuple[list[float], float] | None:
-        """One round with the one-round-delayed outer step (``config.overlap``): the next round's
-        inner phase runs while this round is exchanged and applied, then its progress is re-based
-        onto the new θ. ``carried``: (losses, seconds) of this round's inner phase if the previous
-        call already ran it (the local weights are then re-based); returns the next round's, or None
+    async def run_round_overlapped(self, rounds: int, carried: list[float] | None) -> list[float] | None:
+        """One round with the one-round-delayed outer step (``config.overlap``): round r+1's inner
+        phase runs while round r is collected and applied, then its progress is re-based onto θ_r.
+
+        ``carried``: the losses of round r's inner phase if the previous call already ran it (the
+        local weights then hold its progress, re-based onto θ_{r-1}); returns round r+1's, or None
         when nothing was carried over (the last round, or a repair, catch-up or failure: the next
-        round then trains from θ). Where the work may run beside the inner thread: docs/loco.md."""
+        round then trains from θ). Where the work may run beside the inner thread: docs/loco.md.
+        """
         r = self.round + 1
         if (await self._behind(r)) is not None:
             return None  # caught up: the local weights were reset to the adopted θ
-        report, t0, queued = self._open_report(r)
-        losses = carried[0] if carried is not None else await self.inner_phase(r)
-        pending = await self._publish_update(r, report, losses, t0)
+        report = self._open_report(r)
         if carried is not None:  # trained while the previous round was exchanged
-            report.overlapped, report.inner_s = True, carried[1]
-        ahead: asyncio.Task[tuple[list[float], float]] | None = None
+            losses, report.overlapped = carried, True
+        else:
+            losses = await self._train(r)
+        sent = await self._encode(r, report, losses)
+        upload = asyncio.create_task(self._publish(sent))
+        ahead: asyncio.Task[list[float]] | None = None
         base: alg.StateDict = {}
         if r < rounds:
-            base = await self._heavy(self.local.state_fp32)
-            ahead = asyncio.create_task(self._train_ahead(r + 1))
+            async with self._phase("rebase", r + 1):
+                base = await asyncio.to_thread(self.inner.state_fp32)
+            ahead = asyncio.create_task(self._train(r + 1))
         try:
-            # collect, apply and settle touch neither the local model nor the inner optimizer
-            record = await self._close_round(pending, load_local=ahead is None)
+            # collect and apply touch neither the local model nor the inner optimizer
+            record, payloads = await self._collect(sent, upload)
+            await self._apply(sent, record, payloads, load_local=ahead is None)
         except BaseException:
             if ahead is not None:
                 await asyncio.gather(ahead, return_exceptions=True)  # a thread cannot be cancelled
-                await self._heavy(self.local.load_state_fp32, self._state.theta)
+                await self._load_theta("adopt", r)
             raise
         nxt = None
         if ahead is not None:
@@ -266,26 +278,23 @@ class LocoTrainer:
                 nxt = await ahead
             except (PulsenetError, RuntimeError) as e:
                 log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
-        # verify and persist only now: a repair loads θ into the local model, and the resume point
+        # agree and persist only now: a repair loads θ into the local model, and the resume point
         # reads the inner optimizer and RNG, which the inner thread was using
         theta_before = self._state.theta
-        await self._finish(record, report, queued)
+        digests = await self._agree(record, report)
+        await self._persist(r, digests)
+        await self._report(report)
         if ahead is None:
             return None
         if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
-            await self._heavy(self.local.load_state_fp32, self._state.theta)  # start r+1 afresh from θ
+            await self._load_theta("adopt", r + 1)  # start r+1 afresh from θ
             return None
-        local = dict(self.local.model.named_parameters())
-        await self._heavy(lambda: self.local.load_state_fp32(alg.rebase(local, base, self._state.theta)))
+        local, theta = self.inner.parameters(), self._state.theta
+        async with self._phase("rebase", r + 1):
+            await asyncio.to_thread(lambda: self.inner.load_state_fp32(alg.rebase(local, base, theta)))
         return nxt
 
-    async def _train_ahead(self, r: int) -> tuple[list[float], float]:
-        """Round r's inner phase, run while round r-1 is exchanged; returns its losses and its time."""
-        _AHEAD.set(True)
-        t = time.perf_counter()
-        queued = self._ahead_queued_s
-        losses = await self.inner_phase(r)
-        return losses, time.perf_counter() - t - (self._ahead_queued_s - queued)
+    # --- 0. behind? ---------------------------------------------------------------------------
 
     async def _behind(self, r: int) -> RoundReport | None:
         """If round r was decided without us, catch up from the store and return that report."""
@@ -297,99 +306,47 @@ class LocoTrainer:
         # feedback and inner optimizer come out exactly as if we had never stopped.
         return None
 
-    def _open_report(self, r: int) -> tuple[RoundReport, float, float]:
+    def _open_report(self, r: int) -> RoundReport:
         if self.cache is not None:
             self.cache.evict_before(r)  # peers still on an older round fall back to the store
-        return RoundReport(round=r, trainer=self.id), self._clock(), self._queued_s
+        return RoundReport(round=r, trainer=self.id)
 
-    async def _publish_update(self, r: int, report: RoundReport, losses: list[float], t0: float) -> _Pending:
-        """Pseudo-gradient, gate and payload against θ_{r-1}; the upload starts in the background."""
-        cfg, state = self.config, self._state
-        report.loss = float(np.mean(losses)) if losses else None
-        t1 = self._clock()
-        local = dict(self.local.model.named_parameters())
-        own, new_error = await self._heavy(
-            alg.make_update,
-            state.theta,
-            local,
-            self.error,
-            round=r,
-            sparse=cfg.sparse,
-            gate_scale=cfg.gate_scale,
-        )
-        data = await self._heavy(self.encode_payload, own)
-        t2 = self._clock()
-        report.inner_s, report.encode_s = t1 - t0, t2 - t1
-        report.sent, report.total, report.payload_bytes = own.sent, own.total, len(data)
-        if not cfg.sparse:
-            own = wire.Payload(r, own.mode, {})  # dense values are a full model copy: keep only the bytes
-        upload = asyncio.create_task(self._publish(r, data, report))
-        return _Pending(r, report, own, new_error, data, upload, t2)
+    # --- 1. train -----------------------------------------------------------------------------
 
-    async def _close_round(self, p: _Pending, *, load_local: bool) -> Record:
-        """Collect the round, take the outer step, settle the error feedback; θ becomes θ_r.
-        ``load_local``: also reset the local model to θ (not while an overlapped inner phase runs)."""
-        state, r, report = self._state, p.round, p.report
-        try:
-            record, payloads = await self._collector.collect(r, p.upload, state.theta, self.digest)
-        finally:
-            # Never abandon our own upload half way: a manifest may already name the payload.
-            (published,) = await asyncio.gather(p.upload, return_exceptions=True)
-        stood = p.data
-        if isinstance(published, PulsenetError):
-            log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
-        elif isinstance(published, BaseException):
-            raise published
-        else:
-            stood = published[0]
-        t3 = self._clock()
-        report.wait_s = t3 - p.t_ready - report.upload_s
+    async def _train(self, r: int) -> list[float]:
+        """Round r's H inner steps from the weights the inner loop holds; their losses."""
+        async with self._phase("inner", r):
+            return await asyncio.to_thread(self.inner.train, self.config.inner_steps)
 
-        await self._apply(state, payloads)
-        state.round = r
-        if load_local:
-            await self._heavy(self.local.load_state_fp32, state.theta)
-        self.digest = await asyncio.to_thread(state.digest)
-        if p.new_error is not None:
-            self.error = self._settle_error(record, p.own, p.new_error, payloads, reproduced=stood is p.data)
-        report.apply_s = self._clock() - t3
-        report.participants = sorted(record.participants)
-        report.rejected = dict(record.rejected)
-        report.included = self.id in record.participants
-        report.record_writer = record.writer
-        return record
+    # --- 2. encode and publish ----------------------------------------------------------------
 
-    async def _finish(self, record: Record, report: RoundReport, queued: float) -> RoundReport:
-        t4 = self._clock()
-        await self._finish_round(record, report)
-        report.verify_s = self._clock() - t4
-        report.queued_s = self._queued_s - queued
-        return await self._report(report)
-
-    async def inner_phase(self, round_: int) -> list[float]:
-        """H inner steps from the current global weights; returns the losses. Tests override to inject faults."""
-        return await self._heavy(self._train_inner)
-
-    def encode_payload(self, payload: wire.Payload) -> bytes:
-        """The bytes to publish for ``payload``. Tests override to inject malformed or poisoned payloads.
+    async def _encode(self, r: int, report: RoundReport, losses: list[float]) -> _Sent:
+        """Pseudo-gradient, gate and payload bytes against θ_{r-1}.
 
         Sparse values are coded relative to the round's base weights, which every receiver holds;
         DiLoCo's dense payload stays raw FP32 bits under zstd (the baseline as specified).
         """
-        return wire.encode(payload, self._state.theta if self.config.sparse else None)
+        cfg, state = self.config, self._state
+        report.loss = float(np.mean(losses)) if losses else None
+        local = self.inner.parameters()
+        async with self._phase("encode", r):
+            own, new_error = await asyncio.to_thread(
+                alg.make_update, state.theta, local, self.error,
+                round=r, sparse=cfg.sparse, gate_scale=cfg.gate_scale,
+            )  # fmt: skip
+            data = await asyncio.to_thread(wire.encode, own, state.theta if cfg.sparse else None)
+        report.sent, report.total, report.payload_bytes = own.sent, own.total, len(data)
+        if not cfg.sparse:
+            own = wire.Payload(r, own.mode, {})  # dense values are a full model copy: keep only the bytes
+        return _Sent(r, report, own, new_error, data)
 
-    def _train_inner(self) -> list[float]:
-        losses = [self.local.train_step(self.task) for _ in range(self.config.inner_steps)]
-        self.local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
-        return losses
-
-    async def _publish(self, r: int, data: bytes, report: RoundReport) -> tuple[bytes, ObjectRef]:
+    async def _publish(self, sent: _Sent) -> tuple[bytes, ObjectRef]:
         """Upload payload + manifest; returns the payload bytes that stand in the store (normally ours)."""
-        t = time.perf_counter()
-        manifest, fresh = await self.rs.publish_payload(
-            r, data, mode=self.config.mode, sent=report.sent, total=report.total, base_digest=self.digest
-        )
-        report.upload_s = time.perf_counter() - t
+        r, data, report = sent.round, sent.data, sent.report
+        async with self._phase("upload", r):
+            manifest, fresh = await self.rs.publish_payload(
+                r, data, mode=self.config.mode, sent=report.sent, total=report.total, base_digest=self.digest
+            )
         if fresh or manifest.payload.sha256 == hashlib.sha256(data).hexdigest():
             return data, manifest.payload
         # A restarted trainer redid a round it had already published and got different bits: the
@@ -398,6 +355,52 @@ class LocoTrainer:
             "%s: round %d was already published with a different payload; the stored one stands", self.id, r
         )
         return await self.rs.fetch(manifest.payload), manifest.payload
+
+    # --- 3. collect ---------------------------------------------------------------------------
+
+    async def _collect(
+        self, sent: _Sent, upload: asyncio.Task[tuple[bytes, ObjectRef]]
+    ) -> tuple[Record, dict[str, wire.Payload]]:
+        """The round's record and the decoded payload of every participant it names; our upload is
+        awaited whatever happens (a manifest may already name the payload: never abandon it half way)."""
+        r, report = sent.round, sent.report
+        async with self._phase("collect", r):
+            try:
+                record, payloads = await self._collector.collect(r, upload, self._state.theta, self.digest)
+            finally:
+                (published,) = await asyncio.gather(upload, return_exceptions=True)
+        if isinstance(published, PulsenetError):
+            log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
+        elif isinstance(published, BaseException):
+            raise published
+        else:
+            sent.reproduced = published[0] is sent.data  # else _settle_error accounts for the stored one
+        report.participants = sorted(record.participants)
+        report.rejected = dict(record.rejected)
+        report.included = self.id in record.participants
+        report.record_writer = record.writer
+        return record, payloads
+
+    # --- 4. apply -----------------------------------------------------------------------------
+
+    async def _apply(
+        self, sent: _Sent, record: Record, payloads: Mapping[str, wire.Payload], *, load_local: bool
+    ) -> None:
+        """Average the record's payloads, take the outer step (θ_r, m_r) and settle the error feedback.
+        ``load_local``: also reset the local model to θ_r (not while an overlapped inner phase runs)."""
+        state, cfg = self._state, self.config
+        async with self._phase("apply", sent.round):
+            await asyncio.to_thread(
+                alg.apply_round, state.theta, state.momentum, payloads, lr=cfg.outer_lr, mu=cfg.outer_momentum
+            )
+            state.round = sent.round
+            if load_local:
+                await asyncio.to_thread(self.inner.load_state_fp32, state.theta)
+            self.digest = await asyncio.to_thread(state.digest)
+        if sent.new_error is not None:
+            self.error = self._settle_error(
+                record, sent.own, sent.new_error, payloads, reproduced=sent.reproduced
+            )
 
     def _settle_error(
         self,
@@ -426,28 +429,18 @@ class LocoTrainer:
             alg.subtract_sent(new_error, payloads[self.id])
         return new_error
 
-    async def _apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
-        """Average ``payloads`` into ``state`` and take the outer step, in place (the same call everywhere)."""
-        await self._heavy(
-            alg.apply_round,
-            state.theta,
-            state.momentum,
-            payloads,
-            lr=self.config.outer_lr,
-            mu=self.config.outer_momentum,
-        )
+    # --- 5. agree or repair ------------------------------------------------------------------
 
-    # --- verify and persist -------------------------------------------------------------------
-
-    async def _finish_round(self, record: Record, report: RoundReport) -> None:
-        """Publish and compare digests (repairing if we diverged), then persist."""
-        digests, complete = await self._verify(record, report)
+    async def _agree(self, record: Record, report: RoundReport) -> dict[str, str]:
+        """Publish our digest, compare it with the participants' (repairing if we diverged); the
+        digests seen if every participant's was, else {} (only a trainer that saw them all may
+        judge itself the global state's writer)."""
+        async with self._phase("agree", record.round):
+            digests, complete = await self._verify(record, report)
         report.digest = self.digest
-        # Only a trainer that saw every participant's digest may judge itself the state provider.
-        await self._persist(record.round, digests if complete else {})
+        return digests if complete else {}
 
     async def _verify(self, record: Record, report: RoundReport) -> tuple[dict[str, str], bool]:
-        """Publish our digest, gather the participants', and rebuild from the store if we are the odd one out."""
         r = record.round
         try:
             stood = await self.rs.publish_digest(r, self.digest)
@@ -521,16 +514,24 @@ class LocoTrainer:
             )
         return digests, not waiting
 
+    # --- 6. persist ---------------------------------------------------------------------------
+
     async def _persist(self, r: int, digests: Mapping[str, str]) -> None:
+        """The local resume point (atomic) now; the store copies in the background."""
         cfg = self.config
-        path = await self._save_local()
-        if cfg.checkpoint_every and r % cfg.checkpoint_every == 0:
-            self._spawn(self._upload_checkpoint(r, await self._snapshot(path)), f"checkpoint {r}")
-        holders = sorted(t for t, d in digests.items() if d == self.digest)
-        if r % cfg.state_every == 0 and holders and holders[0] == self.id and 2 * len(holders) > len(digests):
-            # One writer per round: the lowest-id trainer holding the majority digest.
-            snapshot = await self._heavy(self._state.copy)
-            self._spawn(self._publish_state(snapshot, self.digest), f"global state {r}")
+        async with self._phase("persist", r):
+            path = await self._save_local()
+            snap = (
+                await self._snapshot(path) if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 else None
+            )
+            holders = sorted(t for t, d in digests.items() if d == self.digest)
+            # One global-state writer per round: the lowest-id trainer holding the majority digest.
+            writer = holders and holders[0] == self.id and 2 * len(holders) > len(digests)
+            state = await asyncio.to_thread(self._state.copy) if r % cfg.state_every == 0 and writer else None
+        if snap is not None:
+            self._spawn(self._upload_checkpoint(r, snap), f"checkpoint {r}")
+        if state is not None:
+            self._spawn(self._publish_state(state, self.digest), f"global state {r}")
         if cfg.retain_rounds is not None and r % cfg.state_every == 0 and r > cfg.retain_rounds:
             self._spawn(self._retain(r - cfg.retain_rounds), f"retention before {r - cfg.retain_rounds}")
 
@@ -543,24 +544,22 @@ class LocoTrainer:
             "%s: behind: at round %d while the run has reached %d; catching up from the store",
             *(self.id, start, target),
         )
-        t0 = time.perf_counter()
         state = None
         if not [c for c in await self.rs.state_rounds() if start < c <= target]:
             # No newer published state: replaying from our own (verified) state is cheapest.
             with contextlib.suppress(RoundError, StoreError, VerificationError):
                 state = self._state.copy()
-                await recovery.replay(state, target, self.rs, self._collector.load_record, self._apply)
+                await recovery.replay(state, target, self.rs, self._collector.load_record, self._replay_apply)
         if state is None or state.round != target:
             state = await self._rebuild(target)
         await self._adopt(state, await asyncio.to_thread(state.digest))
         report = RoundReport(round=target, trainer=self.id, caught_up_from=start + 1)
-        report.apply_s = time.perf_counter() - t0
         record = await self._collector.read_record(target)
         if record is not None:
             report.participants = sorted(record.participants)
             report.rejected = dict(record.rejected)
             report.record_writer = record.writer
-            await self._finish_round(record, report)
+            await self._persist(target, await self._agree(record, report))
         return await self._report(report)
 
     async def _rebuild(self, target: int) -> GlobalState:
@@ -569,14 +568,27 @@ class LocoTrainer:
             self.rs,
             self._state.shapes(),
             self._collector.load_record,
-            self._apply,
+            self._replay_apply,
             quorum=self.config.quorum,
         )
+
+    async def _replay_apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
+        """A recorded round's outer step on ``state``, in place: the same call as step 4."""
+        async with self._phase("replay", state.round + 1):
+            await asyncio.to_thread(
+                alg.apply_round, state.theta, state.momentum, payloads,
+                lr=self.config.outer_lr, mu=self.config.outer_momentum,
+            )  # fmt: skip
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
         self.state = state
         self.digest = digest
-        await self._heavy(self.local.load_state_fp32, state.theta)
+        await self._load_theta("adopt", state.round)
+
+    async def _load_theta(self, phase: str, r: int) -> None:
+        """Reset the inner loop's weights to the global θ."""
+        async with self._phase(phase, r):
+            await asyncio.to_thread(self.inner.load_state_fp32, self._state.theta)
 
     async def _agree_genesis(self) -> None:
         """Round 0: the first trainer publishes its initial state; everyone else must hold the same."""
@@ -607,23 +619,18 @@ class LocoTrainer:
     # --- persistence ----------------------------------------------------------------------------
 
     def _trainer_state(self) -> TrainerState:
-        inner = {
-            "optimizer": self.local.optimizer_state(),
-            "rng": self.local.rng_state(),
-            "steps": self.local.steps,
-        }
-        return TrainerState(self._state, self.error, inner)
+        return TrainerState(self._state, self.error, self.inner.checkpoint())
 
     async def _save_local(self) -> Path | None:
         if self.state_dir is None:
             return None
         path = self.state_dir / STATE_FILE
-        await self._heavy(self._trainer_state().save, path)
+        await asyncio.to_thread(self._trainer_state().save, path)
         return path
 
     async def _load_resume_point(self) -> TrainerState | None:
         candidates: list[TrainerState] = []
-        shapes = {n: tuple(p.shape) for n, p in self.local.model.named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in self.inner.parameters().items()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
             candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
         remote = await self.rs.latest_checkpoint()
@@ -636,13 +643,11 @@ class LocoTrainer:
             return None
         ts = max(candidates, key=lambda s: s.global_.round)
         try:
-            self.local.load_state_fp32(ts.global_.theta)
-            self.local.load_optimizer_state(ts.inner["optimizer"])
-            self.local.load_rng_state(ts.inner["rng"])
+            self.inner.load_state_fp32(ts.global_.theta)
+            self.inner.restore(ts.inner)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
             raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
         self.state, self.error = ts.global_, ts.error
-        self.local.steps = ts.inner["steps"]
         log.warning("%s: resumed from round %d", self.id, ts.global_.round)
         return ts
 
@@ -650,7 +655,7 @@ class LocoTrainer:
         """A private copy of the resume point, taken now (the next round mutates the live state)."""
         snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-")) / STATE_FILE
         if path is None:  # no local state dir: the store copy is the only resume point
-            await self._heavy(self._trainer_state().save, snap)
+            await asyncio.to_thread(self._trainer_state().save, snap)
         else:
             try:
                 os.link(path, snap)  # the inode stays ours even after the next round replaces path
@@ -682,21 +687,9 @@ class LocoTrainer:
                 await result
         return report
 
-    async def _heavy(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run CPU-heavy work in a thread, taking turns with in-process peers if ``compute`` is shared."""
-        if self.compute is None:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        t = time.perf_counter()
-        async with self.compute:
-            if _AHEAD.get():
-                self._ahead_queued_s += time.perf_counter() - t
-            else:
-                self._queued_s += time.perf_counter() - t
-            return await asyncio.to_thread(fn, *args, **kwargs)
-
-    def _clock(self) -> float:
-        """Seconds, not counting time spent queued for shared cores (so phase times mean work)."""
-        return time.perf_counter() - self._queued_s
+    def _phase(self, name: str, r: int) -> AbstractAsyncContextManager[object]:
+        """Entered around each phase's work (``on_phase``; see the module docstring)."""
+        return self.on_phase(name, r) if self.on_phase is not None else contextlib.nullcontext()
 
     def _spawn(self, coro: Awaitable[None], what: str) -> None:
         """Run ``coro`` in the background: in ``run``'s TaskGroup (an unexpected exception fails the

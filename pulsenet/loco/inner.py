@@ -1,0 +1,57 @@
+"""The inner loop a PULSELoCo round drives: the handful of methods the round needs, nothing more.
+
+A round (``round.py``) only ever asks its inner loop to
+
+- run H optimizer steps from the weights it holds and say how they went (``train``),
+- hand over / take the FP32 master weights (``state_fp32`` / ``load_state_fp32``),
+- show its live named parameters (``parameters``), which the pseudo-gradient and the overlap
+  mode's re-base read in place without a copy,
+- snapshot and restore what a restart needs to continue bit-identically: optimizer, RNG and
+  step counter (``checkpoint`` / ``restore``), stored in the trainer's resume point.
+
+What the steps train on is the inner loop's business: the supervised adapter draws its batches
+from a task, the GRPO adapter takes rollout batches from its caller (both in ``pulsenet.rl.inner``).
+``loco/`` therefore imports nothing from ``pulsenet.rl``.
+
+Threading: the round calls ``train`` (and the weight methods) from a worker thread, never two at
+once, and never while ``train`` runs, except ``parameters`` after ``train`` has returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class InnerLoop(Protocol):
+    def train(self, steps: int) -> list[float]:
+        """Up to ``steps`` optimizer steps from the current weights; one loss per step taken.
+
+        Fewer (even none) is allowed: the round publishes whatever progress was made. Free the
+        gradients before returning (they would otherwise live across the exchange)."""
+        ...
+
+    def state_fp32(self) -> dict[str, torch.Tensor]:
+        """A copy of the FP32 master weights by parameter name (tied duplicates excluded)."""
+        ...
+
+    def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` into the master weights; optimizer, RNG and step count stay as they are."""
+        ...
+
+    def parameters(self) -> Mapping[str, torch.Tensor]:
+        """The live FP32 parameters by the same names (read, not copied, by the round)."""
+        ...
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Optimizer, RNG and step state, ``torch.save``-able with ``weights_only=True``: a deep copy
+        taken now (later steps mutate the live state)."""
+        ...
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Put back what ``checkpoint`` returned; raise (KeyError, TypeError, ValueError, RuntimeError)
+        when it does not fit this model."""
+        ...
