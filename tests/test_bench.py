@@ -54,3 +54,19 @@ def test_bench_rl_tiny(tmp_path):
     assert s["update_apply_s"] and all(t > 0 for t in s["update_apply_s"])
     for node, versions in s["versions_served"].items():
         assert versions[0] == 0 and versions == sorted(versions), node
+
+
+def test_bench_rl_two_trainers_pulseloco(tmp_path):
+    """GRPO with PULSELoCo among two trainers: every trainer publishes every version with the same
+    digest, engines follow one channel (each patch downloaded once), payloads were exchanged."""
+    result = run_bench(
+        tmp_path, "rl", "--model", "tiny", "--trainers", "2", "--inner-steps", "2", "--steps", "2",
+        "--inference", "2", "--rows-per-step", "32", "--prompts", "4", "--group-size", "8",
+        "--workdir", str(tmp_path / "w"),
+    )  # fmt: skip
+    s = result["summary"]
+    assert s["digests_equal"] is True and s["final_version"] == 2
+    assert s["pulseloco_bytes"] > 0 and len(s["reward"]) == 2
+    b = s["bytes"]
+    # One channel followed per engine: at most one download of each published patch per engine.
+    assert 0 < b["pulsesync"] <= 2 * b["pulsesync_published"]  # 2 engines x each version once

@@ -34,13 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     p.add_argument("--steps", type=int, default=60, help="GRPO steps = policy versions published")
     p.add_argument("--inference", type=int, default=2, help="inference nodes (engines)")
+    p.add_argument(
+        "--trainers", type=int, default=1, help="trainers; more than one train PULSELoCo rounds of --inner-steps GRPO steps"
+    )
+    p.add_argument("--inner-steps", type=int, default=4, help="GRPO steps per PULSELoCo round (H), with --trainers > 1")
     p.add_argument("--max-staleness", type=int, default=2)
     p.add_argument("--link-mbps", type=float, default=None, help="emulated link per node, each way")
     p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
     p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     p.add_argument("--rows-per-step", type=int, default=512, help="completions per GRPO step at least")
     p.add_argument(
-        "--batches-per-version", type=int, default=2, help="batches each engine generates per policy version (2: generation overlaps the GRPO step)"
+        "--batches-per-version",
+        type=int,
+        default=None,
+        help="batches each engine generates per policy version (default: what the trainers consume per "
+        "version, plus one so generation overlaps training)",
     )
     p.add_argument("--lr", type=float, default=None, help="default: 5e-4 (tiny), 3e-6 (smollm2)")
     p.add_argument("--task", default="arith", help="arith, chain or a .jsonl file")
@@ -63,9 +71,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("pulsenet bench rl: --steps and --inference must be >= 1, --max-staleness >= 0")
     with bench_workdir(args.workdir, "rl") as workdir, tempfile.TemporaryDirectory(dir=workdir) as run_tmp:
         rundir = Path(run_tmp)  # a fresh store and fresh node states every run
-        sites = ["t0", *(f"i{k}" for k in range(args.inference))]
+        sites = [*(f"t{j}" for j in range(args.trainers)), *(f"i{k}" for k in range(args.inference))]
         with SeaweedServer(rundir / "s3", sites=sites) as server:
-            server.create_buckets(*(server.bucket(s) for s in sites))
+            server.create_buckets(*(server.bucket(s) for s in sites), server.bucket("loco"))
             network = _Network(args, workdir, rundir, server)
             console.print(
                 f"[bold]bench rl[/]: {args.model}, {args.steps} GRPO steps, {args.inference} inference "
@@ -95,38 +103,58 @@ class _Network:
         tiny = args.model == "tiny"
         lr = args.lr if args.lr is not None else (5e-4 if tiny else 3e-6)
         max_new = args.max_new_tokens if args.max_new_tokens is not None else (5 if tiny else 16)
+        per_version = args.trainers * (args.inner_steps if args.trainers > 1 else 1) * args.rows_per_step
+        per_batch = args.inference * args.prompts * args.group_size
+        batches_per_version = args.batches_per_version or -(-per_version // per_batch) + 1
+        trainers = [f"t{j}" for j in range(args.trainers)]
         keys = {}
-        for site in ["t0", *(f"i{k}" for k in range(args.inference))]:
+        for site in [*trainers, *(f"i{k}" for k in range(args.inference))]:
             path = workdir / "keys" / f"{site}.key"
             if not path.exists():
                 generate_keypair(path)
             keys[site] = (load_private_key(path), load_public_key(f"{path}.pub"))
 
         def store(identity_site: str, bucket_site: str) -> S3Store:
-            cfg = server.config(server.writer(identity_site), link_mbps=args.link_mbps)
+            identity = "admin" if bucket_site == "loco" else server.writer(identity_site)
+            cfg = server.config(identity, link_mbps=args.link_mbps)
             return S3Store(server.bucket(bucket_site), "", cfg)
 
         text = text_codec(args.model)
-        grpo = GRPOConfig(lr=lr, pad_id=text.pad_id)
-        tcfg = TrainerConfig(
-            id="t0",
-            run="bench",
-            model=args.model,
-            steps=args.steps,
-            rows_per_step=args.rows_per_step,
-            max_staleness=args.max_staleness,
-            anchor_every=max(args.steps + 1, 10),
-            seed=args.seed,
-            state_dir=rundir / "t0",
-            grpo=grpo,
-        )
-        model = initial_model(args.model, seed=args.seed)
-        sources = [
-            RolloutSource(f"i{k}", store("t0", f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
-            for k in range(args.inference)
-        ]
-        self.trainer = TrainerNode(tcfg, store=store("t0", "t0"), key=keys["t0"][0], sources=sources, model=model)
-        trusted = {key_id(keys["t0"][1]): keys["t0"][1]}
+        loco = args.trainers > 1
+        self.trainers = []
+        for t in trainers:
+            tcfg = TrainerConfig(
+                id=t,
+                run="bench",
+                model=args.model,
+                steps=args.steps,
+                rows_per_step=args.rows_per_step,
+                max_staleness=args.max_staleness,
+                anchor_every=max(args.steps + 1, 10),
+                seed=args.seed,
+                state_dir=rundir / t,
+                grpo=GRPOConfig(lr=lr, pad_id=text.pad_id),
+                peers=[f"{p}={workdir / 'keys' / f'{p}.key.pub'}" for p in trainers] if loco else [],
+                inner_steps=args.inner_steps,
+            )
+            sources = [
+                RolloutSource(f"i{k}", store(t, f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
+                for k in range(args.inference)
+            ]
+            self.trainers.append(
+                TrainerNode(
+                    tcfg,
+                    store=store(t, t),
+                    key=keys[t][0],
+                    sources=sources,
+                    model=initial_model(args.model, seed=args.seed),
+                    # The bench gives every trainer the admin identity on the shared PULSELoCo bucket;
+                    # a deployment gives each trainer site write access to it (docs/deploy.md).
+                    loco_store=store(t, "loco") if loco else None,
+                )
+            )
+        self.trainer = self.trainers[0]
+        trusted = {key_id(keys[t][1]): keys[t][1] for t in trainers}
         self.inference = []
         for k in range(args.inference):
             icfg = InferenceConfig(
@@ -137,7 +165,7 @@ class _Network:
                 group_size=args.group_size,
                 max_new_tokens=max_new,
                 max_staleness=args.max_staleness,
-                batches_per_version=args.batches_per_version,
+                batches_per_version=batches_per_version,
                 seed=args.seed,
                 state_dir=rundir / f"i{k}",
                 poll_s=0.2,
@@ -146,7 +174,7 @@ class _Network:
                 InferenceNode(
                     icfg,
                     store=store(f"i{k}", f"i{k}"),
-                    policy_stores=[store(f"i{k}", "t0")],
+                    policy_stores=[store(f"i{k}", t) for t in trainers],
                     trusted=trusted,
                     key=keys[f"i{k}"][0],
                     task=make_task(args.task, args.seed),
@@ -160,9 +188,11 @@ class _Network:
         stop_inference = asyncio.Event()
         stop = asyncio.Event()
 
-        async def trainer() -> None:
+        async def trainers() -> None:
             try:
-                await self.trainer.run(stop)
+                async with asyncio.TaskGroup() as tg:
+                    for t in self.trainers:
+                        tg.create_task(t.run(stop))
             finally:
                 stop_inference.set()
 
@@ -175,7 +205,7 @@ class _Network:
                 live.update(self._table())
 
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(trainer())
+                tg.create_task(trainers())
                 for node in self.inference:
                     tg.create_task(node.run(stop_inference))
                 tg.create_task(refresh())
@@ -186,7 +216,7 @@ class _Network:
         t = Table(title="pulsenet bench rl", expand=False)
         for col in ("node", "version", "reward", "staleness", "rollouts", "pulsesync B", "rollout B", "errors"):
             t.add_column(col, justify="right")
-        for node in [self.trainer, *self.inference]:
+        for node in [*self.trainers, *self.inference]:
             s = node.state
             rollouts = s.rollouts["consumed"] if s.role == "trainer" else s.rollouts["produced"]
             t.add_row(
@@ -204,11 +234,17 @@ class _Network:
     def result(self, wall: float) -> dict[str, Any]:
         tr = self.trainer
         published = {h["version"]: h["digest"] for h in tr.history}
+        # Every trainer publishes every version: the same digests, or the run diverged.
+        trainers_agree = all({h["version"]: h["digest"] for h in t.history} == published for t in self.trainers)
         steps = [h for h in tr.history if h["metrics"] is not None]
         served_ok = all(published.get(v) == d for n in self.inference for v, d in n.served)
         own_ok = all(n.engine is not None and n.engine.weights_digest() == n.engine.digest for n in self.inference)
         full = {h["version"]: h["full_bytes"] for h in tr.history}
-        st = tr.intake.stats
+        stats = [t.intake.stats for t in self.trainers]
+        staleness: dict[int, int] = {}
+        for st in stats:
+            for lag, n in st.staleness.items():
+                staleness[lag] = staleness.get(lag, 0) + n
         rewards = [h["metrics"]["reward_mean"] for h in steps]
         tenth = max(1, len(rewards) // 10)
         summary = {
@@ -216,9 +252,12 @@ class _Network:
             "reward_first_last": [_mean(rewards[:tenth]), _mean(rewards[-tenth:])],
             "entropy": [h["metrics"]["entropy"] for h in steps],
             "mismatch_kl": [h["metrics"]["mismatch_kl"] for h in steps],
-            "staleness": {str(k): v for k, v in sorted(st.staleness.items())},
-            "dropped": {"stale_in_flight": st.stale_in_flight, "stale_queued": st.stale_queued},
-            "rejected": dict(st.rejected),
+            "staleness": {str(k): v for k, v in sorted(staleness.items())},
+            "dropped": {
+                "stale_in_flight": sum(st.stale_in_flight for st in stats),
+                "stale_queued": sum(st.stale_queued for st in stats),
+            },
+            "rejected": {r: sum(st.rejected.get(r, 0) for st in stats) for r in {r for st in stats for r in st.rejected}},
             "bytes": {
                 "rollouts": sum(n.writer.stats.bytes_uploaded for n in self.inference),
                 "pulsesync": sum(s.stats.bytes_downloaded for n in self.inference for s in n.subscribers),
@@ -227,7 +266,8 @@ class _Network:
             },
             "update_apply_s": [round(x, 4) for n in self.inference for x in n.update_apply_s],
             "versions_served": {n.config.id: [v for v, _ in n.served] for n in self.inference},
-            "digests_equal": bool(served_ok and own_ok and all(n.served for n in self.inference)),
+            "digests_equal": bool(served_ok and own_ok and trainers_agree and all(n.served for n in self.inference)),
+            "pulseloco_bytes": sum(h.get("payload_bytes", 0) for t in self.trainers for h in t.history),
             "final_version": tr.version,
             "wall_s": round(wall, 2),
         }

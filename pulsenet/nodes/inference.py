@@ -3,9 +3,11 @@ upload them to this site's own store.
 
 One asyncio loop (``InferenceNode.run``) with, in one TaskGroup:
 
-- one PULSESync ``Subscriber`` per trusted trainer channel (any trainer may publish a version: the
-  global weights are bit-identical across trainers, so whichever channel delivers a version first
-  wins and a dead trainer's channel simply stops moving);
+- PULSESync: one ``Subscriber`` per trusted trainer channel, one of them active. Every trainer
+  publishes every version (bit-identical global weights, so equal digests); following one channel
+  downloads each patch once. When the active channel brings nothing newer for ``failover_s`` while
+  another channel's signed head announces a newer version, the node switches to that channel (a
+  dead trainer, even the first, costs at most ``failover_s`` of staleness);
 - the generation loop: draw problems as a pure function of (node, version, batch), sample G
   completions each on the engine in a thread, score them, write one signed rollout batch, apply
   retention;
@@ -18,6 +20,7 @@ mid-batch), so every row of a batch carries the version and digest that produced
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -81,6 +84,9 @@ class InferenceConfig:
     """Verified weights per channel (restart resumes from them) and caches."""
     poll_s: float = 1.0
     """Time between policy polls."""
+    failover_s: float = 30.0
+    """Switch to another trainer channel when the followed one brought nothing newer for this long
+    and another announces a newer version."""
     status_host: str = "127.0.0.1"
     """Address of /healthz, /status, /metrics."""
     status_port: int = 0
@@ -168,12 +174,44 @@ class InferenceNode:
     async def run(self, stop: asyncio.Event, status: StatusServer | None = None) -> None:
         """Follow, generate and upload until ``stop``; a SIGTERM finishes the batch in hand."""
         await self.writer.start()
-        async with asyncio.TaskGroup() as tg:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._follow(stop))
+                tg.create_task(self._generate_loop(stop))
+        finally:
             for sub in self.subscribers:
-                tg.create_task(sub.run(stop))
-            tg.create_task(self._generate_loop(stop))
-        for sub in self.subscribers:
-            await sub.close()
+                await sub.close()
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        """Run one channel's subscriber; fail over to a channel that announces a newer version."""
+        active = 0
+        while not stop.is_set():
+            task = asyncio.create_task(self.subscribers[active].run(stop))
+            try:
+                active = await self._watch(active, task, stop)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _watch(self, active: int, task: asyncio.Task[None], stop: asyncio.Event) -> int:
+        """Return the channel to follow next once the active one stalls (or ``stop``)."""
+        seen, since = self.state.version, time.monotonic()
+        while not stop.is_set() and not task.done():
+            await _wait_any(stop, timeout=min(1.0, self.config.failover_s))
+            if self.state.version != seen:
+                seen, since = self.state.version, time.monotonic()
+            elif len(self.subscribers) > 1 and time.monotonic() - since > self.config.failover_s:
+                mine = -1 if seen is None else seen
+                for k in (*range(active + 1, len(self.subscribers)), *range(active)):
+                    announced = await self.subscribers[k].announced()  # store errors: None (logged there)
+                    if announced is not None and announced > mine:
+                        log.warning("%s: channel %d stalled at v%s; following channel %d (v%d)", self.config.id, active, seen, k, announced)
+                        return k
+                since = time.monotonic()
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+        return active
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

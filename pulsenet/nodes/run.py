@@ -32,8 +32,6 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
 
     if not c.store:
         raise ConfigError("trainer: set store (this site's bucket, e.g. s3://pulsenet-t0)")
-    if c.loco_store:
-        raise ConfigError("trainer: PULSELoCo rounds between trainers (loco_store) are not wired into the daemon yet")
     sources_urls = site_map(c.inference, "inference")
     keys = key_map(c.trust_inference, "inference")
     missing = sorted(set(sources_urls) - set(keys))
@@ -43,7 +41,14 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
     text = text_codec(c.model)
     c.grpo.pad_id = text.pad_id
     model = initial_model(c.model, seed=c.seed)
-    return TrainerNode(c, store=open_site_store(c.store), key=load_private_key(c.key), sources=sources, model=model)
+    return TrainerNode(
+        c,
+        store=open_site_store(c.store),
+        key=load_private_key(c.key),
+        sources=sources,
+        model=model,
+        loco_store=open_site_store(c.loco_store) if c.loco_store else None,
+    )
 
 
 def build_inference(c: InferenceConfig) -> InferenceNode:

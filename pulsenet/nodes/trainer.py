@@ -11,11 +11,20 @@ One asyncio loop (``TrainerNode.run``) with, in one TaskGroup:
 With one trainer the policy version is the optimizer step. Restart-safe: a SIGKILLed trainer
 resumes from its checkpoint with the same command; the publisher resumes from what its own key
 signed in the store.
+
+With peers (``loco_store``), each round is a PULSELoCo round (``pulsenet.loco``) whose inner loop
+is H GRPO steps on this trainer's share of the rollouts (``rl.inner.GRPOInner``; the intake
+partitions batches among the round's trainers, so none is trained on twice), and the policy
+version is the round. **Every trainer publishes every version to its own channel**: the global
+weights are bit-identical across trainers, so the versions (and digests) agree, inference follows
+any trusted channel, and losing a trainer, even the first, never stalls inference while a quorum
+of trainers goes on. It costs each trainer one patch upload per round, and needs no election.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import time
@@ -25,9 +34,13 @@ from typing import Any
 
 import torch
 
+from pulsenet.errors import ConfigError
 from pulsenet.fsutil import atomic_path
+from pulsenet.loco import LocoConfig, LocoTrainer
+from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer
+from pulsenet.rl.inner import GRPOInner
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig, PublishRecord
@@ -85,6 +98,10 @@ class TrainerConfig:
     """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
     inner_steps: int = 8
     """PULSELoCo: GRPO steps per round (H); each round publishes one policy version."""
+    min_quorum: int | None = None
+    """PULSELoCo: trainers whose payloads a round needs at least (None: a majority)."""
+    round_deadline_s: float = 120.0
+    """PULSELoCo: how long a round waits for peers' payloads before going on with a quorum."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
 
@@ -100,6 +117,7 @@ class TrainerNode:
         key: Any,
         sources: list[RolloutSource],
         model: torch.nn.Module,
+        loco_store: ObjectStore | None = None,
     ) -> None:
         self.config = c = config
         self.state = NodeState(role="trainer", node_id=c.id)
@@ -116,16 +134,48 @@ class TrainerNode:
             self.digests.get,
             RolloutIntakeConfig(run=c.run, max_staleness=c.max_staleness, interval_s=0.5),
             trainer_id=c.id,
+            participants=tuple(sorted(self._peer_keys())) if loco_store is not None else None,
         )
+        self.loco: LocoTrainer | None = None
+        if loco_store is not None:
+            peers = self._peer_keys()
+            self.loco = LocoTrainer(
+                c.id,
+                loco_store,
+                key,
+                peers,
+                GRPOInner(self.grpo, self._next_batch),
+                LocoConfig(
+                    run=c.run,
+                    inner_steps=c.inner_steps,
+                    workers_expected=len(peers),
+                    min_quorum=c.min_quorum,
+                    deadline_s=c.round_deadline_s,
+                ),
+                state_dir=Path(c.state_dir) / "loco",
+                on_round=self._after_round,
+            )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
         self.version = -1
         self.history: list[dict[str, Any]] = []
+        self._round_versions: list[int] = []
         """One entry per published version: metrics, bytes, timings."""
 
     # --- lifecycle --------------------------------------------------------------------------------
 
+    def _peer_keys(self) -> dict:
+        keys = trainer_keys(self.config.peers)
+        if self.config.id not in keys:
+            raise ConfigError(f"trainer {self.config.id!r}: peers must list its own public key too (ID=PATH)")
+        return keys
+
     async def start(self) -> None:
         """Resume from the local checkpoint and the store; publish the initial policy as v0 if new."""
         await self.publisher.start()  # rebuilds the newest version its key signed, if any
+        if self.loco is not None:
+            await self._start_loco()
+            return
         published = self.publisher.version
         ckpt = await asyncio.to_thread(self._load_checkpoint)
         if ckpt is not None:
@@ -147,7 +197,24 @@ class TrainerNode:
         self.state.version, self.state.digest = self.version, self.digests.get(self.version)
         log.info("%s: at v%d", self.config.id, self.version)
 
+    async def _start_loco(self) -> None:
+        """Join the PULSELoCo run (resume or genesis agreement), then publish what is not yet out:
+        v0 is the agreed genesis, version r the global weights after round r."""
+        assert self.loco is not None
+        await self.loco.start()  # loads the agreed θ into the inner model
+        published = self.publisher.version
+        if published is None or published < self.loco.round:
+            self.version = -1 if published is None else published
+            await self._publish(self.grpo.bf16_state(), None)
+        else:
+            self.version = published
+            self.digests[published] = self.publisher.digest  # type: ignore[assignment]
+        if self.version != self.loco.round:
+            log.warning("%s: policy v%d at PULSELoCo round %d", self.config.id, self.version, self.loco.round)
+        self.state.version, self.state.digest, self.state.round = self.version, self.digests.get(self.version), self.loco.round
+
     async def run(self, stop: asyncio.Event) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), stop
         await self.start()
         done = asyncio.Event()  # the intake stops with training, however training ends
 
@@ -167,6 +234,8 @@ class TrainerNode:
     # --- the loop ---------------------------------------------------------------------------------
 
     async def _train(self, stop: asyncio.Event) -> None:
+        if self.loco is not None:
+            return await self._train_rounds(stop)
         c = self.config
         while self.version < c.steps and not stop.is_set():
             rows, versions = await self._collect(stop)
@@ -183,6 +252,53 @@ class TrainerNode:
                 step_s=step_s, staleness=[self.version - 1 - v for v in versions], rows=len(rows)
             )
             log.info("%s: v%d reward %.3f (%d rows)", c.id, record.version, metrics.reward_mean, len(rows))
+
+    async def _train_rounds(self, stop: asyncio.Event) -> None:
+        """PULSELoCo rounds until ``steps`` rounds; a stop abandons the round in hand (nothing it
+        wrote is visible unless complete: payloads before their create-only manifests)."""
+        assert self.loco is not None
+        rounds = asyncio.create_task(self.loco.run(self.config.steps))
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({rounds, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not rounds.done():
+                rounds.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await rounds
+
+    def _next_batch(self) -> list | None:
+        """The GRPO inner loop's rows for one step, from the worker thread the round trains in."""
+        assert self._loop is not None and self._stop is not None
+        rows, versions = asyncio.run_coroutine_threadsafe(self._collect(self._stop), self._loop).result()
+        if rows is not None:
+            self._round_versions.extend(versions)
+        return rows
+
+    async def _after_round(self, loco: LocoTrainer, report: Any) -> None:
+        """A round closed with the agreed θ loaded into the model: publish it as the next version."""
+        if report.round <= self.version:  # caught up through a round already published
+            return
+        steps = self.grpo_inner_metrics()
+        record = await self._publish(self.grpo.bf16_state(), steps[-1] if steps else None)
+        self.history[-1].update(
+            round=report.round,
+            participants=report.participants,
+            payload_bytes=report.payload_bytes,
+            sent=report.sent,
+            total=report.total,
+            staleness=[record.version - 1 - v for v in self._round_versions],
+            rows=sum(m.completions for m in steps),
+            reward=sum(m.reward_mean for m in steps) / len(steps) if steps else None,
+        )
+        self._round_versions = []
+        self.state.round = report.round
+        self.state.bytes["pulseloco"] += report.payload_bytes
+
+    def grpo_inner_metrics(self) -> list[GRPOMetrics]:
+        assert self.loco is not None
+        return list(self.loco.inner.metrics)  # type: ignore[attr-defined]
 
     async def _collect(self, stop: asyncio.Event) -> tuple[list | None, list[int]]:
         """Take fresh batches until a step's worth of rows; (None, []) if stopped first."""

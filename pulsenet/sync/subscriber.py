@@ -372,6 +372,12 @@ class Subscriber:
 
     # --- head record -----------------------------------------------------------------------------
 
+    async def announced(self) -> int | None:
+        """The version this channel's verified head announces (one small GET, nothing downloaded):
+        how a node that follows several channels tells which one moves (nodes/inference.py)."""
+        head = await self._read_head()
+        return head.version if head is not None else None
+
     async def _read_head(self) -> Head | None:
         """The newest verified head record seen (this one, or an earlier one if this is refused)."""
         self._head_gone = False
