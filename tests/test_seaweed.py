@@ -126,6 +126,18 @@ async def test_site_writer_is_scoped_to_its_bucket(
     await own.delete(["patch", "manifest", "big"])
 
 
+async def test_shared_bucket_is_written_only_by_its_sites(seaweed: SeaweedServer, s3_factory: StoreFactory) -> None:
+    """A PULSELoCo run's bucket: every trainer of the run writes it, nobody else."""
+    prefix = s3_factory().prefix  # type: ignore[attr-defined]
+    a = s3_factory(seaweed.writer("a"), bucket=seaweed.bucket("run"), prefix=prefix)
+    b = s3_factory(seaweed.writer("b"), bucket=seaweed.bucket("run"), prefix=prefix)
+    await a.put("record", b"from a", if_none_match=True)
+    assert await b.get("record") == b"from a"
+    with pytest.raises(AccessDenied, match="AccessDenied"):
+        await b.put("forged", b"x")
+    await a.delete(["record"])
+
+
 def test_anonymous_requests_are_denied(seaweed: SeaweedServer) -> None:
     anon = boto3.client(
         "s3",

@@ -72,8 +72,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     with bench_workdir(args.workdir, "rl") as workdir, tempfile.TemporaryDirectory(dir=workdir) as run_tmp:
         rundir = Path(run_tmp)  # a fresh store and fresh node states every run
         sites = [*(f"t{j}" for j in range(args.trainers)), *(f"i{k}" for k in range(args.inference))]
-        with SeaweedServer(rundir / "s3", sites=sites) as server:
-            server.create_buckets(*(server.bucket(s) for s in sites), server.bucket("loco"))
+        trainers = [s for s in sites if s.startswith("t")]
+        with SeaweedServer(rundir / "s3", sites=sites, shared={"loco": trainers}) as server:
+            server.create_buckets()
             network = _Network(args, workdir, rundir, server)
             console.print(
                 f"[bold]bench rl[/]: {args.model}, {args.steps} GRPO steps, {args.inference} inference "
@@ -115,8 +116,7 @@ class _Network:
             keys[site] = (load_private_key(path), load_public_key(f"{path}.pub"))
 
         def store(identity_site: str, bucket_site: str) -> S3Store:
-            identity = "admin" if bucket_site == "loco" else server.writer(identity_site)
-            cfg = server.config(identity, link_mbps=args.link_mbps)
+            cfg = server.config(server.writer(identity_site), link_mbps=args.link_mbps)
             return S3Store(server.bucket(bucket_site), "", cfg)
 
         text = text_codec(args.model)
@@ -148,9 +148,7 @@ class _Network:
                     key=keys[t][0],
                     sources=sources,
                     model=initial_model(args.model, seed=args.seed),
-                    # The bench gives every trainer the admin identity on the shared PULSELoCo bucket;
-                    # a deployment gives each trainer site write access to it (docs/deploy.md).
-                    loco_store=store(t, "loco") if loco else None,
+                    loco_store=store(t, "loco") if loco else None,  # the run's bucket: trainers write it
                 )
             )
         self.trainer = self.trainers[0]

@@ -49,7 +49,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -245,6 +245,7 @@ class SeaweedServer:
         *,
         port: int | None = None,
         sites: Sequence[str] = (),
+        shared: Mapping[str, Sequence[str]] | None = None,
         bucket_prefix: str = "pulsenet-",
         region: str = "us-east-1",
         startup_timeout_s: float = 60.0,
@@ -261,6 +262,13 @@ class SeaweedServer:
             tempfile.mkdtemp(prefix="pulsenet-seaweed-") if data_dir is None else data_dir
         ).absolute()
         self.sites = tuple(sites)
+        self.shared = {b: tuple(w) for b, w in (shared or {}).items()}
+        """Shared bucket name (as a site name) -> sites whose writer may also write it: a PULSELoCo
+        run's bucket, written by every trainer of the run."""
+        for b, writers in self.shared.items():
+            unknown = set(writers) - set(self.sites)
+            if not _SITE.fullmatch(b) or unknown:
+                raise ConfigError(f"shared bucket {b!r}: writers must be sites, not {sorted(unknown)}")
         self.bucket_prefix = bucket_prefix
         self.region = region
         self.startup_timeout_s = startup_timeout_s
@@ -459,10 +467,10 @@ class SeaweedServer:
         ]
 
     def create_buckets(self, *names: str) -> list[str]:
-        """Create buckets as admin (default: every site's bucket); existing ones are fine."""
+        """Create buckets as admin (default: every site's and shared bucket); existing ones are fine."""
         import botocore.exceptions as bex
 
-        names = names or tuple(self.bucket(s) for s in self.sites)
+        names = names or tuple(self.bucket(s) for s in (*self.sites, *self.shared))
         client = self._admin_client()
         try:
             for name in names:
@@ -497,7 +505,15 @@ class SeaweedServer:
         wanted = {
             "admin": ("Admin", "Read", "Write", "List", "Tagging"),
             "reader": ("Read", "List"),
-            **{self.writer(s): ("Read", "List", f"Write:{self.bucket(s)}") for s in self.sites},
+            **{
+                self.writer(s): (
+                    "Read",
+                    "List",
+                    f"Write:{self.bucket(s)}",
+                    *(f"Write:{self.bucket(b)}" for b, writers in self.shared.items() if s in writers),
+                )
+                for s in self.sites
+            },
         }
         changed = False
         for name, actions in wanted.items():
