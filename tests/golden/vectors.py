@@ -85,6 +85,57 @@ def payload_inputs() -> tuple[dict[str, np.ndarray], loco_payload.Payload, loco_
     return theta, sparse, dense
 
 
+def signing_key():
+    """A fixed Ed25519 key (Ed25519 signatures are deterministic: same key, same bytes)."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(b"pulsenet golden key").digest())
+
+
+def documents() -> dict[str, bytes]:
+    """Signed documents: a PULSESync manifest and head, a PULSELoCo payload manifest."""
+    from pulsenet.loco.documents import KIND_MANIFEST, RoundStore, payload_key
+    from pulsenet.signing import key_id
+    from pulsenet.store import LocalStore
+    from pulsenet.sync.layout import Layout
+    from pulsenet.sync.manifest import Head, Manifest, PayloadRef, sign_head, sign_manifest
+
+    key = signing_key()
+    kid = key_id(key.public_key())
+    layout = Layout("policy", run="golden", store_url="s3://pulsenet-golden/run/")
+    digests = {"base": "ab" * 32, "target": "cd" * 32}
+    manifest = Manifest(
+        version=7,
+        kind="patch",
+        model_digest=digests["target"],
+        base_version=6,
+        base_digest=digests["base"],
+        anchor=None,
+        patch=PayloadRef(role="patch", key=layout.payload(7, "patch", "ef" * 32), size=961, sha256="ef" * 32),
+        full_bytes=269060352,
+        publisher=kid,
+        created="2026-12-01T00:00:00.000000+00:00",
+        step=7,
+    )
+    head = Head(version=7, model_digest=digests["target"], publisher=kid, time_ms=1_795_000_000_000)
+    rs = RoundStore(LocalStore("/nonexistent-golden"), "t0", key, {"t0": key.public_key()}, run="golden")
+    loco = {
+        "kind": KIND_MANIFEST,
+        "trainer": "t0",
+        "round": 3,
+        "payload": {"key": payload_key("t0", 3, "ef" * 32), "size": 368, "sha256": "ef" * 32},
+        "mode": "pulseloco",
+        "sent": 30,
+        "total": 424,
+        "base_digest": digests["base"],
+    }
+    return {
+        "sync-manifest.json": sign_manifest(manifest, key, context=layout.context),
+        "sync-head.json": sign_head(head, key, context=layout.context),
+        "loco-manifest.json": rs.sign(loco),
+    }
+
+
 def build() -> dict[str, bytes]:
     """Every golden file's exact bytes, from the current encoders."""
     a, b = states()
@@ -95,6 +146,7 @@ def build() -> dict[str, bytes]:
         "payload-sparse-v2.bin": loco_payload.encode(sparse, theta, threads=1),
         "payload-dense-v2.bin": loco_payload.encode(dense, theta, threads=1),
     }
+    out.update(documents())
     digests = {"base": model_digest(a), "target": model_digest(b)}
     out["digests.json"] = (json.dumps(digests, indent=1, sort_keys=True) + "\n").encode()
     return out
