@@ -43,11 +43,6 @@ def from_bits(u: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     return t.view(_TORCH_INT_OF_WIDTH[width]).view(dtype).reshape(shape)
 
 
-def bf16_bits(t: torch.Tensor) -> np.ndarray:
-    """Bit patterns of ``t`` rounded to BF16 (round-to-nearest-even, as ``Tensor.to(bfloat16)``)."""
-    return bits(t.to(torch.bfloat16))
-
-
 def visible_change(theta: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     """Boolean mask of entries where applying ``update`` changes the BF16 value the forward pass sees.
 
