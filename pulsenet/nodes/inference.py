@@ -156,7 +156,9 @@ class InferenceNode:
             self.state.beat()
             self._first.set()
             self._newer.set()
-            log.info("%s serves v%d (%s…)", self.config.id, version, digest[:12])
+            log.info(
+                "%s serves v%d (%s…)", self.config.id, version, digest[:12], extra={"version": version, "digest": digest}
+            )
 
     def newest_published(self) -> int | None:
         """The newest version any followed channel's head or manifests announced."""

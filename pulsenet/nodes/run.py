@@ -43,7 +43,12 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
     sources = [RolloutSource(n, open_site_store(url), keys[n]) for n, url in sources_urls.items()]
     text = text_codec(c.model)
     c.grpo.pad_id = text.pad_id
-    model = initial_model(c.model, Path(c.state_dir) / "cache", seed=c.seed)
+    if c.model == "tiny":
+        from pulsenet.rl.warmup import warm_tiny_model
+
+        model = warm_tiny_model(Path(c.state_dir) / "cache", steps=c.warmup_steps, seed=c.seed)
+    else:
+        model = initial_model(c.model, Path(c.state_dir) / "cache", seed=c.seed)
     return TrainerNode(c, store=open_site_store(c.store), key=load_private_key(c.key), sources=sources, model=model)
 
 
