@@ -214,7 +214,7 @@ class Network:
 
 @pytest.fixture
 def network(server: SeaweedServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Network]:
-    steps = getattr(request, "param", 10)
+    steps = getattr(request, "param", 12)
     net = Network(server, tmp_path, steps=steps)
     yield net
     net.kill_all()
@@ -260,6 +260,18 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     net.wait_for("restarted trainer at its old version", lambda: net.version("t0") >= before, 90)
     resumed = [r for r in net.logs("t0") if r.get("msg", "").startswith("t0: at v")]
     assert len(resumed) == 2 and int(resumed[1]["msg"].split("v")[-1]) >= before, resumed
+
+    # SIGTERM mid-run (the trainer and the other inference node): exit 0, nothing half-written,
+    # and the same command resumes them.
+    net.wait_for("a version after the restart", lambda: net.version("t0") > before, 90)
+    mid = net.version("t0")
+    assert mid < net.steps, "the run ended before SIGTERM: raise steps"
+    assert net.signal("t0", signal.SIGTERM) == 0, net.tail("t0")
+    assert net.signal("i1", signal.SIGTERM) == 0, net.tail("i1")
+    assert max(await net.published()) >= mid  # checks every manifest's payloads exist, whole
+    assert await net.rollout_manifests("i1") > 0
+    net.start("t0")
+    net.start("i1")
 
     # The trainer finishes its steps and exits 0; both inference nodes reach its last version.
     assert net.procs["t0"].wait(150) == 0, net.tail("t0")
