@@ -102,9 +102,15 @@ class Network:
                 "PULSENET_WARMUP_STEPS": str(WARMUP),
                 "PULSENET_ANCHOR_EVERY": "4",
                 "PULSENET_KEEP_ANCHORS": "8",  # nothing deleted here: the test reads every manifest
+                "PULSENET_CONSUMER_POLL_S": "1",
             }
         else:
-            env |= {"PULSENET_POLICY": self.url("t0"), "PULSENET_POLL_S": "0.3", "PULSENET_BATCHES_PER_VERSION": "1"}
+            env |= {
+                "PULSENET_POLICY": self.url("t0"),
+                "PULSENET_POLL_S": "0.3",
+                "PULSENET_BATCHES_PER_VERSION": "1",
+                "PULSENET_STATUS_EVERY_S": "1",
+            }
         return env
 
     def command(self, site: str) -> list[str]:
@@ -245,6 +251,9 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     net.wait_for("trainer at v3", lambda: net.version("t0") >= 3, 150)
     net.wait_for("inference nodes serving", lambda: all(net.version(i) >= 1 for i in ("i0", "i1")), 60)
     t_status = _check_http(net, "t0")
+    # The trainer reads the inference nodes' signed status objects: /status names the slowest.
+    slowest = net.wait_for("slowest consumer", lambda: (net.status("t0") or {}).get("slowest_consumer"), 30)
+    assert slowest["id"] in ("i0", "i1") and slowest["version"] <= net.version("t0") and slowest["kept"]
     assert t_status["rollouts"]["consumed"] > 0 and t_status["bytes"]["rollouts"] > 0
     for i in ("i0", "i1"):
         s = _check_http(net, i)

@@ -29,6 +29,7 @@ from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
+from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.tasks import RewardTask, assign_problems
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
@@ -81,6 +82,9 @@ class InferenceConfig:
     """Verified weights per channel (restart resumes from them) and caches."""
     poll_s: float = 1.0
     """Time between policy polls."""
+    status_every_s: float = 10.0
+    """Rewrite this node's signed status object (status/<id>.json: version served, digest, time)
+    this often; trainers keep the chain it needs while it is live."""
     status_host: str = "127.0.0.1"
     """Address of /healthz, /status, /metrics."""
     status_port: int = 0
@@ -107,6 +111,7 @@ class InferenceNode:
         self.config = c = config
         self.task, self.text = task, text
         self.state = NodeState(role="inference", node_id=c.id)
+        self.store, self.key = store, key
         self.writer = RolloutWriter(
             store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
         )
@@ -174,8 +179,22 @@ class InferenceNode:
             for sub in self.subscribers:
                 tg.create_task(sub.run(stop))
             tg.create_task(self._generate_loop(stop))
+            tg.create_task(self._report_status(stop))
         for sub in self.subscribers:
             await sub.close()
+
+    async def _report_status(self, stop: asyncio.Event) -> None:
+        """Keep the signed status object (nodes/consumers.py) current; a failed write is retried."""
+        while not stop.is_set():
+            s = self.state
+            if s.version is not None and s.digest is not None:
+                try:
+                    await write_status(
+                        self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest  # type: ignore[arg-type]
+                    )
+                except PulsenetError as e:
+                    log.warning("%s: status object not written: %s", self.config.id, e)
+            await _wait_any(stop, timeout=self.config.status_every_s)
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

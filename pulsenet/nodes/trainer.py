@@ -16,6 +16,7 @@ signed in the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import time
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from pulsenet.fsutil import atomic_path
+from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
@@ -80,6 +82,13 @@ class TrainerConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 900.0
     """/healthz answers 503 when the loop has made no progress for this long."""
+    consumer_bound: int = 50
+    """Retention keeps the chain from a live inference node's version (its signed status object)
+    when it is at most this many versions behind; further behind, it takes the newest anchor."""
+    consumer_ttl_s: float = 120.0
+    """A consumer whose status object has not changed for this long (trainer's clock) holds nothing."""
+    consumer_poll_s: float = 5.0
+    """Time between reads of the inference nodes' status objects."""
     loco_store: str = ""
     """The PULSELoCo run's store, writable by every trainer of the run; empty: a lone trainer
     that publishes after every optimizer step."""
@@ -119,6 +128,8 @@ class TrainerNode:
             RolloutIntakeConfig(run=c.run, max_staleness=c.max_staleness, interval_s=0.5),
             trainer_id=c.id,
         )
+        self.sources = sources
+        self.consumers = ConsumerTracker(bound=c.consumer_bound, ttl_s=c.consumer_ttl_s)
         self.version = -1
         self.history: list[dict[str, Any]] = []
         """One entry per published version: metrics, bytes, timings."""
@@ -163,8 +174,20 @@ class TrainerNode:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.intake.run(lambda: self.version, done))
                 tg.create_task(train())
+                tg.create_task(self._follow_consumers(done))
         finally:
             await self.publisher.close(flush_timeout=60)
+
+    async def _follow_consumers(self, done: asyncio.Event) -> None:
+        """Read the inference nodes' status objects: retention keeps what the slowest live one needs."""
+        times: dict[str, str] = {}
+        while not done.is_set():
+            await poll_consumers(self.consumers, self.sources, run=self.config.run, times=times)
+            self.publisher.keep_from = self.consumers.keep_from(self.version)
+            self.state.slowest_consumer = self.consumers.slowest(self.version)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.consumer_poll_s):
+                    await done.wait()
 
     # --- the loop ---------------------------------------------------------------------------------
 
