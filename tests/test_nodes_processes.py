@@ -289,6 +289,12 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     for i in ("i0", "i1"):  # SIGTERM: a clean exit
         assert net.signal(i, signal.SIGTERM) == 0, net.tail(i)
 
+    await _check_agreement(net, finals)
+
+
+async def _check_agreement(net: Network, finals: dict[str, dict[str, Any]]) -> None:
+    """After the run: one unbroken chain v0..vN, every served version verified, final digests equal,
+    every manifest (policy and rollouts) naming whole payloads."""
     published = await net.published()
     # Version numbering continued across the restart: v0..vN, each once, one unbroken chain.
     assert sorted(published) == list(range(net.steps + 1))
@@ -305,3 +311,42 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
             assert published[v].model_digest == d, f"{i} served v{v} with digest {d[:12]}"
         assert finals[i]["digest"] == published[net.steps].model_digest
     assert await net.rollout_manifests("i0") > 0 and await net.rollout_manifests("i1") > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_soak_repeated_kills(server: SeaweedServer, tmp_path: Path) -> None:
+    """Longer: SIGKILL a random node (trainer or inference) every few versions and restart it, until
+    the trainer has published PULSENET_SOAK_STEPS versions (default 30); then the same agreement
+    checks as above."""
+    import random
+
+    steps = int(os.environ.get("PULSENET_SOAK_STEPS", "30"))
+    net = Network(server, tmp_path, steps=steps)
+    rng = random.Random(0)
+    try:
+        for site in SITES:
+            net.start(site)
+        net.wait_for("trainer at v2", lambda: net.version("t0") >= 2, 150)
+        kills = 0
+        while net.procs["t0"].poll() is None:
+            target = net.version("t0") + 3
+            if target >= steps:
+                break
+            net.wait_for(f"trainer at v{target}", lambda t=target: net.version("t0") >= t or net.procs["t0"].poll() == 0, 150)
+            if net.procs["t0"].poll() is not None:
+                break
+            site = rng.choice(SITES)
+            assert net.signal(site, signal.SIGKILL) == -signal.SIGKILL
+            net.start(site)
+            kills += 1
+            net.wait_for(f"{site} back", lambda s=site: net.version(s) >= 0, 120)
+        assert net.procs["t0"].wait(300) == 0, net.tail("t0")
+        assert kills >= 3
+        net.wait_for("inference at the last version", lambda: all(net.version(i) == steps for i in ("i0", "i1")), 90)
+        finals = {i: net.status(i) for i in ("i0", "i1")}
+        for i in ("i0", "i1"):
+            assert net.signal(i, signal.SIGTERM) == 0, net.tail(i)
+        await _check_agreement(net, finals)
+    finally:
+        net.kill_all()
