@@ -289,64 +289,62 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     for i in ("i0", "i1"):  # SIGTERM: a clean exit
         assert net.signal(i, signal.SIGTERM) == 0, net.tail(i)
 
-    await _check_agreement(net, finals)
+    await _check_agreement(net, finals, net.steps)
 
 
-async def _check_agreement(net: Network, finals: dict[str, dict[str, Any]]) -> None:
-    """After the run: one unbroken chain v0..vN, every served version verified, final digests equal,
-    every manifest (policy and rollouts) naming whole payloads."""
+async def _check_agreement(net: Network, finals: dict[str, dict[str, Any]], last: int, first: int | None = 0) -> None:
+    """After the run: one unbroken chain v<first>..v<last> (``first`` None: from wherever retention
+    left it), every served version still in the store verified, final digests equal, every manifest
+    (policy and rollouts) naming whole payloads."""
     published = await net.published()
-    # Version numbering continued across the restart: v0..vN, each once, one unbroken chain.
-    assert sorted(published) == list(range(net.steps + 1))
-    for v in range(1, net.steps + 1):
+    first = min(published) if first is None else first
+    # Version numbering continued across restarts: each version once, one unbroken chain.
+    assert sorted(published) == list(range(first, last + 1))
+    for v in range(first + 1, last + 1):
         m = published[v]
         if m.base_version is not None:
             assert published[m.base_version].model_digest == m.base_digest
-    assert len({m.model_digest for m in published.values()}) > net.steps // 2, "versions barely changed"
+    assert len({m.model_digest for m in published.values()}) > last // 2, "versions barely changed"
     # Every version any inference node served is one the trainer signed, with its digest.
     for i in ("i0", "i1"):
         served = net.served(i)
         assert served, net.tail(i)
-        for v, d in served:
+        kept = [(v, d) for v, d in served if v >= first]
+        assert kept, f"{i} served nothing still in the store"
+        for v, d in kept:
             assert published[v].model_digest == d, f"{i} served v{v} with digest {d[:12]}"
-        assert finals[i]["digest"] == published[net.steps].model_digest
+        assert finals[i]["digest"] == published[last].model_digest
     assert await net.rollout_manifests("i0") > 0 and await net.rollout_manifests("i1") > 0
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_soak_repeated_kills(server: SeaweedServer, tmp_path: Path) -> None:
-    """Longer: SIGKILL a random node (trainer or inference) every few versions and restart it, until
-    the trainer has published PULSENET_SOAK_STEPS versions (default 30); then the same agreement
-    checks as above."""
+    """Longer: PULSENET_SOAK_KILLS times (default 8), once the trainer has moved two versions, SIGKILL
+    a random node (trainer or inference) and restart it with the same command; then SIGTERM the
+    trainer and run the same agreement checks on everything it published."""
     import random
 
-    steps = int(os.environ.get("PULSENET_SOAK_STEPS", "30"))
-    net = Network(server, tmp_path, steps=steps)
+    kills = int(os.environ.get("PULSENET_SOAK_KILLS", "8"))
+    net = Network(server, tmp_path, steps=100_000)
     rng = random.Random(0)
     try:
         for site in SITES:
             net.start(site)
         net.wait_for("trainer at v2", lambda: net.version("t0") >= 2, 150)
-        kills = 0
-        while net.procs["t0"].poll() is None:
-            target = net.version("t0") + 3
-            if target >= steps:
-                break
-            net.wait_for(f"trainer at v{target}", lambda t=target: net.version("t0") >= t or net.procs["t0"].poll() == 0, 150)
-            if net.procs["t0"].poll() is not None:
-                break
+        for _ in range(kills):
+            target = net.version("t0") + 2
+            net.wait_for(f"trainer at v{target}", lambda t=target: net.version("t0") >= t, 150)
             site = rng.choice(SITES)
             assert net.signal(site, signal.SIGKILL) == -signal.SIGKILL
             net.start(site)
-            kills += 1
             net.wait_for(f"{site} back", lambda s=site: net.version(s) >= 0, 120)
-        assert net.procs["t0"].wait(300) == 0, net.tail("t0")
-        assert kills >= 3
-        net.wait_for("inference at the last version", lambda: all(net.version(i) == steps for i in ("i0", "i1")), 90)
+        assert net.signal("t0", signal.SIGTERM) == 0, net.tail("t0")
+        last = max(await net.published())
+        net.wait_for("inference at the last version", lambda: all(net.version(i) == last for i in ("i0", "i1")), 90)
         finals = {i: net.status(i) for i in ("i0", "i1")}
         for i in ("i0", "i1"):
             assert net.signal(i, signal.SIGTERM) == 0, net.tail(i)
-        await _check_agreement(net, finals)
+        await _check_agreement(net, finals, last, first=None)
     finally:
         net.kill_all()
