@@ -234,6 +234,7 @@ def _check_http(net: Network, site: str) -> dict[str, Any]:
     role = "trainer" if site.startswith("t") else "inference"
     assert (status["role"], status["node_id"]) == (role, site)
     assert status["version"] is not None and len(status["digest"]) == 64 and status["errors"] == 0, status
+    assert status["rollouts"]["rejected"] == 0, status  # no batch failed verification
     code, body = net.http(site, "/metrics")
     text = body.decode()
     assert code == 200
@@ -274,6 +275,7 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     # and the same command resumes them.
     net.wait_for("a version after the restart", lambda: net.version("t0") > before, 90)
     mid = net.version("t0")
+    assert net.status("t0")["rollouts"]["rejected"] == 0
     assert mid < net.steps, "the run ended before SIGTERM: raise steps"
     assert net.signal("t0", signal.SIGTERM) == 0, net.tail("t0")
     assert net.signal("i1", signal.SIGTERM) == 0, net.tail("i1")
@@ -304,7 +306,7 @@ async def _check_agreement(net: Network, finals: dict[str, dict[str, Any]], last
         m = published[v]
         if m.base_version is not None:
             assert published[m.base_version].model_digest == m.base_digest
-    assert len({m.model_digest for m in published.values()}) > last // 2, "versions barely changed"
+    assert len({m.model_digest for m in published.values()}) > (last - first) // 2, "versions barely changed"
     # Every version any inference node served is one the trainer signed, with its digest.
     for i in ("i0", "i1"):
         served = net.served(i)
