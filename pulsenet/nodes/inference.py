@@ -9,7 +9,10 @@ One asyncio loop (``InferenceNode.run``) with, in one TaskGroup:
 - the generation loop: draw problems as a pure function of (node, version, batch), sample G
   completions each on the engine in a thread, score them, write one signed rollout batch, apply
   retention;
-- the status server (``/healthz``, ``/status``, ``/metrics``).
+- the status server (``/healthz``, ``/status``, ``/metrics``);
+- the signed status object ``status/<id>.json`` in its own store (version served, digest, time),
+  rewritten every ``status_every_s``: trainers' retention keeps the chain it still needs
+  (nodes/consumers.py).
 
 The engine takes a verified update only between batches (the torch engine parks one that arrives
 mid-batch), so every row of a batch carries the version and digest that produced it.

@@ -6,7 +6,9 @@ One asyncio loop (``TrainerNode.run``) with, in one TaskGroup:
   verification overlap the GRPO step, which runs in a thread);
 - the training loop: take fresh batches until a step's worth of rows is there, one GRPO step,
   checkpoint (atomically, before publishing: a restart then republishes what it had not), publish
-  the BF16 state as the next version.
+  the BF16 state as the next version;
+- the consumers' signed status objects, read every ``consumer_poll_s``: the slowest live inference
+  node goes to ``/status`` and bounds the publisher's retention (nodes/consumers.py).
 
 With one trainer the policy version is the optimizer step. Restart-safe: a SIGKILLed trainer
 resumes from its checkpoint with the same command; the publisher resumes from what its own key
