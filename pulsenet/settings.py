@@ -89,9 +89,11 @@ def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
     for f in dataclasses.fields(cls):
         name = prefix + f.name
         typ = f.type if not isinstance(f.type, str) else f.type.replace(" ", "")
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            out |= _flags(f.default_factory, name + ".")
-            continue
+        if f.default_factory is not dataclasses.MISSING:
+            made = f.default_factory()  # a class or a lambda (``lambda: GRPOConfig(lr=1e-3)``)
+            if dataclasses.is_dataclass(made):
+                out |= _flags(type(made), name + ".")
+                continue
         kind = "bool" if typ in (bool, "bool") else "list" if re.match(r"(list|tuple)\[", str(typ)) else "value"
         out[name] = ("--" + name.replace("_", "-"), kind)
     return out

@@ -92,3 +92,56 @@ def test_help_says_what_pulsenet_is_and_where_to_start(capsys):
     assert "``" not in out  # no reST markup from a module docstring
     for command in ("keygen", "s3 serve", "publish", "pull", "bench sync"):
         assert f"pulsenet {command}" in out
+
+
+def _settings_value(got):
+    """A loaded setting in the form TOML wrote it (paths as strings, lists of strings)."""
+    if isinstance(got, list | tuple):
+        return [str(g) if isinstance(g, Path) else g for g in got]
+    return str(got) if isinstance(got, Path) else got
+
+
+@pytest.mark.parametrize(("name", "table"), [("trainer.toml", "trainer"), ("inference.toml", "inference")])
+def test_shipped_node_tables_load_value_by_value(name, table):
+    """``pulsenet trainer|inference --config configs/...``: every value of the table reaches the
+    node's settings, typed, through the one schema (pulsenet.settings.load_settings)."""
+    from pulsenet.nodes.inference import InferenceConfig
+    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.settings import load_settings
+
+    cls = TrainerConfig if table == "trainer" else InferenceConfig
+    c = load_settings(cls, table=table, config=CONFIGS / name, environ={})
+    data = load_toml(CONFIGS / name)[table]
+    assert data.get("store") and data.get("key")
+
+    def check(obj, tbl, where):
+        for key, value in tbl.items():
+            if isinstance(value, dict):
+                check(getattr(obj, key.replace("-", "_")), value, f"{where}.{key}")
+                continue
+            got = _settings_value(getattr(obj, key.replace("-", "_")))
+            assert got == value and type(got) is type(value), f"{name} [{where}] {key} = {value!r} arrived as {got!r}"
+
+    check(c, data, table)
+
+
+def test_node_table_site_overrides_by_env():
+    """What docs/deploy.md and docker/compose.yaml set per site wins over the shipped file."""
+    from pulsenet.nodes.inference import InferenceConfig
+    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.settings import load_settings
+
+    env = {
+        "PULSENET_ID": "i1",
+        "PULSENET_STORE": "s3://pulsenet-i1",
+        "PULSENET_POLICY": "s3://pulsenet-t0, s3://pulsenet-t1",
+        "PULSENET_TRUST": "keys/t0.key.pub,keys/t1.key.pub",
+        "PULSENET_STATUS_PORT": "9000",
+    }
+    c = load_settings(InferenceConfig, table="inference", config=CONFIGS / "inference.toml", environ=env)
+    assert (c.id, c.store, c.policy, c.status_port) == ("i1", "s3://pulsenet-i1", ["s3://pulsenet-t0", "s3://pulsenet-t1"], 9000)
+    assert c.trust == [Path("keys/t0.key.pub"), Path("keys/t1.key.pub")]
+    t = load_settings(TrainerConfig, table="trainer", config=CONFIGS / "trainer.toml", environ={"PULSENET_GRPO__LR": "3e-6"})
+    assert t.grpo.lr == 3e-6 and t.model == "tiny"
+    t = load_settings(TrainerConfig, table="trainer", config=CONFIGS / "trainer.toml", argv=["--grpo.lr", "1e-5"], environ={"PULSENET_GRPO__LR": "3e-6"})
+    assert t.grpo.lr == 1e-5

@@ -23,7 +23,7 @@ from pulsenet.rl.models import (
     tiny_qwen2_config,
 )
 from pulsenet.rl.tasks import ChainTask, JsonlTask, RewardTask
-from pulsenet.rl.warmup import tiny_task, warm_tiny_model
+from pulsenet.rl.warmup import WARMUP_STEPS, tiny_task, warm_tiny_model
 from pulsenet.signing import key_id, load_public_key
 from pulsenet.store import S3Config, open_store
 from pulsenet.store.base import ObjectStore
@@ -77,10 +77,12 @@ CACHE_DIR = Path("~/.cache/pulsenet")
 conversion lives in its own default directory)."""
 
 
-def initial_model(model: str, cache_dir: Path | None = None, seed: int = 0) -> PreTrainedModel:
+def initial_model(
+    model: str, cache_dir: Path | None = None, seed: int = 0, warmup_steps: int = WARMUP_STEPS
+) -> PreTrainedModel:
     """The FP32 policy a run starts from: the warmed-up tiny model (cached), or SmolLM2-135M-Instruct."""
     if model == "tiny":
-        return warm_tiny_model((cache_dir or CACHE_DIR).expanduser(), seed=seed)
+        return warm_tiny_model((cache_dir or CACHE_DIR).expanduser(), steps=warmup_steps, seed=seed)
     if model == "smollm2":
         return load_model(smollm2_checkpoint(), dtype=torch.float32)
     raise ConfigError(f"model must be one of {MODELS}, got {model!r}")

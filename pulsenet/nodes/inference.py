@@ -11,7 +11,10 @@ One asyncio loop (``InferenceNode.run``) with, in one TaskGroup:
 - the generation loop: draw problems as a pure function of (node, version, batch), sample G
   completions each on the engine in a thread, score them, write one signed rollout batch, apply
   retention;
-- the status server (``/healthz``, ``/status``, ``/metrics``).
+- the status server (``/healthz``, ``/status``, ``/metrics``);
+- the signed status object ``status/<id>.json`` in its own store (version served, digest, time),
+  rewritten every ``status_every_s``: trainers' retention keeps the chain it still needs
+  (nodes/consumers.py).
 
 The engine takes a verified update only between batches (the torch engine parks one that arrives
 mid-batch), so every row of a batch carries the version and digest that produced it.
@@ -32,6 +35,7 @@ from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
+from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.tasks import RewardTask, assign_problems
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
@@ -87,6 +91,9 @@ class InferenceConfig:
     failover_s: float = 30.0
     """Switch to another trainer channel when the followed one brought nothing newer for this long
     and another announces a newer version."""
+    status_every_s: float = 10.0
+    """Rewrite this node's signed status object (status/<id>.json: version served, digest, time)
+    this often; trainers keep the chain it needs while it is live."""
     status_host: str = "127.0.0.1"
     """Address of /healthz, /status, /metrics."""
     status_port: int = 0
@@ -113,6 +120,7 @@ class InferenceNode:
         self.config = c = config
         self.task, self.text = task, text
         self.state = NodeState(role="inference", node_id=c.id)
+        self.store, self.key = store, key
         self.writer = RolloutWriter(
             store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
         )
@@ -162,7 +170,9 @@ class InferenceNode:
             self.state.beat()
             self._first.set()
             self._newer.set()
-            log.info("%s serves v%d (%s…)", self.config.id, version, digest[:12])
+            log.info(
+                "%s serves v%d (%s…)", self.config.id, version, digest[:12], extra={"version": version, "digest": digest}
+            )
 
     def newest_published(self) -> int | None:
         """The newest version any followed channel's head or manifests announced."""
@@ -178,6 +188,7 @@ class InferenceNode:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._follow(stop))
                 tg.create_task(self._generate_loop(stop))
+                tg.create_task(self._report_status(stop))
         finally:
             for sub in self.subscribers:
                 await sub.close()
@@ -212,6 +223,19 @@ class InferenceNode:
         if task.done() and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]
         return active
+
+    async def _report_status(self, stop: asyncio.Event) -> None:
+        """Keep the signed status object (nodes/consumers.py) current; a failed write is retried."""
+        while not stop.is_set():
+            s = self.state
+            if s.version is not None and s.digest is not None:
+                try:
+                    await write_status(
+                        self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest  # type: ignore[arg-type]
+                    )
+                except PulsenetError as e:
+                    log.warning("%s: status object not written: %s", self.config.id, e)
+            await _wait_any(stop, timeout=self.config.status_every_s)
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -6,7 +6,9 @@ One asyncio loop (``TrainerNode.run``) with, in one TaskGroup:
   verification overlap the GRPO step, which runs in a thread);
 - the training loop: take fresh batches until a step's worth of rows is there, one GRPO step,
   checkpoint (atomically, before publishing: a restart then republishes what it had not), publish
-  the BF16 state as the next version.
+  the BF16 state as the next version;
+- the consumers' signed status objects, read every ``consumer_poll_s``: the slowest live inference
+  node goes to ``/status`` and bounds the publisher's retention (nodes/consumers.py).
 
 With one trainer the policy version is the optimizer step. Restart-safe: a SIGKILLed trainer
 resumes from its checkpoint with the same command; the publisher resumes from what its own key
@@ -38,6 +40,7 @@ from pulsenet.errors import ConfigError
 from pulsenet.fsutil import atomic_path
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
+from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
@@ -69,6 +72,8 @@ class TrainerConfig:
     """PULSESync channel name inside this store."""
     model: str = "tiny"
     """Initial policy: tiny (warmed-up, cached under state_dir) or smollm2."""
+    warmup_steps: int = 250
+    """Tiny model only: supervised warm-up steps before v0 (250: sampled reward ~0.6; tests use fewer)."""
     steps: int = 20
     """Policy versions to train and publish (optimizer steps); the node exits after the last."""
     rows_per_step: int = 32
@@ -91,6 +96,13 @@ class TrainerConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 900.0
     """/healthz answers 503 when the loop has made no progress for this long."""
+    consumer_bound: int = 50
+    """Retention keeps the chain from a live inference node's version (its signed status object)
+    when it is at most this many versions behind; further behind, it takes the newest anchor."""
+    consumer_ttl_s: float = 120.0
+    """A consumer whose status object has not changed for this long (trainer's clock) holds nothing."""
+    consumer_poll_s: float = 5.0
+    """Time between reads of the inference nodes' status objects."""
     loco_store: str = ""
     """The PULSELoCo run's store, writable by every trainer of the run; empty: a lone trainer
     that publishes after every optimizer step."""
@@ -157,10 +169,12 @@ class TrainerNode:
             )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
+        self.sources = sources
+        self.consumers = ConsumerTracker(bound=c.consumer_bound, ttl_s=c.consumer_ttl_s)
         self.version = -1
         self.history: list[dict[str, Any]] = []
-        self._round_versions: list[int] = []
         """One entry per published version: metrics, bytes, timings."""
+        self._round_versions: list[int] = []
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -228,8 +242,20 @@ class TrainerNode:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self.intake.run(lambda: self.version, done))
                 tg.create_task(train())
+                tg.create_task(self._follow_consumers(done))
         finally:
             await self.publisher.close(flush_timeout=60)
+
+    async def _follow_consumers(self, done: asyncio.Event) -> None:
+        """Read the inference nodes' status objects: retention keeps what the slowest live one needs."""
+        times: dict[str, str] = {}
+        while not done.is_set():
+            await poll_consumers(self.consumers, self.sources, run=self.config.run, times=times)
+            self.publisher.keep_from = self.consumers.keep_from(self.version)
+            self.state.slowest_consumer = self.consumers.slowest(self.version)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.consumer_poll_s):
+                    await done.wait()
 
     # --- the loop ---------------------------------------------------------------------------------
 

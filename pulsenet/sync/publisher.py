@@ -218,6 +218,9 @@ class Publisher:
         """Upload attempts that failed (each is logged)."""
         self.dropped = 0
         """States dropped from the queue because newer ones arrived."""
+        self.keep_from: int | None = None
+        """Retention hint from the consumers' status objects (nodes/consumers.py): a live node holds
+        this version, so nothing from it on is deleted (the owner bounds how old it may be)."""
         self._state: dict[str, torch.Tensor] | None = None
         self._anchor_version: int | None = None
         self._next = 0
@@ -600,6 +603,8 @@ class Publisher:
                 if m.anchor is not None and m.anchor.key in anchor_keys:
                     anchors.append(v)
         cutoff = anchors[-1] if len(anchors) >= keep else 0
+        if self.keep_from is not None:  # a live consumer still follows the chain from there
+            cutoff = max(0, min(cutoff, self.keep_from))
         newest = self.version if self.version is not None else -1  # ours: never a listed name
         old_manifests = [key for v, key in manifests.items() if v < cutoff]
         old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]

@@ -1,0 +1,224 @@
+"""docker/compose.yaml without a Docker engine: parsed, and checked against the real CLI and the
+per-site access model (a site's user writes only its own bucket and reads the others).
+
+What this cannot check (README "Docker"): that the images build, that MinIO and mc accept the
+bootstrap script and policy as written, and that the containers run.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from pulsenet.cli import parse_cli
+from pulsenet.cli.nodes import _config_option
+from pulsenet.nodes.common import site_map
+from pulsenet.nodes.inference import InferenceConfig
+from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.settings import load_settings
+
+DOCKER = Path(__file__).resolve().parent.parent / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+_VAR = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(value: Any) -> Any:
+    """Compose's interpolation with nothing set: ``${VAR:-default}`` -> default, ``$$`` -> ``$``."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return _interpolate(yaml.safe_load(COMPOSE.read_text()))
+
+
+def _nodes(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in compose["services"].items() if n.startswith(("trainer-", "inference-"))}
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(e.split("=", 1) for e in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """container path -> (source, read_only)."""
+    out = {}
+    for v in service.get("volumes", []):
+        parts = v.split(":")
+        out[parts[1]] = (parts[0], len(parts) > 2 and "ro" in parts[2].split(","))
+    return out
+
+
+def _settings(service: dict[str, Any]) -> tuple[str, TrainerConfig | InferenceConfig]:
+    """The node's settings exactly as the image's ``pulsenet`` entrypoint would load them."""
+    env = _env(service)
+    command = list(service["command"])
+    config = PurePosixPath(command[command.index("--config") + 1])
+    source, read_only = _mounts(service)[str(config.parent)]  # the file the container sees
+    host = (DOCKER / source / config.name).resolve()
+    assert read_only and host.is_file(), f"{config} is not a shipped config ({host})"
+    args = parse_cli([str(host) if a == str(config) else a for a in command], env)
+    assert args.node in ("trainer", "inference")
+    rest, given = _config_option(list(args.rest), env.get("PULSENET_CONFIG"))
+    assert given == str(host), "a node command names its config file"
+    cls = TrainerConfig if args.node == "trainer" else InferenceConfig
+    return args.node, load_settings(cls, table=args.node, argv=rest, config=host, environ=env)
+
+
+def _policy(site: str) -> list[dict[str, Any]]:
+    text = (DOCKER / "site-policy.json").read_text().replace("@SITE@", site)
+    return json.loads(text)["Statement"]
+
+
+def _allowed(statements: list[dict[str, Any]], action: str, resource: str) -> bool:
+    return any(
+        s["Effect"] == "Allow"
+        and any(fnmatch.fnmatchcase(action, a) for a in s["Action"])
+        and any(fnmatch.fnmatchcase(resource, r) for r in s["Resource"])
+        for s in statements
+    )
+
+
+def test_services_sites_and_dependencies(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"minio", "bootstrap", "keygen"} <= set(services)
+    nodes = _nodes(compose)
+    roles = sorted(name.split("-")[0] for name in nodes)
+    assert roles == ["inference", "inference", "trainer"]
+    sites = _interpolate(services["bootstrap"]["environment"]["SITES"]).split()
+    assert sorted(sites) == sorted(n.split("-", 1)[1] for n in nodes)
+    assert services["keygen"]["environment"]["SITES"].split() == sites
+    for name, svc in nodes.items():
+        deps = svc["depends_on"]
+        assert deps["minio"]["condition"] == "service_healthy", name
+        assert deps["bootstrap"]["condition"] == deps["keygen"]["condition"] == "service_completed_successfully"
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile" and svc["restart"] == "unless-stopped"
+    assert "PULSELoCo" in COMPOSE.read_text() and "second trainer" in COMPOSE.read_text()
+
+
+def test_each_node_has_its_sites_credentials_and_writes_only_its_bucket(compose: dict[str, Any]) -> None:
+    boot = compose["services"]["bootstrap"]
+    script = boot["command"][0]
+    # The bootstrap makes, per site, bucket pulsenet-<s> and user site-<s> with secret PN_SECRET_<s>
+    # under the site policy.
+    for line in ('mc mb -p "local/pulsenet-$s"', 'mc admin user add local "site-$s" "$secret"',
+                 'eval secret="\\$PN_SECRET_$s"', 'mc admin policy attach local "site-$s" --user "site-$s"'):
+        assert line in script, line
+    assert _mounts(boot)["/policies/site-policy.json"] == ("./site-policy.json", True)
+    sites = boot["environment"]["SITES"].split()
+    buckets = [f"arn:aws:s3:::pulsenet-{s}" for s in sites]
+    for name, svc in _nodes(compose).items():
+        site = name.split("-", 1)[1]
+        env = _env(svc)
+        assert env["AWS_ACCESS_KEY_ID"] == f"site-{site}", name
+        assert env["AWS_SECRET_ACCESS_KEY"] == boot["environment"][f"PN_SECRET_{site}"], name
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        _, c = _settings(svc)
+        assert c.id == site and c.store == f"s3://pulsenet-{site}", (name, c.store)
+        policy = _policy(site)
+        for bucket in buckets:
+            own = bucket.endswith(f"-{site}")
+            for action in ("s3:PutObject", "s3:DeleteObject"):
+                assert _allowed(policy, action, f"{bucket}/x") == own, (name, action, bucket)
+            assert _allowed(policy, "s3:GetObject", f"{bucket}/x") and _allowed(policy, "s3:ListBucket", bucket)
+        assert not _allowed(policy, "s3:DeleteBucket", f"arn:aws:s3:::pulsenet-{site}")
+        assert not _allowed(policy, "s3:PutBucketPolicy", f"arn:aws:s3:::pulsenet-{site}")
+
+
+def test_keys_state_and_config_volumes(compose: dict[str, Any]) -> None:
+    declared = set(compose["volumes"])
+    keygen = _mounts(compose["services"]["keygen"])
+    assert keygen["/pub"] == ("pubkeys", False)
+    states = set()
+    for name, svc in _nodes(compose).items():
+        site = name.split("-", 1)[1]
+        mounts = _mounts(svc)
+        _, c = _settings(svc)
+        # Its own private key only, read-only; every site's public key; its own persistent state.
+        assert keygen[f"/keys/{site}"] == (f"{site}-key", False)
+        key_mounts = {src for src, _ in mounts.values() if src.endswith("-key")}
+        assert key_mounts == {f"{site}-key"}, name
+        assert mounts[str(PurePosixPath(c.key).parent)] == (f"{site}-key", True)
+        assert PurePosixPath(c.key).name == f"{site}.key"
+        assert mounts["/pub"] == ("pubkeys", True)
+        assert mounts[str(c.state_dir)] == (f"{site}-state", False)
+        states.add(f"{site}-state")
+        assert {src for src, _ in mounts.values() if not src.startswith(".")} <= declared
+    assert len(states) == len(_nodes(compose))
+
+
+def test_node_commands_parse_and_wire_the_network(compose: dict[str, Any]) -> None:
+    settings = {name: _settings(svc) for name, svc in _nodes(compose).items()}
+    trainers = {n: c for n, (role, c) in settings.items() if role == "trainer"}
+    inference = {n: c for n, (role, c) in settings.items() if role == "inference"}
+    assert len(trainers) == 1 and len(inference) == 2
+    assert len({c.run for _, c in settings.values()}) == 1, "every node of a run shares its run id"
+    (t,) = trainers.values()
+    assert isinstance(t, TrainerConfig) and not t.loco_store  # one trainer per run until PULSELoCo lands
+    assert site_map(t.inference, "inference") == {c.id: c.store for c in inference.values()}
+    assert sorted(e.split("=")[0] for e in t.trust_inference) == sorted(c.id for c in inference.values())
+    for e in t.trust_inference:
+        ident, _, path = e.partition("=")
+        assert path == f"/pub/{ident}.key.pub"
+    for c in inference.values():
+        assert isinstance(c, InferenceConfig)
+        assert c.policy == [t.store] and [str(p) for p in c.trust] == [f"/pub/{t.id}.key.pub"]
+    ports = [c.status_port for _, c in settings.values()]
+    assert len(set(ports)) == len(ports)
+
+
+def test_healthchecks_probe_each_nodes_healthz(compose: dict[str, Any]) -> None:
+    for name, svc in _nodes(compose).items():
+        _, c = _settings(svc)
+        assert c.status_host == "0.0.0.0"  # reachable by scrapers outside the container
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        probe = " ".join(shlex.quote(a) for a in test[1:])
+        assert f"http://127.0.0.1:{c.status_port}/healthz" in probe, (name, probe)
+        assert f"{c.status_port}:{c.status_port}" in svc["ports"]
+        hc = svc["healthcheck"]
+        assert hc["retries"] >= 1 and hc["start_period"].endswith("s")
+    mc = compose["services"]["minio"]["healthcheck"]["test"]
+    assert mc[:2] == ["CMD", "mc"]
+
+
+def test_probe_fails_on_503() -> None:
+    """The healthcheck's probe exits non-zero when /healthz answers 503 (urlopen raises)."""
+    import asyncio
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from pulsenet.nodes.status import NodeState, StatusServer
+
+    state = NodeState(role="trainer", node_id="t0")
+    loop = asyncio.new_event_loop()
+    server = StatusServer(state, stuck_after_s=1.0)
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    try:
+        probe = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-t0"]["healthcheck"]["test"]
+        code = probe[3].replace("8100", str(server.port))
+        assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+        state.last_beat = time.monotonic() - 5
+        assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 0
+    finally:
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
