@@ -238,11 +238,14 @@ async def test_thirty_versions_reach_three_subscribers(
         assert same_bits(state, final)
     published = {r.version: r.digest for r in pub.records}
     assert all(published[v] == d for v, d in early.seen + late.seen)
-    # The late joiner started from an anchor at or after v20, then followed with patches.
-    assert sub_b.stats.anchors_applied == 1 and late.seen[0][0] >= 20, late.seen
+    # The late joiner started from an anchor at or after v20, then followed with patches. (A poll
+    # that lags several versions on a loaded machine may take the v25 anchor when it is cheaper
+    # than the patches in between: the subscriber picks the cheapest verified path.)
+    assert sub_b.stats.anchors_applied >= 1 and late.seen[0][0] >= 20, late.seen
     anchors = [int(k.split("/v")[-1][:12]) for k in late_downloads if "-anchor-" in k]
     patches = [int(k.split("/v")[-1][:12]) for k in late_downloads if "-patch-" in k]
-    assert len(anchors) == 1 and anchors[0] >= 20 and min(patches) > anchors[0], late_downloads
+    assert anchors and anchors[0] >= 20 and patches and min(patches) > anchors[0], late_downloads
+    assert len(anchors) == sub_b.stats.anchors_applied, late_downloads
     assert {r.kind for r in pub.records if r.version % 5 == 0} == {"anchor"}
     assert all(r.ratio > 1 for r in pub.records[1:]) and all(r.latency_s > 0 for r in pub.records)
 
