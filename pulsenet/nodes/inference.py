@@ -153,10 +153,17 @@ class InferenceNode:
             self.update_apply_s.append(time.perf_counter() - t)
             self.served.append((version, digest))
             self.state.version, self.state.digest = version, digest
+            self.state.bytes["pulsesync"] = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
             self.state.beat()
             self._first.set()
             self._newer.set()
-            log.info("%s serves v%d (%s…)", self.config.id, version, digest[:12])
+            log.info(
+                "%s serves v%d (%s…)",
+                self.config.id,
+                version,
+                digest[:12],
+                extra={"event": "served", "version": version, "digest": digest},
+            )
 
     def newest_published(self) -> int | None:
         """The newest version any followed channel's head or manifests announced."""
@@ -174,6 +181,25 @@ class InferenceNode:
             tg.create_task(self._generate_loop(stop))
         for sub in self.subscribers:
             await sub.close()
+        if self.engine is not None and self.engine.version is not None:
+            # The bits this node ends with, hashed again from the engine's own weights: what an
+            # operator (or ``pulsenet up``) compares with the trainer's published digest.
+            own = await asyncio.to_thread(self.engine.weights_digest)
+            log.info(
+                "%s: stopped at v%d, weights digest %s…",
+                self.config.id,
+                self.engine.version,
+                own[:12],
+                extra={
+                    "event": "stopped",
+                    "version": self.engine.version,
+                    "digest": self.engine.digest,
+                    "weights_digest": own,
+                    "pulsesync_bytes": sum(sub.stats.bytes_downloaded for sub in self.subscribers),
+                    "rollout_bytes": self.writer.stats.bytes_uploaded,
+                    "produced": self.state.rollouts["produced"],
+                },
+            )
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
