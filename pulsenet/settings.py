@@ -23,7 +23,6 @@ import io
 import os
 import re
 import tomllib
-import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,20 +86,14 @@ def to_toml_table(value: Any) -> dict[str, Any]:
 def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
     """``dotted field name -> (flag, kind)`` with kind "bool", "list" or "value"."""
     out: dict[str, tuple[str, str]] = {}
-    try:  # resolve postponed annotations: a nested dataclass may come from a lambda default_factory
-        hints = typing.get_type_hints(cls)
-    except (NameError, TypeError):
-        hints = {}
     for f in dataclasses.fields(cls):
         name = prefix + f.name
-        resolved = hints.get(f.name)
-        if isinstance(resolved, type) and dataclasses.is_dataclass(resolved):
-            out |= _flags(resolved, name + ".")
-            continue
         typ = f.type if not isinstance(f.type, str) else f.type.replace(" ", "")
-        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
-            out |= _flags(f.default_factory, name + ".")
-            continue
+        if f.default_factory is not dataclasses.MISSING:
+            made = f.default_factory()  # a class or a lambda (``lambda: GRPOConfig(lr=1e-3)``)
+            if dataclasses.is_dataclass(made):
+                out |= _flags(type(made), name + ".")
+                continue
         kind = "bool" if typ in (bool, "bool") else "list" if re.match(r"(list|tuple)\[", str(typ)) else "value"
         out[name] = ("--" + name.replace("_", "-"), kind)
     return out

@@ -158,11 +158,7 @@ class InferenceNode:
             self._first.set()
             self._newer.set()
             log.info(
-                "%s serves v%d (%s…)",
-                self.config.id,
-                version,
-                digest[:12],
-                extra={"event": "served", "version": version, "digest": digest},
+                "%s serves v%d (%s…)", self.config.id, version, digest[:12], extra={"version": version, "digest": digest}
             )
 
     def newest_published(self) -> int | None:

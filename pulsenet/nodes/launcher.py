@@ -79,6 +79,8 @@ class UpConfig:
     """Prompts per rollout batch (0: the inference node's default)."""
     group_size: int = 0
     """Completions per prompt, GRPO's G (0: the inference node's default)."""
+    batches_per_version: int = 0
+    """Rollout batches each inference node generates per policy version at most (0: the node's default)."""
     max_new_tokens: int = 0
     """Tokens per completion at most (0: 5 for tiny, 16 for smollm2)."""
     lr: float = 0.0
@@ -311,6 +313,8 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             ic.prompts = c.prompts
         if c.group_size:
             ic.group_size = c.group_size
+        if c.batches_per_version:
+            ic.batches_per_version = c.batches_per_version
         nodes.append(_node(workdir, i, "inference", {"inference": to_toml_table(ic)}, base | creds.env[i], ic.status_port))
     return nodes
 
@@ -523,7 +527,11 @@ def read_events(path: Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except ValueError:  # a line cut by a kill
             continue
-        if isinstance(rec, dict) and "event" in rec:
+        if not isinstance(rec, dict):
+            continue
+        if "event" not in rec and rec.get("logger") == "pulsenet.nodes.inference" and "digest" in rec:
+            rec["event"] = "served"  # "<id> serves v<version>": a verified version swapped in
+        if "event" in rec:
             out.append(rec)
     return out
 
