@@ -8,14 +8,18 @@ work directory, so only the first run on a machine pays for it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 
 from pulsenet.nodes.launcher import read_events
@@ -26,18 +30,24 @@ MAX_STALENESS = 2
 
 
 @pytest.fixture
-def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     cache = request.config.cache.mkdir("pulsenet-up-cache")
     work = tmp_path / "up"
     work.mkdir()
     (work / "cache").symlink_to(cache, target_is_directory=True)
-    return work
+    yield work
+    for line in _ours(work):  # a failed test leaves no process behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
 
 
-def _up(workdir: Path, *args: str) -> subprocess.Popen[str]:
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PULSENET_", "AWS_"))} | extra
+
+
+def _up(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     cmd = [sys.executable, "-m", "pulsenet", "up", "--workdir", str(workdir), "--no-live", *args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PULSENET_", "AWS_"))}
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or _env())
 
 
 def _ours(workdir: Path) -> list[str]:
@@ -129,15 +139,23 @@ def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path:
     assert _gone(workdir, timeout=2.0) == []
 
 
-@pytest.mark.timeout(240)
-def test_ctrl_c_stops_every_node_cleanly(workdir: Path) -> None:
-    proc = _up(workdir, "--rounds", "1000", "--inference", "2")
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: Path, seaweed) -> None:
+    """On an external endpoint (``--s3-endpoint``, the session's SeaweedFS), so the store outlives
+    the run: after Ctrl-C every visible version rebuilds and verifies, every visible batch is whole."""
+    admin = seaweed.config("admin")
+    env = _env(
+        AWS_ACCESS_KEY_ID=admin.access_key_id, AWS_SECRET_ACCESS_KEY=admin.secret_access_key, AWS_REGION=admin.region
+    )
+    prefix = f"up-{os.getpid()}-{time.monotonic_ns() % 10**6}-"
+    args = ["--rounds", "1000", "--inference", "2", "--s3-endpoint", seaweed.endpoint_url, "--bucket-prefix", prefix]
+    proc = _up(workdir, *args, env=env)
     logs = workdir / "logs"
     try:
         _wait_for(
-            lambda: any(e["event"] == "served" for e in read_events(logs / "i1.log")),
+            lambda: any(e["event"] == "step" and e["version"] >= 2 for e in read_events(logs / "t0.log")),
             180,
-            "served version",
+            "v2 trained",
             proc,
         )
         proc.send_signal(signal.SIGINT)
@@ -154,12 +172,55 @@ def test_ctrl_c_stops_every_node_cleanly(workdir: Path) -> None:
         assert len(stopped) == 1 and stopped[0]["weights_digest"] == stopped[0]["digest"]
     assert "Traceback" not in (logs / "t0.log").read_text()
 
+    # The policy channel: the newest visible version rebuilds, verified, to what the trainer logged.
+    trainer = tomllib.loads((workdir / "config" / "t0.toml").read_text())["trainer"]
+    published = {e["version"]: e["digest"] for e in read_events(logs / "t0.log") if e["event"] == "published"}
+    pulled = subprocess.run(
+        [sys.executable, "-m", "pulsenet", "pull", "--store", trainer["store"], "--run", trainer["run"],
+         "--trust", str(workdir / "keys" / "t0.key.pub"), "--out", str(workdir / "pulled")],
+        env=env | {"AWS_ENDPOINT_URL": seaweed.endpoint_url}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr[-2000:]
+    version, digest = pulled.stdout.split()[-2:]
+    assert published[int(version[1:])] == digest and int(version[1:]) == max(published)
+    # The rollout channels: every visible manifest names a batch that is there in full.
+    client = boto3.client(
+        "s3", endpoint_url=seaweed.endpoint_url, aws_access_key_id=admin.access_key_id,
+        aws_secret_access_key=admin.secret_access_key, region_name=admin.region,
+    )  # fmt: skip
+    for node in ("i0", "i1"):
+        cfg = tomllib.loads((workdir / "config" / f"{node}.toml").read_text())["inference"]
+        bucket, _, run_prefix = cfg["store"].removeprefix("s3://").partition("/")
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{run_prefix}/rollouts/")
+        keys = {o["Key"]: o["Size"] for o in listing.get("Contents", [])}
+        manifests = [k for k in keys if "/manifests/" in k]
+        assert manifests, keys
+        for m in manifests:
+            refs = dict(_refs(json.loads(client.get_object(Bucket=bucket, Key=m)["Body"].read())))
+            stem = m.rsplit("/", 1)[1].removesuffix(".json")
+            batch = [k for k in keys if f"/batches/{stem}-" in k]
+            assert len(batch) == 1, (m, sorted(keys))
+            named = batch[0].split(f"{run_prefix}/", 1)[1]
+            assert refs.get(named) == keys[batch[0]], (m, refs)  # there, at the size its manifest signed
+
+
+def _refs(doc: object) -> Iterator[tuple[str, int]]:
+    """Every ``{"key": ..., "size": ...}`` reference inside a (signed) JSON document."""
+    if isinstance(doc, dict):
+        if isinstance(doc.get("key"), str) and isinstance(doc.get("size"), int):
+            yield doc["key"], doc["size"]
+        for v in doc.values():
+            yield from _refs(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _refs(v)
+
 
 @pytest.mark.timeout(240)
 def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     proc = _up(workdir, "--rounds", "1000", "--inference", "2")
     try:
-        _wait_for(lambda: len(_ours(workdir)) >= 4, 120, "nodes and store running", proc)  # weed + 3 nodes
+        _wait_for(lambda: len(_ours(workdir)) >= 5, 120, "nodes and store running", proc)  # launcher, weed, 3 nodes
         time.sleep(1.0)
         proc.kill()  # SIGKILL: no handler runs, only PR_SET_PDEATHSIG can take the children down
         proc.wait(timeout=10)
