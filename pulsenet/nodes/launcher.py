@@ -162,6 +162,9 @@ def run_up(c: UpConfig) -> int:
         )
         outcome = asyncio.run(_Supervisor(c, nodes, err).run())
     summary = summarize(c, outcome)
+    if outcome.code not in (0, 130) and not summary["rounds"]:
+        out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {workdir / 'logs'})")
+        return outcome.code
     print_summary(out, c, outcome, summary)
     if c.report is not None:
         from pulsenet.nodes.report import write_report
@@ -448,7 +451,13 @@ class _Supervisor:
 
         rc = n.returncode
         if rc is not None:
+            if n.health in ("done", f"exit {rc}"):
+                return
             n.health = "done" if rc == 0 else f"exit {rc}"
+            # Its last word is in its log: a trainer exits right after its last version.
+            published = [e for e in read_events(n.log_path) if e["event"] in ("published", "stopped")]
+            if published:
+                n.status = n.status | {"version": published[-1]["version"], "digest": published[-1]["digest"]}
             return
         try:
             async with http.get(f"{n.status_url}/status") as r:
