@@ -5,7 +5,8 @@ What it does, in order:
 1. a work directory (``--workdir``): signing keys (kept across runs), the tiny warm-up cache (kept),
    and this run's ``state/``, ``config/``, ``logs/`` and ``s3/`` (wiped at the start of each run);
 2. the store: an embedded SeaweedFS with one bucket per site and one identity per site that may
-   write only its own bucket (``writer-<site>``), or ``--s3-endpoint`` with the credentials of the
+   write only its own bucket (``writer-<site>``; with several trainers, also their shared PULSELoCo
+   bucket), or ``--s3-endpoint`` with the credentials of the
    environment (AWS_*) and buckets ``<bucket-prefix><site>``; every run uses its own prefix;
 3. N trainers and K inference nodes, each ``python -m pulsenet --log-format json -v <role>
    --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status
@@ -49,6 +50,8 @@ from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.runtime import signal_group, spawn_tied
 
 log = logging.getLogger(__name__)
+LOCO_SITE = "loco"
+"""The bucket the trainers of a PULSELoCo run share (each writes only its own keys in it)."""
 RUN_DIRS = ("state", "config", "logs", "s3")
 """What belongs to one run and is wiped when the next starts (keys/ and cache/ are kept)."""
 
@@ -210,7 +213,9 @@ class _Creds:
 
 @contextlib.contextmanager
 def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[_Creds]:
-    buckets = {s: f"{c.bucket_prefix}{s}" for s in sites}
+    trainers = [s for s in sites if s.startswith("t")]
+    shared = {LOCO_SITE: trainers} if len(trainers) > 1 else {}
+    buckets = {s: f"{c.bucket_prefix}{s}" for s in (*sites, *shared)}
     if c.s3_endpoint:
         env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
         env["AWS_ENDPOINT_URL"] = c.s3_endpoint
@@ -221,7 +226,7 @@ def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[_Creds]:
         return
     from pulsenet.store.seaweed import SeaweedServer
 
-    with SeaweedServer(workdir / "s3", sites=sites, bucket_prefix=c.bucket_prefix) as server:
+    with SeaweedServer(workdir / "s3", sites=sites, shared=shared, bucket_prefix=c.bucket_prefix) as server:
         server.create_buckets()
         env = {}
         for s in sites:
@@ -289,7 +294,7 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             tc.grpo.lr = c.lr or 3e-6
         if c.trainers > 1:
             # PULSELoCo among the trainers: one round of inner_steps GRPO steps per version.
-            tc.loco_store = f"s3://{creds.buckets[trainers[0]]}/{run_id}-loco"
+            tc.loco_store = f"s3://{creds.buckets[LOCO_SITE]}/{run_id}"  # every trainer may write it
             tc.peers = [f"{p}={keys / f'{p}.key.pub'}" for p in trainers]
             tc.inner_steps = c.inner_steps
         (tc.state_dir / "cache").parent.mkdir(parents=True, exist_ok=True)

@@ -5,8 +5,8 @@ S3 gateway, bound to 127.0.0.1 on free ports, with telemetry off. Access is by s
 (SeaweedFS ``-s3.config``), one per role of a local network:
 
 - ``admin``: everything, including bucket creation;
-- ``writer-<site>``: read and list everywhere, write and delete only in its site's bucket
-  (SeaweedFS action ``Write:<bucket>``);
+- ``writer-<site>``: read and list everywhere, write and delete only in its site's bucket (and in the
+  ``shared`` buckets it is listed for, e.g. a PULSELoCo run's store) (SeaweedFS action ``Write:<bucket>``);
 - ``reader``: read and list only.
 
 The identities file lives in the data directory, so keys survive a restart on the same directory.
@@ -46,7 +46,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -221,6 +221,7 @@ class SeaweedServer:
         *,
         port: int | None = None,
         sites: Sequence[str] = (),
+        shared: Mapping[str, Sequence[str]] | None = None,
         bucket_prefix: str = "pulsenet-",
         region: str = "us-east-1",
         startup_timeout_s: float = 60.0,
@@ -237,6 +238,11 @@ class SeaweedServer:
             tempfile.mkdtemp(prefix="pulsenet-seaweed-") if data_dir is None else data_dir
         ).absolute()
         self.sites = tuple(sites)
+        self.shared = {name: tuple(members) for name, members in (shared or {}).items()}
+        """Buckets several sites write (name -> sites), e.g. the PULSELoCo store of a run's trainers."""
+        for name, members in self.shared.items():
+            if not _SITE.fullmatch(name) or name in self.sites or not set(members) <= set(self.sites):
+                raise ConfigError(f"shared bucket {name!r}: a new bucket name, written by listed sites only")
         self.bucket_prefix = bucket_prefix
         self.region = region
         self.startup_timeout_s = startup_timeout_s
@@ -414,7 +420,7 @@ class SeaweedServer:
         """Create buckets as admin (default: every site's bucket); existing ones are fine."""
         import botocore.exceptions as bex
 
-        names = names or tuple(self.bucket(s) for s in self.sites)
+        names = names or tuple(self.bucket(s) for s in (*self.sites, *self.shared))
         client = self._admin_client()
         try:
             for name in names:
@@ -449,7 +455,15 @@ class SeaweedServer:
         wanted = {
             "admin": ("Admin", "Read", "Write", "List", "Tagging"),
             "reader": ("Read", "List"),
-            **{self.writer(s): ("Read", "List", f"Write:{self.bucket(s)}") for s in self.sites},
+            **{
+                self.writer(s): (
+                    "Read",
+                    "List",
+                    f"Write:{self.bucket(s)}",
+                    *(f"Write:{self.bucket(b)}" for b, members in self.shared.items() if s in members),
+                )
+                for s in self.sites
+            },
         }
         changed = False
         for name, actions in wanted.items():
