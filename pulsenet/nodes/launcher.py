@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -323,6 +324,12 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             ic.group_size = c.group_size
         if c.batches_per_version:
             ic.batches_per_version = c.batches_per_version
+        elif c.trainers > 1:
+            # A round takes inner_steps steps of rows_per_step rows on each trainer, from batches
+            # partitioned among them (not evenly): twice that per version, or rounds starve.
+            rows = c.rows_per_step or TrainerConfig().rows_per_step
+            need = c.inner_steps * c.trainers * rows / (c.inference * ic.prompts * ic.group_size)
+            ic.batches_per_version = max(ic.batches_per_version, 2 * math.ceil(need))
         nodes.append(_node(workdir, i, "inference", {"inference": to_toml_table(ic)}, base | creds.env[i], ic.status_port))
     return nodes
 
@@ -583,8 +590,9 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
     k = len(inference)
     rounds = []
     previous_rollouts = 0
-    for v in sorted(steps):
-        s, p = steps[v], published.get(v, {})
+    # A round per version after v0 (the initial weights), with what its trainer step/round logged.
+    for v in sorted(set(steps) | {v for v in published if v > 0}):
+        s, p = steps.get(v, {}), published.get(v, {})
         rounds.append(
             {
                 "round": v,
