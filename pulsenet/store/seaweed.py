@@ -5,8 +5,8 @@ S3 gateway, bound to 127.0.0.1 on free ports, with telemetry off. Access is by s
 (SeaweedFS ``-s3.config``), one per role of a local network:
 
 - ``admin``: everything, including bucket creation;
-- ``writer-<site>``: read and list everywhere, write and delete only in its site's bucket (and in the
-  ``shared`` buckets it is listed for, e.g. a PULSELoCo run's store) (SeaweedFS action ``Write:<bucket>``);
+- ``writer-<site>``: read and list everywhere, write and delete only in its site's bucket
+  (SeaweedFS action ``Write:<bucket>``);
 - ``reader``: read and list only.
 
 The identities file lives in the data directory, so keys survive a restart on the same directory.
@@ -238,11 +238,13 @@ class SeaweedServer:
             tempfile.mkdtemp(prefix="pulsenet-seaweed-") if data_dir is None else data_dir
         ).absolute()
         self.sites = tuple(sites)
-        self.shared = {name: tuple(members) for name, members in (shared or {}).items()}
-        """Buckets several sites write (name -> sites), e.g. the PULSELoCo store of a run's trainers."""
-        for name, members in self.shared.items():
-            if not _SITE.fullmatch(name) or name in self.sites or not set(members) <= set(self.sites):
-                raise ConfigError(f"shared bucket {name!r}: a new bucket name, written by listed sites only")
+        self.shared = {b: tuple(w) for b, w in (shared or {}).items()}
+        """Shared bucket name (as a site name) -> sites whose writer may also write it: a PULSELoCo
+        run's bucket, written by every trainer of the run."""
+        for b, writers in self.shared.items():
+            unknown = set(writers) - set(self.sites)
+            if not _SITE.fullmatch(b) or unknown:
+                raise ConfigError(f"shared bucket {b!r}: writers must be sites, not {sorted(unknown)}")
         self.bucket_prefix = bucket_prefix
         self.region = region
         self.startup_timeout_s = startup_timeout_s
@@ -417,7 +419,7 @@ class SeaweedServer:
         ]
 
     def create_buckets(self, *names: str) -> list[str]:
-        """Create buckets as admin (default: every site's bucket); existing ones are fine."""
+        """Create buckets as admin (default: every site's and shared bucket); existing ones are fine."""
         import botocore.exceptions as bex
 
         names = names or tuple(self.bucket(s) for s in (*self.sites, *self.shared))
@@ -460,7 +462,7 @@ class SeaweedServer:
                     "Read",
                     "List",
                     f"Write:{self.bucket(s)}",
-                    *(f"Write:{self.bucket(b)}" for b, members in self.shared.items() if s in members),
+                    *(f"Write:{self.bucket(b)}" for b, writers in self.shared.items() if s in writers),
                 )
                 for s in self.sites
             },
