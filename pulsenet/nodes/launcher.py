@@ -581,36 +581,41 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
     inference = [n for n in o.nodes if n.role == "inference"]
     published: dict[int, dict[str, Any]] = {}
     steps: dict[int, dict[str, Any]] = {}
+    rollouts: dict[int, int] = {}
+    """Rollout bytes each version's training took in, summed over trainers (their logs count
+    cumulative downloads at each publish)."""
     for t in trainers:
+        before = 0
         for e in o.events[t.name]:
             if e["event"] == "published":
                 published.setdefault(e["version"], e)
+                now = int(e.get("rollout_bytes") or 0)
+                rollouts[e["version"]] = rollouts.get(e["version"], 0) + max(0, now - before)
+                before = now
             elif e["event"] == "step":
                 steps.setdefault(e["version"], e)
     k = len(inference)
     rounds = []
-    previous_rollouts = 0
-    # A round per version after v0 (the initial weights), with what its trainer step/round logged.
+    # A round per version after v0 (the initial weights): what its publish and its step logged.
     for v in sorted(set(steps) | {v for v in published if v > 0}):
         s, p = steps.get(v, {}), published.get(v, {})
         rounds.append(
             {
                 "round": v,
-                "reward": s.get("reward"),
+                "reward": s.get("reward", p.get("reward")),
                 "staleness": s.get("staleness"),
                 "sparsity": p.get("sparsity"),
                 "bytes": {
-                    # What crossed to the k inference nodes: every node follows the whole chain.
+                    # What crossed to the k inference nodes: each follows one channel's whole chain.
                     "pulsesync": int(p.get("bytes", 0)) * k,
                     "full_sync": int(p.get("full_bytes", 0)) * k,
                     "pulseloco": int(s.get("loco_bytes", 0)),
                     "diloco": int(s.get("diloco_bytes", 0)),
                     "ddp": int(s.get("ddp_bytes", 0)),
-                    "rollouts": int(s.get("rollout_bytes", 0)) - previous_rollouts,
+                    "rollouts": rollouts.get(v, 0),
                 },
             }
         )
-        previous_rollouts = int(s.get("rollout_bytes", 0))
     nodes: dict[str, dict[str, Any]] = {}
     served_ok: dict[str, bool] = {}
     for t in trainers:

@@ -240,7 +240,12 @@ class TrainerNode:
             record.kind,
             entry["bytes"],
             record.full_bytes,
-            extra={"event": "published", **{k: v for k, v in entry.items() if k != "metrics"}},
+            extra={
+                "event": "published",
+                **{k: v for k, v in entry.items() if k != "metrics"},
+                "reward": metrics.reward_mean if metrics is not None else None,
+                "rollout_bytes": self.intake.stats.bytes_downloaded,
+            },
         )
         s = self.state
         s.version, s.digest = record.version, record.digest
