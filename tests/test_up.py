@@ -35,7 +35,9 @@ TRAINERS = 2 if "loco_store" in inspect.signature(TrainerNode.__init__).paramete
 
 @pytest.fixture
 def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
-    cache = request.config.cache.mkdir("pulsenet-up-cache")
+    cached = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    cache = cached.mkdir("pulsenet-up-cache") if cached is not None else tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
     work = tmp_path / "up"
     work.mkdir()
     (work / "cache").symlink_to(cache, target_is_directory=True)
