@@ -23,7 +23,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pulsenet.nodes.launcher import read_events
+from pulsenet.nodes.launcher import MARKER, read_events
 from pulsenet.nodes.trainer import TrainerNode
 
 pytestmark = pytest.mark.integration
@@ -40,6 +40,7 @@ def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     cache.mkdir(exist_ok=True)
     work = tmp_path / "up"
     work.mkdir()
+    (work / MARKER).write_text("")  # ours: pulsenet up may wipe run directories here
     (work / "cache").symlink_to(cache, target_is_directory=True)
     yield work
     for line in _ours(work):  # a failed test leaves no process behind either
@@ -242,3 +243,12 @@ def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     finally:
         proc.kill()
     assert _gone(workdir, timeout=15.0) == []
+
+
+def test_up_refuses_to_wipe_a_directory_it_did_not_make(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mine.txt").write_text("keep me")
+    proc = _up(tmp_path)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "was not made by pulsenet up" in out, out
+    assert (tmp_path / "logs" / "mine.txt").read_text() == "keep me"

@@ -51,6 +51,8 @@ from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.runtime import signal_group, spawn_tied
 
 log = logging.getLogger(__name__)
+MARKER = ".pulsenet-up"
+"""Marks a work directory as ``pulsenet up``'s own: only then does a run wipe directories in it."""
 LOCO_SITE = "loco"
 """The bucket the trainers of a PULSELoCo run share (each writes only its own keys in it)."""
 RUN_DIRS = ("state", "config", "logs", "s3")
@@ -188,7 +190,15 @@ def _check(c: UpConfig) -> None:
 
 
 def _fresh_run_dirs(workdir: Path) -> None:
+    """Wipe the last run's directories, in a work directory ``pulsenet up`` made (marked) only."""
+    marker = workdir / MARKER
+    if workdir.is_dir() and any(workdir.iterdir()) and not marker.exists():
+        raise ConfigError(
+            f"pulsenet up: {workdir} is not empty and was not made by pulsenet up (no {MARKER}): "
+            "pick a new or empty --workdir (each run wipes its state/, config/, logs/ and s3/)"
+        )
     workdir.mkdir(parents=True, exist_ok=True)
+    marker.write_text("a pulsenet up work directory: keys/ and cache/ are kept, the rest is wiped per run\n")
     for name in RUN_DIRS:
         shutil.rmtree(workdir / name, ignore_errors=True)
     for name in (*RUN_DIRS, "cache"):
