@@ -67,7 +67,7 @@ class UpConfig:
     """Keys and the warm-up cache (kept), this run's node states, configs, logs and store (wiped per run)."""
     model: str = "tiny"
     """tiny (warmed up on arith, cached under the work dir) or smollm2 (the realistic run)."""
-    rounds: int = 12
+    rounds: int = 20
     """Policy versions to train (with one trainer a round is one GRPO step and one version)."""
     trainers: int = 1
     """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
