@@ -252,3 +252,18 @@ def test_up_refuses_to_wipe_a_directory_it_did_not_make(tmp_path: Path) -> None:
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "was not made by pulsenet up" in out, out
     assert (tmp_path / "logs" / "mine.txt").read_text() == "keep me"
+
+
+def test_sparsity_counts_unchanged_bf16_bits() -> None:
+    import torch
+
+    from pulsenet.nodes.trainer import unchanged_fraction
+
+    old = {"w": torch.zeros(4, 5, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.bfloat16)}
+    new = {k: v.clone() for k, v in old.items()}
+    assert unchanged_fraction(old, new) == 1.0
+    new["w"][0, :3] = 0.5
+    new["b"][0] = 1.0078125  # the next BF16 value above 1.0
+    assert unchanged_fraction(old, new) == 21 / 25
+    new["w"][1, 0] = -0.0  # same value, other bits: a change the patch must carry
+    assert unchanged_fraction(old, new) == 20 / 25
