@@ -95,7 +95,8 @@ def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen[str]) -> N
 def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path: Path) -> None:
     report = tmp_path / "report"
     loco = ["--trainers", "2", "--inner-steps", "2"] if TRAINERS == 2 else []
-    proc = _up(workdir, "--rounds", "3", "--inference", "2", "--report", str(report), *loco)
+    small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32"]  # fast, not learning
+    proc = _up(workdir, "--rounds", "3", "--inference", "2", "--report", str(report), *small, *loco)
     try:
         out, _ = proc.communicate(timeout=400)
     finally:
@@ -164,7 +165,8 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
         AWS_ACCESS_KEY_ID=admin.access_key_id, AWS_SECRET_ACCESS_KEY=admin.secret_access_key, AWS_REGION=admin.region
     )
     prefix = f"up-{os.getpid()}-{time.monotonic_ns() % 10**6}-"
-    args = ["--rounds", "1000", "--inference", "2", "--s3-endpoint", seaweed.endpoint_url, "--bucket-prefix", prefix]
+    args = ["--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4"]
+    args += ["--s3-endpoint", seaweed.endpoint_url, "--bucket-prefix", prefix]
     proc = _up(workdir, *args, env=env)
     logs = workdir / "logs"
     try:
@@ -234,7 +236,7 @@ def _refs(doc: object) -> Iterator[tuple[str, int]]:
 
 @pytest.mark.timeout(240)
 def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
-    proc = _up(workdir, "--rounds", "1000", "--inference", "2")
+    proc = _up(workdir, "--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4")
     try:
         _wait_for(lambda: len(_ours(workdir)) >= 5, 120, "nodes and store running", proc)  # launcher, weed, 3 nodes
         time.sleep(1.0)
