@@ -683,6 +683,11 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
     if rounds:
         curve = " ".join(f"{r['reward']:.2f}" if r["reward"] is not None else "-" for r in rounds)
         out.print(f"reward per round: {curve}")
+        rewards = [r["reward"] for r in rounds if r["reward"] is not None]
+        if len(rewards) >= 10:
+            n = len(rewards) // 10
+            first, last = sum(rewards[:n]) / n, sum(rewards[-n:]) / n
+            out.print(f"reward, first tenth -> last tenth of the rounds: {first:.3f} -> {last:.3f}")
         sp = [r["sparsity"] for r in rounds if r["sparsity"] is not None]
         if sp:
             out.print(f"sparsity (BF16 weights unchanged per version): mean {sum(sp) / len(sp):.4f}, min {min(sp):.4f}")
