@@ -84,7 +84,8 @@ class UpConfig:
     max_staleness: int = 2
     """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
     rows_per_step: int = 0
-    """Completions per GRPO step (0: 512 for tiny, the trainer's default for smollm2)."""
+    """Completions per GRPO step (0: 512 for tiny, / inner_steps with several trainers; the
+    trainer's default for smollm2)."""
     prompts: int = 0
     """Prompts per rollout batch (0: 32 for tiny, the inference node's default for smollm2)."""
     group_size: int = 0
@@ -287,6 +288,8 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
     tiny = c.model == "tiny"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
     rows_per_step = c.rows_per_step or (TINY["rows_per_step"] if tiny else TrainerConfig().rows_per_step)
+    if tiny and not c.rows_per_step and c.trainers > 1:
+        rows_per_step = max(32, rows_per_step // c.inner_steps)  # a round then costs about one lone step
     nodes = []
     for t in trainers:
         tc = TrainerConfig(
