@@ -335,13 +335,16 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             status_port=_free_port(),
         )
         ic.prompts = c.prompts or (TINY["prompts"] if tiny else ic.prompts)
+        if tiny and not c.prompts and c.trainers > 1:  # batches the size of a (smaller) step
+            ic.prompts = max(1, rows_per_step // (c.group_size or TINY["group_size"]))
         ic.group_size = c.group_size or (TINY["group_size"] if tiny else ic.group_size)
         if c.batches_per_version:
             ic.batches_per_version = c.batches_per_version
         elif c.trainers > 1:
             # A round takes inner_steps steps of rows_per_step rows on each trainer, from batches
             # partitioned among them (not evenly): twice that per version, or rounds starve.
-            need = c.inner_steps * c.trainers * rows_per_step / (c.inference * ic.prompts * ic.group_size)
+            per_step = math.ceil(rows_per_step / (ic.prompts * ic.group_size))  # a step takes whole batches
+            need = c.inner_steps * c.trainers * per_step / c.inference
             ic.batches_per_version = max(ic.batches_per_version, 2 * math.ceil(need))
         nodes.append(_node(workdir, i, "inference", {"inference": to_toml_table(ic)}, base | creds.env[i], ic.status_port))
     return nodes
