@@ -704,6 +704,8 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
         )
         if c.trainers == 1:
             out.print("PULSELoCo: n.a. (one trainer: no rounds between trainers, 0 B; DiLoCo and DDP 0 B too)")
+        elif not total["pulseloco"]:
+            out.print("PULSELoCo: not reported (the trainers' logs carry no loco_bytes per round)")
         else:
             out.print(
                 f"PULSELoCo: {total['pulseloco']:,} B vs DiLoCo {total['diloco']:,} B "
