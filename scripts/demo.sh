@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Set up .venv and run the main job: the PULSESync codec benchmark on real SmolLM2-135M weights.
+# Set up .venv and run the main job: `pulsenet up`, a local network on this machine. An embedded
+# SeaweedFS S3 server, one trainer and two inference nodes as separate processes (each with its own
+# bucket and credentials), asynchronous GRPO on the tiny model, then the reward curve, PULSESync
+# bytes vs full checkpoints, sparsity and every node's verified digest; the report (summary.json,
+# reward.png, bytes.png, sparsity.png) goes to the directory printed at the end.
+# `scripts/demo.sh --model smollm2` is the realistic run; `pulsenet up --help` lists every setting.
+# The codec benchmark that used to live here is `pulsenet bench sync --model smollm2`.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" dev
-# BF16 autocast training steps are slow on CPUs without native BF16 (about a minute each on 2 cores):
-# the default is 4 steps of batch 2 x 32 tokens; `scripts/demo.sh --steps 8 --batch 4 --seq 64` for the full run.
-pulsenet bench sync --model smollm2 --steps 4 --batch 2 --seq 32 --json "${JSON_OUT:-bench-sync.json}" "$@"
+REPORT="${REPORT_DIR:-$ROOT/up-report}"
+echo ">> pulsenet up: work directory $ROOT/.pulsenet-up, report in $REPORT"
+pulsenet up --workdir "$ROOT/.pulsenet-up" --report "$REPORT" "$@"
+echo ">> report: $REPORT"

@@ -22,6 +22,7 @@ _MODULES = (
     "pulsenet.cli.s3",
     "pulsenet.cli.bench",
     "pulsenet.cli.nodes",
+    "pulsenet.cli.up",
 )
 
 

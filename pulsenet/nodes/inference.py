@@ -167,6 +167,7 @@ class InferenceNode:
             self.update_apply_s.append(time.perf_counter() - t)
             self.served.append((version, digest))
             self.state.version, self.state.digest = version, digest
+            self.state.bytes["pulsesync"] = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
             self.state.beat()
             self._first.set()
             self._newer.set()
@@ -250,6 +251,31 @@ class InferenceNode:
                 self.state.error(e)
                 log.error("%s: batch failed: %s", self.config.id, e)
                 await _wait_any(stop, timeout=1.0)
+        await self._log_final()
+
+    async def _log_final(self) -> None:
+        """On the way out: the bits this node ends with, hashed again from the engine's own weights,
+        as one JSON log line (what an operator, or ``pulsenet up``, compares with the trainer's digest)."""
+        async with self._update_lock:  # no swap between the hash and the version it is logged with
+            engine = self.engine
+            if engine is None or engine.version is None:
+                return
+            own = await asyncio.to_thread(engine.weights_digest)
+            log.info(
+                "%s: stopped at v%d, weights digest %s…",
+                self.config.id,
+                engine.version,
+                own[:12],
+                extra={
+                    "event": "stopped",
+                    "version": engine.version,
+                    "digest": engine.digest,
+                    "weights_digest": own,
+                    "pulsesync_bytes": sum(sub.stats.bytes_downloaded for sub in self.subscribers),
+                    "rollout_bytes": self.writer.stats.bytes_uploaded,
+                    "produced": self.state.rollouts["produced"],
+                },
+            )
 
     async def generate_batch(self) -> int:
         """One batch at the engine's current version; returns the version it was generated with."""

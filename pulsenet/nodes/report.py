@@ -80,7 +80,8 @@ def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
         if any(ys):
             ax.plot(xs, ys, marker=".", label=channel)
     ax.set(xlabel="round", ylabel="bytes (log)", title="Bytes per round per channel", yscale="log")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     save(fig, "bytes.png")
 

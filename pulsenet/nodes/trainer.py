@@ -277,7 +277,17 @@ class TrainerNode:
             self.history[-1].update(
                 step_s=step_s, staleness=[self.version - 1 - v for v in versions], rows=len(rows)
             )
-            log.info("%s: v%d reward %.3f (%d rows)", c.id, record.version, metrics.reward_mean, len(rows))
+            h = self.history[-1]
+            event = {
+                "event": "step",
+                "version": record.version,
+                "reward": metrics.reward_mean,
+                "staleness": max(h["staleness"], default=0),
+                "rows": len(rows),
+                "rollout_bytes": self.intake.stats.bytes_downloaded,
+                "step_s": round(step_s, 3),
+            }  # one JSON log line per step: what ``pulsenet up`` builds its per-round history from
+            log.info("%s: v%d reward %.3f (%d rows)", c.id, record.version, metrics.reward_mean, len(rows), extra=event)
 
     async def _train_rounds(self, stop: asyncio.Event) -> None:
         """PULSELoCo rounds until ``steps`` rounds; a stop abandons the round in hand (nothing it
@@ -348,6 +358,8 @@ class TrainerNode:
         return rows, versions
 
     async def _publish(self, state: dict[str, torch.Tensor], metrics: GRPOMetrics | None) -> PublishRecord:
+        previous = self.publisher.state
+        sparsity = None if previous is None else await asyncio.to_thread(unchanged_fraction, previous, state)
         record = await self.publisher.publish_now(state, step=self.version + 1)
         self.version = record.version
         self.digests[record.version] = record.digest
@@ -359,9 +371,24 @@ class TrainerNode:
             "digest": record.digest,
             "bytes": sum(record.payload_bytes.values()),
             "full_bytes": record.full_bytes,
+            "sparsity": sparsity,
             "metrics": metrics.as_dict() if metrics is not None else None,
         }
         self.history.append(entry)
+        log.info(
+            "%s: published v%d (%s, %d B of %d)",
+            self.config.id,
+            record.version,
+            record.kind,
+            entry["bytes"],
+            record.full_bytes,
+            extra={
+                "event": "published",
+                **{k: v for k, v in entry.items() if k != "metrics"},
+                "reward": metrics.reward_mean if metrics is not None else None,
+                "rollout_bytes": self.intake.stats.bytes_downloaded,
+            },
+        )
         s = self.state
         s.version, s.digest = record.version, record.digest
         s.bytes["pulsesync"] += entry["bytes"]
@@ -393,3 +420,17 @@ class TrainerNode:
         except (OSError, RuntimeError, EOFError, ValueError, KeyError, TypeError, AttributeError, pickle.UnpicklingError) as e:
             log.error("%s: checkpoint %s unusable (%s): ignored", self.config.id, path, e)
             return None
+
+
+def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
+    """Fraction of weights whose bits did not change from ``old`` to ``new`` (the update's sparsity)."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    same = total = 0
+    for name, t in new.items():
+        o = old.get(name)
+        total += t.numel()
+        if o is not None and o.shape == t.shape and o.dtype == t.dtype:
+            # Compare bits, not values: -0.0 vs 0.0 and NaNs count as they are stored.
+            bits = ints[t.element_size()]
+            same += int((o.reshape(-1).view(bits) == t.reshape(-1).view(bits)).sum())
+    return same / total if total else 1.0

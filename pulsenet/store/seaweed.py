@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import dataclasses
 import importlib.metadata
 import json
@@ -44,17 +43,16 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
 
 from pulsenet.errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
+from pulsenet.runtime import signal_group, spawn_tied
 from pulsenet.store.s3 import S3Config
 
 IDENTITIES_FILE = "s3-identities.json"
@@ -78,7 +76,6 @@ _GRPC_SECTIONS = (
     "mq",
     "client",
 )
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _SITE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # The admin component's worker dials admin.port + 10000 whatever admin.port.grpc says.
 _ADMIN_GRPC_OFFSET = 10000
@@ -215,27 +212,6 @@ def _write_tls(tls_dir: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that makes the child get SIGKILL when its parent thread dies (Linux only).
-
-    SIGKILL rather than SIGTERM: with the parent gone nobody is left to fall back to SIGKILL if weed
-    hangs in shutdown, and an acknowledged write is already in the kernel (volume file, leveldb log),
-    so killing loses no acknowledged object.
-    """
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork: the child only calls it
-    parent = os.getpid()
-
-    def preexec() -> None:
-        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the parent died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
 class SeaweedServer:
     """Start, stop and restart one ``weed mini``; create buckets; hand out per-identity S3 configs."""
 
@@ -330,52 +306,28 @@ class SeaweedServer:
         return self
 
     def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        """Popen ``weed`` from a thread that lives exactly as long as the server process.
-
-        PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: forked
-        from the caller's thread, the server would die when, say, the executor thread that called
-        ``start()`` retires. The keeper thread waits for the child, so it outlives it.
-        """
-        spawned: list[subprocess.Popen[bytes] | BaseException] = []
-        ready = threading.Event()
-
-        def keep() -> None:
-            try:
-                proc = subprocess.Popen(
-                    args,
-                    stdout=self._log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    cwd=self.data_dir,  # weed reads ./security.toml first
-                    start_new_session=True,
-                    umask=0o077,
-                    preexec_fn=_die_with_parent(),
-                )
-            except BaseException as e:  # handed to the caller's thread below
-                spawned.append(e)
-                ready.set()
-                return
-            spawned.append(proc)
-            ready.set()
-            proc.wait()
-
-        threading.Thread(target=keep, name="weed-keeper", daemon=True).start()
-        ready.wait()
-        if isinstance(spawned[0], BaseException):
-            raise spawned[0]
-        return spawned[0]
+        """Popen ``weed`` tied to this process (``runtime.spawn_tied``: killed if we die)."""
+        return spawn_tied(
+            args,
+            "weed",
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=self.data_dir,  # weed reads ./security.toml first
+            umask=0o077,
+        )
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``)."""
         proc, self._proc = self._proc, None
         atexit.unregister(self.stop)
         if proc is not None and proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
             try:
                 proc.wait(self.stop_grace_s)
             except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
+                signal_group(proc, signal.SIGKILL)
                 proc.wait()
         if self._log is not None:
             self._log.close()
@@ -612,12 +564,6 @@ def _probe_write(client: Any, bucket: str) -> None:
     finally:
         with contextlib.suppress(bex.BotoCoreError, bex.ClientError):
             client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    # start_new_session made the server its own process group: signal only what we started.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)
 
 
 def _previous_ports(data_dir: Path, s3_port: int | None) -> dict[str, int] | None:

@@ -1,0 +1,271 @@
+"""``pulsenet up`` end to end: a real embedded SeaweedFS, a trainer and two inference nodes as
+separate processes, the tiny model, then the report, the nodes' own logs and the process table
+are checked. Nothing is faked.
+
+The tiny warm-up is cached in pytest's cache directory (``.pytest_cache``), shared by every run's
+work directory, so only the first run on a machine pays for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from pulsenet.nodes.launcher import MARKER, read_events
+from pulsenet.nodes.trainer import TrainerNode
+
+pytestmark = pytest.mark.integration
+PNG = b"\x89PNG\r\n\x1a\n"
+MAX_STALENESS = 2
+# Two trainers (PULSELoCo rounds) once the trainer daemon runs them, else one.
+TRAINERS = 2 if "loco_store" in inspect.signature(TrainerNode.__init__).parameters else 1
+
+
+@pytest.fixture
+def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    cached = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    cache = cached.mkdir("pulsenet-up-cache") if cached is not None else tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    work = tmp_path / "up"
+    work.mkdir()
+    (work / MARKER).write_text("")  # ours: pulsenet up may wipe run directories here
+    (work / "cache").symlink_to(cache, target_is_directory=True)
+    yield work
+    for line in _ours(work):  # a failed test leaves no process behind either
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("PULSENET_", "AWS_"))} | extra
+
+
+def _up(workdir: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "pulsenet", "up", "--workdir", str(workdir), "--no-live", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env or _env())
+
+
+def _ours(workdir: Path) -> list[str]:
+    """Live processes started for this work directory (nodes name their config in it, weed its data)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # exited while we looked
+            continue
+        if str(workdir) in cmdline and state != "Z":
+            found.append(f"{pid}: {cmdline[:200]}")
+    return found
+
+
+def _gone(workdir: Path, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _ours(workdir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if proc.poll() is not None:
+            pytest.fail(f"pulsenet up exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {what} within {timeout} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path: Path) -> None:
+    report = tmp_path / "report"
+    loco = ["--trainers", "2", "--inner-steps", "2"] if TRAINERS == 2 else []
+    small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32"]  # fast, not learning
+    proc = _up(workdir, "--rounds", "3", "--inference", "2", "--report", str(report), *small, *loco)
+    try:
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    trainers = [f"t{k}" for k in range(TRAINERS)]
+
+    # The report: real numbers and the fields the issue asks for.
+    summary = json.loads((report / "summary.json").read_text())
+    nodes = summary["nodes"]
+    assert {n: d["role"] for n, d in nodes.items()} == {t: "trainer" for t in trainers} | {
+        "i0": "inference",
+        "i1": "inference",
+    }
+    assert all(d["version"] == 3 for d in nodes.values()), nodes
+    digests = {d["digest"] for d in nodes.values()}
+    assert len(digests) == 1 and len(digests.pop()) == 64  # final digests equal across all nodes
+    assert len(summary["reward"]) == 3 and all(0.0 <= r <= 1.0 for r in summary["reward"])
+    assert 0 <= summary["staleness"] <= MAX_STALENESS
+    b = summary["bytes"]
+    assert set(b) >= {"pulsesync", "full_sync", "pulseloco", "diloco", "ddp", "rollouts"}
+    assert 0 < b["pulsesync"] < b["full_sync"] and b["rollouts"] > 0
+    if TRAINERS == 1:
+        assert b["pulseloco"] == b["diloco"] == b["ddp"] == 0  # no rounds between trainers
+    assert all(0.0 <= s <= 1.0 for s in summary["sparsity"])
+    assert all(summary["checks"].values()), summary["checks"]
+    for name in ("reward.png", "bytes.png", "sparsity.png"):
+        assert (report / name).read_bytes()[:8] == PNG
+
+    # Independently of the summary, from the nodes' own logs: every trainer published the same
+    # versions; every version an inference node swapped in has the digest the trainers published
+    # for it, and its weights rehash to it at exit; rollouts were trained on within the bound.
+    logs = workdir / "logs"
+    published = {e["version"]: e["digest"] for e in read_events(logs / "t0.log") if e["event"] == "published"}
+    assert sorted(published) == [0, 1, 2, 3]
+    for t in trainers:
+        events = read_events(logs / f"{t}.log")
+        assert {e["version"]: e["digest"] for e in events if e["event"] == "published"} == published
+        steps = [e for e in events if e["event"] == "step"]
+        assert all(0 <= e["staleness"] <= MAX_STALENESS for e in steps)
+        if TRAINERS == 1:
+            assert [e["version"] for e in steps] == [1, 2, 3]  # one GRPO step per version
+    for node in ("i0", "i1"):
+        events = read_events(logs / f"{node}.log")
+        served = [(e["version"], e["digest"]) for e in events if e["event"] == "served"]
+        assert served and served[-1][0] == 3
+        assert all(published[v] == d for v, d in served), served
+        stopped = [e for e in events if e["event"] == "stopped"]
+        assert len(stopped) == 1 and stopped[0]["weights_digest"] == published[3]
+
+    # No orphans: every node process (and the store) is gone once the launcher has returned.
+    pids = [d["pid"] for d in summary["nodes_detail"].values()]
+    assert len(pids) == TRAINERS + 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert _gone(workdir, timeout=2.0) == []
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: Path, seaweed) -> None:
+    """On an external endpoint (``--s3-endpoint``, the session's SeaweedFS), so the store outlives
+    the run: after Ctrl-C every visible version rebuilds and verifies, every visible batch is whole."""
+    admin = seaweed.config("admin")
+    env = _env(
+        AWS_ACCESS_KEY_ID=admin.access_key_id, AWS_SECRET_ACCESS_KEY=admin.secret_access_key, AWS_REGION=admin.region
+    )
+    prefix = f"up-{os.getpid()}-{time.monotonic_ns() % 10**6}-"
+    args = ["--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4"]
+    args += ["--s3-endpoint", seaweed.endpoint_url, "--bucket-prefix", prefix]
+    proc = _up(workdir, *args, env=env)
+    logs = workdir / "logs"
+    try:
+        _wait_for(
+            lambda: any(e["event"] == "step" and e["version"] >= 2 for e in read_events(logs / "t0.log")),
+            180,
+            "v2 trained",
+            proc,
+        )
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-3000:]
+    assert "stopped by SIGINT" in out
+    assert _gone(workdir, timeout=5.0) == []
+    # Each node stopped on its own SIGTERM (no SIGKILL fallback): the inference nodes rehashed
+    # their weights on the way out and the trainer closed without an error.
+    for node in ("i0", "i1"):
+        stopped = [e for e in read_events(logs / f"{node}.log") if e["event"] == "stopped"]
+        assert len(stopped) == 1 and stopped[0]["weights_digest"] == stopped[0]["digest"]
+    assert "Traceback" not in (logs / "t0.log").read_text()
+
+    # The policy channel: the newest visible version rebuilds, verified, to what the trainer logged.
+    trainer = tomllib.loads((workdir / "config" / "t0.toml").read_text())["trainer"]
+    published = {e["version"]: e["digest"] for e in read_events(logs / "t0.log") if e["event"] == "published"}
+    pulled = subprocess.run(
+        [sys.executable, "-m", "pulsenet", "pull", "--store", trainer["store"], "--run", trainer["run"],
+         "--trust", str(workdir / "keys" / "t0.key.pub"), "--out", str(workdir / "pulled")],
+        env=env | {"AWS_ENDPOINT_URL": seaweed.endpoint_url}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr[-2000:]
+    version, digest = pulled.stdout.split()[-2:]
+    assert published[int(version[1:])] == digest and int(version[1:]) == max(published)
+    # The rollout channels: every visible manifest names a batch that is there in full.
+    client = boto3.client(
+        "s3", endpoint_url=seaweed.endpoint_url, aws_access_key_id=admin.access_key_id,
+        aws_secret_access_key=admin.secret_access_key, region_name=admin.region,
+    )  # fmt: skip
+    for node in ("i0", "i1"):
+        cfg = tomllib.loads((workdir / "config" / f"{node}.toml").read_text())["inference"]
+        bucket, _, run_prefix = cfg["store"].removeprefix("s3://").partition("/")
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=f"{run_prefix}/rollouts/")
+        keys = {o["Key"]: o["Size"] for o in listing.get("Contents", [])}
+        manifests = [k for k in keys if "/manifests/" in k]
+        assert manifests, keys
+        for m in manifests:
+            refs = dict(_refs(json.loads(client.get_object(Bucket=bucket, Key=m)["Body"].read())))
+            stem = m.rsplit("/", 1)[1].removesuffix(".json")
+            batch = [k for k in keys if f"/batches/{stem}-" in k]
+            assert len(batch) == 1, (m, sorted(keys))
+            named = batch[0].split(f"{run_prefix}/", 1)[1]
+            assert refs.get(named) == keys[batch[0]], (m, refs)  # there, at the size its manifest signed
+
+
+def _refs(doc: object) -> Iterator[tuple[str, int]]:
+    """Every ``{"key": ..., "size": ...}`` reference inside a (signed) JSON document."""
+    if isinstance(doc, dict):
+        if isinstance(doc.get("key"), str) and isinstance(doc.get("size"), int):
+            yield doc["key"], doc["size"]
+        for v in doc.values():
+            yield from _refs(v)
+    elif isinstance(doc, list):
+        for v in doc:
+            yield from _refs(v)
+
+
+@pytest.mark.timeout(240)
+def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
+    proc = _up(workdir, "--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4")
+    try:
+        _wait_for(lambda: len(_ours(workdir)) >= 5, 120, "nodes and store running", proc)  # launcher, weed, 3 nodes
+        time.sleep(1.0)
+        proc.kill()  # SIGKILL: no handler runs, only PR_SET_PDEATHSIG can take the children down
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert _gone(workdir, timeout=15.0) == []
+
+
+def test_up_refuses_to_wipe_a_directory_it_did_not_make(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "mine.txt").write_text("keep me")
+    proc = _up(tmp_path)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2 and "was not made by pulsenet up" in out, out
+    assert (tmp_path / "logs" / "mine.txt").read_text() == "keep me"
+
+
+def test_sparsity_counts_unchanged_bf16_bits() -> None:
+    import torch
+
+    from pulsenet.nodes.trainer import unchanged_fraction
+
+    old = {"w": torch.zeros(4, 5, dtype=torch.bfloat16), "b": torch.ones(5, dtype=torch.bfloat16)}
+    new = {k: v.clone() for k, v in old.items()}
+    assert unchanged_fraction(old, new) == 1.0
+    new["w"][0, :3] = 0.5
+    new["b"][0] = 1.0078125  # the next BF16 value above 1.0
+    assert unchanged_fraction(old, new) == 21 / 25
+    new["w"][1, 0] = -0.0  # same value, other bits: a change the patch must carry
+    assert unchanged_fraction(old, new) == 20 / 25
