@@ -331,6 +331,21 @@ class TrainerNode:
         self._round_versions = []
         self.state.round = report.round
         self.state.bytes["pulseloco"] += report.payload_bytes
+        h = self.history[-1]
+        dense = 4 * report.total  # one FP32 pseudo-gradient: what a DiLoCo worker sends per round
+        event = {
+            "event": "step",
+            "version": record.version,
+            "round": report.round,
+            "reward": h["reward"],
+            "staleness": max(h["staleness"], default=0),
+            "rows": h["rows"],
+            "rollout_bytes": self.intake.stats.bytes_downloaded,
+            "loco_bytes": report.payload_bytes,
+            "diloco_bytes": dense,
+            "ddp_bytes": dense * self.config.inner_steps,  # a dense gradient every inner step
+        }  # per worker per round, the PULSE paper's measure; read by ``pulsenet up``
+        log.info("%s: round %d -> v%d", self.config.id, report.round, record.version, extra=event)
 
     def grpo_inner_metrics(self) -> list[GRPOMetrics]:
         assert self.loco is not None
