@@ -159,3 +159,25 @@ class Engine(abc.ABC):
         batch ends. ``changed``: the names that may differ from the served weights (a hint that spares
         comparing the others; a wrong hint fails the digest check). Safe as a Subscriber's ``on_update``.
         """
+
+
+def check_layout(served: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
+    """An update must name exactly the served tensors with their shapes and dtypes (EngineError)."""
+    if state.keys() != served.keys():
+        missing = sorted(served.keys() - state.keys())[:5]
+        extra = sorted(state.keys() - served.keys())[:5]
+        raise EngineError(f"update does not match the served model: missing {missing}, unexpected {extra}")
+    for name, t in state.items():
+        mine = served[name]
+        if t.shape != mine.shape or t.dtype != mine.dtype:
+            raise EngineError(
+                f"update tensor {name}: {t.dtype} {tuple(t.shape)}, served {mine.dtype} {tuple(mine.shape)}"
+            )
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a served (host, BF16) tensor and an update's hold the same bits (-0.0 != 0.0)."""
+    b = b.detach().cpu()
+    if a.is_floating_point() and a.element_size() == 2:
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return torch.equal(a, b)

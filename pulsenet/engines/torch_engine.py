@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
 from pulsenet.codec.dtypes import dtype_name
-from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams
+from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
 from pulsenet.errors import ConfigError, EngineError
 from pulsenet.rl.models import unique_state_dict
 
@@ -221,12 +221,12 @@ class TorchEngine(Engine):
 
     def _apply(self, up: _Pending) -> None:
         t0 = time.perf_counter()
-        self._check_layout(up.state)
+        check_layout(self._mirror, up.state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change cannot
         # slip through, because the digest over the parameters then differs from the published one.
         trust_hint = up.changed is not None and self.config.verify_updates
         candidates = [n for n in self._params if not trust_hint or n in up.changed]  # type: ignore[operator]
-        changed = [n for n in candidates if not _same_bits(self._mirror[n], up.state[n])]
+        changed = [n for n in candidates if not same_bits(self._mirror[n], up.state[n])]
         with torch.no_grad():
             for name in changed:
                 src = up.state[name]
@@ -255,20 +255,6 @@ class TorchEngine(Engine):
             self._mirror[n].numel() * self._mirror[n].element_size() for n in changed
         )
         self.stats.record_update(time.perf_counter() - t0)
-
-    def _check_layout(self, state: StateDict) -> None:
-        if state.keys() != self._params.keys():
-            missing = sorted(self._params.keys() - state.keys())[:5]
-            extra = sorted(state.keys() - self._params.keys())[:5]
-            raise EngineError(
-                f"update does not match the served model: missing {missing}, unexpected {extra}"
-            )
-        for name, t in state.items():
-            mine = self._mirror[name]
-            if t.shape != mine.shape or t.dtype != mine.dtype:
-                raise EngineError(
-                    f"update tensor {name}: {t.dtype} {tuple(t.shape)}, served {mine.dtype} {tuple(mine.shape)}"
-                )
 
     def _rehash(self, name: str) -> None:
         t = self._params[name]
@@ -425,8 +411,3 @@ def _sample(
     tok = order.gather(1, idx)[:, 0]
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_floating_point():
-        return torch.equal(a.view(torch.int16), b.detach().cpu().view(torch.int16))
-    return torch.equal(a, b.detach().cpu())

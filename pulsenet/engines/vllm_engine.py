@@ -47,7 +47,7 @@ import torch
 
 from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
 from pulsenet.codec.dtypes import dtype_name
-from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams
+from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
 from pulsenet.errors import ConfigError, EngineError
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
@@ -111,24 +111,13 @@ class HostMirror:
         self, state: StateDict, digest: str, changed: Set[str] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """Changed tensors (host, contiguous) and their records; EngineError if the result's digest is not ``digest``."""
-        if state.keys() != self.tensors.keys():
-            missing = sorted(self.tensors.keys() - state.keys())[:5]
-            extra = sorted(state.keys() - self.tensors.keys())[:5]
-            raise EngineError(
-                f"update does not match the served model: missing {missing}, unexpected {extra}"
-            )
-        for name, t in state.items():
-            mine = self.tensors[name]
-            if t.shape != mine.shape or t.dtype != mine.dtype:
-                raise EngineError(
-                    f"update tensor {name}: {t.dtype} {tuple(t.shape)}, served {mine.dtype} {tuple(mine.shape)}"
-                )
+        check_layout(self.tensors, state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change is
         # caught by the digest check below.
         names = [
             n
             for n in self.tensors
-            if (changed is None or n in changed) and not _same_bits(self.tensors[n], state[n])
+            if (changed is None or n in changed) and not same_bits(self.tensors[n], state[n])
         ]
         tensors = {n: state[n].detach().cpu().contiguous() for n in names}
         records = {n: _record(n, t) for n, t in tensors.items()}
@@ -402,13 +391,6 @@ class VLLMEngine(Engine):
 
 def _record(name: str, t: torch.Tensor) -> bytes:
     return tensor_record(name, dtype_name(t.dtype), t.shape, tensor_sha256(t))
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    b = b.detach().cpu()
-    if a.is_floating_point() and a.element_size() == 2:
-        return torch.equal(a.view(torch.int16), b.view(torch.int16))
-    return torch.equal(a, b)
 
 
 __all__ = ["WORKER_EXTENSION", "HostMirror", "VLLMEngine", "VLLMEngineConfig", "import_vllm"]
