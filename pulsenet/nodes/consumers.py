@@ -22,7 +22,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pulsenet.errors import ManifestError, StoreError
+from pulsenet.errors import ManifestError, ObjectNotFound, StoreError
 from pulsenet.signing import sign_document, verify_document
 from pulsenet.store.base import ObjectStore
 
@@ -60,7 +60,7 @@ async def read_status(
     """``node``'s verified status body, None if it has none yet; ManifestError if it is not one."""
     try:
         data = await store.get(status_key(node), max_bytes=MAX_STATUS)
-    except KeyError:  # ObjectNotFound: the node has not reported yet
+    except ObjectNotFound:  # the node has not reported yet
         return None
     body = verify_document(data, trusted, context=status_context(run, store.url, node)).body
     if body.get("format") != FORMAT or body.get("node") != node or not isinstance(body.get("version"), int):

@@ -87,10 +87,15 @@ class Layout:
 
     def payload_version(self, key: str) -> int | None:
         """The version a payload key names, or None for any other key."""
+        parsed = self.parse_payload(key)
+        return parsed[0] if parsed is not None else None
+
+    def parse_payload(self, key: str) -> tuple[int, str] | None:
+        """``(version, role)`` of a payload key, or None for any other key."""
         if not key.startswith(self.payloads):
             return None
         m = _PAYLOAD.fullmatch(key[len(self.payloads) :])
-        return int(m.group(1)) if m else None
+        return (int(m.group(1)), m.group(2)) if m else None
 
 
 def _check_version(version: int) -> int:

@@ -43,6 +43,7 @@ from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
 from pulsenet.errors import (
     ConditionFailed,
     ManifestError,
+    ObjectNotFound,
     ObjectTooLarge,
     StoreError,
     StoreTimeout,
@@ -292,7 +293,7 @@ class Publisher:
             try:
                 newest = await self._reader.get(v, info=listing[v])
                 break
-            except (ManifestError, KeyError) as e:  # ObjectNotFound is a KeyError (deleted meanwhile)
+            except (ManifestError, ObjectNotFound) as e:  # not ours, or deleted meanwhile
                 ignored.append(v)
                 if len(ignored) <= 3:
                     log.warning("resume: ignoring manifest v%d, not ours: %s", v, e)
@@ -336,7 +337,7 @@ class Publisher:
             for path in paths:
                 try:
                     return await rebuild(path, cache, None, threads=self.config.threads, bad=bad)
-                except (VerificationError, KeyError) as e:  # ObjectNotFound is a KeyError
+                except (VerificationError, ObjectNotFound) as e:
                     errors.append(f"{path.describe()}: {e}")
         raise VerificationError(
             f"cannot rebuild the newest published v{newest.version} from the store: {'; '.join(errors) or 'no anchor'}"
@@ -531,7 +532,7 @@ class Publisher:
             there = verify_manifest(
                 data, {self.key_id: self.key.public_key()}, context=self.layout.context, key_version=manifest.version
             )
-        except (ManifestError, KeyError, ObjectTooLarge):
+        except (ManifestError, ObjectNotFound, ObjectTooLarge):
             return False
         return (there.model_digest, there.payloads, there.base_version) == (
             manifest.model_digest,
@@ -586,19 +587,22 @@ class Publisher:
         infos = await self.store.list(f"{self.layout.channel}/", timeout=self.config.timeout_s)
         manifests: dict[int, str] = {}
         payloads: list[tuple[int, str]] = []
+        anchor_keys: set[str] = set()
         for info in infos:
             if (v := self.layout.manifest_version(info.key)) is not None:
                 manifests[v] = info.key
-            elif (v := self.layout.payload_version(info.key)) is not None:
-                payloads.append((v, info.key))
+            elif (parsed := self.layout.parse_payload(info.key)) is not None:
+                payloads.append((parsed[0], info.key))
+                if parsed[1] == "anchor":
+                    anchor_keys.add(info.key)
         if not manifests:
             return 0
-        anchor_keys = {key for v, key in payloads if "-anchor-" in key and v in manifests}
+        anchor_keys = {key for v, key in payloads if key in anchor_keys and v in manifests}
         anchors = []
         for v in sorted({v for v, key in payloads if key in anchor_keys}, reverse=True):
             if len(anchors) >= keep:
                 break
-            with contextlib.suppress(ManifestError, KeyError):  # untrusted or vanished: not a chain we keep
+            with contextlib.suppress(ManifestError, ObjectNotFound):  # untrusted or vanished: not a chain we keep
                 m = await self._reader.get(v)
                 if m.anchor is not None and m.anchor.key in anchor_keys:
                     anchors.append(v)
