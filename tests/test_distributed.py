@@ -79,7 +79,14 @@ def _rank_main(mode: str, out: Path) -> None:
             inner = SiteInner(local, batch_of)  # type: ignore[arg-type]
             try:
                 if mode == "steps":
-                    result["losses"] = inner.train(STEPS)
+                    # STEPS steps, with a detour: a restart's restore must reach every rank
+                    # (optimizer, step counter), or rank 1 would train on the wrong rows after it
+                    losses = inner.train(STEPS - 1)
+                    saved, weights = inner.checkpoint(), inner.state_fp32()
+                    inner.train(1)
+                    inner.restore(saved)
+                    inner.load_state_fp32(weights)
+                    result["losses"] = losses + inner.train(1)
                 else:
                     result["global"] = _run_round(inner, out)
             finally:

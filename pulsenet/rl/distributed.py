@@ -33,19 +33,25 @@ the accumulated ``g0 + g1`` of the reference. With more than 2 ranks the ranks s
 each other (an all-reduce hands every rank the same bits), but the backend's reduction order
 (gloo's ring, NCCL's trees) need not be the reference's left-to-right one.
 
-Why not FSDP2 (``torch.distributed.fsdp.fully_shard``). It is available in this torch build, but
-(1) the ``bf16-weights`` forward runs the model through ``functional_call`` with BF16-rounded
-copies of the master parameters, which bypasses the unshard/reshard hooks FSDP2 installs on the
-modules (the substituted tensors would be the local DTensor shards); (2) FSDP2's reduce-scatter
-divides by the world size and its gradient clipping sums shard norms, both in orders that no
-single-process reference reproduces, and the point of this module is a site step one can check
-to the bit; (3) a PULSELoCo round reads and writes the whole FP32 state on rank 0 every H steps
-(pseudo-gradient, outer step), which with sharded parameters means a full gather and a scatter
-per round. For a model that fits on one GPU (the PULSE paper's 0.5B-7B on 80 GB cards, with
-AdamW: 16 bytes a parameter) replicated data parallelism is the simpler, exact choice; sharding
-is the next step for models that do not fit, at the price of a tolerance-free check against a
-reference. The collectives here are the same ones DDP uses (it would add bucketing and overlap
-of the all-reduce with the backward; unneeded for the tiny model, worth it on GPUs).
+Why not FSDP2 (``torch.distributed.fsdp.fully_shard``). It is in this torch build and runs on CPU
+with gloo (probed: a 2-rank ``fully_shard`` of the tiny Qwen2 per decoder layer and root, forward,
+backward and AdamW step all work), but it does not fit the site's contract:
+
+1. ``InnerLoop.parameters()`` hands the round the live full FP32 parameters to read in place, from
+   the event loop, and ``state_fp32`` / ``load_state_fp32`` move the whole state every round.
+   Under FSDP2 the parameters are DTensor shards: each of those calls becomes an all-gather or a
+   scatter that every rank must join, i.e. more commands, on the event loop's thread too.
+2. The ``bf16-weights`` forward runs the model through ``functional_call`` with BF16-rounded copies
+   of the master parameters, which bypasses the unshard hooks FSDP2 puts on the modules; FSDP2's
+   own ``MixedPrecisionPolicy(param_dtype=bfloat16)`` is the ``autocast-bf16`` mode, not this one.
+3. Its reduce-scatter divides by the world size, and clipping sums shard norms, in orders of its
+   own: the replicated step here can be checked against a single process to the bit.
+
+For models whose weights, gradients and AdamW state fit on one GPU (16 bytes a parameter: a 1.5B
+model on an 80 GB card) replication is the simpler exact choice; sharding with FSDP2 is the next
+step for larger ones (gather the full state on rank 0 once per round for the exchange). The
+collectives here are the ones DDP runs (DDP adds gradient bucketing and overlaps the all-reduce
+with the backward: worth adding on GPUs, unneeded for the tiny model).
 
 Backends: ``nccl`` on GPUs (tensors on the rank's device), ``gloo`` on CPU (what the tests run).
 """
