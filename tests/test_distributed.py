@@ -1,9 +1,8 @@
 """A 2-rank site on CPU (gloo): data-parallel inner steps and a PULSELoCo round spoken for by rank 0,
 bit-equal to the single-process reference (``SiteInner(reference_world=2)``, see pulsenet/rl/distributed.py).
 
-The ranks are two processes of this file (``python tests/test_distributed.py MODE OUT``) with the
-environment ``torchrun`` gives its ranks (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the test
-runs the launch path a real site uses, without torchrun's agent. Only CPU and gloo were tested here.
+The ranks are this file run by ``torchrun`` (``torchrun --nproc-per-node 2 tests/test_distributed.py
+MODE OUT``), the launch path of a real site. Only CPU and gloo were tested here (no GPU, no NCCL).
 """
 
 from __future__ import annotations
@@ -104,23 +103,14 @@ def _free_port() -> int:
 
 
 def _run_site(mode: str, out: Path) -> list[dict[str, object]]:
+    """The site as a real one starts: ``torchrun`` (static rendezvous on 127.0.0.1) and WORLD ranks."""
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-        )  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, __file__, mode, str(out)], env=env))
-    try:
-        codes = [p.wait(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0] * WORLD
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, mode, str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    subprocess.run(cmd, env=env, check=True, timeout=120)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
