@@ -10,8 +10,11 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from pulsenet.errors import PulsenetError
+
+T = TypeVar("T")
 
 # Each module exposes ``register(subparsers)``; add new groups here.
 _MODULES = (
@@ -40,7 +43,7 @@ first steps:
   pulsenet pull --store URL --trust PUB --out DIR        rebuild the newest verified version
   pulsenet bench sync --model tiny                       measure the codec on this machine
 
-Every command takes --help; settings come from --config TOML, then PULSENET_<OPTION>, then flags."""
+Every command takes --help; settings come from --config TOML, then PULSENET_<FIELD>, then flags."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +73,27 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         module.register(sub)
     return parser
+
+
+def add_settings_command(sub: argparse._SubParsersAction, name: str, help_: str, table: str, func: Any) -> None:
+    """A command whose settings are one dataclass (pulsenet/settings.py): argparse only picks the
+    command and hands the rest of the line to ``load_settings`` (which also answers ``--help``)."""
+    p = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=func, settings_table=table)
+
+
+def command_settings(args: argparse.Namespace, cls: type[T], environ: Mapping[str, str] = os.environ) -> T:
+    """The settings of a command registered with ``add_settings_command``: ``cls`` filled from its
+    table of ``--config`` (given before or after the command, or ``PULSENET_CONFIG``), then
+    ``PULSENET_<FIELD>``, then the flags after the command."""
+    from pulsenet.cli.nodes import _config_option
+    from pulsenet.settings import load_settings
+
+    rest, config = _config_option(list(args.rest), args.config or environ.get("PULSENET_CONFIG"))
+    table = args.settings_table
+    prog = f"pulsenet {table.replace('.', ' ')}"
+    return load_settings(cls, table=table, argv=rest, config=config, environ=environ, prog=prog)
 
 
 def parse_cli(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
