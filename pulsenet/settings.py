@@ -11,6 +11,12 @@ The dataclass *is* the schema: field types validate, field docstrings are the ``
 4. command-line flags (``--max-staleness 3``, ``--grpo.lr 1e-5``); a list flag given twice
    (``--trust a.pub --trust b.pub``) takes both.
 
+A nested dataclass annotated ``tyro.conf.arg(name="")`` lends its fields to the parent under their
+own names (``pulsenet loco train``: ``--inner-steps``, key ``inner-steps``, ``PULSENET_INNER_STEPS``
+for ``LocoConfig.inner_steps``). A ``tyro.conf.Positional`` field is the bare argument on the command
+line and its field name elsewhere. Required settings have an empty default and are checked with
+``require`` once every source is in, so any source may give them.
+
 Each source is parsed on its own, so a bad value raises a ``ConfigError`` that names the field and
 where it came from. Every value is turned into the flag it would be on the command line and parsed
 by ``tyro``, so all four sources share one parser and one set of conversions.
@@ -45,9 +51,14 @@ def load_settings(
     config: str | Path | None = None,
     environ: Mapping[str, str] = os.environ,
     prog: str | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> T:
-    """``cls`` filled from defaults, ``config``'s ``[table]``, ``environ`` and ``argv``, in that order."""
+    """``cls`` filled from defaults, ``config``'s ``[table]``, ``environ`` and ``argv``, in that order.
+
+    ``aliases`` maps older flag spellings to the schema's (``{"--H": "--inner-steps"}``); they are
+    accepted on the command line only."""
     fields = _flags(cls)
+    argv = [_alias(a, aliases or {}) for a in argv]
     value: T = cls()
     if config is not None:
         data = _table(load_toml(config), table, str(config))
@@ -57,6 +68,11 @@ def load_settings(
         if var in environ:
             value = _parse(cls, value, _env_args(flag, kind, environ[var], var), f"{var}={environ[var]!r}")
     return tyro.cli(cls, default=value, args=_merge_repeated(list(argv), fields), prog=prog)
+
+
+def _alias(token: str, aliases: Mapping[str, str]) -> str:
+    flag, eq, value = token.partition("=")
+    return aliases[flag] + eq + value if flag in aliases else token
 
 
 def require(value: Any, *names: str, table: str) -> None:
@@ -98,7 +114,11 @@ def to_toml_table(value: Any) -> dict[str, Any]:
 
 
 def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
-    """``dotted field name -> (flag, kind)`` with kind "bool", "list", "positional" or "value"."""
+    """``dotted field name -> (flag, kind)`` with kind "bool", "list", "positional" or "value".
+
+    A nested dataclass field annotated ``tyro.conf.arg(name="")`` adds no prefix (its fields are
+    the command's own: ``--inner-steps``, key ``inner-steps``); otherwise its name is a prefix
+    (``--grpo.lr``, table ``[trainer.grpo]``, ``PULSENET_GRPO__LR``)."""
     out: dict[str, tuple[str, str]] = {}
     hints = typing.get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):
@@ -106,10 +126,13 @@ def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
         typ, marks = hints[f.name], ()
         if typing.get_origin(typ) is typing.Annotated:
             typ, *marks = typing.get_args(typ)
+        if any(m is tyro.conf.Suppress for m in marks):
+            continue
         if f.default_factory is not dataclasses.MISSING:
             made = f.default_factory()  # a class or a lambda (``lambda: GRPOConfig(lr=1e-3)``)
             if dataclasses.is_dataclass(made):
-                out |= _flags(type(made), name + ".")
+                flat = any(getattr(m, "name", None) == "" for m in marks)
+                out |= _flags(type(made), prefix if flat else name + ".")
                 continue
         origin = typing.get_origin(typ)
         if any(m is tyro.conf.Positional or getattr(m, "__name__", "") == "Positional" for m in marks):

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from pulsenet.cli import command_settings, main, parse_cli
+from pulsenet.cli.loco_train import LocoTrainSettings
 from pulsenet.cli.sync import LsSettings, PublishSettings, PullSettings
 from pulsenet.errors import ConfigError
+from pulsenet.loco.config import LocoConfig
 from pulsenet.settings import load_toml
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -27,13 +30,24 @@ def _settings_value(got):
     return str(got) if isinstance(got, Path) else got
 
 
+def _field(obj, key: str):
+    """``obj.key``, looking into nested settings that add no prefix (``LocoTrainSettings.loco``)."""
+    name = key.replace("-", "_")
+    if hasattr(obj, name):
+        return getattr(obj, name)
+    flat = [getattr(obj, f.name) for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))]
+    found = [getattr(sub, name) for sub in flat if hasattr(sub, name)]
+    assert len(found) == 1, f"{key}: {len(found)} settings of that name"
+    return found[0]
+
+
 def _check_value_by_value(name: str, obj, table: dict, where: str) -> None:
     assert table, f"{name} sets nothing in [{where}]"
     for key, value in table.items():
         if isinstance(value, dict):
-            _check_value_by_value(name, getattr(obj, key.replace("-", "_")), value, f"{where}.{key}")
+            _check_value_by_value(name, _field(obj, key), value, f"{where}.{key}")
             continue
-        got = _settings_value(getattr(obj, key.replace("-", "_")))
+        got = _settings_value(_field(obj, key))
         assert got == value and type(got) is type(value), f"{name} [{where}] {key} = {value!r} arrived as {got!r}"
 
 
@@ -42,6 +56,7 @@ def _check_value_by_value(name: str, obj, table: dict, where: str) -> None:
     [
         ("inference.toml", ["pull"], PullSettings, {}),
         ("trainer.toml", ["publish", "model-dir"], PublishSettings, {}),
+        ("loco.toml", ["loco", "train"], LocoTrainSettings, {"PULSENET_ID": "t0", "PULSENET_KEY": "keys/t0.key"}),
     ],
 )
 def test_shipped_command_tables_load_value_by_value(name, argv, cls, env):
@@ -54,6 +69,31 @@ def test_shipped_command_tables_load_value_by_value(name, argv, cls, env):
     _check_value_by_value(name, s, data, table)
     if cls is PublishSettings:
         assert s.model == Path("model-dir")
+    if cls is LocoTrainSettings:
+        assert (s.id, s.key) == ("t0", Path("keys/t0.key"))
+
+
+def test_loco_train_settings_are_the_loco_config(tmp_path):
+    """``loco train`` fills the run's LocoConfig itself (no mapping): flags are its field names, the
+    older spellings still work, and the store deadlines are one value for the store and the protocol."""
+    from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
+
+    env = {"PULSENET_ID": "a", "PULSENET_KEY": "a.key", "PULSENET_TRUST": "a.pub", "PULSENET_STORE": "file:///x"}
+    s = _load(["loco", "train"], LocoTrainSettings, env)
+    assert s.loco == LocoConfig() and (s.loco.timeouts.small_s, s.loco.timeouts.transfer_s) == (SMALL_CALL_S, TRANSFER_S)
+    argv = ["loco", "train", "--H", "4", "--deadline", "20", "--poll=0.1", "--store-timeout", "20",
+            "--transfer-timeout", "60", "--outer-lr", "0.5", "--overlap", "--mode", "diloco", "--batch", "2"]  # fmt: skip
+    s = _load(argv, LocoTrainSettings, {**env, "PULSENET_TIMEOUTS__SMALL_S": "5", "PULSENET_GATE_SCALE": "1.5"})
+    assert (s.loco.inner_steps, s.loco.deadline_s, s.loco.poll_s, s.loco.outer_lr) == (4, 20.0, 0.1, 0.5)
+    assert (s.loco.timeouts.small_s, s.loco.timeouts.transfer_s, s.loco.gate_scale) == (20.0, 60.0, 1.5)
+    assert (s.loco.overlap, s.loco.mode, s.inner.batch) == (True, "diloco", 2)
+    cfg = tmp_path / "l.toml"
+    cfg.write_text("[loco.train]\nH = 8\n")  # an old key: the error names the field to use
+    with pytest.raises(ConfigError, match=r"no setting 'H' \(known: .*inner-steps"):
+        _load(["--config", str(cfg), "loco", "train"], LocoTrainSettings, env)
+    cfg.write_text('[loco.train]\nmode = "sparse"\n')
+    with pytest.raises(ConfigError, match=r"l\.toml \[loco.train\]: .*sparse.*--mode"):
+        _load(["--config", str(cfg), "loco", "train"], LocoTrainSettings, env)
 
 
 def test_config_after_the_command(tmp_path):
