@@ -8,7 +8,14 @@ The dataclass *is* the schema: field types validate, field docstrings are the ``
    dataclasses: ``[trainer.grpo]``); keys are field names, ``-`` and ``_`` alike;
 3. ``PULSENET_<FIELD>`` environment variables (nested: ``PULSENET_GRPO__LR``), what a compose file
    or an orchestrator sets per site; lists are comma- or space-separated, booleans true/false;
-4. command-line flags (``--max-staleness 3``, ``--grpo.lr 1e-5``).
+4. command-line flags (``--max-staleness 3``, ``--grpo.lr 1e-5``); a list flag given twice
+   (``--trust a.pub --trust b.pub``) takes both.
+
+A nested dataclass annotated ``tyro.conf.arg(name="")`` lends its fields to the parent under their
+own names (``pulsenet loco train``: ``--inner-steps``, key ``inner-steps``, ``PULSENET_INNER_STEPS``
+for ``LocoConfig.inner_steps``). A ``tyro.conf.Positional`` field is the bare argument on the command
+line and its field name elsewhere. Required settings have an empty default and are checked with
+``require`` once every source is in, so any source may give them.
 
 Each source is parsed on its own, so a bad value raises a ``ConfigError`` that names the field and
 where it came from. Every value is turned into the flag it would be on the command line and parsed
@@ -21,8 +28,8 @@ import contextlib
 import dataclasses
 import io
 import os
-import re
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,9 +51,14 @@ def load_settings(
     config: str | Path | None = None,
     environ: Mapping[str, str] = os.environ,
     prog: str | None = None,
+    aliases: Mapping[str, str] | None = None,
 ) -> T:
-    """``cls`` filled from defaults, ``config``'s ``[table]``, ``environ`` and ``argv``, in that order."""
+    """``cls`` filled from defaults, ``config``'s ``[table]``, ``environ`` and ``argv``, in that order.
+
+    ``aliases`` maps older flag spellings to the schema's (``{"--H": "--inner-steps"}``); they are
+    accepted on the command line only."""
     fields = _flags(cls)
+    argv = [_alias(a, aliases or {}) for a in argv]
     value: T = cls()
     if config is not None:
         data = _table(load_toml(config), table, str(config))
@@ -55,13 +67,31 @@ def load_settings(
         var = ENV_PREFIX + name.upper().replace(".", "__")
         if var in environ:
             value = _parse(cls, value, _env_args(flag, kind, environ[var], var), f"{var}={environ[var]!r}")
-    return tyro.cli(cls, default=value, args=list(argv), prog=prog)
+    return tyro.cli(cls, default=value, args=_merge_repeated(list(argv), fields), prog=prog)
+
+
+def _alias(token: str, aliases: Mapping[str, str]) -> str:
+    flag, eq, value = token.partition("=")
+    return aliases[flag] + eq + value if flag in aliases else token
+
+
+def require(value: Any, *names: str, table: str) -> None:
+    """Raise ``ConfigError`` for the first of ``names`` that no source set (empty or None)."""
+    for name in names:
+        if getattr(value, name) in (None, "", [], ()):
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"{table.replace('.', ' ')} needs {flag} (or {ENV_PREFIX}{name.upper()}, "
+                f"or {name.replace('_', '-')} in [{table}] of --config)"
+            )
 
 
 def load_toml(path: str | Path) -> dict:
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
     except OSError as e:
         raise ConfigError(f"config file {path}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
@@ -84,19 +114,64 @@ def to_toml_table(value: Any) -> dict[str, Any]:
 
 
 def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
-    """``dotted field name -> (flag, kind)`` with kind "bool", "list" or "value"."""
+    """``dotted field name -> (flag, kind)`` with kind "bool", "list", "positional" or "value".
+
+    A nested dataclass field annotated ``tyro.conf.arg(name="")`` adds no prefix (its fields are
+    the command's own: ``--inner-steps``, key ``inner-steps``); otherwise its name is a prefix
+    (``--grpo.lr``, table ``[trainer.grpo]``, ``PULSENET_GRPO__LR``)."""
     out: dict[str, tuple[str, str]] = {}
+    hints = typing.get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):
         name = prefix + f.name
-        typ = f.type if not isinstance(f.type, str) else f.type.replace(" ", "")
+        typ, marks = hints[f.name], ()
+        if typing.get_origin(typ) is typing.Annotated:
+            typ, *marks = typing.get_args(typ)
+        if any(m is tyro.conf.Suppress for m in marks):
+            continue
         if f.default_factory is not dataclasses.MISSING:
             made = f.default_factory()  # a class or a lambda (``lambda: GRPOConfig(lr=1e-3)``)
             if dataclasses.is_dataclass(made):
-                out |= _flags(type(made), name + ".")
+                flat = any(getattr(m, "name", None) == "" for m in marks)
+                out |= _flags(type(made), prefix if flat else name + ".")
                 continue
-        kind = "bool" if typ in (bool, "bool") else "list" if re.match(r"(list|tuple)\[", str(typ)) else "value"
+        origin = typing.get_origin(typ)
+        if any(m is tyro.conf.Positional or getattr(m, "__name__", "") == "Positional" for m in marks):
+            kind = "positional"
+        elif typ is bool:
+            kind = "bool"
+        elif origin in (list, tuple):
+            kind = "list"
+        else:
+            kind = "value"
         out[name] = ("--" + name.replace("_", "-"), kind)
     return out
+
+
+def _merge_repeated(argv: list[str], fields: dict[str, tuple[str, str]]) -> list[str]:
+    """``--trust a --trust b`` -> ``--trust a b``: a repeated list flag keeps every value (tyro
+    would keep the last); a flag's values run to the next token that starts with ``-``."""
+    lists = {flag for flag, kind in fields.values() if kind == "list"}
+    segments: list[list[str]] = []
+    first: dict[str, list[str]] = {}  # list flag -> its one segment
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            segments.append(argv[i:])
+            break
+        if argv[i] not in lists:
+            segments.append([argv[i]])
+            i += 1
+            continue
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("-"):
+            j += 1
+        if argv[i] in first:
+            first[argv[i]] += argv[i + 1 : j]
+        else:
+            first[argv[i]] = argv[i:j]
+            segments.append(first[argv[i]])
+        i = j
+    return [token for segment in segments for token in segment]
 
 
 def _table(data: Mapping, table: str, source: str) -> Mapping:
@@ -119,7 +194,9 @@ def _toml_args(data: Mapping, fields: dict[str, tuple[str, str]], source: str, p
             known = ", ".join(sorted(n.replace("_", "-") for n in fields if n.startswith(prefix)))
             raise ConfigError(f"{source}: no setting {prefix + key!r} (known: {known})")
         flag, kind = fields[name]
-        if kind == "bool":
+        if kind == "positional":
+            args.append(str(v))
+        elif kind == "bool":
             if not isinstance(v, bool):
                 raise ConfigError(f"{source}: {key} must be true or false, got {v!r}")
             args.append(flag if v else _negate(flag))
@@ -131,6 +208,8 @@ def _toml_args(data: Mapping, fields: dict[str, tuple[str, str]], source: str, p
 
 
 def _env_args(flag: str, kind: str, raw: str, var: str) -> list[str]:
+    if kind == "positional":
+        return [raw]
     if kind == "bool":
         low = raw.strip().lower()
         if low not in _TRUE | _FALSE:
@@ -154,6 +233,16 @@ def _parse(cls: type[T], default: T, args: list[str], source: str) -> T:
         with contextlib.redirect_stderr(out), contextlib.redirect_stdout(out):
             return tyro.cli(cls, default=default, args=args)
     except SystemExit:
-        lines = [ln.replace("\u2502", " ").strip() for ln in out.getvalue().splitlines()]
-        reason = next((ln.strip() for ln in lines if ln.strip().startswith(("Error", "Unrecognized", "Invalid"))), "")
-        raise ConfigError(f"{source}: {reason or ' '.join(' '.join(lines).split())[:300]}") from None
+        raise ConfigError(f"{source}: {_reason(out.getvalue())}") from None
+
+
+def _reason(printed: str) -> str:
+    """tyro's error box on one line: its title and message (which name the flag and the value)."""
+    kept = []
+    for line in printed.splitlines():
+        text = line.strip().strip("\u2502\u256d\u2570\u256e\u256f").strip(" -\u2500")
+        if text.startswith(("For full helptext", "Argument helptext")):
+            break
+        if text:
+            kept.append(text)
+    return " ".join(" ".join(kept).split())[:300]

@@ -15,16 +15,18 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pulsenet.cli.loco import add_train_arguments, run_trainer
+from pulsenet.cli.loco import ALIASES
+from pulsenet.cli.loco_train import LocoTrainSettings, run_trainer
 from pulsenet.loco import LocoTrainer
+from pulsenet.settings import load_settings
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser()
-    add_train_arguments(parser)
     parser.add_argument("--hold-round", type=int, default=None)
     parser.add_argument("--hold-s", type=float, default=0.0)
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    settings = load_settings(LocoTrainSettings, table="loco.train", argv=rest, aliases=ALIASES)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     class Straggler(LocoTrainer):
@@ -40,8 +42,8 @@ def main(argv: list[str]) -> int:
                 logging.warning("%s: holding round %d for %g s", self.id, r, args.hold_s)
                 await asyncio.sleep(args.hold_s)
 
-    reports = asyncio.run(run_trainer(args, factory=Straggler))
-    print(f"{args.id}: round {reports[-1].round} digest {reports[-1].digest}" if reports else "no rounds")
+    reports = asyncio.run(run_trainer(settings, factory=Straggler))
+    print(f"{settings.id}: round {reports[-1].round} digest {reports[-1].digest}" if reports else "no rounds")
     return 0
 
 

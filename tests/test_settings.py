@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.settings import load_settings
+from pulsenet.settings import load_settings, require
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -66,3 +68,37 @@ def test_bad_values_name_field_and_source(tmp_path: Path) -> None:
         load_settings(Node, table="node", environ={"PULSENET_FOLLOW": "maybe"})
 
 
+@dataclasses.dataclass(kw_only=True)
+class Flat:
+    steps: int = 8
+    """Steps."""
+    timeouts: Inner = dataclasses.field(default_factory=Inner)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Cmd:
+    model: Annotated[Path | None, tyro.conf.Positional] = None
+    """The model."""
+    trust: list[Path] = dataclasses.field(default_factory=list)
+    """Trusted keys."""
+    flat: Annotated[Flat, tyro.conf.arg(name="")] = dataclasses.field(default_factory=Flat)
+
+
+def test_positional_flat_nesting_aliases_and_repeated_lists(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[cmd]\nmodel = "m-file"\nsteps = 3\n[cmd.timeouts]\nlr = 0.25\n')
+    c = load_settings(Cmd, table="cmd", config=cfg, environ={})
+    assert (c.model, c.flat.steps, c.flat.timeouts.lr) == (Path("m-file"), 3, 0.25)
+    c = load_settings(Cmd, table="cmd", config=cfg, environ={"PULSENET_MODEL": "m-env", "PULSENET_TIMEOUTS__LR": "0.5"})
+    assert (c.model, c.flat.timeouts.lr) == (Path("m-env"), 0.5)
+    argv = ["m-flag", "--trust", "a", "--S", "4", "--trust", "b", "c", "--timeouts.lr=1"]
+    c = load_settings(Cmd, table="cmd", config=cfg, environ={}, argv=argv, aliases={"--S": "--steps"})
+    assert (c.model, c.trust, c.flat.steps, c.flat.timeouts.lr) == (Path("m-flag"), [Path("a"), Path("b"), Path("c")], 4, 1.0)
+    with pytest.raises(SystemExit):  # an alias is the command line's only
+        load_settings(Cmd, table="cmd", environ={}, argv=["--S", "4"])
+
+
+def test_require_names_every_source() -> None:
+    with pytest.raises(ConfigError, match=r"^pull needs --store \(or PULSENET_STORE, or store in \[pull\] of --config\)$"):
+        require(Node(), "store", table="pull")
+    require(Node(store="s3://x"), "store", table="pull")

@@ -32,7 +32,7 @@ RICH_MODES = ("diloco", "pulseloco")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pulsenet.cli.loco import add_forward_argument
+    from pulsenet.cli.loco import FORWARDS
 
     p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
     p.add_argument("--workers", type=int, default=4, help="trainers per mode (default: %(default)s)")
@@ -52,7 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--overlap", action="store_true", help="one-round-delayed outer step (train the next round while exchanging)"
     )
     p.add_argument("--seed", type=int, default=0)
-    add_forward_argument(p)
+    p.add_argument(
+        "--forward", choices=FORWARDS, default="bf16-weights", help="inner forward (pulsenet loco train --help)"
+    )
     p.add_argument(
         "--eval-batches", type=int, default=4, help="held-out batches (of --batch x --seq) per evaluation"
     )

@@ -10,8 +10,11 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from pulsenet.errors import PulsenetError
+
+T = TypeVar("T")
 
 # Each module exposes ``register(subparsers)``; add new groups here.
 _MODULES = (
@@ -40,7 +43,7 @@ first steps:
   pulsenet pull --store URL --trust PUB --out DIR        rebuild the newest verified version
   pulsenet bench sync --model tiny                       measure the codec on this machine
 
-Every command takes --help; settings come from --config TOML, then PULSENET_<OPTION>, then flags."""
+Every command takes --help; settings come from --config TOML, then PULSENET_<FIELD>, then flags."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config",
         metavar="TOML",
-        help="command defaults from a file (configs/*.toml; env PULSENET_CONFIG); "
-        "PULSENET_<OPTION> env vars override it, command-line flags override both",
+        help="command settings from a file (configs/*.toml; env PULSENET_CONFIG; also accepted after "
+        "the command); PULSENET_<FIELD> env vars override it, command-line flags override both",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _MODULES:
@@ -72,15 +75,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_cli(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
-    """Parse ``argv`` with defaults from ``--config`` and ``PULSENET_*`` (pulsenet/config.py)."""
-    from pulsenet.config import apply_defaults, config_from_argv
+def add_settings_command(
+    sub: argparse._SubParsersAction,
+    name: str,
+    help_: str,
+    table: str,
+    func: Any,
+    aliases: Mapping[str, str] | None = None,
+) -> None:
+    """A command whose settings are one dataclass (pulsenet/settings.py): argparse only picks the
+    command and hands the rest of the line to ``load_settings`` (which also answers ``--help``).
+    ``aliases``: older flag spellings the command still accepts."""
+    p = sub.add_parser(name, help=help_, add_help=False, prefix_chars="\0")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=func, settings_table=table, settings_aliases=dict(aliases or {}))
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    config, source = config_from_argv(argv, environ)
-    finish = apply_defaults(parser, argv, config, environ, source)
-    return finish(parser.parse_args(argv))
+
+def command_settings(args: argparse.Namespace, cls: type[T], environ: Mapping[str, str] = os.environ) -> T:
+    """The settings of a command registered with ``add_settings_command``: ``cls`` filled from its
+    table of ``--config`` (given before or after the command, or ``PULSENET_CONFIG``), then
+    ``PULSENET_<FIELD>``, then the flags after the command."""
+    from pulsenet.cli.nodes import _config_option
+    from pulsenet.settings import load_settings
+
+    rest, config = _config_option(list(args.rest), args.config or environ.get("PULSENET_CONFIG"))
+    table = args.settings_table
+    prog = f"pulsenet {table.replace('.', ' ')}"
+    return load_settings(cls, table=table, argv=rest, config=config, environ=environ, prog=prog, aliases=args.settings_aliases)
+
+
+def parse_cli(argv: list[str] | None = None, environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """Pick the command. A command's settings are loaded when it runs (``command_settings``), from
+    ``--config``, ``environ`` and the flags after it; ``environ`` is unused here."""
+    del environ
+    return build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
 
 
 def main(argv: list[str] | None = None) -> int:

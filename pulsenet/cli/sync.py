@@ -13,120 +13,111 @@ import json
 import os
 import signal
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from pulsenet.cli import add_settings_command, command_settings
+from pulsenet.deadlines import SMALL_CALL_S
+from pulsenet.settings import require
+
+
+@dataclass(kw_only=True)
+class StoreSettings:
+    """Where a channel lives (shared by publish, pull and ls)."""
+
+    store: str = ""
+    """s3://bucket[/prefix] or file:///path (required)."""
+    channel: str = "policy"
+    """Policy stream inside the store."""
+    run: str = "default"
+    """Run name, part of what manifests are signed for: publisher and readers must agree."""
+    timeout: float = SMALL_CALL_S
+    """Deadline of each small store call, seconds."""
+
+
+@dataclass(kw_only=True)
+class PublishSettings(StoreSettings):
+    """Rebuild the newest published version from the store, encode MODEL as a patch against it
+    (plus an anchor when due), upload, and write the signed manifest last."""
+
+    model: Annotated[Path | None, tyro.conf.Positional, tyro.conf.arg(metavar="MODEL")] = None
+    """.safetensors file or HF directory (required)."""
+    key: Path | None = None
+    """Ed25519 private key (pulsenet keygen) (required)."""
+    anchor_every: int = 10
+    """A full anchor every this many versions."""
+    keep_anchors: int = 2
+    """Retention: keep the newest this many anchors and their chains (0: keep everything)."""
+    dtype: Literal["bf16", "keep"] = "bf16"
+    """Publish floating tensors as BF16, or as stored (keep)."""
+    step: int | None = None
+    """Your label for this state (kept in the manifest)."""
+    zones: int | None = None
+    """Context zones per tensor (None: 12, the smallest; 1: no context model, ~2x the bytes)."""
+    threads: int | None = None
+    """Codec threads (None: every core)."""
+
+
+@dataclass(kw_only=True)
+class PullSettings(StoreSettings):
+    """Fetch and verify the newest version (signature, payload SHA-256, model digest) and write
+    OUT/model.safetensors atomically; prints 'v<version> <digest>'. A failed verification of the
+    newest version exits non-zero and leaves OUT as it was. With --follow, keep polling and update
+    OUT (failed rounds are logged and retried; the last verified weights stay)."""
+
+    trust: list[Path] = field(default_factory=list)
+    """Trusted publisher public keys (required; --trust A.pub B.pub, or --trust repeated)."""
+    out: Path | None = None
+    """Directory of the verified model (required)."""
+    follow: bool = False
+    """Keep polling until Ctrl-C / SIGTERM."""
+    interval: float = 2.0
+    """Seconds between polls."""
+    cache: Path | None = None
+    """Payload cache (None: ~/.cache/pulsenet/sync/<hash of store, channel, out>)."""
+    threads: int | None = None
+    """Codec threads (None: every core)."""
+
+
+@dataclass(kw_only=True)
+class LsSettings(StoreSettings):
+    """List a channel's versions: kind, sizes, ratio to a full checkpoint, signature."""
+
+    trust: list[Path] = field(default_factory=list)
+    """Verify signatures against these keys (none: show unverified)."""
+    json: bool = False
+    """Machine-readable output."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    pub = sub.add_parser(
-        "publish",
-        help="publish a checkpoint as the next version of a channel",
-        description="Rebuild the newest published version from the store, encode MODEL as a patch "
-        "against it (plus an anchor when due), upload, and write the signed manifest last.",
-    )
-    pub.add_argument("model", type=Path, help=".safetensors file or HF directory")
-    _store_args(pub)
-    pub.add_argument("--key", type=Path, required=True, help="Ed25519 private key (pulsenet keygen)")
-    pub.add_argument(
-        "--anchor-every", type=int, default=10, metavar="K", help="a full anchor every K versions"
-    )
-    pub.add_argument(
-        "--keep-anchors",
-        type=int,
-        default=2,
-        metavar="N",
-        help="retention: keep the newest N anchors and their chains (0: keep everything)",
-    )
-    pub.add_argument(
-        "--dtype",
-        choices=("bf16", "keep"),
-        default="bf16",
-        help="publish floating tensors as BF16 (default) or as stored",
-    )
-    pub.add_argument(
-        "--step", type=int, default=None, help="your label for this state (kept in the manifest)"
-    )
-    pub.add_argument(
-        "--zones",
-        type=int,
-        default=None,
-        help="context zones per tensor (default 12: smallest; 1: no context model, ~2x the bytes)",
-    )
-    pub.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    pub.set_defaults(func=_publish)
-
-    pull = sub.add_parser(
-        "pull",
-        help="rebuild the newest verified version into a directory",
-        description="Fetch and verify the newest version (signature, payload SHA-256, model digest) and "
-        "write DIR/model.safetensors atomically; prints 'v<version> <digest>'. A failed verification of "
-        "the newest version exits non-zero and leaves DIR as it was. With --follow, keep polling and "
-        "update DIR (failed rounds are logged and retried; the last verified weights stay).",
-    )
-    _store_args(pull)
-    pull.add_argument(
-        "--trust",
-        type=Path,
-        action="append",
-        required=True,
-        metavar="PUBKEY",
-        help="trusted publisher public key (repeatable)",
-    )
-    pull.add_argument("--out", type=Path, required=True, metavar="DIR")
-    pull.add_argument("--follow", action="store_true", help="keep polling until Ctrl-C / SIGTERM")
-    pull.add_argument("--interval", type=float, default=2.0, metavar="S", help="seconds between polls")
-    pull.add_argument(
-        "--cache",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="payload cache (default: ~/.cache/pulsenet/sync/<store>)",
-    )
-    pull.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    pull.set_defaults(func=_pull)
-
-    ls = sub.add_parser("ls", help="list a channel's versions: kind, sizes, ratio to a full checkpoint")
-    _store_args(ls)
-    ls.add_argument(
-        "--trust",
-        type=Path,
-        action="append",
-        default=[],
-        metavar="PUBKEY",
-        help="verify signatures against these keys (default: show unverified)",
-    )
-    ls.add_argument("--json", action="store_true", help="machine-readable output")
-    ls.set_defaults(func=_ls)
-
-
-def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", required=True, metavar="URL", help="s3://bucket[/prefix] or file:///path")
-    p.add_argument("--channel", default="policy", help="policy stream inside the store (default: policy)")
-    p.add_argument(
-        "--run",
-        default="default",
-        help="run name, part of what manifests are signed for: publisher and readers must agree (default: default)",
-    )
-    p.add_argument(
-        "--timeout", type=float, default=60.0, metavar="S", help="deadline of each small store call"
+    add_settings_command(sub, "publish", "publish a checkpoint as the next version of a channel", "publish", _publish)
+    add_settings_command(sub, "pull", "rebuild the newest verified version into a directory", "pull", _pull)
+    add_settings_command(
+        sub, "ls", "list a channel's versions: kind, sizes, ratio to a full checkpoint", "ls", _ls
     )
 
 
-def _open(args: argparse.Namespace):
+def _open(s: StoreSettings):
     from pulsenet.store import S3Config, open_store
 
-    return open_store(args.store, S3Config.from_env(timeout_s=args.timeout))
+    return open_store(s.store, S3Config.from_env(timeout_s=s.timeout))
 
 
 # --- publish ----------------------------------------------------------------------------------
 
 
-def _publish(args: argparse.Namespace) -> int:
+def _publish(ns: argparse.Namespace) -> int:
     import torch
 
     from pulsenet.checkpoint import Checkpoint
     from pulsenet.signing import load_private_key
     from pulsenet.sync import Publisher, PublisherConfig
 
+    args = command_settings(ns, PublishSettings)
+    require(args, "model", "store", "key", table="publish")
     key = load_private_key(args.key)
     ckpt = Checkpoint(args.model)
     state = {}
@@ -138,7 +129,7 @@ def _publish(args: argparse.Namespace) -> int:
         run=args.run,
         anchor_every=args.anchor_every,
         keep_anchors=args.keep_anchors or None,
-        threads=args.threads,
+        threads=args.threads or os.cpu_count() or 2,
         timeout_s=args.timeout,
         **({"max_zones": args.zones} if args.zones else {}),
     )
@@ -169,11 +160,13 @@ def default_cache(store_url: str, channel: str, out: Path) -> Path:
     return root / "pulsenet" / "sync" / name
 
 
-def _pull(args: argparse.Namespace) -> int:
+def _pull(ns: argparse.Namespace) -> int:
     from pulsenet.errors import ObjectNotFound
     from pulsenet.signing import trusted_keys
     from pulsenet.sync import Subscriber, SubscriberConfig
 
+    args = command_settings(ns, PullSettings)
+    require(args, "store", "trust", "out", table="pull")
     trusted = trusted_keys(args.trust)
     config = SubscriberConfig(
         channel=args.channel,
@@ -182,7 +175,7 @@ def _pull(args: argparse.Namespace) -> int:
         state_dir=args.out,
         cache_dir=args.cache or default_cache(args.store, args.channel, args.out),
         timeout_s=args.timeout,
-        threads=args.threads,
+        threads=args.threads or os.cpu_count() or 2,
         # A one-shot pull insists on the newest version: if it fails, say so, don't settle for an older one.
         max_targets=3 if args.follow else 1,
     )
@@ -214,7 +207,7 @@ def _pull(args: argparse.Namespace) -> int:
 # --- ls ---------------------------------------------------------------------------------------
 
 
-def _ls(args: argparse.Namespace) -> int:
+def _ls(ns: argparse.Namespace) -> int:
     from pulsenet.errors import ManifestError, ObjectNotFound, ObjectTooLarge
     from pulsenet.signing import parse_envelope, trusted_keys
     from pulsenet.sync.layout import Layout
@@ -227,6 +220,8 @@ def _ls(args: argparse.Namespace) -> int:
         verify_manifest,
     )
 
+    args = command_settings(ns, LsSettings)
+    require(args, "store", table="ls")
     trusted = trusted_keys(args.trust) if args.trust else None
 
     async def head_row(store, layout: Layout) -> dict | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pulsenet.errors import ConfigError
 from pulsenet.loco import payload as wire
@@ -18,13 +19,14 @@ class LocoConfig:
     run: str = "default"
     """The run's id: every document is signed for it (and the store URL), so one signed for another
     run (or another store) is refused even under a trusted key."""
-    mode: str = "pulseloco"
+    mode: Literal["pulseloco", "diloco"] = "pulseloco"
     """``pulseloco`` (gated sparse payload + error feedback) or ``diloco`` (dense FP32 baseline)."""
     inner_steps: int = 8
     """H: local AdamW steps per round (the inner optimizer is the LocalTrainer's)."""
     outer_lr: float = 0.7
     """Outer Nesterov learning rate (DiLoCo's 0.7; 1.0 with momentum 0 is plain averaging)."""
     outer_momentum: float = 0.9
+    """Outer Nesterov momentum (DiLoCo's 0.9)."""
     gate_scale: float = 1.0
     """Send where ``bf16(θ - gate_scale·s) != bf16(θ)``; 1 is the specified gate. ``outer_lr x (1 +
     outer_momentum)`` (1.33 by default) gates on what the Nesterov step does with a fresh update:
@@ -60,6 +62,7 @@ class LocoConfig:
     max_round_failures: int = 3
     """Consecutive failed rounds (RoundError) before the trainer gives up."""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    """Store deadlines of the protocol's calls (defaults: pulsenet/deadlines.py)."""
 
     def __post_init__(self) -> None:
         check_run_id(self.run)

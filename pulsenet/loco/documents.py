@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ConditionFailed,
     ConfigError,
@@ -263,9 +264,9 @@ class StateRef:
 class Timeouts:
     """Store deadlines for the protocol's calls."""
 
-    small_s: float = 30.0
+    small_s: float = SMALL_CALL_S
     """Documents, listings, deletes."""
-    transfer_s: float = 600.0
+    transfer_s: float = TRANSFER_S
     """Payloads, states and checkpoints (size varies by 1000x between tiny and real models)."""
 
 

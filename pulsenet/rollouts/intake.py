@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet.codec.rollout import MAX_ROWS, MAX_TOKENS, Rollout, decode_batch
+from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import (
     ManifestError,
     ObjectNotFound,
@@ -89,9 +90,9 @@ class RolloutIntakeConfig:
     max_tokens: int = MAX_TOKENS
     max_queued: int = 64
     """Batches held for ``take()``; a full queue leaves the rest in the store for later polls."""
-    timeout_s: float | None = 30.0
+    timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (list, manifest get)."""
-    transfer_timeout_s: float | None = 300.0
+    transfer_timeout_s: float | None = ROLLOUT_TRANSFER_S
     """Deadline of one payload download."""
     interval_s: float = 1.0
     """Time between polls in ``run()``."""

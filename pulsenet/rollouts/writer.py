@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
+from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, RolloutError
 from pulsenet.rollouts.layout import RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest, BatchRef, context, now_iso, sign_batch_manifest
@@ -42,9 +43,9 @@ class RolloutWriterConfig:
     max_staleness: int = 2
     """Versions a trainer may lag its rollouts; ``retain`` deletes what is older than that."""
     zstd_level: int = ZSTD_LEVEL
-    timeout_s: float | None = 30.0
+    timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (manifest put, list, delete)."""
-    transfer_timeout_s: float | None = 300.0
+    transfer_timeout_s: float | None = ROLLOUT_TRANSFER_S
     """Deadline of one payload upload."""
     taken_retries: int = 8
     """Sequence numbers tried per batch when keys are already taken."""

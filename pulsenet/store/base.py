@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Self
 
+from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ObjectNotFound, ObjectTooLarge, StoreTimeout
 
 ByteRange = tuple[int, int]
@@ -77,7 +78,7 @@ def check_range(byte_range: ByteRange | None) -> ByteRange | None:
 class ObjectStore(abc.ABC):
     """Async object store. Subclasses: :class:`~pulsenet.store.s3.S3Store`, :class:`~pulsenet.store.local.LocalStore`."""
 
-    default_timeout: float | None = 60.0
+    default_timeout: float | None = SMALL_CALL_S
     """Deadline for small calls (put, get, head, list, delete) when ``timeout`` is None."""
     transfer_timeout: float | None = None
     """Deadline for ``put_file``/``get_file`` when ``timeout`` is None; None: bounded per request only."""

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, ObjectNotFound, ObjectTooLarge, StoreError
 from pulsenet.fsutil import fsync_path
 from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key, too_large
@@ -45,7 +46,7 @@ class LocalStore(ObjectStore):
         root: str | os.PathLike[str],
         *,
         link_mbps: float | None = None,
-        default_timeout: float | None = 60.0,
+        default_timeout: float | None = SMALL_CALL_S,
         transfer_timeout: float | None = None,
     ) -> None:
         self.root = Path(root).absolute()

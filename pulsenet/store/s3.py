@@ -37,6 +37,7 @@ import boto3
 import botocore.exceptions as bex
 from botocore.config import Config as BotoConfig
 
+from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import (
     AccessDenied,
     BucketNotFound,
@@ -88,7 +89,7 @@ class S3Config:
     """None (with ``secret_access_key``) falls back to boto's credential chain (instance roles, ~/.aws)."""
     secret_access_key: str | None = None
     region: str = "us-east-1"
-    timeout_s: float | None = 60.0
+    timeout_s: float | None = SMALL_CALL_S
     """Default deadline for one small call (put, get, head, list, delete), retries included."""
     transfer_timeout_s: float | None = None
     """Default deadline for put_file/get_file; None bounds each request only (sizes vary by 1000x)."""

@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
+from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import (
     ManifestError,
     ObjectNotFound,
@@ -85,7 +86,7 @@ class ManifestReader:
     store: ObjectStore
     layout: Layout
     trusted: Mapping[str, Ed25519PublicKey]
-    timeout_s: float | None = 30.0
+    timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (list, get)."""
     max_bytes: int = MAX_MANIFEST
     """Largest manifest object fetched: a bigger one is refused from its listed size, and every

@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.mask import MAX_ZONES
 from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
+from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ConditionFailed,
     ManifestError,
@@ -99,9 +100,9 @@ class PublisherConfig:
     max_zones: int = MAX_ZONES
     """Context zones per tensor in patches (codec/mask.py). The default gives the smallest patches;
     1 skips the context model: ~2x the bytes for a codec barely faster end to end (docs/bench.md)."""
-    timeout_s: float | None = 30.0
+    timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (manifest put, get, list, delete)."""
-    transfer_timeout_s: float | None = 600.0
+    transfer_timeout_s: float | None = TRANSFER_S
     """Deadline of one payload upload or download."""
     spool_threshold: int = 64 * MiB
     """Payloads this large are written to a temporary file and uploaded with put_file (multipart)."""

@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ManifestError,
     ObjectNotFound,
@@ -76,9 +77,9 @@ class SubscriberConfig:
     """Persist the verified weights here and resume from them; None keeps them in memory only."""
     cache_dir: Path | None = None
     """Payload cache, owned by this subscriber alone; None: a temporary directory removed on close."""
-    timeout_s: float | None = 30.0
+    timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (list, manifest get)."""
-    transfer_timeout_s: float | None = 600.0
+    transfer_timeout_s: float | None = TRANSFER_S
     """Deadline of one payload download."""
     round_timeout_s: float | None = 1800.0
     """Deadline of one whole poll-and-update round."""
