@@ -305,9 +305,14 @@ class TrainerNode:
                 await rounds
 
     def _next_batch(self) -> list | None:
-        """The GRPO inner loop's rows for one step, from the worker thread the round trains in."""
+        """The GRPO inner loop's rows for one step, from the worker thread the round trains in.
+
+        A trainer whose share of the rollouts is thin (the partition is by hash) gives up waiting
+        after half a round deadline, so it still takes part in the round with the steps it made
+        (possibly none: its payload is then its error feedback) instead of falling out of it."""
         assert self._loop is not None and self._stop is not None
-        rows, versions = asyncio.run_coroutine_threadsafe(self._collect(self._stop), self._loop).result()
+        wait = self._collect(self._stop, give_up_s=self.config.round_deadline_s / 2)
+        rows, versions = asyncio.run_coroutine_threadsafe(wait, self._loop).result()
         if rows is not None:
             self._round_versions.extend(versions)
         return rows
@@ -351,10 +356,12 @@ class TrainerNode:
         assert self.loco is not None
         return list(self.loco.inner.metrics)  # type: ignore[attr-defined]
 
-    async def _collect(self, stop: asyncio.Event) -> tuple[list | None, list[int]]:
-        """Take fresh batches until a step's worth of rows; (None, []) if stopped first."""
+    async def _collect(self, stop: asyncio.Event, give_up_s: float | None = None) -> tuple[list | None, list[int]]:
+        """Take fresh batches until a step's worth of rows; (None, []) if stopped first, or if
+        ``give_up_s`` passes with no rows (what rows there are then make a smaller step)."""
         rows: list = []
         versions: list[int] = []
+        deadline = None if give_up_s is None else time.monotonic() + give_up_s
         while len(rows) < self.config.rows_per_step:
             for b in self.intake.take(self.version, max_batches=1):  # whole batches, no more than needed
                 rows.extend(b.rows)
@@ -364,6 +371,8 @@ class TrainerNode:
             if len(self.intake):
                 continue
             self.state.beat()
+            if deadline is not None and time.monotonic() > deadline:
+                return (rows or None), versions
             try:
                 async with asyncio.timeout(0.2):
                     await stop.wait()

@@ -1,0 +1,111 @@
+"""Losing a trainer never stalls inference: three trainers run PULSELoCo rounds with GRPO inner
+loops and each publishes every version on its own channel; the inference node follows t0's channel
+until t0 dies, then fails over to a channel whose signed head announces a newer version and keeps
+serving verified versions to the end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from pulsenet.nodes.common import initial_model, make_task, text_codec
+from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.rl.grpo import GRPOConfig
+from pulsenet.rollouts import RolloutSource
+from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
+from pulsenet.store import LocalStore
+
+TRAINERS = ("t0", "t1", "t2")
+STEPS = 6
+
+
+@pytest.mark.timeout(280)
+async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies(tmp_path: Path) -> None:
+    keys = {}
+    for site in (*TRAINERS, "i0"):
+        generate_keypair(tmp_path / "keys" / f"{site}.key")
+        keys[site] = (load_private_key(tmp_path / "keys" / f"{site}.key"), load_public_key(tmp_path / "keys" / f"{site}.key.pub"))
+
+    def store(site: str) -> LocalStore:
+        return LocalStore(tmp_path / "s3" / site)
+
+    text = text_codec("tiny")
+    trainers = [
+        TrainerNode(
+            TrainerConfig(
+                id=t,
+                run="failover",
+                steps=STEPS,
+                rows_per_step=16,
+                inner_steps=1,
+                min_quorum=2,
+                round_deadline_s=4.0,
+                anchor_every=100,
+                state_dir=tmp_path / t,
+                peers=[f"{p}={tmp_path / 'keys' / f'{p}.key.pub'}" for p in TRAINERS],
+                grpo=GRPOConfig(lr=5e-4, pad_id=text.pad_id),
+            ),
+            store=store(t),
+            key=keys[t][0],
+            sources=[RolloutSource("i0", store("i0"), {key_id(keys["i0"][1]): keys["i0"][1]})],
+            model=initial_model("tiny", tmp_path / "cache", warmup_steps=20),
+            loco_store=store("loco"),
+        )
+        for t in TRAINERS
+    ]
+    node = InferenceNode(
+        InferenceConfig(
+            id="i0",
+            run="failover",
+            prompts=8,
+            group_size=4,
+            max_new_tokens=4,
+            batches_per_version=4,
+            state_dir=tmp_path / "i0",
+            poll_s=0.2,
+            failover_s=2.0,
+            status_every_s=1.0,
+        ),
+        store=store("i0"),
+        policy_stores=[store(t) for t in TRAINERS],
+        trusted={key_id(keys[t][1]): keys[t][1] for t in TRAINERS},
+        key=keys["i0"][0],
+        task=make_task("arith", 0),
+        text=text,
+    )
+    stop_all, stop_inference = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.create_task(t.run(stop_all)) for t in trainers]
+    inference = asyncio.create_task(node.run(stop_inference))
+    try:
+        async with asyncio.timeout(200):
+            while (node.engine is None or (node.engine.version or 0) < 2) and not inference.done():
+                await asyncio.sleep(0.2)
+            assert not inference.done(), inference.exception()
+            tasks[0].cancel()  # t0, the channel the node follows, dies mid-run
+            with contextlib.suppress(asyncio.CancelledError):
+                await tasks[0]
+            await asyncio.gather(*tasks[1:])  # the survivors finish every round with a quorum of 2
+            while node.engine.version != STEPS and not inference.done():
+                await asyncio.sleep(0.2)
+    finally:
+        stop_all.set()
+        stop_inference.set()
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await inference
+
+    survivors = {h["version"]: h["digest"] for h in trainers[1].history}
+    assert survivors == {h["version"]: h["digest"] for h in trainers[2].history}  # bit-identical
+    assert max(survivors) == STEPS
+    versions = [v for v, _ in node.served]
+    assert versions == sorted(versions) and versions[-1] == STEPS
+    assert all(survivors[v] == d for v, d in node.served if v in survivors)  # only verified weights
+    assert any(v > 2 for v in versions)  # it kept receiving after t0 died
+    assert node.engine.weights_digest() == node.engine.digest == survivors[STEPS]
+    # t0's channel stopped moving before the end: the last versions came through another channel.
+    assert any(s.version == STEPS for s in node.subscribers[1:])
