@@ -12,6 +12,18 @@ Phase times exclude the time a trainer queued for the shared cores (reported as 
 The learning metric is the loss of the global weights on held-out batches after every round, with
 the trainers' forward (``--forward``; by default FP32 maths on the BF16-rounded weights), on the
 same seeds for DiLoCo and PULSELoCo, plus the mean inner training loss.
+
+``--task grpo`` (tiny model, warmed up as the nodes do): every inner step is a GRPO step
+(``GRPOInner``) on rollouts the trainer samples itself, on policy, from its current local weights
+(``rl.sampling.sample_group`` over the trainer's own forward: no inference nodes, no mismatch),
+``--prompts`` problems x ``--group`` completions per step, rewarded by the tiny task. Per round:
+the mean reward of the round's inner steps (averaged over the workers) and the greedy reward of
+the global weights on held-out problems. Mode ``ddp`` is a learning baseline run on the DiLoCo
+machinery with H = 1, outer lr 1, momentum 0: the workers' weights are averaged after every
+step. That is DDP's averaged-gradient step only for plain SGD; with AdamW each worker keeps its
+own moments (fed its own gradients), so it approximates DDP. One benchmark round of ``ddp`` is H
+such steps; its bytes stay the accounting (H dense FP32 gradients), and the dense payloads it
+actually put are reported apart (``payload_bytes``).
 """
 
 from __future__ import annotations
@@ -29,18 +41,37 @@ from typing import Any
 from pulsenet.errors import ConfigError
 
 RICH_MODES = ("diloco", "pulseloco")
+GRPO_MODES = ("ddp", *RICH_MODES)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pulsenet.cli.loco import FORWARDS
 
-    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    p.add_argument(
+        "--task", choices=("sft", "grpo"), default="sft",
+        help="inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo; tiny model)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model", choices=("smollm2", "tiny"), default=None, help="default: smollm2 (sft), tiny (grpo)"
+    )
     p.add_argument("--workers", type=int, default=4, help="trainers per mode (default: %(default)s)")
     p.add_argument(
         "--H", dest="inner_steps", type=int, default=8, help="inner steps per round (default: %(default)s)"
     )
     p.add_argument("--rounds", type=int, default=3, help="outer rounds per mode (default: %(default)s)")
     p.add_argument("--lr", type=float, default=None, help="inner AdamW lr (default: 3e-6 smollm2, 1e-3 tiny)")
+    p.add_argument(
+        "--prompts", type=int, default=8, help="grpo: problems per inner step (default: %(default)s)"
+    )
+    p.add_argument(
+        "--group", type=int, default=8, help="grpo: completions per problem (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-new-tokens", type=int, default=5, help="grpo: completion limit (default: %(default)s)"
+    )
+    p.add_argument(
+        "--eval-prompts", type=int, default=32, help="grpo: held-out problems for the greedy eval reward"
+    )
     p.add_argument("--batch", type=int, default=2, help="rows per inner step (default: %(default)s)")
     p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -58,7 +89,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--eval-batches", type=int, default=4, help="held-out batches (of --batch x --seq) per evaluation"
     )
-    p.add_argument("--modes", default="diloco,pulseloco", help="comma-separated subset of diloco,pulseloco")
+    p.add_argument(
+        "--modes", default=None,
+        help="comma-separated subset of diloco,pulseloco (grpo: also ddp); default diloco,pulseloco "
+        "(grpo: ddp,diloco,pulseloco)",
+    )  # fmt: skip
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument(
         "--link-mbps", type=float, default=None,
@@ -72,9 +107,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    grpo = args.task == "grpo"
+    if args.model is None:
+        args.model = "tiny" if grpo else "smollm2"
+    if grpo and args.model != "tiny":
+        raise ConfigError("--task grpo runs on the tiny model (byte-level task and sampler)")
+    if grpo and min(args.prompts, args.group, args.max_new_tokens, args.eval_prompts) < 1:
+        raise ConfigError("--prompts, --group, --max-new-tokens and --eval-prompts must be >= 1")
+    allowed = GRPO_MODES if grpo else RICH_MODES
+    if args.modes is None:
+        args.modes = ",".join(allowed)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or set(modes) - set(RICH_MODES):
-        raise ConfigError(f"--modes must be a subset of {','.join(RICH_MODES)}, got {args.modes!r}")
+    if not modes or set(modes) - set(allowed):
+        raise ConfigError(f"--modes must be a subset of {','.join(allowed)}, got {args.modes!r}")
     if args.link_mbps is not None and args.link_mbps <= 0:
         raise ConfigError(f"--link-mbps must be > 0, got {args.link_mbps}")
     threads = torch.get_num_threads()
@@ -97,11 +142,9 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     from rich.console import Console
 
     from pulsenet.bench.loco_phases import SharedCores, SharedPayloads
-    from pulsenet.cli.loco import data_seed
     from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
     from pulsenet.loco.documents import trainer_keys
-    from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
-    from pulsenet.rl.inner import SupervisedInner
+    from pulsenet.rl import ArithmeticTask
     from pulsenet.signing import generate_keypair, load_private_key
     from pulsenet.store import LocalStore
 
@@ -109,13 +152,17 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     for tid in ids:
         generate_keypair(tmp / "keys" / tid)
     trusted = trainer_keys([f"{t}={tmp / 'keys' / t}.pub" for t in ids])
+    grpo, ddp = args.task == "grpo", mode == "ddp"
+    # ddp: the DiLoCo machinery averaging the weights after every step; span = trainer rounds per
+    # benchmark round (H), so every mode's round covers the same H inner steps
+    span = args.inner_steps if ddp else 1
     config = LocoConfig(
-        mode=mode,
-        inner_steps=args.inner_steps,
-        outer_lr=args.outer_lr,
-        outer_momentum=args.outer_momentum,
+        mode="diloco" if ddp else mode,
+        inner_steps=1 if ddp else args.inner_steps,
+        outer_lr=1.0 if ddp else args.outer_lr,
+        outer_momentum=0.0 if ddp else args.outer_momentum,
         gate_scale=args.gate_scale,
-        overlap=args.overlap,
+        overlap=args.overlap and not ddp,
         workers_expected=args.workers,
         min_quorum=args.workers,  # every round averages every worker: the figures compare like with like
         deadline_s=24 * 3600.0,
@@ -131,36 +178,45 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
     lr = args.lr if args.lr is not None else default_lr
     held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
+    if grpo:
+        from pulsenet.rl.tasks import assign_problems
+        from pulsenet.rl.warmup import tiny_task
+
+        held_out_problems = assign_problems(
+            tiny_task(args.seed), node="eval", version=0, seed=10_007 + args.seed, n=args.eval_prompts
+        )
     eval_loss: dict[int, float] = {}
     console, started = Console(stderr=True), time.perf_counter()
 
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
+        if report is not None and report.round % span:
+            return  # ddp: evaluate once per benchmark round (H trainer rounds)
+        r = report.round // span if report is not None else 0
         async with cores.turn:
-            loss = await asyncio.to_thread(_eval_global, trainer, held_out, args)
-        eval_loss[report.round if report is not None else 0] = loss
+            if grpo:
+                fn = lambda local: _eval_reward(local, held_out_problems, args)  # noqa: E731
+            else:
+                fn = lambda local: _eval(local, held_out, args)  # noqa: E731
+            loss = await asyncio.to_thread(_eval_global, trainer, fn)
+        eval_loss[r] = loss
         if report is not None:  # progress: long runs take minutes per round
             sent = f", sent {report.sent / report.total:.2%}" if report.total else ""
+            what = "eval reward" if grpo else "eval loss"
+            reward = f", inner reward {trainer.inner.rewards[-1]:.3f}" if grpo else ""
             console.print(
-                f"{mode}: round {report.round}/{args.rounds}: eval loss {loss:.4f}, {trainer.id} put "
+                f"{mode}: round {r}/{args.rounds}: {what} {loss:.4f}{reward}, {trainer.id} put "
                 f"{report.payload_bytes / 1e6:.2f} MB{sent} ({time.perf_counter() - started:.0f} s)"
             )
 
     trainers = []
     for k, tid in enumerate(ids):
-        local = LocalTrainer(
-            make_model(),
-            LocalTrainerConfig(
-                lr=lr,
-                batch_size=args.batch,
-                seq_len=args.seq,
-                seed=data_seed(args.seed, tid),
-                forward=args.forward,
-            ),
-        )
-        task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
+        if grpo:
+            inner: Any = _self_sampling_inner(args, tid, lr)
+        else:
+            inner = _supervised_inner(args, tid, lr, make_model, tokenizer)
         trainers.append(
             LocoTrainer(
-                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, SupervisedInner(local, task), config,
+                tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, inner, config,
                 on_phase=cores.hook(tid), payload_cache=cache.view(stores[k]),
                 on_round=evaluate if k == 0 else None,
             )
@@ -171,26 +227,31 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         await t.start()
     await evaluate(trainers[0], None)
     t0 = time.perf_counter()
-    await asyncio.gather(*(t.run(args.rounds) for t in trainers))
+    await asyncio.gather(*(t.run(args.rounds * span) for t in trainers))
     wall = time.perf_counter() - t0
     n_params = sum(v.numel() for v in trainers[0].state.theta.values())  # type: ignore[union-attr]
     rounds = []
     for r in range(1, args.rounds + 1):
-        reps = [next(x for x in t.reports if x.round == r) for t in trainers]
-        trained = [x for x in reps if x.payload_bytes]
-        times = [cores.round_s(x.trainer, r) for x in trained]
-        rounds.append(
-            {
-                "round": r,
-                "payload_bytes": statistics.mean(x.payload_bytes for x in trained),
-                "sent_fraction": sum(x.sent for x in trained) / sum(x.total for x in trained),
-                "eval_loss": eval_loss.get(r),
-                "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
-                "digests_equal": len({x.digest for x in reps}) == 1,
-                **{f"{k}_s": statistics.mean(t[k] for t in times)
-                   for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")},
-            }
-        )  # fmt: skip
+        spanned = range((r - 1) * span + 1, r * span + 1)  # the trainer rounds of benchmark round r
+        reps = [[next(x for x in t.reports if x.round == q) for t in trainers] for q in spanned]
+        trained = [[x for x in rr if x.payload_bytes] for rr in reps]
+        times = [[cores.round_s(x.trainer, x.round) for x in tr] for tr in trained]
+        flat = [x for tr in trained for x in tr]
+        row = {
+            "round": r,
+            "payload_bytes": sum(statistics.mean(x.payload_bytes for x in tr) for tr in trained),
+            "sent_fraction": sum(x.sent for x in flat) / sum(x.total for x in flat),
+            "eval_reward" if grpo else "eval_loss": eval_loss.get(r),
+            "train_loss": statistics.mean(x.loss for x in flat if x.loss is not None),
+            "digests_equal": all(len({x.digest for x in rr}) == 1 for rr in reps),
+            **{f"{k}_s": sum(statistics.mean(t[k] for t in ts) for ts in times)
+               for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")},
+        }  # fmt: skip
+        if grpo:  # the mean reward of the round's inner steps, averaged over the workers
+            row["reward"] = statistics.mean(
+                statistics.mean(t.inner.rewards[q - 1] for q in spanned) for t in trainers
+            )
+        rounds.append(row)
     return {
         "n_params": n_params,
         "initial_eval_loss": eval_loss[0],
@@ -199,6 +260,80 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         "final_digest": trainers[0].digest,
         "wall_s": wall,
     }
+
+
+def _supervised_inner(args: argparse.Namespace, tid: str, lr: float, make_model: Any, tokenizer: Any) -> Any:
+    from pulsenet.cli.loco import data_seed
+    from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
+    from pulsenet.rl.inner import SupervisedInner
+
+    local = LocalTrainer(
+        make_model(),
+        LocalTrainerConfig(
+            lr=lr,
+            batch_size=args.batch,
+            seq_len=args.seq,
+            seed=data_seed(args.seed, tid),
+            forward=args.forward,
+        ),
+    )
+    task = ArithmeticTask(data_seed(args.seed, tid), tokenizer)
+    return SupervisedInner(local, task)
+
+
+def _self_sampling_inner(args: argparse.Namespace, tid: str, lr: float) -> Any:
+    """A ``GRPOInner`` fed on policy: each step samples ``--prompts`` x ``--group`` completions from
+    the trainer's current local weights (its own forward, so no engine/trainer mismatch) and scores
+    them. Its ``rewards[i]`` is the mean reward of the i-th inner phase's steps (one per round)."""
+    import torch
+
+    from pulsenet.cli.loco import data_seed
+    from pulsenet.codec.rollout import Rollout
+    from pulsenet.nodes.common import CACHE_DIR
+    from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+    from pulsenet.rl.inner import GRPOInner
+    from pulsenet.rl.models import BYTE_EOS
+    from pulsenet.rl.sampling import sample_group
+    from pulsenet.rl.tasks import assign_problems
+    from pulsenet.rl.warmup import tiny_task, warm_tiny_model
+
+    seed = data_seed(args.seed, tid)
+    task, generator = tiny_task(args.seed), torch.Generator().manual_seed(seed)
+    grpo = GRPOTrainer(
+        warm_tiny_model(CACHE_DIR.expanduser(), seed=args.seed),
+        GRPOConfig(lr=lr, seed=seed, forward=args.forward),
+    )
+
+    def next_batch() -> list[Rollout]:
+        version = grpo.steps  # the trainer's step count: fresh problems every step
+        batch = []
+        for k, p in enumerate(
+            assign_problems(task, node=tid, version=version, seed=args.seed, n=args.prompts)
+        ):
+            prompt = tuple(p.prompt.encode())
+            for s in sample_group(
+                grpo.local.logits, prompt, args.group, max_new_tokens=args.max_new_tokens, eos_id=BYTE_EOS,
+                temperature=grpo.config.temperature, generator=generator,
+            ):  # fmt: skip
+                text = bytes(s.completion_ids).decode("utf-8", errors="replace")
+                batch.append(Rollout(
+                    group=f"{tid}-{version}-{k}", prompt_ids=prompt, completion_ids=s.completion_ids,
+                    logprobs=s.logprobs, reward=task.score(text, p), version=version, model_digest="self",
+                    node=tid, seed=args.seed,
+                ))  # fmt: skip
+        return batch
+
+    class SelfSampling(GRPOInner):
+        def __init__(self) -> None:
+            super().__init__(grpo, next_batch)
+            self.rewards: list[float] = []
+
+        def train(self, steps: int) -> list[float]:
+            losses = super().train(steps)
+            self.rewards.append(statistics.mean(m.reward_mean for m in self.metrics))
+            return losses
+
+    return SelfSampling()
 
 
 def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
@@ -210,15 +345,15 @@ def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
     return load_tokenizer(path), 3e-6, lambda: load_model(path)
 
 
-def _eval_global(trainer: Any, task: Any, args: argparse.Namespace) -> float:
-    """The global weights' loss, evaluated in the trainer's model. With ``--overlap`` the local
+def _eval_global(trainer: Any, fn: Any) -> float:
+    """``fn(local)`` on the global weights, in the trainer's model. With ``--overlap`` the local
     weights hold the next round's progress when a round closes, so they are set aside and put back."""
     if trainer.state is None:
-        return _eval(trainer.inner.local, task, args)
+        return fn(trainer.inner.local)
     saved = trainer.inner.state_fp32()
     trainer.inner.load_state_fp32(trainer.state.theta)
     try:
-        return _eval(trainer.inner.local, task, args)
+        return fn(trainer.inner.local)
     finally:
         trainer.inner.load_state_fp32(saved)
 
@@ -229,12 +364,30 @@ def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:
     return local.eval_loss(task.batch(args.batch, args.seq, step=step) for step in range(args.eval_batches))
 
 
+def _eval_reward(local: Any, problems: Any, args: argparse.Namespace) -> float:
+    """Greedy reward of ``local``'s weights (its own forward) on held-out problems of the tiny task."""
+    from pulsenet.rl.models import BYTE_EOS
+    from pulsenet.rl.sampling import sample_group
+    from pulsenet.rl.warmup import tiny_task
+
+    task, total = tiny_task(args.seed), 0.0
+    for p in problems:
+        (s,) = sample_group(
+            local.logits, tuple(p.prompt.encode()), 1, max_new_tokens=args.max_new_tokens, eos_id=BYTE_EOS,
+            temperature=0,
+        )  # fmt: skip
+        total += task.score(bytes(s.completion_ids).decode("utf-8", errors="replace"), p)
+    return total / len(problems)
+
+
 def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall: float) -> dict[str, Any]:
     n_params = next(iter(results.values()))["n_params"]
     bytes_round = _bytes_per_worker_round(args, results, n_params)
     per_round = []
     for r in range(args.rounds):
         row: dict[str, Any] = {"round": r + 1, "ddp": {"bytes_per_worker": bytes_round["ddp"]}}
+        if "ddp" in results:  # the learning baseline; bytes_per_worker stays the accounting
+            row["ddp"] |= {k: v for k, v in results["ddp"]["rounds"][r].items() if k != "round"}
         row["diloco"] = {"bytes_per_worker": bytes_round["diloco"]}
         if "diloco" in results:
             res = results["diloco"]["rounds"][r]
@@ -250,8 +403,8 @@ def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall
         "bytes_per_worker_total": {k: v * args.rounds for k, v in bytes_round.items()},
         "digests_equal": all(res["digests_equal"] for res in results.values()),
         "initial_eval_loss": next(iter(results.values()))["initial_eval_loss"],
-        "eval_loss": {m: [x["eval_loss"] for x in res["rounds"]] for m, res in results.items()},
-        "final_eval_loss": {m: res["rounds"][-1]["eval_loss"] for m, res in results.items()},
+        "eval_loss": {m: [x.get("eval_loss") for x in res["rounds"]] for m, res in results.items()},
+        "final_eval_loss": {m: res["rounds"][-1].get("eval_loss") for m, res in results.items()},
         "time_s": {
             m: {
                 k: sum(x[f"{k}_s"] for x in res["rounds"])
@@ -261,6 +414,12 @@ def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall
             for m, res in results.items()
         },
     }
+    if args.task == "grpo":  # the eval "loss" of the initial weights is their greedy reward here
+        summary["initial_eval_reward"] = summary.pop("initial_eval_loss")
+        summary["reward"] = {m: [x["reward"] for x in res["rounds"]] for m, res in results.items()}
+        summary["eval_reward"] = {m: [x["eval_reward"] for x in res["rounds"]] for m, res in results.items()}
+        for k in ("eval_loss", "final_eval_loss"):
+            del summary[k]
     if "pulseloco" in results:
         p = results["pulseloco"]["rounds"]
         summary["sent_fraction"] = statistics.mean(x["sent_fraction"] for x in p)
@@ -310,11 +469,15 @@ def _print(doc: dict[str, Any]) -> None:
     from rich.table import Table
 
     s = doc["summary"]
-    modes = [m for m in RICH_MODES if m in s["final_eval_loss"]]
+    grpo = doc["config"]["task"] == "grpo"
+    modes = [m for m in GRPO_MODES if m in s["time_s"]]
+    metrics = ("reward", "eval_reward") if grpo else ("eval_loss",)
+    names = {"reward": "reward", "eval_reward": "eval reward", "eval_loss": "eval loss"}
     sizes = [k for k in ("ddp", "diloco", "diloco_zstd", "pulseloco") if k in s["bytes_per_worker_round"]]
     ratios = [k for k in ("ddp", "diloco", "diloco_zstd") if f"ratio_vs_{k}" in s]
     labels = {"ddp": "DDP", "diloco": "DiLoCo", "diloco_zstd": "DiLoCo zstd", "pulseloco": "PULSELoCo"}
-    table = Table(title=f"PULSELoCo bench: {doc['config']['model']}, {doc['config']['workers']} workers, "
+    table = Table(title=f"PULSELoCo bench ({doc['config']['task']}): {doc['config']['model']}, "
+                  f"{doc['config']['workers']} workers, "
                   f"H={doc['config']['inner_steps']}, {doc['n_params']:,} params; MB per worker per round")  # fmt: skip
     table.add_column("round", justify="right")
     for k in sizes:
@@ -323,8 +486,9 @@ def _print(doc: dict[str, Any]) -> None:
         table.add_column("sent %", justify="right")
     for k in ratios:
         table.add_column(f"x vs {labels[k]}", justify="right")
-    for m in modes:
-        table.add_column(f"{labels[m]} eval loss", justify="right")
+    for metric in metrics:
+        for m in modes:
+            table.add_column(f"{labels[m]} {names[metric]}", justify="right")
     for m in modes:
         table.add_column(f"{labels[m]} enc/up/wait s", justify="right")
 
@@ -334,15 +498,22 @@ def _print(doc: dict[str, Any]) -> None:
             cells.append(f"{100 * per['pulseloco']['sent_fraction']:.2f}")
         ours = per.get("pulseloco", {}).get("bytes_per_worker")
         cells += [f"{per[k]['bytes_per_worker'] / ours:.1f}" for k in ratios]
-        cells += [f"{per[m]['eval_loss']:.4f}" if per[m].get("eval_loss") is not None else "-" for m in modes]
+        for metric in metrics:
+            cells += [f"{per[m][metric]:.4f}" if per[m].get(metric) is not None else "-" for m in modes]
         cells += [f"{per[m]['encode_s']:.1f}/{per[m]['upload_s']:.1f}/{per[m]['wait_s']:.1f}" for m in modes]
         return cells
 
     for r in doc["rounds"]:
         table.add_row(*row(str(r["round"]), r))
-    mean: dict[str, dict[str, Any]] = {k: {"bytes_per_worker": v} for k, v in s["bytes_per_worker_round"].items()}
+    mean: dict[str, dict[str, Any]] = {
+        k: {"bytes_per_worker": v} for k, v in s["bytes_per_worker_round"].items()
+    }
     for m in modes:
-        mean[m] |= {"sent_fraction": s.get("sent_fraction", 0.0), "eval_loss": s["final_eval_loss"][m]}
+        mean[m] |= {"sent_fraction": s.get("sent_fraction", 0.0)}
+        if grpo:  # mean reward over the rounds; the final eval reward
+            mean[m] |= {"reward": statistics.mean(s["reward"][m]), "eval_reward": s["eval_reward"][m][-1]}
+        else:
+            mean[m] |= {"eval_loss": s["final_eval_loss"][m]}
         mean[m] |= {f"{k}_s": v / len(doc["rounds"]) for k, v in s["time_s"][m].items()}
     table.add_row(*row("mean", mean), style="bold")
     console = Console()
@@ -352,7 +523,18 @@ def _print(doc: dict[str, Any]) -> None:
         "DDP and DiLoCo: raw FP32 as published (H dense gradients; one dense pseudo-gradient); "
         "DiLoCo zstd and PULSELoCo: the payloads the workers put into the store"
     )
+    if grpo:
+        console.print(
+            "reward: mean GRPO reward of the round's inner steps (on-policy, self-sampled), over the workers; "
+            "eval reward: greedy, global weights, held-out problems (mean row: mean reward, final eval); "
+            "DDP learning = DiLoCo machinery with H=1, outer lr 1, momentum 0 (weights averaged every step)"
+        )
+    initial = (
+        f"initial eval reward {s['initial_eval_reward']:.4f}"
+        if grpo
+        else f"initial eval loss {s['initial_eval_loss']:.4f}"
+    )
     console.print(
-        f"initial eval loss {s['initial_eval_loss']:.4f}; digests equal across workers after every round: "
+        f"{initial}; digests equal across workers after every round: "
         f"{s['digests_equal']}; wall {doc['wall_s']:.0f} s"
     )
