@@ -65,7 +65,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pulsenet.rl.inner import _checkpoint, _restore
+from pulsenet.rl.inner import LocalInner, _restore
 from pulsenet.rl.local import LocalTrainer
 from pulsenet.rl.tasks import IGNORE_INDEX
 
@@ -131,7 +131,7 @@ def reference_step(local: LocalTrainer, batch: Batch, world: int) -> float:
     return float(total)
 
 
-class SiteInner:
+class SiteInner(LocalInner):
     """The site's ``InnerLoop`` on rank 0: every call that changes the model runs on all ranks.
 
     On construction rank 0's weights go to every rank, so the site starts from one θ whatever the
@@ -164,23 +164,14 @@ class SiteInner:
         self._command("train", steps)
         return _train(self.local, self.batch_of, steps, self.group, self.reference_world)
 
-    def state_fp32(self) -> dict[str, torch.Tensor]:
-        return self.local.state_fp32()
-
     def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.local.load_state_fp32(dict(state))
+        super().load_state_fp32(state)
         if self.reference_world is None:
             self._command("load")
             _broadcast_weights(self.local, self.group)
 
-    def parameters(self) -> Mapping[str, torch.Tensor]:
-        return dict(self.local.model.named_parameters())
-
-    def checkpoint(self) -> dict[str, Any]:
-        return _checkpoint(self.local)
-
     def restore(self, state: Mapping[str, Any]) -> None:
-        _restore(self.local, state)
+        super().restore(state)
         self._command("restore", dict(state))
 
     def stop(self) -> None:

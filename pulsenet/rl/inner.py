@@ -41,17 +41,11 @@ def _restore(local: LocalTrainer, state: Mapping[str, Any]) -> None:
     local.steps = int(state["steps"])
 
 
-class SupervisedInner:
-    """H ``LocalTrainer.train_step`` on ``task``: batches follow the step counter, so a restored
-    trainer resumes its data stream too."""
+class LocalInner:
+    """What every inner loop over one ``LocalTrainer`` (``self.local``) shares: the weights, the
+    live parameters and the resume state; subclasses supply ``train``."""
 
-    def __init__(self, local: LocalTrainer, task: ArithmeticTask) -> None:
-        self.local, self.task = local, task
-
-    def train(self, steps: int) -> list[float]:
-        losses = [self.local.train_step(self.task) for _ in range(steps)]
-        self.local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
-        return losses
+    local: LocalTrainer
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
         return self.local.state_fp32()
@@ -69,7 +63,20 @@ class SupervisedInner:
         _restore(self.local, state)
 
 
-class GRPOInner:
+class SupervisedInner(LocalInner):
+    """H ``LocalTrainer.train_step`` on ``task``: batches follow the step counter, so a restored
+    trainer resumes its data stream too."""
+
+    def __init__(self, local: LocalTrainer, task: ArithmeticTask) -> None:
+        self.local, self.task = local, task
+
+    def train(self, steps: int) -> list[float]:
+        losses = [self.local.train_step(self.task) for _ in range(steps)]
+        self.local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
+        return losses
+
+
+class GRPOInner(LocalInner):
     """H GRPO steps (``GRPOTrainer.step``, one rollout batch each) on batches from ``next_batch``.
 
     ``next_batch() -> Sequence[Rollout] | None`` runs in the round's worker thread and may block;
@@ -83,7 +90,7 @@ class GRPOInner:
         self.metrics: list[GRPOMetrics] = []
 
     @property
-    def local(self) -> LocalTrainer:
+    def local(self) -> LocalTrainer:  # type: ignore[override]
         return self.grpo.local
 
     def train(self, steps: int) -> list[float]:
@@ -96,18 +103,3 @@ class GRPOInner:
         self.grpo.local.optimizer.zero_grad(set_to_none=True)
         self.metrics = metrics
         return [m.loss for m in metrics]
-
-    def state_fp32(self) -> dict[str, torch.Tensor]:
-        return self.grpo.local.state_fp32()
-
-    def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.grpo.local.load_state_fp32(dict(state))
-
-    def parameters(self) -> Mapping[str, torch.Tensor]:
-        return dict(self.grpo.local.model.named_parameters())
-
-    def checkpoint(self) -> dict[str, Any]:
-        return _checkpoint(self.grpo.local)
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        _restore(self.grpo.local, state)
