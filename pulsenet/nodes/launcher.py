@@ -305,6 +305,7 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             anchor_every=max(c.rounds + 1, 10),
             seed=c.seed,
             state_dir=workdir / "state" / t,
+            cache_dir=workdir / "cache",
             status_port=_free_port(),
         )
         tc.rows_per_step = rows_per_step
@@ -314,8 +315,6 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             tc.loco_store = f"s3://{creds.buckets[LOCO_SITE]}/{run_id}"  # every trainer may write it
             tc.peers = [f"{p}={keys / f'{p}.key.pub'}" for p in trainers]
             tc.inner_steps = c.inner_steps
-        (tc.state_dir / "cache").parent.mkdir(parents=True, exist_ok=True)
-        (tc.state_dir / "cache").symlink_to(workdir / "cache", target_is_directory=True)
         nodes.append(_node(workdir, t, "trainer", {"trainer": to_toml_table(tc)}, base | creds.env[t], tc.status_port))
     for i in inference:
         ic = InferenceConfig(

@@ -40,7 +40,7 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
     sources = [RolloutSource(n, open_site_store(url), keys[n]) for n, url in sources_urls.items()]
     text = text_codec(c.model)
     c.grpo.pad_id = text.pad_id
-    model = initial_model(c.model, seed=c.seed, warmup_steps=c.warmup_steps)
+    model = initial_model(c.model, c.cache_dir, seed=c.seed, warmup_steps=c.warmup_steps)
     return TrainerNode(
         c,
         store=open_site_store(c.store),

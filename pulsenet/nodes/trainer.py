@@ -71,9 +71,11 @@ class TrainerConfig:
     channel: str = "policy"
     """PULSESync channel name inside this store."""
     model: str = "tiny"
-    """Initial policy: tiny (warmed-up, cached under state_dir) or smollm2."""
+    """Initial policy: tiny (warmed up, cached under cache_dir) or smollm2."""
     warmup_steps: int = 250
     """Tiny model only: supervised warm-up steps before v0 (250: sampled reward ~0.6; tests use fewer)."""
+    cache_dir: Path | None = None
+    """Where the tiny warm-up is cached (keyed by everything it depends on); None: ~/.cache/pulsenet."""
     steps: int = 20
     """Policy versions to train and publish (optimizer steps); the node exits after the last."""
     rows_per_step: int = 32
