@@ -206,13 +206,16 @@ async def test_thirty_versions_reach_three_subscribers(
             )
             started = await restarted.wait(lambda e: e["event"] == "started", 60, "the restarted process")
             assert started["resumed"] is not None and started["resumed"] >= building["current"]
-            await restarted.wait(
-                lambda e: e["event"] == "saved" and e["version"] == 13, 60, "v13 after the restart"
-            )
-            after = [k for e in restarted.saved() for k in e["downloaded"]]
-            # Patches only (none at all when the killed process had already cached every payload it
-            # needed: the cache survives the kill, a race with SIGKILL's timing).
-            assert restarted.saved() and not any("-anchor-" in k for k in after), after
+            # On a loaded machine the SIGKILL can land after the process saved v13 (the chain it was
+            # building reached it): it then resumes at v13 and has nothing to fetch until phase 2.
+            if started["resumed"] < 13:
+                await restarted.wait(
+                    lambda e: e["event"] == "saved" and e["version"] == 13, 60, "v13 after the restart"
+                )
+                after = [k for e in restarted.saved() for k in e["downloaded"]]
+                # Patches only (none at all when the killed process had already cached every payload
+                # it needed: the cache survives the kill, a race with SIGKILL's timing).
+                assert restarted.saved() and not any("-anchor-" in k for k in after), after
             # Phase 2: v14..v29, with a late joiner once v20 (an anchor version) is out.
             trainer_task = asyncio.create_task(train_and_publish(30))
             await wait_until(lambda: pub.version is not None and pub.version >= 20, 90, "v20")
