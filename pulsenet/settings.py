@@ -14,7 +14,9 @@ The dataclass *is* the schema: field types validate, field docstrings are the ``
 A nested dataclass annotated ``tyro.conf.arg(name="")`` lends its fields to the parent under their
 own names (``pulsenet loco train``: ``--inner-steps``, key ``inner-steps``, ``PULSENET_INNER_STEPS``
 for ``LocoConfig.inner_steps``). A ``tyro.conf.Positional`` field is the bare argument on the command
-line and its field name elsewhere. Required settings have an empty default and are checked with
+line and its field name elsewhere. ``fields_of(cls, *names)`` makes a dataclass of some of another
+schema's fields, for a command that takes those settings and not the rest (``pulsenet bench loco``:
+``LocoConfig``'s outer step). Required settings have an empty default and are checked with
 ``require`` once every source is in, so any source may give them.
 
 Each source is parsed on its own, so a bad value raises a ``ConfigError`` that names the field and
@@ -24,10 +26,14 @@ by ``tyro``, so all four sources share one parser and one set of conversions.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
+import inspect
 import io
+import itertools
 import os
+import textwrap
 import tomllib
 import typing
 from collections.abc import Mapping, Sequence
@@ -84,6 +90,26 @@ def require(value: Any, *names: str, table: str) -> None:
                 f"{table.replace('.', ' ')} needs {flag} (or {ENV_PREFIX}{name.upper()}, "
                 f"or {name.replace('_', '-')} in [{table}] of --config)"
             )
+
+
+def fields_of(cls: type, *names: str) -> type:
+    """A dataclass of ``cls``'s fields ``names``, with their types, defaults and docstrings (as help).
+
+    For a command that takes a few of another schema's settings and not the rest (``pulsenet bench
+    loco`` takes ``LocoConfig``'s outer-step knobs; it sets the protocol's deadlines itself): each
+    setting stays declared once, and its flag, key and ``PULSENET_*`` name are the field's."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    docs = _field_docs(cls)
+    specs = []
+    for name in names:
+        f, typ = fields[name], hints[name]
+        if name in docs:
+            typ = typing.Annotated[typ, tyro.conf.arg(help=docs[name])]
+        specs.append((name, typ, dataclasses.field(default=f.default, default_factory=f.default_factory)))
+    made = dataclasses.make_dataclass(f"{cls.__name__}Fields", specs, kw_only=True)
+    made.__doc__ = f"Settings of ``{cls.__module__}.{cls.__qualname__}``: {', '.join(names)}."
+    return made
 
 
 def load_toml(path: str | Path) -> dict:
@@ -145,6 +171,22 @@ def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
             kind = "value"
         out[name] = ("--" + name.replace("_", "-"), kind)
     return out
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """``field name -> docstring`` (the string under the field in ``cls``'s source), what tyro shows."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
 
 
 def _merge_repeated(argv: list[str], fields: dict[str, tuple[str, str]]) -> list[str]:

@@ -1,10 +1,14 @@
-"""``pulsenet bench sync`` and ``bench e2e`` end to end on the tiny model (the demo's code path)."""
+"""``pulsenet bench sync``, ``e2e`` and ``rl`` end to end on the tiny model (the demo's code path),
+and the benches' settings."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def run_bench(tmp_path, *args: str) -> dict:
@@ -70,3 +74,58 @@ def test_bench_rl_two_trainers_pulseloco(tmp_path):
     b = s["bytes"]
     # One channel followed per engine: at most one download of each published patch per engine.
     assert 0 < b["pulsesync"] <= 2 * b["pulsesync_published"]  # 2 engines x each version once
+
+
+def test_bench_settings_from_config_env_and_flags(tmp_path, capsys):
+    """``bench loco`` (like every bench) is one schema: ``[bench.loco]`` of --config, then
+    PULSENET_*, then flags, with LoCo train's inner loop and LocoConfig's outer-step settings under
+    their own names (--H still spells --inner-steps); a bad value names the field and its source."""
+    from pulsenet.bench import config_of
+    from pulsenet.bench.loco import LocoBenchSettings
+    from pulsenet.cli import command_settings, parse_cli
+    from pulsenet.errors import ConfigError
+
+    cfg = tmp_path / "bench.toml"
+
+    def load(argv: list[str], env: dict[str, str]) -> LocoBenchSettings:
+        return command_settings(parse_cli(["bench", "loco", "--config", str(cfg), *argv], env), LocoBenchSettings, env)
+
+    cfg.write_text('[bench.loco]\ntask = "grpo"\nworkers = 3\nouter-lr = 0.5\nbatch = 5\noverlap = true\n')
+    s = load([], {})
+    assert (s.task, s.workers, s.outer.outer_lr, s.inner.batch, s.outer.overlap, s.rounds) == ("grpo", 3, 0.5, 5, True, 3)
+    env = {"PULSENET_WORKERS": "6", "PULSENET_LINK_MBPS": "20", "PULSENET_OVERLAP": "false", "PULSENET_SEQ": "16"}
+    s = load([], env)
+    assert (s.workers, s.link_mbps, s.outer.overlap, s.inner.seq, s.outer.outer_lr) == (6, 20.0, False, 16, 0.5)
+    s = load(["--workers", "2", "--H", "2", "--link-mbps", "5", "--model", "tiny", "--json", "o.json"], env)
+    assert (s.workers, s.outer.inner_steps, s.link_mbps, s.inner.model, s.json) == (2, 2, 5.0, "tiny", Path("o.json"))
+    assert load(["--H=4", "--overlap"], {}).outer.inner_steps == 4
+
+    # the defaults and the JSON's "config" keys are the argparse options' of before the schema
+    d = LocoBenchSettings()
+    assert (d.workers, d.rounds, d.outer.inner_steps, d.inner.batch, d.inner.seq, d.inner.model) == (4, 3, 8, 2, 32, None)
+    assert set(config_of(d)) == {
+        "task", "model", "workers", "inner_steps", "rounds", "lr", "prompts", "group", "max_new_tokens",
+        "eval_prompts", "batch", "seq", "outer_lr", "outer_momentum", "gate_scale", "overlap", "seed", "forward",
+        "eval_batches", "modes", "threads", "link_mbps", "workdir", "json",
+    }  # fmt: skip
+
+    cfg.write_text('[bench.loco]\nworkers = "many"\n')
+    with pytest.raises(ConfigError, match=r"bench\.toml \[bench\.loco\]: .*--workers.*many"):
+        load([], {})
+    cfg.write_text("[bench.loco]\nworkerz = 3\n")
+    with pytest.raises(ConfigError, match=r"no setting 'workerz'.*workers"):
+        load([], {})
+    cfg.write_text("")
+    with pytest.raises(ConfigError, match=r"PULSENET_OUTER_LR='fast': .*--outer-lr"):
+        load([], {"PULSENET_OUTER_LR": "fast"})
+    with pytest.raises(SystemExit):
+        load(["--task", "ppo"], {})
+    err = capsys.readouterr().err
+    assert "--task" in err and "ppo" in err
+
+
+def test_help_imports_no_benchmark():
+    """The benches are imported when they run: ``pulsenet --help`` (every command's parser) imports no torch."""
+    code = "import sys; from pulsenet.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"

@@ -10,7 +10,7 @@ import pytest
 import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.settings import load_settings, require
+from pulsenet.settings import fields_of, load_settings, require
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -102,3 +102,19 @@ def test_require_names_every_source() -> None:
     with pytest.raises(ConfigError, match=r"^pull needs --store \(or PULSENET_STORE, or store in \[pull\] of --config\)$"):
         require(Node(), "store", table="pull")
     require(Node(store="s3://x"), "store", table="pull")
+
+
+def test_fields_of_takes_some_settings_with_their_docstrings(capsys) -> None:
+    """A command that takes some of another schema's settings (bench loco: LocoConfig's outer step)
+    gets them with their types, defaults and help, under their own names, and not the others."""
+    part = fields_of(Node, "rounds", "follow")
+    assert [f.name for f in dataclasses.fields(part)] == ["rounds", "follow"]
+    p = load_settings(part, table="part", environ={"PULSENET_ROUNDS": "5"}, argv=["--follow"])
+    assert (p.rounds, p.follow) == (5, True)
+    assert load_settings(part, table="part", environ={}) == part(rounds=3, follow=False)
+    with pytest.raises(ConfigError, match=r"PULSENET_ROUNDS='x': .*--rounds"):
+        load_settings(part, table="part", environ={"PULSENET_ROUNDS": "x"})
+    with pytest.raises(SystemExit):
+        load_settings(part, table="part", environ={}, argv=["--help"])
+    out = capsys.readouterr().out
+    assert "Rounds to run." in out and "Keep following." in out and "--store" not in out

@@ -12,51 +12,51 @@ CPU work (encode, decode, SHA-256 verification) is included, not just the transf
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
+import tyro
+
+from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
+from pulsenet.bench.sync import Training
 
 SCHEMA = "pulsenet.bench.e2e/1"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
-    p.add_argument("--link-mbps", type=float, default=100.0, help="emulated link, each way, per node")
-    p.add_argument("--subscribers", type=int, default=2)
-    p.add_argument(
-        "--versions", type=int, default=3, help="patch versions after the anchor (one AdamW step each)"
-    )
-    p.add_argument("--lr", type=float, default=None, help="default: 3e-6 (smollm2), 1e-4 (tiny)")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--interval", type=float, default=0.05, help="subscriber poll interval (s)")
-    p.add_argument(
-        "--zones",
-        type=int,
-        default=12,
-        help="patch context zones (12, the publisher's default: smallest patches; 1: no context model, ~2x the bytes)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="codec threads of the publisher (default: all cores); subscribers split the cores",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--workdir", type=Path, default=None, help="keep the checkpoints here (reused when already there)"
-    )
-    p.add_argument("--cache-dir", type=Path, default=None, help="SmolLM2 conversion cache")
+@dataclass(kw_only=True)
+class E2EBenchSettings(BenchSettings):
+    """Time from publish() until every subscriber holds verified weights, through a real S3 server
+    (embedded SeaweedFS) on an emulated link: patches versus the full checkpoint (docs/sync.md)."""
+
+    link_mbps: float = 100.0
+    """Emulated link, each way, per node (Mbit/s)."""
+    subscribers: int = 2
+    """Subscribers, each with its own link."""
+    versions: int = 3
+    """Patch versions after the anchor (one AdamW step each)."""
+    lr: float | None = None
+    """AdamW learning rate (None: 3e-6 smollm2, 1e-4 tiny)."""
+    interval: float = 0.05
+    """Subscriber poll interval (s)."""
+    zones: int = 12
+    """Patch context zones (12, the publisher's default: smallest patches; 1: no context model, ~2x
+    the bytes)."""
+    threads: int | None = None
+    """Codec threads of the publisher (None: all cores); the subscribers split the cores."""
+    workdir: Path | None = None
+    """Keep the checkpoints here, and reuse them when already there (None: a temporary directory)."""
+    training: Annotated[Training, tyro.conf.arg(name="")] = field(default_factory=Training)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: E2EBenchSettings) -> dict:
     import torch
     from rich.console import Console
 
@@ -66,27 +66,18 @@ def run(args: argparse.Namespace) -> dict:
 
     console = Console(stderr=True)
     load0 = os.getloadavg()[0]  # other work on the machine skews the CPU-bound parts: record it
-    lr = args.lr if args.lr is not None else (3e-6 if args.model == "smollm2" else 1e-4)
+    lr = args.lr if args.lr is not None else (3e-6 if args.training.model == "smollm2" else 1e-4)
     with bench_workdir(args.workdir, "e2e") as workdir:
         console.print(
-            f"[bold]bench e2e[/]: {args.model}, {args.versions} AdamW steps at lr {lr:g}, "
+            f"[bold]bench e2e[/]: {args.training.model}, {args.versions} AdamW steps at lr {lr:g}, "
             f"{args.subscribers} subscribers, {args.link_mbps:g} Mbit/s links"
-        )
-        train_args = argparse.Namespace(
-            model=args.model,
-            steps=args.versions,
-            lr=lr,
-            batch=args.batch,
-            seq=args.seq,
-            seed=args.seed,
-            cache_dir=args.cache_dir,
         )
         paths = [workdir / f"step{k}.safetensors" for k in range(args.versions + 1)]
         if args.workdir is not None and all(p.is_file() for p in paths):
             console.print(f"reusing the checkpoints in {workdir}")
             losses, s_per_step = [], None
         else:
-            paths, losses, s_per_step = make_checkpoints(train_args, workdir, console.print)
+            paths, losses, s_per_step = make_checkpoints(args.training, args.versions, lr, workdir, console.print)
         states = [{k: v for k, v in Checkpoint(p).items()} for p in paths]
         # A fresh server each run (a reused one would hold the last run's chain to resume from).
         with (
@@ -119,8 +110,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     result = {
         "schema": SCHEMA,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-        | {"lr": lr},
+        "config": config_of(args) | {"lr": lr},
         "machine": {
             "load_average_1m_start_end": [load0, os.getloadavg()[0]],
             "platform": platform.platform(),
@@ -137,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-async def _measure(server, states: list[dict], args: argparse.Namespace, console) -> dict:
+async def _measure(server, states: list[dict], args: E2EBenchSettings, console) -> dict:
     import numpy as np
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 

@@ -35,78 +35,73 @@ import platform
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import tyro
+
+from pulsenet.bench import BenchSettings, config_of
+from pulsenet.cli.loco import InnerLoop
 from pulsenet.errors import ConfigError
+from pulsenet.loco.config import LocoConfig  # torch: this module is imported when the bench runs
+from pulsenet.settings import fields_of
 
 RICH_MODES = ("diloco", "pulseloco")
 GRPO_MODES = ("ddp", *RICH_MODES)
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pulsenet.cli.loco import FORWARDS
-
-    p.add_argument(
-        "--task", choices=("sft", "grpo"), default="sft",
-        help="inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo; tiny model)",
-    )  # fmt: skip
-    p.add_argument(
-        "--model", choices=("smollm2", "tiny"), default=None, help="default: smollm2 (sft), tiny (grpo)"
-    )
-    p.add_argument("--workers", type=int, default=4, help="trainers per mode (default: %(default)s)")
-    p.add_argument(
-        "--H", dest="inner_steps", type=int, default=8, help="inner steps per round (default: %(default)s)"
-    )
-    p.add_argument("--rounds", type=int, default=3, help="outer rounds per mode (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=None, help="inner AdamW lr (default: 3e-6 smollm2, 1e-3 tiny)")
-    p.add_argument(
-        "--prompts", type=int, default=8, help="grpo: problems per inner step (default: %(default)s)"
-    )
-    p.add_argument(
-        "--group", type=int, default=8, help="grpo: completions per problem (default: %(default)s)"
-    )
-    p.add_argument(
-        "--max-new-tokens", type=int, default=5, help="grpo: completion limit (default: %(default)s)"
-    )
-    p.add_argument(
-        "--eval-prompts", type=int, default=32, help="grpo: held-out problems for the greedy eval reward"
-    )
-    p.add_argument("--batch", type=int, default=2, help="rows per inner step (default: %(default)s)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per row (default: %(default)s)")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
-    p.add_argument(
-        "--gate-scale", type=float, default=1.0, help="send where bf16(θ - scale·s) != bf16(θ) (default 1: as specified)"
-    )
-    p.add_argument(
-        "--overlap", action="store_true", help="one-round-delayed outer step (train the next round while exchanging)"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--forward", choices=FORWARDS, default="bf16-weights", help="inner forward (pulsenet loco train --help)"
-    )
-    p.add_argument(
-        "--eval-batches", type=int, default=4, help="held-out batches (of --batch x --seq) per evaluation"
-    )
-    p.add_argument(
-        "--modes", default=None,
-        help="comma-separated subset of diloco,pulseloco (grpo: also ddp); default diloco,pulseloco "
-        "(grpo: ddp,diloco,pulseloco)",
-    )  # fmt: skip
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument(
-        "--link-mbps", type=float, default=None,
-        help="give each worker its own emulated link of this many Mbit/s each way (default: none)",
-    )  # fmt: skip
-    p.add_argument(
-        "--workdir", type=Path, default=None, help="store and keys here (default: a temp dir, deleted)"
-    )
+OuterStep = fields_of(LocoConfig, "inner_steps", "outer_lr", "outer_momentum", "gate_scale", "overlap")
+"""The run settings the bench varies; it sets the protocol's (deadlines, quorum, polling) itself."""
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass(kw_only=True)
+class BenchInner(InnerLoop):
+    """``pulsenet loco train``'s inner loop, with the bench's defaults for two of its settings."""
+
+    model: Literal["tiny", "smollm2"] | None = None
+    """Model to train: smollm2 (SmolLM2-135M) or tiny (built from the seed); None: smollm2 with
+    --task sft, tiny with --task grpo."""
+    threads: int | None = None
+    """Torch threads (None: all cores)."""
+
+
+@dataclass(kw_only=True)
+class LocoBenchSettings(BenchSettings):
+    """PULSELoCo vs DiLoCo vs DDP on the same seeds: N real trainers per mode in this process,
+    through a temporary file:// store; bytes per worker per round and a learning metric
+    (docs/bench.md). Older spelling accepted: --H (--inner-steps)."""
+
+    task: Literal["sft", "grpo"] = "sft"
+    """Inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo; tiny model)."""
+    workers: int = 4
+    """Trainers per mode."""
+    rounds: int = 3
+    """Outer rounds per mode."""
+    modes: str | None = None
+    """Comma-separated subset of diloco,pulseloco (grpo: also ddp); None: all of them."""
+    prompts: int = 8
+    """grpo: problems per inner step."""
+    group: int = 8
+    """grpo: completions per problem."""
+    max_new_tokens: int = 5
+    """grpo: completion limit."""
+    eval_prompts: int = 32
+    """grpo: held-out problems for the greedy eval reward."""
+    eval_batches: int = 4
+    """sft: held-out batches (of --batch x --seq) per evaluation."""
+    link_mbps: float | None = None
+    """Give each worker its own emulated link of this many Mbit/s each way (None: no link)."""
+    workdir: Path | None = None
+    """Store and keys here (None: a temporary directory, deleted)."""
+    inner: Annotated[BenchInner, tyro.conf.arg(name="")] = field(default_factory=lambda: BenchInner(batch=2))
+    outer: Annotated[OuterStep, tyro.conf.arg(name="")] = field(default_factory=OuterStep)  # type: ignore[valid-type]
+
+
+def run(settings: LocoBenchSettings) -> dict[str, Any]:
     import torch
 
+    # The benchmark reads its settings flat, as its JSON records them (``config``).
+    args = argparse.Namespace(**config_of(settings))
     grpo = args.task == "grpo"
     if args.model is None:
         args.model = "tiny" if grpo else "smollm2"
@@ -428,7 +423,7 @@ def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall
                 summary[f"ratio_vs_{base}"] = bytes_round[base] / bytes_round["pulseloco"]
     return {
         "bench": "loco",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "config": dict(vars(args)),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),

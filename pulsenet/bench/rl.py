@@ -16,52 +16,66 @@ hash to the digest it claims at the end.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import platform
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
 
 SCHEMA = "pulsenet.bench.rl/1"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
-    p.add_argument("--steps", type=int, default=60, help="GRPO steps = policy versions published")
-    p.add_argument("--inference", type=int, default=2, help="inference nodes (engines)")
-    p.add_argument(
-        "--trainers", type=int, default=1, help="trainers; more than one train PULSELoCo rounds of --inner-steps GRPO steps"
-    )
-    p.add_argument("--inner-steps", type=int, default=4, help="GRPO steps per PULSELoCo round (H), with --trainers > 1")
-    p.add_argument("--max-staleness", type=int, default=2)
-    p.add_argument("--link-mbps", type=float, default=None, help="emulated link per node, each way")
-    p.add_argument("--prompts", type=int, default=32, help="prompts per rollout batch")
-    p.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
-    p.add_argument("--rows-per-step", type=int, default=512, help="completions per GRPO step at least")
-    p.add_argument(
-        "--batches-per-version",
-        type=int,
-        default=None,
-        help="batches each engine generates per policy version (default: what the trainers consume per "
-        "version, plus one so generation overlaps training)",
-    )
-    p.add_argument("--lr", type=float, default=None, help="default: 5e-4 (tiny), 3e-6 (smollm2)")
-    p.add_argument("--task", default="arith", help="arith, chain or a .jsonl file")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 5 (tiny), 16 (smollm2)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", type=Path, default=None, help="keep keys, states and caches here")
+@dataclass(kw_only=True)
+class RLBenchSettings(BenchSettings):
+    """Asynchronous GRPO through the embedded S3 server: one trainer (or --trainers N with PULSELoCo
+    rounds) and K inference engines, the daemons' own node classes (docs/rl.md)."""
+
+    model: Literal["tiny", "smollm2"] = "tiny"
+    """Policy model: tiny or smollm2 (SmolLM2-135M)."""
+    steps: int = 60
+    """GRPO steps = policy versions published."""
+    inference: int = 2
+    """Inference nodes (engines)."""
+    trainers: int = 1
+    """Trainers; more than one train PULSELoCo rounds of --inner-steps GRPO steps."""
+    inner_steps: int = 4
+    """GRPO steps per PULSELoCo round (H), with --trainers > 1."""
+    max_staleness: int = 2
+    """Versions a rollout batch may lag behind the trainer's policy."""
+    link_mbps: float | None = None
+    """Emulated link per node, each way (Mbit/s; None: no link)."""
+    prompts: int = 32
+    """Prompts per rollout batch."""
+    group_size: int = 8
+    """Completions per prompt (G)."""
+    rows_per_step: int = 512
+    """Completions per GRPO step at least."""
+    batches_per_version: int | None = None
+    """Batches each engine generates per policy version (None: what the trainers consume per
+    version, plus one so generation overlaps training)."""
+    lr: float | None = None
+    """GRPO learning rate (None: 5e-4 tiny, 3e-6 smollm2)."""
+    task: str = "arith"
+    """arith, chain or a .jsonl file."""
+    max_new_tokens: int | None = None
+    """Completion limit (None: 5 tiny, 16 smollm2)."""
+    seed: int = 0
+    """Run seed."""
+    workdir: Path | None = None
+    """Keep keys, states and caches here (None: a temporary directory)."""
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: RLBenchSettings) -> dict[str, Any]:
     return asyncio.run(_run(args))
 
 
-async def _run(args: argparse.Namespace) -> dict[str, Any]:
+async def _run(args: RLBenchSettings) -> dict[str, Any]:
     from rich.console import Console
 
     from pulsenet.store.seaweed import SeaweedServer
@@ -90,7 +104,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 class _Network:
     """The trainer and the inference nodes of one benchmark run, wired to one server."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, rundir: Path, server: Any) -> None:
+    def __init__(self, args: RLBenchSettings, workdir: Path, rundir: Path, server: Any) -> None:
         """``workdir`` keeps what runs may share (keys, the warm-up cache); ``rundir`` is this run's."""
         from pulsenet.nodes.common import initial_model, make_task, text_codec
         from pulsenet.nodes.inference import InferenceConfig, InferenceNode
@@ -272,7 +286,7 @@ class _Network:
         return {
             "schema": SCHEMA,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(self.args).items() if k != "func"},
+            "args": config_of(self.args),
             "steps": tr.history,
             "summary": summary,
         }

@@ -14,63 +14,88 @@ decode (+apply +verify) throughput; the zeroth-order and base-conditioned entrop
 
 from __future__ import annotations
 
-import argparse
 import platform
 import resource
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
+import tyro
 
+from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
 
 SCHEMA = "pulsenet.bench.sync/1"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
-    p.add_argument("--steps", type=int, default=8, help="AdamW steps (per-step pairs + the whole-run pair)")
-    p.add_argument("--lr", type=float, default=3e-6)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--threads", type=int, default=2, help="codec threads")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workdir", type=Path, default=None, help="keep the checkpoints here (default: a temp dir)")
-    p.add_argument("--cache-dir", type=Path, default=None, help="SmolLM2 conversion cache")
+@dataclass(kw_only=True)
+class Training:
+    """The training run whose BF16 checkpoints a codec benchmark measures (``bench sync``, ``bench e2e``)."""
+
+    model: Literal["smollm2", "tiny"] = "smollm2"
+    """Model to train: smollm2 (SmolLM2-135M-Instruct) or tiny (a random Qwen2 from the seed)."""
+    batch: int = 4
+    """Rows per AdamW step."""
+    seq: int = 64
+    """Tokens per row."""
+    seed: int = 0
+    """Seed of the model (tiny) and the data."""
+    cache_dir: Path | None = None
+    """SmolLM2 conversion cache (None: the default one)."""
 
 
-def _model(args: argparse.Namespace):
+@dataclass(kw_only=True)
+class SyncBenchSettings(BenchSettings):
+    """The PULSESync codec on real checkpoint pairs: sizes, ratios, encode and decode speed, entropy
+    bounds, bit-exactness (docs/bench.md)."""
+
+    steps: int = 8
+    """AdamW steps (per-step pairs + the whole-run pair)."""
+    lr: float = 3e-6
+    """AdamW learning rate."""
+    threads: int = 2
+    """Codec threads."""
+    workdir: Path | None = None
+    """Keep the checkpoints here (None: a temporary directory)."""
+    training: Annotated[Training, tyro.conf.arg(name="")] = field(default_factory=Training)
+
+
+def _model(t: Training):
     from pulsenet.rl.models import build_tiny_model, load_model, load_tokenizer, smollm2_checkpoint
 
-    if args.model == "tiny":
-        return build_tiny_model(args.seed), None
-    path = smollm2_checkpoint(args.cache_dir)
+    if t.model == "tiny":
+        return build_tiny_model(t.seed), None
+    path = smollm2_checkpoint(t.cache_dir)
     return load_model(path), load_tokenizer(path)
 
 
-def make_checkpoints(args: argparse.Namespace, workdir: Path, log) -> tuple[list[Path], list[float], float]:
-    """Train ``args.steps`` AdamW steps; write step{k}.safetensors (BF16). Returns paths, losses, s/step."""
+def make_checkpoints(
+    t: Training, steps: int, lr: float, workdir: Path, log
+) -> tuple[list[Path], list[float], float]:
+    """Train ``steps`` AdamW steps; write step{k}.safetensors (BF16). Returns paths, losses, s/step."""
     from pulsenet.checkpoint import save_state
     from pulsenet.rl.local import LocalTrainer, LocalTrainerConfig
     from pulsenet.rl.tasks import ArithmeticTask
 
-    torch.manual_seed(args.seed)
-    model, tokenizer = _model(args)
+    torch.manual_seed(t.seed)
+    model, tokenizer = _model(t)
     with torch.no_grad():  # start from BF16-representable masters, as from a BF16 release
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
-    trainer = LocalTrainer(model, LocalTrainerConfig(lr=args.lr, batch_size=args.batch, seq_len=args.seq, seed=args.seed))
-    task = ArithmeticTask(args.seed, tokenizer)
+    trainer = LocalTrainer(model, LocalTrainerConfig(lr=lr, batch_size=t.batch, seq_len=t.seq, seed=t.seed))
+    task = ArithmeticTask(t.seed, tokenizer)
     paths, losses = [workdir / "step0.safetensors"], []
     save_state(paths[0], trainer.bf16_state())
     t0 = time.perf_counter()
-    for k in range(1, args.steps + 1):
+    for k in range(1, steps + 1):
         losses.append(trainer.train_step(task))
         paths.append(workdir / f"step{k}.safetensors")
         save_state(paths[-1], trainer.bf16_state())
-        log(f"step {k}/{args.steps}: loss {losses[-1]:.4f}")
-    return paths, losses, (time.perf_counter() - t0) / max(args.steps, 1)
+        log(f"step {k}/{steps}: loss {losses[-1]:.4f}")
+    return paths, losses, (time.perf_counter() - t0) / max(steps, 1)
 
 
 def best_time(repeat: int, fn, *args, **kwargs):
@@ -138,20 +163,20 @@ def measure_pair(old_path: Path, new_path: Path, threads: int, repeat: int = 3) 
     return row
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(s: SyncBenchSettings) -> dict:
     from rich.console import Console
 
     console = Console(stderr=True)
-    with bench_workdir(args.workdir, "sync") as workdir:
-        console.print(f"[bold]bench sync[/]: {args.model}, {args.steps} AdamW steps at lr {args.lr:g}")
-        paths, losses, s_per_step = make_checkpoints(args, workdir, console.print)
+    with bench_workdir(s.workdir, "sync") as workdir:
+        console.print(f"[bold]bench sync[/]: {s.training.model}, {s.steps} AdamW steps at lr {s.lr:g}")
+        paths, losses, s_per_step = make_checkpoints(s.training, s.steps, s.lr, workdir, console.print)
         pairs = [(paths[k - 1], paths[k]) for k in range(1, len(paths))]
         if len(paths) > 2:
             pairs.append((paths[0], paths[-1]))
         rows = []
         for old, new in pairs:
             console.print(f"measuring {old.stem} -> {new.stem} ...")
-            rows.append(measure_pair(old, new, args.threads))
+            rows.append(measure_pair(old, new, s.threads))
     per_step = rows[: len(paths) - 1]
     summary = {
         "per_step_changed_fraction_mean": float(np.mean([r["changed_fraction"] for r in per_step])),
@@ -165,7 +190,7 @@ def run(args: argparse.Namespace) -> dict:
     }
     result = {
         "schema": SCHEMA,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
+        "config": config_of(s),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": torch.get_num_threads(), "torch": torch.__version__},
         "train": {"losses": losses, "seconds_per_step": s_per_step},

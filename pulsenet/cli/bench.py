@@ -1,7 +1,9 @@
 """``pulsenet bench sync|e2e|loco|rl``: benchmarks with JSON output and a table on the terminal.
 
-Each benchmark lives in ``pulsenet/bench/<name>.py`` with ``add_arguments(parser)`` and
-``run(args) -> dict`` (the JSON document); this module only wires them.
+Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
+``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
+them) and ``run(settings) -> dict`` (the JSON document). This module only wires them; a benchmark
+is imported when it runs, so that ``pulsenet --help`` and the other commands import no torch.
 """
 
 from __future__ import annotations
@@ -9,39 +11,43 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-from pathlib import Path
+
+from pulsenet.cli import add_settings_command, command_settings
 
 BENCHES = {
-    "sync": "PULSESync codec on real checkpoint pairs: sizes, ratios, speed, entropy bounds",
-    "e2e": "publish -> every subscriber verified, through a real S3 server on an emulated link",
-    "loco": "PULSELoCo vs DiLoCo vs DDP: bytes per worker per round, learning metric",
-    "rl": "asynchronous GRPO through storage: a trainer and K inference engines, reward and bytes",
+    "sync": (
+        "PULSESync codec on real checkpoint pairs: sizes, ratios, speed, entropy bounds",
+        "SyncBenchSettings",
+    ),
+    "e2e": (
+        "publish -> every subscriber verified, through a real S3 server on an emulated link",
+        "E2EBenchSettings",
+    ),
+    "loco": ("PULSELoCo vs DiLoCo vs DDP: bytes per worker per round, learning metric", "LocoBenchSettings"),
+    "rl": (
+        "asynchronous GRPO through storage: a trainer and K inference engines, reward and bytes",
+        "RLBenchSettings",
+    ),
 }
+"""name -> (help, the settings class in ``pulsenet.bench.<name>``)."""
+
+ALIASES = {"loco": {"--H": "--inner-steps"}}
+"""Flag spellings from before the schema (docs and results use them) -> the field's flag."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (JSON output)")
     bsub = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for name, help_ in BENCHES.items():
-        try:
-            module = importlib.import_module(f"pulsenet.bench.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"pulsenet.bench.{name}":
-                raise
-            continue
-        b = bsub.add_parser(name, help=help_)
-        b.add_argument("--json", type=Path, default=None, help="write the JSON result here")
-        module.add_arguments(b)
-        b.set_defaults(func=_runner(module))
+    for name, (help_, _) in BENCHES.items():
+        add_settings_command(bsub, name, help_, f"bench.{name}", _run, aliases=ALIASES.get(name))
 
 
-def _runner(module):
-    def run(args: argparse.Namespace) -> int:
-        result = module.run(args)
-        if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=1))
-            print(f"JSON written to {args.json}")
-        return 0
-
-    return run
+def _run(args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"pulsenet.bench.{args.bench}")
+    settings = command_settings(args, getattr(module, BENCHES[args.bench][1]))
+    result = module.run(settings)
+    if settings.json is not None:
+        settings.json.parent.mkdir(parents=True, exist_ok=True)
+        settings.json.write_text(json.dumps(result, indent=1))
+        print(f"JSON written to {settings.json}")
+    return 0
