@@ -66,7 +66,6 @@ commands) over gloo. The trainer daemon keeps its model on the CPU today (it has
 setting), so its collectives run on gloo even on a GPU host; the NCCL half was never run here.
 """
 
-
 from __future__ import annotations
 
 import threading
