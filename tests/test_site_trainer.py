@@ -49,8 +49,6 @@ from pulsenet.store.seaweed import SeaweedServer
 from pulsenet.sync.layout import Layout
 from pulsenet.sync.manifest import verify_manifest
 
-pytestmark = [pytest.mark.integration]
-
 REPO = Path(__file__).resolve().parent.parent
 BUCKET = "pulsenet-test"
 RUN = "site"
@@ -209,6 +207,7 @@ def _bf16_digest(grpo: GRPOTrainer) -> str:
     return model_digest(grpo.bf16_state())
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
@@ -271,6 +270,7 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
     print(f"phase 1 (3 steps, SIGTERM) {phase1_s:.1f} s; total {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.integration
 @pytest.mark.timeout(240)
 async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
@@ -313,3 +313,21 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     state = TrainerState.load(tmp_path / "state" / "t0" / "loco" / STATE_FILE)
     assert state.global_.round == rounds and state.global_.digest() == reference.digest
     print(f"site: {rounds} rounds of H={inner} in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("micro_batch_size", [None, 3])
+def test_reference_shares_sum_to_the_plain_step(micro_batch_size: int | None, one_thread: None) -> None:
+    """The share loop without torchrun: one share is the plain step to the bit (weights and
+    metrics), and a share with no rows (a 1-row batch over 2 shares) adds nothing."""
+    from pulsenet.rl import build_tiny_model
+    from pulsenet.rl.distributed import DataParallel
+
+    def step(rows: int, world: int | None) -> tuple[str, dict[str, Any]]:
+        grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, micro_batch_size=micro_batch_size))
+        if world is not None:
+            grpo.parallel = DataParallel(reference_world=world)
+        m = grpo.step(_rows(_batches(1)[0][:rows], 0, "d"))
+        return model_digest(grpo.local.state_fp32()), m.as_dict()
+
+    assert step(ROWS, 1) == step(ROWS, None)
+    assert step(1, 2) == step(1, None)
