@@ -32,8 +32,10 @@ def _run(args: argparse.Namespace) -> int:
     rest, config = _config_option(list(args.rest), args.config or os.environ.get("PULSENET_CONFIG"))
     cls = TrainerConfig if args.node == "trainer" else InferenceConfig
     c = load_settings(cls, table=args.node, argv=rest, config=config, prog=f"pulsenet {args.node}")
-    node = node_run.build_trainer(c) if args.node == "trainer" else node_run.build_inference(c)
-    node_run.run_node(node, c.status_host, c.status_port, c.stuck_after_s)
+    if args.node == "trainer":
+        node_run.run_trainer(c)  # also one rank of a torchrun site
+    else:
+        node_run.run_node(node_run.build_inference(c), c.status_host, c.status_port, c.stuck_after_s)
     return 0
 
 

@@ -644,8 +644,9 @@ class LocoTrainer:
             return None
         ts = max(candidates, key=lambda s: s.global_.round)
         try:
-            self.inner.load_state_fp32(ts.global_.theta)
-            self.inner.restore(ts.inner)
+            # In threads: a data-parallel site's inner loop broadcasts both to its other ranks.
+            await asyncio.to_thread(self.inner.load_state_fp32, ts.global_.theta)
+            await asyncio.to_thread(self.inner.restore, ts.inner)
         except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
             raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
         self.state, self.error = ts.global_, ts.error

@@ -1,6 +1,9 @@
 """Start a node from its config: open stores with the site's credentials, load keys, build the
 node, serve its status, run it until SIGTERM/SIGINT. What ``pulsenet trainer`` and
 ``pulsenet inference`` call; ``pulsenet up`` starts each node as such a process.
+
+``pulsenet trainer`` under ``torchrun`` (``RANK``/``WORLD_SIZE`` set: docs/distributed.md) is a
+data-parallel site: rank 0 runs the whole trainer node, the other ranks only its GRPO steps.
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.common import (
@@ -27,7 +32,62 @@ from pulsenet.signing import load_private_key, trusted_keys
 log = logging.getLogger(__name__)
 
 
-def build_trainer(c: TrainerConfig) -> TrainerNode:
+def run_trainer(c: TrainerConfig) -> None:
+    """``pulsenet trainer``: one trainer node, or one rank of a ``torchrun`` site.
+
+    Rank 0 is the trainer node (store, intake, PULSELoCo, publishing, checkpoints, status); when it
+    returns, however (its last step, SIGTERM/SIGINT, an error), it releases the other ranks, which
+    then exit too. A restarted job resumes from rank 0's checkpoint and hands it to every rank.
+    """
+    from pulsenet.rl.distributed import init_site, torchrun_rank
+
+    rank = torchrun_rank(os.environ)
+    if rank is None:
+        run_node(build_trainer(c), c.status_host, c.status_port, c.stuck_after_s)
+        return
+    import torch.distributed as dist
+
+    backend = init_site(rank)
+    try:
+        if rank.rank != 0:
+            log.info("%s: site rank %d of %d (%s) serves rank 0", c.id, rank.rank, rank.world, backend)
+            _serve_site_rank(c)
+            log.info("%s: site rank %d released by rank 0", c.id, rank.rank)
+            return
+        log.info("%s: speaks for a site of %d ranks (%s)", c.id, rank.world, backend)
+        node = build_trainer(c, site=True)
+        assert node.site is not None
+        try:
+            run_node(node, c.status_host, c.status_port, c.stuck_after_s)
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the process group may be what failed
+                node.site.stop()
+            raise
+        node.site.stop()
+    finally:
+        dist.destroy_process_group()
+
+
+def _serve_site_rank(c: TrainerConfig) -> None:
+    """A rank > 0: the GRPO steps rank 0 sends, nothing else (no store, no keys, no status port).
+
+    SIGTERM/SIGINT are ignored: torchrun and a terminal signal every rank at once, and this one
+    must finish the step in hand with rank 0, then leave when rank 0 says stop. If rank 0 dies
+    instead, the process group fails here and torchrun ends the job."""
+    from pulsenet.rl import build_tiny_model
+    from pulsenet.rl.distributed import serve_rank
+    from pulsenet.rl.grpo import GRPOTrainer
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    c.grpo.pad_id = text_codec(c.model).pad_id
+    # Rank 0 sends its weights first: the tiny model needs no warm-up here, only its shape.
+    model = build_tiny_model(c.seed) if c.model == "tiny" else initial_model(c.model, c.cache_dir, seed=c.seed)
+    serve_rank(grpo=GRPOTrainer(model, c.grpo))
+
+
+def build_trainer(c: TrainerConfig, *, site: bool = False) -> TrainerNode:
+    """The trainer node of ``c``; ``site``: as rank 0 of a torchrun site (``TrainerNode``)."""
     from pulsenet.rollouts import RolloutSource
 
     if not c.store:
@@ -48,6 +108,7 @@ def build_trainer(c: TrainerConfig) -> TrainerNode:
         sources=sources,
         model=model,
         loco_store=open_site_store(c.loco_store) if c.loco_store else None,
+        site=site,
     )
 
 

@@ -21,6 +21,12 @@ version is the round. **Every trainer publishes every version to its own channel
 weights are bit-identical across trainers, so the versions (and digests) agree, inference follows
 any trusted channel, and losing a trainer, even the first, never stalls inference while a quorum
 of trainers goes on. It costs each trainer one patch upload per round, and needs no election.
+
+Under ``torchrun`` (several GPUs or processes at one site: docs/distributed.md) this node runs on
+rank 0 only and speaks for the site (``site=True``): the GRPO steps, in both modes, are
+data-parallel over the ranks (``rl.distributed.Site``: each rollout batch goes to every rank with
+its step), restores and weight loads reach every rank, and everything else (store, intake,
+PULSELoCo exchange, publishing, checkpoints, status) stays here.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.status import NodeState
+from pulsenet.rl.distributed import Site, SiteGRPOInner
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
@@ -132,10 +139,15 @@ class TrainerNode:
         sources: list[RolloutSource],
         model: torch.nn.Module,
         loco_store: ObjectStore | None = None,
+        site: bool = False,
     ) -> None:
+        """``site``: this process is rank 0 of a ``torchrun`` site (docs/distributed.md): the
+        default process group is up, the other ranks run ``pulsenet.rl.distributed.serve_rank``,
+        and every GRPO step, weight load and restore here runs on all of them."""
         self.config = c = config
         self.state = NodeState(role="trainer", node_id=c.id)
         self.grpo = GRPOTrainer(model, c.grpo)
+        self.site = Site(grpo=self.grpo) if site else None
         self.publisher = Publisher(
             store,
             key,
@@ -158,7 +170,7 @@ class TrainerNode:
                 loco_store,
                 key,
                 peers,
-                GRPOInner(self.grpo, self._next_batch),
+                SiteGRPOInner(self.site, self._next_batch) if self.site else GRPOInner(self.grpo, self._next_batch),
                 LocoConfig(
                     run=c.run,
                     inner_steps=c.inner_steps,
@@ -195,7 +207,8 @@ class TrainerNode:
         published = self.publisher.version
         ckpt = await asyncio.to_thread(self._load_checkpoint)
         if ckpt is not None:
-            self.grpo.local.restore(ckpt["local"])
+            restore = self.site.restore_checkpoint if self.site else self.grpo.local.restore
+            await asyncio.to_thread(restore, ckpt["local"])
             self.digests.update(ckpt["digests"])
         if published is None or (ckpt is not None and ckpt["version"] == published + 1):
             # A new channel, or a step checkpointed but not yet published: publish it now.
@@ -207,7 +220,8 @@ class TrainerNode:
                 # weights (BF16) with a fresh optimizer rather than fork the chain.
                 log.warning("%s: no checkpoint for v%d: continuing from the published weights", self.config.id, published)
                 assert self.publisher.state is not None
-                self.grpo.local.load_state_fp32({n: t.float() for n, t in self.publisher.state.items()})
+                load = self.site.load_state_fp32 if self.site else self.grpo.local.load_state_fp32
+                await asyncio.to_thread(load, {n: t.float() for n, t in self.publisher.state.items()})
             self.version = published
             self.digests[published] = self.publisher.digest  # type: ignore[assignment]
         self.state.version, self.state.digest = self.version, self.digests.get(self.version)
@@ -270,7 +284,8 @@ class TrainerNode:
             if rows is None:
                 return
             t0 = time.perf_counter()
-            metrics: GRPOMetrics = await asyncio.to_thread(self.grpo.step, rows)
+            step = self.site.grpo_step if self.site else self.grpo.step
+            metrics: GRPOMetrics = await asyncio.to_thread(step, rows)
             step_s = time.perf_counter() - t0
             state = self.grpo.bf16_state()
             if (self.version + 1) % c.checkpoint_every == 0 or self.version + 1 == c.steps:

@@ -3,35 +3,42 @@
 A trainer site with N GPUs is launched with ``torchrun --nproc-per-node N``. Every rank holds the
 whole model (FP32 master weights, AdamW state) and steps on its share of each batch; the
 gradients are summed across the ranks before every optimizer step, so all ranks take the same
-step and hold the same weights without ever comparing them. Rank 0 is the site's voice: it wraps
-the ranks in a :class:`SiteInner` (an ``InnerLoop``) and runs the PULSELoCo round
-(``LocoTrainer``) and PULSESync publishing exactly as a single-process trainer would; ranks > 0
-run :func:`serve_rank` and only do what rank 0 tells them over the process group::
+step and hold the same weights without ever comparing them. Rank 0 is the site's voice: it holds a
+:class:`Site` and runs the PULSELoCo round (``LocoTrainer``, with a :class:`SiteInner` or
+:class:`SiteGRPOInner` as its inner loop) and PULSESync publishing exactly as a single-process
+trainer would; ranks > 0 run :func:`serve_rank` and only do what rank 0 tells them over the
+process group::
 
-    ("train", H)      H data-parallel steps (rank 0 takes them too, in SiteInner.train)
-    ("load",)         the new global FP32 weights follow, one broadcast per tensor in name order
+    ("init",)         rank 0's weights (and GRPO's frozen reference weights) follow: one site θ
+    ("train", H)      H supervised data-parallel steps on ``batch_of(step)`` (rank 0 takes them too)
+    ("grpo", rows)    one GRPO step on this rollout batch (only rank 0 reads rollouts from the store)
+    ("load",)         new FP32 weights follow, one broadcast per tensor in name order
     ("restore", s)    optimizer / RNG / step state s (a resume point), so every rank continues alike
     ("stop",)         leave serve_rank
 
 Commands go out with ``broadcast_object_list`` (small pickles from rank 0, which the other ranks
-trust: they are one job); weights with ``broadcast`` of the tensors themselves.
+trust: they are one job; a GRPO batch is a few hundred KB of token ids); weights with
+``broadcast`` of the tensors themselves. ``Site`` sends each command and its collectives under
+one lock, so a command from the round's worker thread and a ``stop`` from the main thread never
+interleave on the wire.
 
-The step (:func:`data_parallel_step`). The batch of a step is a function of the step counter
-(``batch_of(step)``), so every rank builds the same whole batch and keeps rows ``rank::world``.
-Each rank's loss is the *sum* of its rows' token losses divided by the valid-token count of the
-whole batch, so the sum of the ranks' gradients is the gradient of the whole batch's mean loss
-(a plain per-rank mean followed by an average would weight tokens unevenly when the ranks' rows
-hold different numbers of answer tokens). Gradients are summed with one ``all_reduce(SUM)`` per
-parameter, in parameter order.
+The step. Each rank computes the loss of its shares of the batch, rows ``rank::world``, each
+normalised by the *whole* batch's count (valid tokens; GRPO's completion tokens T), so the sum of
+the ranks' gradients is the gradient of the whole batch's mean loss (a plain per-rank mean
+followed by an average would weight tokens unevenly when the ranks' rows hold different numbers
+of tokens). :class:`DataParallel` sums the gradients with one ``all_reduce(SUM)`` per parameter, in
+parameter order, before the one optimizer step (:func:`sft_step`, ``GRPOTrainer.step``). For the
+supervised steps the batch of step s is a function of s (``batch_of(step)``), so every rank builds
+it itself; a GRPO batch is rollouts only rank 0 downloaded, so it travels with the command.
 
 Bit-exactness. FP32 addition is not associative, so the distributed step cannot equal a plain
-``LocalTrainer.step`` on the whole batch to the bit. It equals, to the bit, the single-process
-*reference* that computes the same per-rank losses in rank order and lets autograd accumulate
-their gradients (``SiteInner(..., reference_world=2)``, :func:`reference_step`): with 2 ranks the
+single-process step on the whole batch to the bit. It equals, to the bit, the single-process
+*reference* (``DataParallel(reference_world=2)``, ``Site(..., reference_world=2)``) that computes
+the same per-rank gradients in rank order, keeps them apart, and sums them: with 2 ranks the
 all-reduce is a single FP32 addition ``g0 + g1``, which is commutative, so every rank gets exactly
-the accumulated ``g0 + g1`` of the reference. With more than 2 ranks the ranks still agree with
-each other (an all-reduce hands every rank the same bits), but the backend's reduction order
-(gloo's ring, NCCL's trees) need not be the reference's left-to-right one.
+the reference's ``g0 + g1``. With more than 2 ranks the ranks still agree with each other (an
+all-reduce hands every rank the same bits), but the backend's reduction order (gloo's ring,
+NCCL's trees) need not be the reference's left-to-right one.
 
 Why not FSDP2 (``torch.distributed.fsdp.fully_shard``). It is in this torch build and runs on CPU
 with gloo (probed: a 2-rank ``fully_shard`` of the tiny Qwen2 per decoder layer and root, forward,
@@ -53,25 +60,129 @@ step for larger ones (gather the full state on rank 0 once per round for the exc
 collectives here are the ones DDP runs (DDP adds gradient bucketing and overlaps the all-reduce
 with the backward: worth adding on GPUs, unneeded for the tiny model).
 
-Backends: ``nccl`` on GPUs (tensors on the rank's device), ``gloo`` on CPU (what the tests run).
+Backends (:func:`init_site`): ``gloo`` on a CPU-only host (what the tests run); with CUDA,
+``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors go over NCCL and the small CPU ones (the
+commands) over gloo. The trainer daemon keeps its model on the CPU today (it has no device
+setting), so its collectives run on gloo even on a GPU host; the NCCL half was never run here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from pulsenet.rl.inner import LocalInner, _restore
+from pulsenet.codec.rollout import Rollout
+from pulsenet.rl.grpo import GRPOMetrics, GRPOTrainer
+from pulsenet.rl.inner import GRPOInner, LocalInner, _restore
 from pulsenet.rl.local import LocalTrainer
 from pulsenet.rl.tasks import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchOf = Callable[[int], Batch]
 """``batch_of(step) -> (input_ids, labels)``: the whole batch of a step, the same on every rank."""
+
+SITE_TIMEOUT = timedelta(days=1)
+"""Deadline of one collective. Ranks > 0 wait for rank 0's next command inside a broadcast, and a
+lone trainer may wait for rollouts for as long as the inference nodes are down: a short timeout
+would kill an idle site. A rank that dies is noticed at once anyway (gloo and NCCL see the
+connection drop, torchrun sees the exit); a rank 0 that hangs is what its /healthz reports."""
+
+_CPU = torch.device("cpu")
+
+
+# --- the process group --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SiteRank:
+    """This process's place in a ``torchrun`` job."""
+
+    rank: int
+    world: int
+    local_rank: int
+
+
+def torchrun_rank(env: Mapping[str, str]) -> SiteRank | None:
+    """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` as torchrun sets them; None outside torchrun."""
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return SiteRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
+
+
+def init_site(rank: SiteRank) -> str:
+    """Join the site's process group (torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous); the backend."""
+    backend = "gloo"
+    if torch.cuda.is_available():  # never run here: no GPU
+        torch.cuda.set_device(rank.local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, rank=rank.rank, world_size=rank.world, timeout=SITE_TIMEOUT)
+    return backend
+
+
+# --- the data-parallel step ---------------------------------------------------------------------
+
+
+class DataParallel:
+    """Which shares of a batch this process computes, and how the shares' gradients are summed.
+
+    A site rank computes its own share (``shares == (rank,)``) and all-reduces; the single-process
+    reference (``reference_world=W``) computes all W shares in rank order, keeps each share's
+    gradients apart (``share_done``) and adds them up left to right (``sum_gradients``), which is
+    what a 2-rank all-reduce computes. The step calls ``share_done`` after each share's backward
+    passes, then ``sum_gradients`` once, then the optimizer step.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, reference_world: int | None = None) -> None:
+        self.group = group
+        self.reference = reference_world is not None
+        if reference_world is not None:
+            self.world, self.shares = reference_world, tuple(range(reference_world))
+        else:
+            self.world, self.shares = dist.get_world_size(group), (dist.get_rank(group),)
+        self._stash: list[list[torch.Tensor | None]] = []
+
+    def share_done(self, model: torch.nn.Module) -> None:
+        if self.reference:
+            params = list(model.parameters())
+            self._stash.append([p.grad for p in params])
+            for p in params:
+                p.grad = None
+
+    def sum_gradients(self, model: torch.nn.Module) -> None:
+        params = list(model.parameters())  # the same order on every rank: the calls pair up
+        if self.reference:
+            for i, p in enumerate(params):
+                total = None
+                for grads in self._stash:
+                    g = grads[i]
+                    total = g if total is None else (total if g is None else total + g)
+                p.grad = total
+            self._stash.clear()
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
+
+    def sum_metrics(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-process sums of a step's statistics, summed over the site."""
+        return values if self.reference else _all_reduce(values, dist.ReduceOp.SUM, self.group)
+
+    def max_metrics(self, values: torch.Tensor) -> torch.Tensor:
+        return values if self.reference else _all_reduce(values, dist.ReduceOp.MAX, self.group)
+
+
+def _all_reduce(values: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = values.clone()
+    dist.all_reduce(out, op=op, group=group)
+    return out
 
 
 def task_batches(task: Any, batch_size: int, seq_len: int) -> BatchOf:
@@ -99,46 +210,128 @@ def shard_loss(local: LocalTrainer, batch: Batch, rank: int, world: int) -> torc
     return total / count
 
 
-def data_parallel_step(local: LocalTrainer, batch: Batch, group: dist.ProcessGroup | None = None) -> float:
-    """One optimizer step on this rank's rows of ``batch``, gradients summed over ``group``; the
-    whole batch's loss (the same float on every rank)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    local.model.train()
-    local.optimizer.zero_grad(set_to_none=True)
-    loss = shard_loss(local, batch, rank, world)
-    loss.backward()
-    for p in local.model.parameters():  # the same order on every rank: the calls pair up
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
-    total = loss.detach().clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    local.apply_gradients()
-    return float(total)
-
-
-def reference_step(local: LocalTrainer, batch: Batch, world: int) -> float:
-    """The single-process step a ``world``-rank :func:`data_parallel_step` equals (to the bit with 2
-    ranks): every rank's loss in rank order, gradients accumulated by autograd."""
+def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
+    """One supervised optimizer step on this process's shares of ``batch``, gradients summed over
+    the site; the whole batch's loss (the same float on every rank)."""
     local.model.train()
     local.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
-    for rank in range(world):
-        loss = shard_loss(local, batch, rank, world)
+    for rank in dp.shares:
+        loss = shard_loss(local, batch, rank, dp.world)
         loss.backward()
         total = total + loss.detach()
+        dp.share_done(local.model)
+    dp.sum_gradients(local.model)
+    total = dp.sum_metrics(total)
     local.apply_gradients()
     return float(total)
 
 
-class SiteInner(LocalInner):
-    """The site's ``InnerLoop`` on rank 0: every call that changes the model runs on all ranks.
+# --- rank 0: the site's voice -------------------------------------------------------------------
 
-    On construction rank 0's weights go to every rank, so the site starts from one θ whatever the
-    other ranks loaded. ``reference_world=W`` makes the single-process reference instead: the same
-    steps as a W-rank site (:func:`reference_step`), no process group. Call :meth:`stop` when done,
-    so that the other ranks leave :func:`serve_rank`.
+
+class Site:
+    """Rank 0's handle on the site: every call that changes the model runs on every rank.
+
+    Give it the ``GRPOTrainer`` (the trainer daemon) or the ``LocalTrainer`` and its ``batch_of``
+    (supervised). On construction rank 0's weights go to every rank, so the site starts from one θ
+    whatever the other ranks loaded. ``reference_world=W`` makes the single-process reference
+    instead: the same steps as a W-rank site, no process group. Call :meth:`stop` when done, so
+    that the other ranks leave :func:`serve_rank`; calls after it raise.
     """
+
+    def __init__(
+        self,
+        local: LocalTrainer | None = None,
+        *,
+        grpo: GRPOTrainer | None = None,
+        batch_of: BatchOf | None = None,
+        group: dist.ProcessGroup | None = None,
+        reference_world: int | None = None,
+    ) -> None:
+        if (local is None) == (grpo is None):
+            raise ValueError("Site needs a LocalTrainer (supervised) or a GRPOTrainer, not both")
+        self.grpo, self.batch_of, self.group = grpo, batch_of, group
+        self.local: LocalTrainer = grpo.local if grpo is not None else local  # type: ignore[assignment,union-attr]
+        self.dp = DataParallel(group, reference_world=reference_world)
+        if grpo is not None:
+            grpo.parallel = self.dp
+        self._lock = threading.Lock()
+        self._stopped = False
+        if not self.dp.reference:
+            if dist.get_rank(group) != 0:
+                raise ValueError("Site runs on rank 0; the other ranks run serve_rank")
+            with self._lock:
+                self._send("init")
+                _init_weights(self.local, self.grpo, group)
+
+    @property
+    def world(self) -> int:
+        return self.dp.world
+
+    def _send(self, *cmd: Any) -> None:
+        """Hold ``self._lock``: the command and the collectives that follow it go out together."""
+        if self._stopped:
+            raise RuntimeError("the site was stopped: its other ranks are gone")
+        if not self.dp.reference:
+            dist.broadcast_object_list([cmd], src=0, group=self.group, device=_CPU)
+
+    def train(self, steps: int) -> list[float]:
+        """``steps`` supervised steps on ``batch_of(step)``."""
+        with self._lock:
+            self._send("train", steps)
+            return _train(self.local, self.batch_of, steps, self.dp)
+
+    def grpo_step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
+        """One ``GRPOTrainer.step`` on every rank; the batch goes with the command."""
+        assert self.grpo is not None, "a supervised site has no GRPO step"
+        with self._lock:
+            self._send("grpo", list(rollouts))
+            return self.grpo.step(rollouts)
+
+    def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            self.local.load_state_fp32(dict(state))
+            if not self.dp.reference:
+                self._send("load")
+                _broadcast_weights(self.local, self.group)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """A resume point's optimizer, RNG and step counter (``{"optimizer", "rng", "steps"}``)."""
+        with self._lock:
+            _restore(self.local, state)
+            self._send("restore", {k: state[k] for k in ("optimizer", "rng", "steps")})
+
+    def restore_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        """``LocalTrainer.restore`` on every rank: weights, then optimizer, RNG and step counter."""
+        self.load_state_fp32(checkpoint["weights"])
+        self.restore(checkpoint)
+
+    def stop(self) -> None:
+        """Release the other ranks (once; waits for a command in flight to finish)."""
+        with self._lock:
+            if not self._stopped:
+                self._send("stop")
+                self._stopped = True
+
+
+class _SpokenFor:
+    """An inner loop whose weight and resume-state changes go through its site to every rank."""
+
+    site: Site
+
+    def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
+        self.site.load_state_fp32(state)
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        self.site.restore(state)
+
+    def stop(self) -> None:
+        self.site.stop()
+
+
+class SiteInner(_SpokenFor, LocalInner):
+    """The supervised ``InnerLoop`` of a site, on rank 0 (``reference_world``: see :class:`Site`)."""
 
     def __init__(
         self,
@@ -148,44 +341,51 @@ class SiteInner(LocalInner):
         group: dist.ProcessGroup | None = None,
         reference_world: int | None = None,
     ) -> None:
-        self.local, self.batch_of, self.group = local, batch_of, group
-        self.reference_world = reference_world
-        if reference_world is None:
-            if dist.get_rank(group) != 0:
-                raise ValueError("SiteInner runs on rank 0; the other ranks run serve_rank")
-            self._command("load")
-            _broadcast_weights(local, group)
-
-    def _command(self, *cmd: Any) -> None:
-        if self.reference_world is None:
-            dist.broadcast_object_list([cmd], src=0, group=self.group)
+        self.local = local
+        self.site = Site(local, batch_of=batch_of, group=group, reference_world=reference_world)
 
     def train(self, steps: int) -> list[float]:
-        self._command("train", steps)
-        return _train(self.local, self.batch_of, steps, self.group, self.reference_world)
-
-    def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
-        super().load_state_fp32(state)
-        if self.reference_world is None:
-            self._command("load")
-            _broadcast_weights(self.local, self.group)
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        super().restore(state)
-        self._command("restore", dict(state))
-
-    def stop(self) -> None:
-        self._command("stop")
+        return self.site.train(steps)
 
 
-def serve_rank(local: LocalTrainer, batch_of: BatchOf, group: dist.ProcessGroup | None = None) -> None:
-    """Ranks > 0: do what rank 0's :class:`SiteInner` says until it says stop."""
+class SiteGRPOInner(_SpokenFor, GRPOInner):
+    """``GRPOInner`` of a site, on rank 0: each of the H steps is :meth:`Site.grpo_step`."""
+
+    def __init__(self, site: Site, next_batch: Callable[[], Sequence[Rollout] | None]) -> None:
+        assert site.grpo is not None
+        super().__init__(site.grpo, next_batch)
+        self.site = site
+
+    def _step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
+        return self.site.grpo_step(batch)
+
+
+# --- ranks > 0 ----------------------------------------------------------------------------------
+
+
+def serve_rank(
+    local: LocalTrainer | None = None,
+    batch_of: BatchOf | None = None,
+    group: dist.ProcessGroup | None = None,
+    *,
+    grpo: GRPOTrainer | None = None,
+) -> None:
+    """Ranks > 0: do what rank 0's :class:`Site` says until it says stop."""
+    dp = DataParallel(group)
+    if grpo is not None:
+        grpo.parallel, local = dp, grpo.local
+    assert local is not None
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
+        dist.broadcast_object_list(box, src=0, group=group, device=_CPU)
         cmd = box[0]
-        if cmd[0] == "train":
-            _train(local, batch_of, int(cmd[1]), group, None)
+        if cmd[0] == "init":
+            _init_weights(local, grpo, group)
+        elif cmd[0] == "train":
+            _train(local, batch_of, int(cmd[1]), dp)
+        elif cmd[0] == "grpo":
+            assert grpo is not None, "rank 0 sent a GRPO step to a supervised rank"
+            grpo.step(cmd[1])
         elif cmd[0] == "load":
             _broadcast_weights(local, group)
         elif cmd[0] == "restore":
@@ -196,22 +396,17 @@ def serve_rank(local: LocalTrainer, batch_of: BatchOf, group: dist.ProcessGroup 
             raise ValueError(f"unknown site command {cmd[0]!r}")
 
 
-def _train(
-    local: LocalTrainer,
-    batch_of: BatchOf,
-    steps: int,
-    group: dist.ProcessGroup | None,
-    reference_world: int | None,
-) -> list[float]:
-    losses = []
-    for _ in range(steps):
-        batch = batch_of(local.steps)
-        if reference_world is None:
-            losses.append(data_parallel_step(local, batch, group))
-        else:
-            losses.append(reference_step(local, batch, reference_world))
+def _train(local: LocalTrainer, batch_of: BatchOf | None, steps: int, dp: DataParallel) -> list[float]:
+    assert batch_of is not None, "a GRPO site has no supervised batches"
+    losses = [sft_step(local, batch_of(local.steps), dp) for _ in range(steps)]
     local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
     return losses
+
+
+def _init_weights(local: LocalTrainer, grpo: GRPOTrainer | None, group: dist.ProcessGroup | None) -> None:
+    _broadcast_weights(local, group)
+    if grpo is not None and grpo.reference is not None:  # the KL anchor: rank 0's initial weights too
+        _broadcast_weights(grpo.reference, group)
 
 
 def _broadcast_weights(local: LocalTrainer, group: dist.ProcessGroup | None) -> None:

@@ -33,13 +33,16 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ConfigError
 from pulsenet.rl.local import FORWARDS, LocalTrainer, LocalTrainerConfig
+
+if TYPE_CHECKING:  # rl.distributed builds on this module
+    from pulsenet.rl.distributed import DataParallel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -236,6 +239,8 @@ class GRPOTrainer:
             ref_model = copy.deepcopy(model)
             ref_model.requires_grad_(False)
             self.reference = LocalTrainer(ref_model, self.config.local_config())
+        self.parallel: DataParallel | None = None
+        """Set by a data-parallel site (``rl.distributed.Site``): this process steps on its shares only."""
 
     @property
     def steps(self) -> int:
@@ -258,34 +263,46 @@ class GRPOTrainer:
             self.reference.load_state_fp32(checkpoint["reference"])
 
     def step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
-        """``steps_per_batch`` optimizer steps on one batch of rollouts; returns its metrics."""
+        """``steps_per_batch`` optimizer steps on one batch of rollouts; returns its metrics.
+
+        With ``self.parallel`` set (a data-parallel site, ``rl.distributed.DataParallel``) this
+        process computes only its shares of the batch, rows ``r::world`` for each share ``r``, every
+        loss still normalised by the whole batch's token count T; ``parallel.sum_gradients`` then
+        sums the shares' gradients over the site before the one optimizer step, so every rank
+        takes the whole batch's step. Metrics are summed over the site the same way.
+        """
         cfg = self.config
         batch = self._collate(rollouts)
         n_tokens = int(batch.mask.sum())
         rows = len(rollouts)
+        par = self.parallel
+        world, shares = (1, (0,)) if par is None else (par.world, par.shares)
         mb = cfg.micro_batch_size or rows
-        slices = [slice(i, min(i + mb, rows)) for i in range(0, rows, mb)]
+        slices = []  # (share, row indices of one micro-batch), shares in rank order
+        for r in shares:
+            mine = torch.arange(r, rows, world)
+            slices += [(r, mine[i : i + mb]) for i in range(0, len(mine), mb)]
         old: list[torch.Tensor] = []
-        loss0 = entropy = kl_ref = 0.0
+        # loss at step 0, entropy, k3 to the reference, clipped tokens: sums over this process's rows
+        sums = torch.zeros(4, dtype=torch.float64)
         grad_norm = None
-        clip_count = 0
         for k in range(cfg.steps_per_batch):
             self.local.model.train()
             self.local.optimizer.zero_grad(set_to_none=True)
-            for j, s in enumerate(slices):
+            for j, (r, s) in enumerate(slices):
                 logits = self._logits(self.local, batch.ids[s])
                 logp = _gather(logits, batch.ids[s])
                 if k == 0:
                     # π_old is the weights the batch found; ρ = 1 at the first step, gradient intact.
                     old.append(logp.detach())
                     with torch.no_grad():
-                        entropy += float((token_entropy(logits) * batch.mask[s]).sum())
+                        sums[1] += float((token_entropy(logits) * batch.mask[s]).sum())
                 ref_logp = None
                 if self.reference is not None:
                     with torch.no_grad():
                         ref_logp = _gather(self._logits(self.reference, batch.ids[s]), batch.ids[s])
                     if k == 0:
-                        kl_ref += float((k3(logp.detach(), ref_logp) * batch.mask[s]).sum())
+                        sums[2] += float((k3(logp.detach(), ref_logp) * batch.mask[s]).sum())
                 loss, clipped = grpo_token_loss(
                     logp, old[j], batch.advantages[s], batch.mask[s],
                     weights=tis_weights(old[j], batch.engine_logp[s], cfg.tis_cap),
@@ -293,16 +310,27 @@ class GRPOTrainer:
                     n_tokens=n_tokens,
                 )  # fmt: skip
                 loss.backward()
-                clip_count += int(clipped.sum())
+                sums[3] += int(clipped.sum())
                 if k == 0:
-                    loss0 += float(loss.detach())
+                    sums[0] += float(loss.detach())
+                if par is not None and (j + 1 == len(slices) or slices[j + 1][0] != r):
+                    par.share_done(self.local.model)
+            if par is not None:
+                par.sum_gradients(self.local.model)
             grad_norm = self.local.apply_gradients()
-        old_logp = torch.cat(old)  # micro-batches share the batch's width
-        tokens = batch.mask
-        diff = (old_logp - batch.engine_logp)[tokens]
+        mine = torch.cat([s for _, s in slices]) if slices else torch.zeros(0, dtype=torch.long)
+        tokens, engine = batch.mask[mine], batch.engine_logp[mine]
+        old_logp = torch.cat(old) if old else torch.zeros_like(engine)
+        diff = (old_logp - engine)[tokens]  # micro-batches share the batch's width
         truncated = 0
         if cfg.tis_cap is not None:
             truncated = int((torch.exp(diff) > cfg.tis_cap).sum())
+        kl_sum = float(k3(engine[tokens], old_logp[tokens]).sum())
+        worst = torch.tensor([float(diff.abs().max()) if diff.numel() else 0.0], dtype=torch.float64)
+        sums = torch.cat([sums, torch.tensor([truncated, kl_sum], dtype=torch.float64)])
+        if par is not None:
+            sums, worst = par.sum_metrics(sums), par.max_metrics(worst)
+        loss0, entropy, kl_ref, clip_count, truncated, kl_sum = sums.tolist()
         denom = max(n_tokens, 1)
         flat = _flat_groups(batch.rewards, batch.groups)
         return GRPOMetrics(
@@ -315,8 +343,8 @@ class GRPOTrainer:
             loss=loss0,
             clip_frac=clip_count / (denom * cfg.steps_per_batch),
             entropy=entropy / denom,
-            mismatch_kl=float(k3(batch.engine_logp[tokens], old_logp[tokens]).sum()) / denom,
-            mismatch_max=float(diff.abs().max()) if n_tokens else 0.0,
+            mismatch_kl=kl_sum / denom,
+            mismatch_max=float(worst[0]),
             tis_frac=truncated / denom,
             kl_ref=kl_ref / denom if self.reference is not None else None,
             grad_norm=grad_norm,

@@ -99,7 +99,11 @@ class GRPOInner(LocalInner):
             batch = self.next_batch()
             if batch is None:
                 break
-            metrics.append(self.grpo.step(batch))
+            metrics.append(self._step(batch))
         self.grpo.local.optimizer.zero_grad(set_to_none=True)
         self.metrics = metrics
         return [m.loss for m in metrics]
+
+    def _step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
+        """One GRPO step (a data-parallel site sends it to every rank: ``rl.distributed``)."""
+        return self.grpo.step(batch)
