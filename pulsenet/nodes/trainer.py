@@ -123,6 +123,11 @@ class TrainerConfig:
     """PULSELoCo: trainers whose payloads a round needs at least (None: a majority)."""
     round_deadline_s: float = 120.0
     """PULSELoCo: how long a round waits for peers' payloads before going on with a quorum."""
+    outer_lr: float = 0.7
+    """PULSELoCo: outer Nesterov learning rate, the same on every trainer of the run (DiLoCo's 0.7;
+    1 with outer_momentum 0 is plain averaging, what ``pulsenet up`` runs: docs/rl.md)."""
+    outer_momentum: float = 0.9
+    """PULSELoCo: outer Nesterov momentum, the same on every trainer of the run (DiLoCo's 0.9)."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
 
@@ -174,6 +179,8 @@ class TrainerNode:
                 LocoConfig(
                     run=c.run,
                     inner_steps=c.inner_steps,
+                    outer_lr=c.outer_lr,
+                    outer_momentum=c.outer_momentum,
                     workers_expected=len(peers),
                     min_quorum=c.min_quorum,
                     deadline_s=c.round_deadline_s,
