@@ -73,12 +73,17 @@ class UpConfig:
     """tiny (warmed up on arith, cached under the work dir) or smollm2 (the realistic run)."""
     rounds: int = 60
     """Policy versions to train (with one trainer a round is one GRPO step and one version)."""
-    trainers: int = 1
+    trainers: int = 2
     """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
     inference: int = 2
     """Inference nodes."""
     inner_steps: int = 8
     """PULSELoCo: GRPO steps per round (H), with more than one trainer."""
+    outer_lr: float = 1.0
+    """PULSELoCo: outer Nesterov learning rate of every trainer (1 with outer_momentum 0: plain
+    averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
+    outer_momentum: float = 0.0
+    """PULSELoCo: outer Nesterov momentum of every trainer."""
     task: str = "arith"
     """arith, chain or a .jsonl file of {"problem", "answer"} rows."""
     max_staleness: int = 2
@@ -315,6 +320,7 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             tc.loco_store = f"s3://{creds.buckets[LOCO_SITE]}/{run_id}"  # every trainer may write it
             tc.peers = [f"{p}={keys / f'{p}.key.pub'}" for p in trainers]
             tc.inner_steps = c.inner_steps
+            tc.outer_lr, tc.outer_momentum = c.outer_lr, c.outer_momentum
         nodes.append(_node(workdir, t, "trainer", {"trainer": to_toml_table(tc)}, base | creds.env[t], tc.status_port))
     for i in inference:
         ic = InferenceConfig(
