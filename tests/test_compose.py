@@ -81,9 +81,13 @@ def _settings(service: dict[str, Any]) -> tuple[str, TrainerConfig | InferenceCo
     return args.node, load_settings(cls, table=args.node, argv=rest, config=host, environ=env)
 
 
-def _policy(site: str) -> list[dict[str, Any]]:
+def _policy(site: str, trainer: bool) -> list[dict[str, Any]]:
+    """What the bootstrap attaches to site-<site>: the site policy, plus the PULSELoCo bucket's for a trainer."""
     text = (DOCKER / "site-policy.json").read_text().replace("@SITE@", site)
-    return json.loads(text)["Statement"]
+    statements = json.loads(text)["Statement"]
+    if trainer:
+        statements += json.loads((DOCKER / "loco-policy.json").read_text())["Statement"]
+    return statements
 
 
 def _allowed(statements: list[dict[str, Any]], action: str, resource: str) -> bool:
@@ -100,16 +104,18 @@ def test_services_sites_and_dependencies(compose: dict[str, Any]) -> None:
     assert {"minio", "bootstrap", "keygen"} <= set(services)
     nodes = _nodes(compose)
     roles = sorted(name.split("-")[0] for name in nodes)
-    assert roles == ["inference", "inference", "trainer"]
+    assert roles == ["inference", "inference", "trainer", "trainer"]
     sites = _interpolate(services["bootstrap"]["environment"]["SITES"]).split()
     assert sorted(sites) == sorted(n.split("-", 1)[1] for n in nodes)
+    trainers = services["bootstrap"]["environment"]["TRAINERS"].split()
+    assert sorted(trainers) == sorted(n.split("-", 1)[1] for n in nodes if n.startswith("trainer-"))
     assert services["keygen"]["environment"]["SITES"].split() == sites
     for name, svc in nodes.items():
         deps = svc["depends_on"]
         assert deps["minio"]["condition"] == "service_healthy", name
         assert deps["bootstrap"]["condition"] == deps["keygen"]["condition"] == "service_completed_successfully"
         assert svc["build"]["dockerfile"] == "docker/Dockerfile" and svc["restart"] == "unless-stopped"
-    assert "PULSELoCo" in COMPOSE.read_text() and "second trainer" in COMPOSE.read_text()
+    assert "PULSELoCo" in COMPOSE.read_text() and "third trainer" in COMPOSE.read_text()
 
 
 def test_each_node_has_its_sites_credentials_and_writes_only_its_bucket(compose: dict[str, Any]) -> None:
@@ -121,19 +127,26 @@ def test_each_node_has_its_sites_credentials_and_writes_only_its_bucket(compose:
                  'eval secret="\\$PN_SECRET_$s"', 'mc admin policy attach local "site-$s" --user "site-$s"'):
         assert line in script, line
     assert _mounts(boot)["/policies/site-policy.json"] == ("./site-policy.json", True)
+    assert _mounts(boot)["/policies/loco-policy.json"] == ("./loco-policy.json", True)
+    # ... and the trainers' shared PULSELoCo bucket, which only the trainers' users may write.
+    for line in ("mc mb -p local/pulsenet-loco", "mc admin policy create local loco-writer /policies/loco-policy.json",
+                 'mc admin policy attach local loco-writer --user "site-$s"', "for s in $TRAINERS; do"):
+        assert line in script, line
     sites = boot["environment"]["SITES"].split()
-    buckets = [f"arn:aws:s3:::pulsenet-{s}" for s in sites]
+    trainers = boot["environment"]["TRAINERS"].split()
+    buckets = [f"arn:aws:s3:::pulsenet-{s}" for s in (*sites, "loco")]
     for name, svc in _nodes(compose).items():
         site = name.split("-", 1)[1]
         env = _env(svc)
         assert env["AWS_ACCESS_KEY_ID"] == f"site-{site}", name
         assert env["AWS_SECRET_ACCESS_KEY"] == boot["environment"][f"PN_SECRET_{site}"], name
         assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
-        _, c = _settings(svc)
+        role, c = _settings(svc)
         assert c.id == site and c.store == f"s3://pulsenet-{site}", (name, c.store)
-        policy = _policy(site)
+        assert (role == "trainer") == (site in trainers), name
+        policy = _policy(site, trainer=role == "trainer")
         for bucket in buckets:
-            own = bucket.endswith(f"-{site}")
+            own = bucket.endswith(f"-{site}") or (role == "trainer" and bucket.endswith("-loco"))
             for action in ("s3:PutObject", "s3:DeleteObject"):
                 assert _allowed(policy, action, f"{bucket}/x") == own, (name, action, bucket)
             assert _allowed(policy, "s3:GetObject", f"{bucket}/x") and _allowed(policy, "s3:ListBucket", bucket)
@@ -167,18 +180,24 @@ def test_node_commands_parse_and_wire_the_network(compose: dict[str, Any]) -> No
     settings = {name: _settings(svc) for name, svc in _nodes(compose).items()}
     trainers = {n: c for n, (role, c) in settings.items() if role == "trainer"}
     inference = {n: c for n, (role, c) in settings.items() if role == "inference"}
-    assert len(trainers) == 1 and len(inference) == 2
+    assert len(trainers) == 2 and len(inference) == 2
     assert len({c.run for _, c in settings.values()}) == 1, "every node of a run shares its run id"
-    (t,) = trainers.values()
-    assert isinstance(t, TrainerConfig) and not t.loco_store  # one trainer per run until PULSELoCo lands
-    assert site_map(t.inference, "inference") == {c.id: c.store for c in inference.values()}
-    assert sorted(e.split("=")[0] for e in t.trust_inference) == sorted(c.id for c in inference.values())
-    for e in t.trust_inference:
-        ident, _, path = e.partition("=")
-        assert path == f"/pub/{ident}.key.pub"
+    ids = sorted(t.id for t in trainers.values())
+    for t in trainers.values():
+        assert isinstance(t, TrainerConfig)
+        assert site_map(t.inference, "inference") == {c.id: c.store for c in inference.values()}
+        assert sorted(e.split("=")[0] for e in t.trust_inference) == sorted(c.id for c in inference.values())
+        for e in t.trust_inference:
+            ident, _, path = e.partition("=")
+            assert path == f"/pub/{ident}.key.pub"
+        # PULSELoCo: one shared bucket, every trainer's key under its id, the same algorithm settings.
+        assert t.loco_store == "s3://pulsenet-loco"
+        assert sorted(t.peers) == [f"{i}=/pub/{i}.key.pub" for i in ids]
+    assert len({(t.loco_store, t.inner_steps, t.outer_lr, t.outer_momentum) for t in trainers.values()}) == 1
     for c in inference.values():
         assert isinstance(c, InferenceConfig)
-        assert c.policy == [t.store] and [str(p) for p in c.trust] == [f"/pub/{t.id}.key.pub"]
+        assert sorted(c.policy) == sorted(t.store for t in trainers.values())
+        assert sorted(str(p) for p in c.trust) == [f"/pub/{i}.key.pub" for i in ids]
     ports = [c.status_port for _, c in settings.values()]
     assert len(set(ports)) == len(ports)
 
