@@ -1,6 +1,6 @@
-"""``pulsenet up`` end to end: a real embedded SeaweedFS, a trainer and two inference nodes as
-separate processes, the tiny model, then the report, the nodes' own logs and the process table
-are checked. Nothing is faked.
+"""``pulsenet up`` end to end: a real embedded SeaweedFS, two trainers (PULSELoCo rounds, the
+default) and two inference nodes as separate processes, the tiny model, then the report, the
+nodes' own logs and the process table are checked. Nothing is faked.
 
 The tiny warm-up is cached in pytest's cache directory (``.pytest_cache``), shared by every run's
 work directory, so only the first run on a machine pays for it.
@@ -122,6 +122,11 @@ def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path:
     for name in ("reward.png", "bytes.png", "sparsity.png"):
         assert (report / name).read_bytes()[:8] == PNG
 
+    # Every trainer runs the same PULSELoCo round: plain averaging as the outer step (docs/rl.md).
+    tables = [tomllib.loads((workdir / "config" / f"{t}.toml").read_text())["trainer"] for t in trainers]
+    same = {(t["loco_store"], t["inner_steps"], t["outer_lr"], t["outer_momentum"]) for t in tables}
+    assert same == {(tables[0]["loco_store"], 2, 1.0, 0.0)}, same
+
     # Independently of the summary, from the nodes' own logs: every trainer published the same
     # versions; every version an inference node swapped in has the digest the trainers published
     # for it, and its weights rehash to it at exit; rollouts were trained on within the bound.
@@ -234,7 +239,7 @@ def _refs(doc: object) -> Iterator[tuple[str, int]]:
 def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     proc = _up(workdir, "--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4")
     try:
-        _wait_for(lambda: len(_ours(workdir)) >= 5, 120, "nodes and store running", proc)  # launcher, weed, 3 nodes
+        _wait_for(lambda: len(_ours(workdir)) >= 6, 120, "nodes and store running", proc)  # launcher, weed, 4 nodes
         time.sleep(1.0)
         proc.kill()  # SIGKILL: no handler runs, only PR_SET_PDEATHSIG can take the children down
         proc.wait(timeout=10)

@@ -602,6 +602,9 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
     inference = [n for n in o.nodes if n.role == "inference"]
     published: dict[int, dict[str, Any]] = {}
     steps: dict[int, dict[str, Any]] = {}
+    """The first trainer's step line per version: PULSELoCo bytes are per worker per round."""
+    every: dict[int, list[dict[str, Any]]] = {}
+    """Every trainer's step line per version: each trained on its own share of the rollouts."""
     rollouts: dict[int, int] = {}
     """Rollout bytes each version's training took in, summed over trainers (their logs count
     cumulative downloads at each publish)."""
@@ -615,6 +618,7 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
                 before = now
             elif e["event"] == "step":
                 steps.setdefault(e["version"], e)
+                every.setdefault(e["version"], []).append(e)
     k = len(inference)
     rounds = []
     # A round per version after v0 (the initial weights): what its publish and its step logged.
@@ -623,8 +627,8 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
         rounds.append(
             {
                 "round": v,
-                "reward": s.get("reward", p.get("reward")),
-                "staleness": s.get("staleness"),
+                "reward": _mean_reward(every.get(v, [])) if v in every else p.get("reward"),
+                "staleness": max((e["staleness"] for e in every.get(v, []) if e.get("staleness") is not None), default=None),
                 "sparsity": p.get("sparsity"),
                 "bytes": {
                     # What crossed to the k inference nodes: each follows one channel's whole chain.
@@ -684,6 +688,13 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
         "nodes_detail": nodes,
     }
     return {"rounds": rounds, "nodes": nodes, "checks": checks, "extra": extra}
+
+
+def _mean_reward(steps: list[dict[str, Any]]) -> float | None:
+    """The round's mean reward over every trainer's rollouts (each line: its mean over its rows)."""
+    rated = [(float(e["reward"]), int(e.get("rows") or 1)) for e in steps if e.get("reward") is not None]
+    rows = sum(n for _, n in rated)
+    return sum(r * n for r, n in rated) / rows if rows else None
 
 
 def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
