@@ -8,9 +8,9 @@ What it does, in order:
    write only its own bucket (``writer-<site>``; with several trainers, also their shared PULSELoCo
    bucket), or ``--s3-endpoint`` with the credentials of the
    environment (AWS_*) and buckets ``<bucket-prefix><site>``; every run uses its own prefix;
-3. N trainers and K inference nodes, each ``python -m pulsenet --log-format json -v <role>
-   --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status
-   port and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
+3. N trainers and K inference nodes (2 and 2 by default), each ``python -m pulsenet --log-format
+   json -v <role> --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its
+   own status port and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
 4. a live table polling each node's ``/status`` and ``/healthz``;
 5. when the trainers have published ``--rounds`` versions (and exited), the inference nodes get
@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 TINY = {"rows_per_step": 512, "prompts": 32, "group_size": 8, "lr": 5e-4}
 """Tiny-model defaults: big batches at a moderate lr are what makes the sampled reward rise on 2
 CPU cores in under a minute (docs/rl.md, bench rl: 0.26 -> 0.37 in 60 steps); the node defaults
-(32 completions per step, lr 1e-3) give a flat or falling curve here."""
+(32 completions per step, lr 1e-3) give a flat or falling curve here. With several trainers a
+round's inner steps split the 512 (64 per step at H = 8, 8 prompts a batch), averaged by a plain
+outer step: 0.25 -> 0.39 in 60 rounds (docs/rl.md, "Several trainers")."""
 MARKER = ".pulsenet-up"
 """Marks a work directory as ``pulsenet up``'s own: only then does a run wipe directories in it."""
 LOCO_SITE = "loco"
@@ -72,7 +74,8 @@ class UpConfig:
     model: str = "tiny"
     """tiny (warmed up on arith, cached under the work dir) or smollm2 (the realistic run)."""
     rounds: int = 60
-    """Policy versions to train (with one trainer a round is one GRPO step and one version)."""
+    """Policy versions to train: PULSELoCo rounds of inner_steps GRPO steps per trainer (with one
+    trainer a round is one GRPO step)."""
     trainers: int = 2
     """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
     inference: int = 2
