@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
@@ -136,6 +137,7 @@ class Site2:
             "PULSENET_WARMUP_STEPS": str(WARMUP),
             "PULSENET_ROWS_PER_STEP": str(ROWS),
             "PULSENET_CONSUMER_POLL_S": "1",
+            "PULSENET_LOCO_STORE": "",  # a lone site: the shipped config is t0 of a PULSELoCo pair
         } | self.extra
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -200,7 +202,12 @@ def _alive(pid: int) -> bool:
 def _grpo(cache: Path) -> GRPOTrainer:
     """The trainer node's GRPOTrainer: the warmed-up tiny model (cached), configs/trainer.toml's lr."""
     model = initial_model("tiny", cache, seed=0, warmup_steps=WARMUP)
-    return GRPOTrainer(model, GRPOConfig(lr=1e-3, pad_id=text_codec("tiny").pad_id))
+    return GRPOTrainer(model, GRPOConfig(lr=_shipped()["grpo"]["lr"], pad_id=text_codec("tiny").pad_id))
+
+
+def _shipped() -> dict[str, Any]:
+    """configs/trainer.toml's [trainer] table: what the site runs unless the test's env says otherwise."""
+    return tomllib.loads((REPO / "configs" / "trainer.toml").read_text())["trainer"]
 
 
 def _bf16_digest(grpo: GRPOTrainer) -> str:
@@ -291,7 +298,8 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
         want[report.round] = _bf16_digest(ref)
 
     key = tmp_path / "keys" / "t0.key"
-    config = LocoConfig(run=RUN, inner_steps=inner, workers_expected=1, min_quorum=None, deadline_s=60.0)
+    outer = {"outer_lr": _shipped()["outer-lr"], "outer_momentum": _shipped()["outer-momentum"]}  # as the site
+    config = LocoConfig(run=RUN, inner_steps=inner, workers_expected=1, min_quorum=None, deadline_s=60.0, **outer)
     reference = LocoTrainer(
         "t0", LocalStore(tmp_path / "ref-store"), load_private_key(key), trainer_keys([f"t0={key}.pub"]),
         SiteGRPOInner(Site(grpo=ref, reference_world=2), lambda: next(feed, None)), config, on_round=after_round,
