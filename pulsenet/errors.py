@@ -89,6 +89,10 @@ class ManifestError(PulsenetError, ValueError):
     """A manifest is malformed, unsigned, signed by an untrusted key, or inconsistent."""
 
 
+class DocumentTooLarge(ManifestError):
+    """A signed document is over the reader's size limit (listed or read): refused unread."""
+
+
 class SignatureError(ManifestError):
     """A signature does not verify against any trusted key."""
 
@@ -99,6 +103,10 @@ class ReplayError(ManifestError):
 
 class VerificationError(PulsenetError):
     """Rebuilt weights or a fetched payload failed verification; nothing was swapped in."""
+
+
+class SizeMismatch(VerificationError):
+    """An object is not the size its signed reference gives (a larger one is refused unread)."""
 
 
 class RoundError(PulsenetError):

@@ -14,7 +14,8 @@ import torch
 from pulsenet.cli.loco import data_seed
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
 from pulsenet.loco import payload as wire
-from pulsenet.loco.documents import Manifest, digest_key, trainer_keys
+from pulsenet.loco.documents import Manifest, trainer_keys
+from pulsenet.loco.layout import LocoLayout
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
 from pulsenet.rl.inner import SupervisedInner
 from pulsenet.signing import generate_keypair, load_private_key
@@ -112,7 +113,7 @@ async def published_digests(rs: RoundStore, ids: Sequence[str], rounds: range) -
     for r in rounds:
         out[r] = {}
         for tid in ids:
-            if await rs.store.exists(digest_key(tid, r)):
+            if await rs.store.exists(LocoLayout().digest(tid, r)):
                 d = await rs.read_digest(tid, r)
                 assert d is not None
                 out[r][tid] = d

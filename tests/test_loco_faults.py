@@ -16,7 +16,8 @@ from loco_helpers import forge_payloads, make_keys, published_digests, tiny_trai
 
 from pulsenet.loco import LocoConfig, LocoTrainer, Record, RoundReport, RoundStore
 from pulsenet.loco import payload as wire
-from pulsenet.loco.documents import ObjectRef, trainer_keys
+from pulsenet.loco.documents import trainer_keys
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import load_private_key
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,8 @@ from conftest import TEST_BUCKET, unique_prefix
 from loco_helpers import make_keys, published_digests, spawn, trainer_args
 
 from pulsenet.loco import RoundStore
-from pulsenet.loco.documents import manifest_key, trainer_keys
+from pulsenet.loco.documents import trainer_keys
+from pulsenet.loco.layout import LocoLayout
 from pulsenet.signing import load_private_key
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer
@@ -158,7 +159,7 @@ async def test_sigkilled_trainer_resumes_and_ends_digest_equal(run: Run, extra: 
     try:
         # Kill c mid-round: its round-4 payload is published, the round is not finished.
         until = time.monotonic() + 150
-        while not await rs.store.exists(manifest_key("c", kill_round)):
+        while not await rs.store.exists(LocoLayout().manifest("c", kill_round)):
             assert time.monotonic() < until, f"c never reached round {kill_round}:\n{run.tail('c')}"
             assert run.procs["c"].poll() is None, run.tail("c")
             await asyncio.sleep(0.05)

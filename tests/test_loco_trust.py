@@ -13,23 +13,28 @@ import pytest
 from conftest import StoreFactory
 from loco_helpers import forge_payloads, make_keys, tiny_trainer
 
-from pulsenet.errors import ManifestError, ObjectTooLarge, RoundError, SignatureError, StoreUnavailable
+from pulsenet.errors import (
+    DocumentTooLarge,
+    ManifestError,
+    RoundError,
+    SignatureError,
+    SizeMismatch,
+    StoreUnavailable,
+)
 from pulsenet.loco import LocoConfig, Record, RoundStore
 from pulsenet.loco.documents import (
     KIND_DIGEST,
     KIND_MANIFEST,
     KIND_RECORD,
-    ObjectRef,
-    digest_key,
-    manifest_key,
-    payload_key,
-    record_key,
     trainer_keys,
 )
+from pulsenet.loco.layout import LocoLayout
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import load_private_key, sign_document
 from pulsenet.store.base import ObjectStore
 
 pytestmark = pytest.mark.integration
+LAYOUT = LocoLayout()
 IDS = ("t0", "t1", "t2")
 
 
@@ -47,7 +52,7 @@ def _manifest_body(tid: str, r: int = 1, **over: Any) -> dict[str, Any]:
     sha = "ab" * 32
     body = {
         "kind": KIND_MANIFEST, "trainer": tid, "round": r, "run": "default",
-        "payload": {"key": payload_key(tid, r, sha), "size": 10, "sha256": sha},
+        "payload": {"key": LAYOUT.payload(tid, r, sha), "size": 10, "sha256": sha},
         "mode": "pulseloco", "sent": 1, "total": 2, "base_digest": "cd" * 32,
     }  # fmt: skip
     body.update(over)
@@ -66,10 +71,10 @@ async def test_slot_accepts_only_its_trainers_key(s3_factory: StoreFactory, keys
     store = s3_factory()
     t0, reader = _rs(store, "t0", keys), _rs(store, "t2", keys)
     # t0's key is trusted, but it signs a manifest and a digest for t1's slot first
-    await _plant(t0, manifest_key("t1", 1), _manifest_body("t1"))
+    await _plant(t0, LAYOUT.manifest("t1", 1), _manifest_body("t1"))
     await _plant(
         t0,
-        digest_key("t1", 1),
+        LAYOUT.digest("t1", 1),
         {"kind": KIND_DIGEST, "trainer": "t1", "round": 1, "digest": "0" * 64, "run": "default"},
     )
     with pytest.raises(SignatureError, match="untrusted key"):
@@ -77,11 +82,11 @@ async def test_slot_accepts_only_its_trainers_key(s3_factory: StoreFactory, keys
     with pytest.raises(SignatureError):
         await reader.read_digest("t1", 1)
     # the same document in t0's own slot, about t0, stands
-    await _plant(t0, manifest_key("t0", 1), _manifest_body("t0"))
+    await _plant(t0, LAYOUT.manifest("t0", 1), _manifest_body("t0"))
     m = await reader.read_manifest("t0", 1)
     assert m is not None and m.trainer == "t0"
     # a document in t0's slot about another trainer does not
-    await _plant(t0, manifest_key("t0", 2), _manifest_body("t1", 2))
+    await _plant(t0, LAYOUT.manifest("t0", 2), _manifest_body("t1", 2))
     with pytest.raises(ManifestError):
         await reader.read_manifest("t0", 2)
 
@@ -90,38 +95,38 @@ async def test_record_is_bound_to_its_writers_key(s3_factory: StoreFactory, keys
     store = s3_factory()
     t0, reader = _rs(store, "t0", keys), _rs(store, "t2", keys)
     sha = "ab" * 32
-    parts = {t: ObjectRef(payload_key(t, 1, sha), 10, sha) for t in ("t1", "t2")}
+    parts = {t: ObjectRef(LAYOUT.payload(t, 1, sha), 10, sha) for t in ("t1", "t2")}
     # a record that names t1 as its writer but is signed with t0's key
     await t0.propose_record(Record(round=1, writer="t1", participants=parts))
     with pytest.raises(SignatureError, match="not by t1's key"):
         await reader.read_record(1)
     # a record by a trainer that is not in the run's key map
-    await t0.store.delete([record_key(1)], timeout=10)
+    await t0.store.delete([LAYOUT.record(1)], timeout=10)
     await t0.propose_record(Record(round=1, writer="zz", participants=parts))
     with pytest.raises(SignatureError, match="not a trainer"):
         await reader.read_record(1)
     # written and signed by t0 itself: stands, and carries the run
-    await t0.store.delete([record_key(1)], timeout=10)
+    await t0.store.delete([LAYOUT.record(1)], timeout=10)
     rec, won = await t0.propose_record(Record(round=1, writer="t0", participants=parts))
     assert won and await reader.read_record(1) == rec
-    raw = await store.get(record_key(1), timeout=10)
+    raw = await store.get(LAYOUT.record(1), timeout=10)
     assert b'"run":"default"' in raw
 
 
 async def test_documents_of_another_run_or_store_are_refused(s3_factory: StoreFactory, keys: Any) -> None:
     store = s3_factory()
     run1 = _rs(store, "t0", keys, run="run-1")
-    await _plant(run1, manifest_key("t0", 1), _manifest_body("t0", run="run-1"))
+    await _plant(run1, LAYOUT.manifest("t0", 1), _manifest_body("t0", run="run-1"))
     assert await _rs(store, "t1", keys, run="run-1").read_manifest("t0", 1) is not None
     with pytest.raises(SignatureError, match="context"):  # same store, same key, another run
         await _rs(store, "t1", keys, run="run-2").read_manifest("t0", 1)
     # the same bytes replayed into another store location
     other = s3_factory(prefix=f"{store.url.rsplit('/', 1)[-1]}-copy")
-    await other.put(manifest_key("t0", 1), await store.get(manifest_key("t0", 1), timeout=10), timeout=10)
+    await other.put(LAYOUT.manifest("t0", 1), await store.get(LAYOUT.manifest("t0", 1), timeout=10), timeout=10)
     with pytest.raises(SignatureError, match="context"):
         await _rs(other, "t1", keys, run="run-1").read_manifest("t0", 1)
     # signed for this run and store, but the body names another run
-    await _plant(run1, manifest_key("t0", 2), _manifest_body("t0", 2, run="run-2"))
+    await _plant(run1, LAYOUT.manifest("t0", 2), _manifest_body("t0", 2, run="run-2"))
     with pytest.raises(ManifestError, match="run"):
         await _rs(store, "t1", keys, run="run-1").read_manifest("t0", 2)
 
@@ -143,7 +148,7 @@ async def test_malformed_manifest_bodies_are_manifest_errors(
     local_factory: StoreFactory, keys: Any, over: dict[str, Any]
 ) -> None:
     t0 = _rs(local_factory(), "t0", keys)
-    await _plant(t0, manifest_key("t0", 1), _manifest_body("t0", **over))
+    await _plant(t0, LAYOUT.manifest("t0", 1), _manifest_body("t0", **over))
     with pytest.raises(ManifestError):
         await t0.read_manifest("t0", 1)
 
@@ -162,11 +167,11 @@ async def test_malformed_record_bodies_are_manifest_errors(
     sha = "ab" * 32
     body = {
         "kind": KIND_RECORD, "round": 1, "writer": "t0", "run": "default", "base_digest": "",
-        "participants": {"t1": {"key": payload_key("t1", 1, sha), "size": 10, "sha256": sha}},
+        "participants": {"t1": {"key": LAYOUT.payload("t1", 1, sha), "size": 10, "sha256": sha}},
         "rejected": {}, "unavailable": {},
     }  # fmt: skip
     body.update(over)
-    await _plant(t0, record_key(1), body)
+    await _plant(t0, LAYOUT.record(1), body)
     with pytest.raises(ManifestError):
         await t0.read_record(1)
 
@@ -195,18 +200,18 @@ async def test_oversized_documents_and_payloads_are_refused_unread(
     seen = _Recorder(store)
     t1 = _rs(store, "t1", keys, max_document=64 << 10)
     big = b"{" * (3 << 20)
-    await store.put(manifest_key("t0", 1), big, timeout=30)
-    await store.put(record_key(1), big, timeout=30)
-    with pytest.raises(ObjectTooLarge):
+    await store.put(LAYOUT.manifest("t0", 1), big, timeout=30)
+    await store.put(LAYOUT.record(1), big, timeout=30)
+    with pytest.raises(DocumentTooLarge):
         await t1.read_manifest("t0", 1)
-    with pytest.raises(ObjectTooLarge):
+    with pytest.raises(DocumentTooLarge):
         await t1.read_record(1)
-    assert seen.limits[manifest_key("t0", 1)] == seen.limits[record_key(1)] == 64 << 10
+    assert seen.limits[LAYOUT.manifest("t0", 1)] == seen.limits[LAYOUT.record(1)] == 64 << 10
     # a validly signed manifest for 10 bytes, and 3 MB at the key it names
     sha = hashlib.sha256(b"0123456789").hexdigest()
-    ref = ObjectRef(payload_key("t0", 2, sha), 10, sha)
+    ref = ObjectRef(LAYOUT.payload("t0", 2, sha), 10, sha)
     await store.put(ref.key, big, timeout=30)
-    with pytest.raises(ObjectTooLarge):
+    with pytest.raises(SizeMismatch):
         await t1.fetch(ref)
     assert seen.limits[ref.key] == 10
 
@@ -234,15 +239,15 @@ async def test_planted_manifests_do_not_block_valid_peers(
     store = s3_factory()
     for tid in ("a", "d"):
         await RoundStore(store, tid, load_private_key(priv[tid]), trainer_keys(pubs)).join()
-    await store.put(manifest_key("d", 1), b"[" * 10_000 + b"]" * 10_000, timeout=10)
-    await store.put(manifest_key("a", 1), b"x", timeout=10)
+    await store.put(LAYOUT.manifest("d", 1), b"[" * 10_000 + b"]" * 10_000, timeout=10)
+    await store.put(LAYOUT.manifest("a", 1), b"x", timeout=10)
 
     def flaky() -> ObjectStore:
         s = s3_factory()
         real = s.get
 
         async def get(key: str, **kw: Any) -> bytes:
-            if key == manifest_key("a", 1):
+            if key == LAYOUT.manifest("a", 1):
                 raise StoreUnavailable("injected: the store cannot serve a's manifest")
             return await real(key, **kw)
 
@@ -265,7 +270,7 @@ async def test_planted_record_is_a_round_error(s3_factory: StoreFactory, tmp_pat
     priv, pubs = make_keys(tmp_path / "keys", ("a",))
     store = s3_factory()
     await store.put(
-        record_key(1), b'{"body": {"kind": "pulseloco-round"}, "key_id": "00", "sig": "AA=="}', timeout=10
+        LAYOUT.record(1), b'{"body": {"kind": "pulseloco-round"}, "key_id": "00", "sig": "AA=="}', timeout=10
     )
     trainer = tiny_trainer("a", store, priv, pubs, _config(workers_expected=1, min_quorum=1))
     with pytest.raises(RoundError, match="record"):
@@ -329,9 +334,9 @@ async def test_record_cannot_name_a_payload_its_owner_did_not_sign(
 
     store = s3_factory()
     t0, t1 = _rs(store, "t0", keys), _rs(store, "t1", keys)
-    await _plant(t1, manifest_key("t1", 1), _manifest_body("t1", 1))  # t1 signed its payload ab..ab
+    await _plant(t1, LAYOUT.manifest("t1", 1), _manifest_body("t1", 1))  # t1 signed its payload ab..ab
     sha = hashlib.sha256(b"0123456789").hexdigest()
-    planted = ObjectRef(payload_key("t1", 1, sha), 10, sha)
+    planted = ObjectRef(LAYOUT.payload("t1", 1, sha), 10, sha)
     await store.put(planted.key, b"0123456789", timeout=10)  # a bucket writer's object under t1's prefix
     record, _ = await t0.propose_record(Record(round=1, writer="t0", participants={"t1": planted}))
     collector = Collector(_rs(store, "t2", keys), LocoConfig(min_quorum=1), {"w": (4,)})
@@ -385,7 +390,7 @@ async def test_a_published_state_needs_its_participants_digests(s3_factory: Stor
     store = s3_factory()
     rs = {t: _rs(store, t, keys) for t in IDS}
     sha = "ab" * 32
-    parts = {t: ObjectRef(payload_key(t, 4, sha), 10, sha) for t in ("t1", "t2")}
+    parts = {t: ObjectRef(LAYOUT.payload(t, 4, sha), 10, sha) for t in ("t1", "t2")}
     await rs["t1"].propose_record(Record(round=4, writer="t1", participants=parts))
     good, bogus = "1" * 64, "2" * 64
     ref = {
@@ -399,6 +404,6 @@ async def test_a_published_state_needs_its_participants_digests(s3_factory: Stor
     assert await vouched(rs["t0"], ref[good], quorum=2)
     assert not await vouched(rs["t0"], ref[bogus], quorum=2)  # what t0 alone says
     await _plant(
-        rs["t0"], digest_key("t0", 4), {"kind": KIND_DIGEST, "trainer": "t0", "round": 4, "digest": bogus}
+        rs["t0"], LAYOUT.digest("t0", 4), {"kind": KIND_DIGEST, "trainer": "t0", "round": 4, "digest": bogus}
     )
     assert not await vouched(rs["t0"], ref[bogus], quorum=1)  # t0 is not a participant of round 4

@@ -31,7 +31,8 @@ from pulsenet.rollouts import (
     RolloutWriterConfig,
     owner,
 )
-from pulsenet.rollouts.manifest import BatchManifest, BatchRef, now_iso, sign_batch_manifest
+from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import MAX_DOCUMENT, key_id
 from pulsenet.store import ObjectStore
 from pulsenet.store.seaweed import SeaweedServer
@@ -298,7 +299,7 @@ async def _plant(
         seq=seq,
         version=version,
         model_digest=batch[0].model_digest,
-        payload=BatchRef(key=layout.batch(version, site.node, seq, sha), size=len(data), sha256=sha),
+        payload=ObjectRef(key=layout.batch(version, site.node, seq, sha), size=len(data), sha256=sha),
         rows=len(batch),
         groups=len({r.group for r in batch}),
         tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in batch),

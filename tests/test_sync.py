@@ -35,12 +35,12 @@ from pulsenet.errors import ReplayError, SignatureError, VerificationError
 from pulsenet.rl.local import LocalTrainer, LocalTrainerConfig
 from pulsenet.rl.models import build_tiny_model
 from pulsenet.rl.tasks import ArithmeticTask
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer
 from pulsenet.sync import (
     Manifest,
-    PayloadRef,
     Publisher,
     PublisherConfig,
     Subscriber,
@@ -292,7 +292,7 @@ async def test_tampered_untrusted_and_replayed_are_refused(s3_factory: StoreFact
         evil[name] = torch.zeros_like(evil[name])
         blob = PatchEncoder().encode({}, evil, base_digest=EMPTY_DIGEST)
         sha = hashlib.sha256(blob).hexdigest()
-        ref = PayloadRef(role="anchor", key=pub.layout.payload(9, "anchor", sha), size=len(blob), sha256=sha)
+        ref = ObjectRef(key=pub.layout.payload(9, "anchor", sha), size=len(blob), sha256=sha)
         await store.put(ref.key, blob)
         forged = Manifest(
             version=9,

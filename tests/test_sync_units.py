@@ -15,12 +15,12 @@ from sync_support import keypair, perturbed_states, same_bits, train_states
 from pulsenet.checkpoint import save_state
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ManifestError, ReplayError, SignatureError, VerificationError
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store import LocalStore
 from pulsenet.sync import (
     Layout,
     Manifest,
-    PayloadRef,
     Publisher,
     PublisherConfig,
     Subscriber,
@@ -63,7 +63,7 @@ def _manifest(key, version: int = 3, **changes) -> Manifest:
         base_version=version - 1,
         base_digest="2" * 64,
         anchor=None,
-        patch=PayloadRef(role="patch", key=f"p/v{version}", size=10, sha256=sha),
+        patch=ObjectRef(key=f"p/v{version}", size=10, sha256=sha),
         full_bytes=100,
         publisher=key_id(key.public_key()),
         created="2025-01-01T00:00:00+00:00",

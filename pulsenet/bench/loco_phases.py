@@ -21,9 +21,9 @@ import time
 from collections.abc import AsyncIterator
 
 from pulsenet.loco.algorithm import FP32_BYTES
-from pulsenet.loco.documents import ObjectRef
 from pulsenet.loco.payload import Payload
 from pulsenet.loco.trainer import PhaseHook
+from pulsenet.signed import ObjectRef
 from pulsenet.store.base import ObjectStore
 
 COMPUTE = frozenset({"inner", "encode", "apply", "persist", "rebase", "adopt", "replay"})
@@ -75,7 +75,7 @@ class SharedCores:
 
 
 class SharedPayloads:
-    """One decoded copy of each payload for all trainers of this process (``loco.collect.PayloadCache``).
+    """One decoded copy of each payload for all trainers of this process (``loco.collect.DecodedPayloads``).
 
     ``view(store)`` is what one trainer gets. With ``shares_downloads=False`` (each trainer on its
     own emulated link) a hit still downloads the bytes through that trainer's store, so every link

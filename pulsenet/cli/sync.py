@@ -208,57 +208,36 @@ def _pull(ns: argparse.Namespace) -> int:
 
 
 def _ls(ns: argparse.Namespace) -> int:
-    from pulsenet.errors import ManifestError, ObjectNotFound, ObjectTooLarge
-    from pulsenet.signing import parse_envelope, trusted_keys
+    from pulsenet.errors import ManifestError, ObjectNotFound
+    from pulsenet.signing import trusted_keys
+    from pulsenet.sync.chain import ManifestReader
     from pulsenet.sync.layout import Layout
-    from pulsenet.sync.manifest import (
-        MAX_HEAD,
-        MAX_MANIFEST,
-        Head,
-        read_manifest_unverified,
-        verify_head,
-        verify_manifest,
-    )
 
     args = command_settings(ns, LsSettings)
     require(args, "store", table="ls")
     trusted = trusted_keys(args.trust) if args.trust else None
 
-    async def head_row(store, layout: Layout) -> dict | None:
+    async def head_row(reader: ManifestReader) -> dict | None:
         try:
-            data = await store.get(layout.head, timeout=args.timeout, max_bytes=MAX_HEAD)
-            head = (
-                verify_head(data, trusted, context=layout.context)
-                if trusted
-                else Head.from_body(parse_envelope(data)["body"])
-            )
+            head = await (reader.head() if trusted else reader.peek_head())
         except ObjectNotFound:
             return None
-        except (ManifestError, ObjectTooLarge) as e:
+        except ManifestError as e:
             return {"verified": False, "error": f"{type(e).__name__}: {e}"}
         return {"version": head.version, "time_ms": head.time_ms, "verified": bool(trusted)}
 
     async def go() -> tuple[list[dict], int, int, dict | None]:
         async with _open(args) as store:
             layout = Layout(args.channel, run=args.run, store_url=store.url)
-            infos = await store.list(f"{layout.channel}/", timeout=args.timeout)
+            reader = ManifestReader(store, layout, trusted or {}, args.timeout)
+            infos = await store.list(f"{layout.channel}/", timeout=args.timeout)  # every object: the totals
             rows = []
-            for info in infos:
-                v = layout.manifest_version(info.key)
-                if v is None:
-                    continue
+            for v, info in sorted((await reader.list_versions()).items()):
                 row: dict = {"version": v, "key": info.key}
                 try:
-                    if info.size > MAX_MANIFEST:
-                        raise ManifestError(f"{info.size} bytes, over the {MAX_MANIFEST}-byte manifest limit")
-                    data = await store.get(info.key, timeout=args.timeout, max_bytes=MAX_MANIFEST)
-                    m = (
-                        verify_manifest(data, trusted, context=layout.context, key_version=v)
-                        if trusted
-                        else read_manifest_unverified(data)
-                    )
+                    m = await (reader.get(v, info=info) if trusted else reader.peek(v, info=info))
                     row["verified"] = bool(trusted)
-                except (ManifestError, ObjectNotFound, ObjectTooLarge) as e:
+                except (ManifestError, ObjectNotFound) as e:
                     row.update(verified=False, error=f"{type(e).__name__}: {e}")
                     rows.append(row)
                     continue
@@ -276,7 +255,7 @@ def _ls(ns: argparse.Namespace) -> int:
                     publisher=m.publisher,
                 )
                 rows.append(row)
-            return rows, len(infos), sum(i.size for i in infos), await head_row(store, layout)
+            return rows, len(infos), sum(i.size for i in infos), await head_row(reader)
 
     rows, count, total, head = asyncio.run(go())
     if args.json:

@@ -14,7 +14,7 @@ Spec and safety arguments: ``docs/loco.md``.
 """
 
 from pulsenet.loco.algorithm import apply_round, gate, global_digest, make_update, pseudo_gradient
-from pulsenet.loco.collect import PayloadCache
+from pulsenet.loco.collect import DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, Timeouts
 from pulsenet.loco.inner import InnerLoop
@@ -23,12 +23,12 @@ from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 
 __all__ = [
+    "DecodedPayloads",
     "GlobalState",
     "InnerLoop",
     "LocoConfig",
     "LocoTrainer",
     "Payload",
-    "PayloadCache",
     "Record",
     "RoundReport",
     "RoundStore",

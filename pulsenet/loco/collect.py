@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,7 +24,6 @@ import torch
 
 from pulsenet.errors import (
     ManifestError,
-    ObjectTooLarge,
     PayloadError,
     PulsenetError,
     RoundError,
@@ -35,7 +33,8 @@ from pulsenet.errors import (
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco.config import MODES, LocoConfig
-from pulsenet.loco.documents import Manifest, ObjectRef, Record, RoundStore, all_of
+from pulsenet.loco.documents import Manifest, Record, RoundStore, all_of
+from pulsenet.signed import ObjectRef
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ Base = Mapping[str, torch.Tensor]
 """The global FP32 weights θ a round starts from: sparse payloads code their values relative to them."""
 
 
-class PayloadCache(Protocol):
+class DecodedPayloads(Protocol):
     """Decoded payloads by (object, base digest), shared by the trainers of one process (a benchmark:
     ``pulsenet.bench.loco_phases.SharedPayloads``), so that N simulated trainers hold one decoded
     copy of each payload instead of N. Sound because payloads are content-addressed and never
@@ -83,7 +82,7 @@ class Collector:
         rs: RoundStore,
         config: LocoConfig,
         shapes: Mapping[str, tuple[int, ...]],
-        cache: PayloadCache | None = None,
+        cache: DecodedPayloads | None = None,
     ) -> None:
         self.rs, self.config, self.shapes, self.cache = rs, config, dict(shapes), cache
         self.id = rs.id
@@ -151,10 +150,10 @@ class Collector:
         payload must be the one its owner's own signed manifest names (a record cannot speak for
         another trainer), and for its round and mode, with finite values.
         """
-        m = re.fullmatch(r"trainers/([^/]+)/(\d{8})/[^/]+", ref.key)
-        if m is None:
+        parsed = self.rs.layout.parse_payload(ref.key)
+        if parsed is None:
             raise ManifestError(f"{ref.key}: not a payload key")
-        tid, r = m.group(1), int(m.group(2))
+        tid, r = parsed
         manifest = await self.rs.read_manifest(tid, r)
         if manifest is None or manifest.payload != ref:
             raise VerificationError(
@@ -214,7 +213,7 @@ class Collector:
         """
         try:
             record = await self.rs.read_record(r)
-        except (ManifestError, ObjectTooLarge) as e:
+        except ManifestError as e:
             raise RoundError(f"round {r}: the round record in the store cannot be used: {e}") from e
         if record is not None and len(record.participants) < self.config.quorum:
             raise RoundError(
@@ -238,7 +237,7 @@ class Collector:
         the poll from reading the others'."""
         try:
             return await self.rs.read_manifest(tid, r)
-        except (ManifestError, VerificationError, ObjectTooLarge) as e:
+        except (ManifestError, VerificationError) as e:
             # unverifiable (planted, foreign, malformed, oversized): that trainer is out this round, loudly
             log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
             unreadable[tid] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -7,7 +7,8 @@ from typing import Literal
 
 from pulsenet.errors import ConfigError
 from pulsenet.loco import payload as wire
-from pulsenet.loco.documents import Timeouts, check_run_id
+from pulsenet.loco.documents import Timeouts
+from pulsenet.loco.layout import check_run_id
 
 MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
 

@@ -1,19 +1,8 @@
 """The PULSELoCo round protocol on an object store: key layout, signed documents, fetch and verify.
 
-Key layout, relative to the run's store URL (spec and the safety argument: docs/loco.md)::
-
-    members/<id>                                   signed: this trainer takes part in the run
-    trainers/<id>/<round:08d>/<sha16>.payload      payload bytes (content-addressed, written first)
-    trainers/<id>/<round:08d>/manifest             signed: key, size, SHA-256 of the payload (create-only)
-    trainers/<id>/<round:08d>/digest               signed: SHA-256 digest of (θ, m) after the round (create-only)
-    trainers/<id>/checkpoint/<round:08d>/<sha16>.pt  the trainer's own resume point (every few rounds)
-    trainers/<id>/checkpoint/<round:08d>/manifest    signed: its key, size, SHA-256
-    rounds/<round:08d>/record                      signed: the round's participant set (create-only: first writer wins)
-    state/<round:08d>/<sha16>.safetensors          agreed global state after the round (genesis = 0)
-    state/<round:08d>/manifest                     signed: its key, size, SHA-256 and global digest (create-only)
-
-Each trainer writes only under ``trainers/<id>/``, plus the two shared create-only kinds
-(``rounds/``, ``state/``), which can never be overwritten once they exist.
+Key layout: ``layout.py``. Each document is fetched and checked the one way every channel
+does (``signed.py``): size-capped ``fetch_document``, then the body checked here; every object a
+document names through ``fetch_object`` / ``fetch_file`` (size and SHA-256).
 
 Trust: every document is signed for the context ``pulseloco/<run>/<store url>`` (a document from
 another run or store fails), and carries the run id, its kind, and the trainer and round it is
@@ -31,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 import tempfile
 from collections.abc import Awaitable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,49 +34,26 @@ from pulsenet.errors import (
     ConfigError,
     ManifestError,
     ObjectNotFound,
-    ObjectTooLarge,
     SignatureError,
     VerificationError,
 )
-from pulsenet.loco.state import GlobalState, file_sha256
-from pulsenet.signing import key_id, load_public_key, sign_document, verify_document
+from pulsenet.loco.layout import MAX_ROUND, TRAINER_ID, LocoLayout, check_run_id, check_trainer_id
+from pulsenet.loco.state import GlobalState
+from pulsenet.signed import ObjectRef, fetch_document, fetch_file, fetch_object, file_sha256, is_sha256
+from pulsenet.signing import Signed, key_id, load_public_key, sign_document, verify_document
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TRAINER_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
-RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-PROTOCOL = "pulseloco"
 MAX_DOCUMENT = 1 << 20
 """Largest round document read (records are the largest: ~200 bytes per trainer)."""
-MAX_ROUND = 10**8 - 1
-"""Rounds are 8 digits in keys."""
 KIND_MEMBER = "pulseloco-member"
 KIND_MANIFEST = "pulseloco-payload"
 KIND_RECORD = "pulseloco-round"
 KIND_DIGEST = "pulseloco-digest"
 KIND_STATE = "pulseloco-state"
 KIND_CHECKPOINT = "pulseloco-checkpoint"
-
-
-def check_trainer_id(tid: str) -> str:
-    if not isinstance(tid, str) or not TRAINER_ID.fullmatch(tid):
-        raise ConfigError(
-            f"trainer id {tid!r} must be 1-63 lowercase letters, digits, '-' or '_' (it is part of keys)"
-        )
-    return tid
-
-
-def check_run_id(run: str) -> str:
-    if not isinstance(run, str) or not RUN_ID.fullmatch(run):
-        raise ConfigError(f"run id {run!r} must be 1-128 letters, digits, '.', '-' or '_'")
-    return run
-
-
-def signing_context(run: str, store_url: str) -> str:
-    """What every document of ``run`` in the store at ``store_url`` is signed for (endpoint-free)."""
-    return f"{PROTOCOL}/{check_run_id(run)}/{store_url.rstrip('/')}"
 
 
 def trainer_keys(specs: Iterable[str | Path]) -> dict[str, Ed25519PublicKey]:
@@ -137,64 +102,6 @@ def first_error(eg: BaseExceptionGroup) -> BaseException:
     return eg.exceptions[0]
 
 
-def _r(round_: int) -> str:
-    return f"{round_:08d}"
-
-
-def member_key(tid: str) -> str:
-    return f"members/{tid}"
-
-
-def round_prefix(tid: str, round_: int) -> str:
-    return f"trainers/{tid}/{_r(round_)}/"
-
-
-def manifest_key(tid: str, round_: int) -> str:
-    return round_prefix(tid, round_) + "manifest"
-
-
-def payload_key(tid: str, round_: int, sha256: str) -> str:
-    return round_prefix(tid, round_) + f"{sha256[:16]}.payload"
-
-
-def digest_key(tid: str, round_: int) -> str:
-    return round_prefix(tid, round_) + "digest"
-
-
-def record_key(round_: int) -> str:
-    return f"rounds/{_r(round_)}/record"
-
-
-def state_manifest_key(round_: int) -> str:
-    return f"state/{_r(round_)}/manifest"
-
-
-def checkpoint_manifest_key(tid: str, round_: int) -> str:
-    return f"trainers/{tid}/checkpoint/{_r(round_)}/manifest"
-
-
-@dataclass(frozen=True, slots=True)
-class ObjectRef:
-    """An object a signed document vouches for."""
-
-    key: str
-    size: int
-    sha256: str
-
-    @classmethod
-    def parse(cls, d: Any, where: str) -> ObjectRef:
-        if not isinstance(d, dict):
-            raise ManifestError(f"{where}: object reference is a {type(d).__name__}, not an object")
-        ref = cls(
-            key=_str(d, "key", where, limit=1024),
-            size=_int(d, "size", where, limit=1 << 50),
-            sha256=_str(d, "sha256", where, limit=64),
-        )
-        if not re.fullmatch(r"[0-9a-f]{64}", ref.sha256):
-            raise ManifestError(f"{where}: bad SHA-256 {ref.sha256!r}")
-        return ref
-
-
 def _int(body: Mapping[str, Any], name: str, where: str, *, limit: int = MAX_ROUND) -> int:
     """``body[name]`` as an int in ``[0, limit]`` (bools, floats and strings are not ints here)."""
     v = body.get(name)
@@ -235,6 +142,18 @@ class Manifest:
     total: int
     base_digest: str
     """Digest of the global state the payload was trained from (diagnostics)."""
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "kind": KIND_MANIFEST,
+            "trainer": self.trainer,
+            "round": self.round,
+            "payload": self.payload.to_json(),
+            "mode": self.mode,
+            "sent": self.sent,
+            "total": self.total,
+            "base_digest": self.base_digest,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,7 +211,8 @@ class RoundStore:
         self.key = key
         self.keys = {check_trainer_id(t): k for t, k in keys.items()}
         self.run = check_run_id(run)
-        self.context = signing_context(run, store.url)
+        self.layout = LocoLayout(run, store.url)
+        self.context = self.layout.context
         self.max_document = max_document
         self.t = timeouts or Timeouts()
         self._kid = {t: key_id(k) for t, k in self.keys.items()}
@@ -307,28 +227,43 @@ class RoundStore:
     async def _put_doc(self, key: str, body: dict[str, Any], *, create_only: bool) -> None:
         await self.store.put(key, self.sign(body), if_none_match=create_only, timeout=self.t.small_s)
 
-    async def _get_raw(self, key: str) -> bytes | None:
-        """The bytes at ``key`` (at most ``max_document``, else ObjectTooLarge), or None if absent."""
+    async def _read(self, key: str, kind: str, *, signer: str | None) -> dict[str, Any] | None:
+        """The checked body of the document at ``key`` (see :meth:`_check`), or None if absent.
+
+        Read up to ``max_document`` bytes (else DocumentTooLarge, a ManifestError) and verified in a thread."""
         try:
-            return await self.store.get(key, timeout=self.t.small_s, max_bytes=self.max_document)
+            signed = await fetch_document(
+                self.store,
+                key,
+                self._trusted(key, signer),
+                context=self.context,
+                max_bytes=self.max_document,
+                timeout=self.t.small_s,
+            )
         except ObjectNotFound:
             return None
-
-    async def _get_doc(self, key: str, kind: str, *, signer: str | None) -> dict[str, Any] | None:
-        data = await self._get_raw(key)
-        return None if data is None else self._verify(key, data, kind, signer=signer)
+        return self._check(key, signed, kind, signer=signer)
 
     def _verify(self, key: str, data: bytes, kind: str, *, signer: str | None) -> dict[str, Any]:
-        """The verified body of the document ``data`` read at ``key``.
+        """:meth:`_read` for a document's bytes already in hand (``parse_*``)."""
+        signed = verify_document(data, self._trusted(key, signer), context=self.context)
+        return self._check(key, signed, kind, signer=signer)
+
+    def _trusted(self, key: str, signer: str | None) -> Mapping[str, Ed25519PublicKey]:
+        """``signer``'s key alone (its own slot), or every trainer's (None: the body names its writer)."""
+        if signer is None:
+            return self._all
+        if signer not in self.keys:
+            raise SignatureError(f"{key}: {signer!r} is not a trainer of this run (no public key for it)")
+        return {self._kid[signer]: self.keys[signer]}
+
+    def _check(self, key: str, signed: Signed, kind: str, *, signer: str | None) -> dict[str, Any]:
+        """The body of a document verified at ``key``, checked for its kind, run and author.
 
         ``signer``: the trainer whose key alone may have signed it (its own slot); None: any
         trainer of the run, which the body must name as its ``writer``. Any malformed, foreign or
         misattributed document raises a ManifestError (SignatureError: the wrong key or context).
         """
-        if signer is not None and signer not in self.keys:
-            raise SignatureError(f"{key}: {signer!r} is not a trainer of this run (no public key for it)")
-        trusted = self._all if signer is None else {self._kid[signer]: self.keys[signer]}
-        signed = verify_document(data, trusted, context=self.context)
         body = signed.body
         if body.get("kind") != kind:
             raise ManifestError(f"{key}: expected a {kind} document, got kind {str(body.get('kind'))[:40]!r}")
@@ -351,14 +286,13 @@ class RoundStore:
     # --- membership ---------------------------------------------------------------------------
 
     async def join(self) -> None:
-        await self._put_doc(member_key(self.id), {"kind": KIND_MEMBER, "trainer": self.id}, create_only=False)
+        await self._put_doc(self.layout.member(self.id), {"kind": KIND_MEMBER, "trainer": self.id}, create_only=False)
 
     async def members(self) -> list[str]:
         """Trainers of the run that announced themselves (ids only; their documents are verified when
         used). A listed id with no public key is not a trainer of this run and is ignored."""
-        infos = await self.store.list("members/", timeout=self.t.small_s)
-        ids = [i.key.removeprefix("members/") for i in infos]
-        return sorted(t for t in ids if t in self.keys)
+        infos = await self.store.list(self.layout.members, timeout=self.t.small_s)
+        return sorted(t for i in infos if (t := self.layout.member_id(i.key)) in self.keys)
 
     # --- payloads -----------------------------------------------------------------------------
 
@@ -375,12 +309,11 @@ class RoundStore:
         if existing is not None:
             return existing, False
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        ref = ObjectRef(payload_key(self.id, round_, sha), len(data), sha)
+        ref = ObjectRef(self.layout.payload(self.id, round_, sha), len(data), sha)
         await self.store.put(ref.key, data, timeout=self.t.transfer_s)
         manifest = Manifest(self.id, round_, ref, mode, sent, total, base_digest)
-        body = {"kind": KIND_MANIFEST, **asdict(manifest)}
         try:
-            await self._put_doc(manifest_key(self.id, round_), body, create_only=True)
+            await self._put_doc(self.layout.manifest(self.id, round_), manifest.to_body(), create_only=True)
         except ConditionFailed:
             stored = await self.read_manifest(self.id, round_)
             if stored is None:
@@ -389,13 +322,16 @@ class RoundStore:
         return manifest, True
 
     async def read_manifest(self, tid: str, round_: int) -> Manifest | None:
-        data = await self._get_raw(manifest_key(tid, round_))
-        return None if data is None else self.parse_manifest(data, tid, round_)
+        key = self.layout.manifest(tid, round_)
+        body = await self._read(key, KIND_MANIFEST, signer=tid)
+        return None if body is None else self._manifest(key, body, tid, round_)
 
     def parse_manifest(self, data: bytes, tid: str, round_: int) -> Manifest:
         """``tid``'s round-``round_`` manifest from its bytes: verified under ``tid``'s key and checked."""
-        key = manifest_key(tid, round_)
-        body = self._verify(key, data, KIND_MANIFEST, signer=tid)
+        key = self.layout.manifest(tid, round_)
+        return self._manifest(key, self._verify(key, data, KIND_MANIFEST, signer=tid), tid, round_)
+
+    def _manifest(self, key: str, body: dict[str, Any], tid: str, round_: int) -> Manifest:
         m = Manifest(
             trainer=tid,
             round=_int(body, "round", key),
@@ -405,34 +341,30 @@ class RoundStore:
             total=_int(body, "total", key, limit=1 << 50),
             base_digest=_str(body, "base_digest", key, limit=64),
         )
-        if m.trainer != tid or m.round != round_ or not m.payload.key.startswith(round_prefix(tid, round_)):
+        if m.trainer != tid or m.round != round_ or not m.payload.key.startswith(self.layout.round_prefix(tid, round_)):
             raise ManifestError(
                 f"{key}: manifest claims trainer {m.trainer!r} round {m.round} key {m.payload.key!r}"
             )
         return m
 
     async def fetch(self, ref: ObjectRef) -> bytes:
-        """Download an object a verified document names and check its size and SHA-256."""
-        data = await self.store.get(ref.key, timeout=self.t.transfer_s, max_bytes=ref.size)
-        if len(data) != ref.size:
-            raise VerificationError(f"{ref.key}: {len(data)} bytes, the manifest says {ref.size}")
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
-        if sha != ref.sha256:
-            raise VerificationError(
-                f"{ref.key}: SHA-256 {sha[:16]}... does not match the manifest's {ref.sha256[:16]}..."
-            )
-        return data
+        """The object a verified document names, never read past its size: SizeMismatch or
+        VerificationError unless its size and SHA-256 match."""
+        return await fetch_object(self.store, ref, timeout=self.t.transfer_s)
 
     # --- round records ------------------------------------------------------------------------
 
     async def read_record(self, round_: int) -> Record | None:
-        data = await self._get_raw(record_key(round_))
-        return None if data is None else self.parse_record(data, round_)
+        key = self.layout.record(round_)
+        body = await self._read(key, KIND_RECORD, signer=None)
+        return None if body is None else self._record(key, body, round_)
 
     def parse_record(self, data: bytes, round_: int) -> Record:
         """Round ``round_``'s record from its bytes: verified under its writer's key and checked."""
-        key = record_key(round_)
-        body = self._verify(key, data, KIND_RECORD, signer=None)
+        key = self.layout.record(round_)
+        return self._record(key, self._verify(key, data, KIND_RECORD, signer=None), round_)
+
+    def _record(self, key: str, body: dict[str, Any], round_: int) -> Record:
         participants = body.get("participants")
         if not isinstance(participants, dict):
             raise ManifestError(f"{key}: participants must be an object")
@@ -453,7 +385,7 @@ class RoundStore:
                 f"{key}: record for round {rec.round} with {len(rec.participants)} participants"
             )
         for tid, ref in rec.participants.items():
-            if not ref.key.startswith(round_prefix(tid, round_)):
+            if not ref.key.startswith(self.layout.round_prefix(tid, round_)):
                 raise ManifestError(
                     f"{key}: participant {tid} points at {ref.key!r}, outside its round prefix"
                 )
@@ -468,13 +400,13 @@ class RoundStore:
             "kind": KIND_RECORD,
             "round": record.round,
             "writer": record.writer,
-            "participants": {t: asdict(r) for t, r in record.participants.items()},
+            "participants": {t: r.to_json() for t, r in record.participants.items()},
             "rejected": dict(record.rejected),
             "unavailable": dict(record.unavailable),
             "base_digest": record.base_digest,
         }
         try:
-            await self._put_doc(record_key(record.round), body, create_only=True)
+            await self._put_doc(self.layout.record(record.round), body, create_only=True)
             return record, True
         except ConditionFailed:
             winner = await self.read_record(record.round)
@@ -484,9 +416,8 @@ class RoundStore:
 
     async def latest_record_round(self) -> int:
         """Highest round with a record (0 if none): how far the run has got."""
-        infos = await self.store.list("rounds/", timeout=self.t.small_s)
-        rounds = [int(m.group(1)) for i in infos if (m := re.fullmatch(r"rounds/(\d{8})/record", i.key))]
-        return max(rounds, default=0)
+        infos = await self.store.list(self.layout.rounds, timeout=self.t.small_s)
+        return max((r for i in infos if (r := self.layout.record_round(i.key)) is not None), default=0)
 
     # --- digests ------------------------------------------------------------------------------
 
@@ -494,24 +425,27 @@ class RoundStore:
         """Publish our post-round digest (create-only); returns the one that stands in the store."""
         body = {"kind": KIND_DIGEST, "trainer": self.id, "round": round_, "digest": digest}
         try:
-            await self._put_doc(digest_key(self.id, round_), body, create_only=True)
+            await self._put_doc(self.layout.digest(self.id, round_), body, create_only=True)
             return digest
         except ConditionFailed:
             stored = await self.read_digest(self.id, round_)
             return stored if stored is not None else digest
 
     async def read_digest(self, tid: str, round_: int) -> str | None:
-        data = await self._get_raw(digest_key(tid, round_))
-        return None if data is None else self.parse_digest(data, tid, round_)
+        key = self.layout.digest(tid, round_)
+        body = await self._read(key, KIND_DIGEST, signer=tid)
+        return None if body is None else self._digest(key, body, round_)
 
     def parse_digest(self, data: bytes, tid: str, round_: int) -> str:
         """``tid``'s post-round digest from its document's bytes (verified under ``tid``'s key)."""
-        key = digest_key(tid, round_)
-        body = self._verify(key, data, KIND_DIGEST, signer=tid)
+        key = self.layout.digest(tid, round_)
+        return self._digest(key, self._verify(key, data, KIND_DIGEST, signer=tid), round_)
+
+    def _digest(self, key: str, body: dict[str, Any], round_: int) -> str:
         if _int(body, "round", key) != round_:
             raise ManifestError(f"{key}: digest document is for round {body['round']}")
         digest = _str(body, "digest", key, limit=64)
-        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        if not is_sha256(digest):
             raise ManifestError(f"{key}: {digest!r} is not a SHA-256 digest")
         return digest
 
@@ -524,17 +458,17 @@ class RoundStore:
             await asyncio.to_thread(state.save, path)
             sha = await asyncio.to_thread(file_sha256, path)
             size = path.stat().st_size
-            ref = ObjectRef(f"state/{_r(state.round)}/{sha[:16]}.safetensors", size, sha)
+            ref = ObjectRef(self.layout.state(state.round, sha), size, sha)
             await self.store.put_file(ref.key, path, timeout=self.t.transfer_s)
         body = {
             "kind": KIND_STATE,
             "round": state.round,
-            "state": asdict(ref),
+            "state": ref.to_json(),
             "digest": digest,
             "writer": self.id,
         }
         try:
-            await self._put_doc(state_manifest_key(state.round), body, create_only=True)
+            await self._put_doc(self.layout.state_manifest(state.round), body, create_only=True)
         except ConditionFailed:
             stored = await self.read_state_ref(state.round)
             if stored is None:
@@ -543,38 +477,36 @@ class RoundStore:
         return StateRef(state.round, ref, digest, self.id)
 
     async def read_state_ref(self, round_: int) -> StateRef | None:
-        data = await self._get_raw(state_manifest_key(round_))
-        return None if data is None else self.parse_state_ref(data, round_)
+        key = self.layout.state_manifest(round_)
+        body = await self._read(key, KIND_STATE, signer=None)
+        return None if body is None else self._state_ref(key, body, round_)
 
     def parse_state_ref(self, data: bytes, round_: int) -> StateRef:
         """Round ``round_``'s global-state manifest from its bytes (verified under its writer's key)."""
-        key = state_manifest_key(round_)
-        body = self._verify(key, data, KIND_STATE, signer=None)
+        key = self.layout.state_manifest(round_)
+        return self._state_ref(key, self._verify(key, data, KIND_STATE, signer=None), round_)
+
+    def _state_ref(self, key: str, body: dict[str, Any], round_: int) -> StateRef:
         ref = StateRef(
             round=_int(body, "round", key),
             state=ObjectRef.parse(body.get("state"), key),
             digest=_str(body, "digest", key, limit=64),
             writer=_str(body, "writer", key),
         )
-        if ref.round != round_ or not ref.state.key.startswith(f"state/{_r(round_)}/"):
+        if ref.round != round_ or not ref.state.key.startswith(self.layout.state_manifest(round_).removesuffix("manifest")):
             raise ManifestError(f"{key}: state manifest does not match its key")
         return ref
 
     async def state_rounds(self) -> list[int]:
         """Rounds that have a global state manifest, ascending."""
-        infos = await self.store.list("state/", timeout=self.t.small_s)
-        return sorted(int(m.group(1)) for i in infos if (m := re.fullmatch(r"state/(\d{8})/manifest", i.key)))
+        infos = await self.store.list(self.layout.states, timeout=self.t.small_s)
+        return sorted(r for i in infos if (r := self.layout.state_round(i.key)) is not None)
 
     async def fetch_state(self, ref: StateRef, shapes: dict[str, tuple[int, ...]]) -> GlobalState:
         """Download, verify (size, SHA-256, shapes, round, digest) and load a global state."""
         with tempfile.TemporaryDirectory(prefix="pulseloco-state-") as tmp:
             path = Path(tmp) / "state.safetensors"
-            await self.store.get_file(
-                ref.state.key, path, timeout=self.t.transfer_s, max_bytes=ref.state.size
-            )
-            size, sha = path.stat().st_size, await asyncio.to_thread(file_sha256, path)
-            if size != ref.state.size or sha != ref.state.sha256:
-                raise VerificationError(f"{ref.state.key}: size/SHA-256 do not match its manifest")
+            await fetch_file(self.store, ref.state, path, timeout=self.t.transfer_s)
             state = await asyncio.to_thread(GlobalState.load, path, shapes)
         if state.round != ref.round:
             raise VerificationError(f"{ref.state.key}: holds round {state.round}, manifest says {ref.round}")
@@ -587,59 +519,48 @@ class RoundStore:
 
     async def publish_checkpoint(self, round_: int, path: Path) -> None:
         sha = await asyncio.to_thread(file_sha256, path)
-        ref = ObjectRef(f"trainers/{self.id}/checkpoint/{_r(round_)}/{sha[:16]}.pt", path.stat().st_size, sha)
+        ref = ObjectRef(self.layout.checkpoint(self.id, round_, sha), path.stat().st_size, sha)
         await self.store.put_file(ref.key, path, timeout=self.t.transfer_s)
-        body = {"kind": KIND_CHECKPOINT, "trainer": self.id, "round": round_, "checkpoint": asdict(ref)}
-        await self._put_doc(checkpoint_manifest_key(self.id, round_), body, create_only=False)
+        body = {"kind": KIND_CHECKPOINT, "trainer": self.id, "round": round_, "checkpoint": ref.to_json()}
+        await self._put_doc(self.layout.checkpoint_manifest(self.id, round_), body, create_only=False)
 
     async def latest_checkpoint(self) -> tuple[int, ObjectRef] | None:
-        prefix = f"trainers/{self.id}/checkpoint/"
-        infos = await self.store.list(prefix, timeout=self.t.small_s)
+        infos = await self.store.list(self.layout.checkpoints(self.id), timeout=self.t.small_s)
         rounds = sorted(
-            (
-                int(m.group(1))
-                for i in infos
-                if (m := re.fullmatch(re.escape(prefix) + r"(\d{8})/manifest", i.key))
-            ),
-            reverse=True,
+            (r for i in infos if (r := self.layout.checkpoint_round(self.id, i.key)) is not None), reverse=True
         )
         for r in rounds:
-            key = checkpoint_manifest_key(self.id, r)
+            key = self.layout.checkpoint_manifest(self.id, r)
             try:
-                body = await self._get_doc(key, KIND_CHECKPOINT, signer=self.id)
+                body = await self._read(key, KIND_CHECKPOINT, signer=self.id)
                 if body is None:
                     continue
                 ref = ObjectRef.parse(body.get("checkpoint"), key)
-                if _int(body, "round", key) != r or not ref.key.startswith(f"{prefix}{_r(r)}/"):
+                if _int(body, "round", key) != r or not ref.key.startswith(key.removesuffix("manifest")):
                     raise ManifestError(f"{key}: checkpoint manifest does not match its key")
-            except (ManifestError, ObjectTooLarge) as e:  # planted or torn: an older one may do
+            except ManifestError as e:  # planted, torn or oversized: an older one may do
                 log.warning("%s: ignoring checkpoint manifest %s: %s", self.id, key, e)
                 continue
             return r, ref
         return None
 
     async def fetch_checkpoint(self, ref: ObjectRef, path: Path) -> None:
-        await self.store.get_file(ref.key, path, timeout=self.t.transfer_s, max_bytes=ref.size)
-        if path.stat().st_size != ref.size or await asyncio.to_thread(file_sha256, path) != ref.sha256:
-            raise VerificationError(f"{ref.key}: size/SHA-256 do not match its manifest")
+        await fetch_file(self.store, ref, path, timeout=self.t.transfer_s)
 
     # --- retention ----------------------------------------------------------------------------
 
     async def delete_own_before(self, round_: int) -> int:
         """Delete this trainer's round objects older than ``round_``, and its checkpoints older than
         both ``round_`` and its newest checkpoint (a resume point always survives). Returns the count."""
-        prefix = f"trainers/{self.id}/"
-        infos = await self.store.list(prefix, timeout=self.t.small_s)
-        rounds = re.compile(re.escape(prefix) + r"(\d{8})/")
-        ckpts = re.compile(re.escape(prefix) + r"checkpoint/(\d{8})/")
-        newest_ckpt = max((int(m.group(1)) for i in infos if (m := ckpts.match(i.key))), default=0)
+        infos = await self.store.list(self.layout.trainer(self.id), timeout=self.t.small_s)
+        owned = {i.key: parsed for i in infos if (parsed := self.layout.own_round(self.id, i.key)) is not None}
+        newest_ckpt = max((r for kind, r in owned.values() if kind == "checkpoint"), default=0)
 
         def is_old(key: str) -> bool:
-            if m := rounds.match(key):
-                return int(m.group(1)) < round_
-            if m := ckpts.match(key):
-                return int(m.group(1)) < min(round_, newest_ckpt)
-            return False
+            if key not in owned:
+                return False
+            kind, r = owned[key]
+            return r < round_ if kind == "round" else r < min(round_, newest_ckpt)
 
         old = [i.key for i in infos if is_old(i.key)]
         await self.store.delete(old, timeout=self.t.small_s)

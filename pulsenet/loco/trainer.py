@@ -60,11 +60,12 @@ from pulsenet.errors import (
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
-from pulsenet.loco.collect import Collector, PayloadCache
+from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
-from pulsenet.loco.documents import ObjectRef, Record, RoundStore, first_error
+from pulsenet.loco.documents import Record, RoundStore, first_error
 from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.state import GlobalState, TrainerState
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 
@@ -104,7 +105,7 @@ class LocoTrainer:
         state_dir: Path | None = None,
         on_round: Hook | None = None,
         on_phase: PhaseHook | None = None,
-        payload_cache: PayloadCache | None = None,
+        payload_cache: DecodedPayloads | None = None,
     ) -> None:
         self.config = config
         self.rs = RoundStore(store, trainer_id, key, keys, config.timeouts, run=config.run)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hashlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,18 +35,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsenet.codec.rollout import MAX_ROWS, MAX_TOKENS, Rollout, decode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import (
+    DocumentTooLarge,
     ManifestError,
     ObjectNotFound,
-    ObjectTooLarge,
     PulsenetError,
     RolloutError,
     SignatureError,
+    SizeMismatch,
     StoreError,
+    VerificationError,
 )
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, context, verify_batch_manifest
+from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from, context
 from pulsenet.rollouts.partition import owner
-from pulsenet.signing import MAX_DOCUMENT, parse_envelope
+from pulsenet.signed import fetch_document, fetch_object
+from pulsenet.signing import MAX_DOCUMENT
 from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -156,6 +158,9 @@ class RolloutIntake:
         if len(set(nodes)) != len(nodes) or not sources:
             raise ValueError(f"rollout sources need distinct node ids, got {nodes}")
         self.sources = list(sources)
+        self._any_node = {kid: k for s in sources for kid, k in s.trusted.items()}
+        """Every node's keys: a document one of them signed verifies, and its signer is then checked
+        against the keys of the node whose store it is in (``wrong_node_key`` otherwise)."""
         self.digest_of = digest_of
         self.config = config = config or RolloutIntakeConfig()
         self.layout = RolloutLayout(config.prefix)
@@ -283,21 +288,26 @@ class RolloutIntake:
 
         Store errors other than a missing or oversized object propagate (nothing is remembered)."""
         cfg = self.config
-        if info.size > MAX_DOCUMENT:
-            return self._reject(info.key, "too_large", f"manifest is {info.size} bytes")
-        try:
-            data = await source.store.get(info.key, max_bytes=MAX_DOCUMENT, timeout=cfg.timeout_s)
-        except ObjectTooLarge as e:
-            return self._reject(info.key, "too_large", str(e))
+        ctx = context(cfg.run, source.store.url, cfg.prefix, source.node)
+        try:  # verified under every node's keys, so that another node's signature is told apart
+            signed = await fetch_document(
+                source.store,
+                info.key,
+                self._any_node,
+                context=ctx,
+                max_bytes=MAX_DOCUMENT,
+                timeout=cfg.timeout_s,
+                listed_size=info.size,
+            )
+            if signed.signer not in source.trusted:
+                return self._reject(info.key, "wrong_node_key", f"signed by {signed.signer}, a key of another node")
+            m = batch_manifest_from(signed, layout=self.layout, name=name)
         except ObjectNotFound:
             return None  # deleted by its owner's retention since the listing
-        ctx = context(cfg.run, source.store.url, cfg.prefix, source.node)
-        try:
-            m = verify_batch_manifest(data, source.trusted, context=ctx, layout=self.layout, name=name)
+        except DocumentTooLarge as e:
+            return self._reject(info.key, "too_large", str(e))
         except SignatureError as e:
-            return self._reject(
-                info.key, "wrong_node_key" if self._other_node_signed(source, data) else "signature", str(e)
-            )
+            return self._reject(info.key, "signature", str(e))
         except ManifestError as e:
             return self._reject(info.key, "malformed", str(e))
         if m.node != source.node:
@@ -319,25 +329,15 @@ class RolloutIntake:
                 info.key, "too_large", f"{m.payload.size} bytes, {m.rows} rows, {m.tokens} tokens declared"
             )
         try:
-            payload = await source.store.get(
-                m.payload.key, max_bytes=m.payload.size, timeout=cfg.transfer_timeout_s
-            )
-        except ObjectTooLarge as e:
-            return self._reject(info.key, "size_mismatch", str(e))
+            payload = await fetch_object(source.store, m.payload, timeout=cfg.transfer_timeout_s)
         except ObjectNotFound:
             return self._reject(info.key, "size_mismatch", f"payload {m.payload.key} is missing")
+        except SizeMismatch as e:
+            return self._reject(info.key, "size_mismatch", str(e))
+        except VerificationError as e:
+            self.stats.bytes_downloaded += m.payload.size
+            return self._reject(info.key, "hash_mismatch", str(e))
         self.stats.bytes_downloaded += len(payload)
-        if len(payload) != m.payload.size:
-            return self._reject(
-                info.key, "size_mismatch", f"payload is {len(payload)} bytes, manifest says {m.payload.size}"
-            )
-        sha = await asyncio.to_thread(lambda: hashlib.sha256(payload).hexdigest())
-        if sha != m.payload.sha256:
-            return self._reject(
-                info.key,
-                "hash_mismatch",
-                f"payload SHA-256 {sha[:16]}…, manifest says {m.payload.sha256[:16]}…",
-            )
         try:
             rows, problem = await asyncio.to_thread(_decode_and_match, m, payload)
         except RolloutError as e:
@@ -345,14 +345,6 @@ class RolloutIntake:
         if problem:
             return self._reject(info.key, "row_mismatch", problem)
         return RolloutBatch(m, rows)
-
-    def _other_node_signed(self, source: RolloutSource, data: bytes) -> bool:
-        """Whether the envelope names a key trusted for another node (for the reason only)."""
-        try:
-            kid = parse_envelope(data).get("key_id")
-        except ManifestError:
-            return False
-        return any(kid in other.trusted for other in self.sources if other is not source)
 
     def _reject(self, key: str, reason: str, why: str) -> None:
         self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1

@@ -17,7 +17,6 @@ create-only after the payload. Readers accept it only if a key trusted *for that
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,11 +24,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from pulsenet.errors import ManifestError
 from pulsenet.rollouts.layout import MAX_SEQ, MAX_VERSION, NODE, BatchName, RolloutLayout
-from pulsenet.signing import key_id, sign_document, verify_document
+from pulsenet.signed import ObjectRef, is_sha256
+from pulsenet.signing import Signed, key_id, sign_document, verify_document
 
 FORMAT = "pulsenet-rollout-manifest"
 SCHEMA = 1
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _FIELDS = frozenset(
     {
         "format",
@@ -59,15 +58,6 @@ def context(run: str, store_url: str, prefix: str, node: str) -> str:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class BatchRef:
-    """The payload object as the manifest names it."""
-
-    key: str
-    size: int
-    sha256: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class BatchManifest:
     """A validated manifest body (see the module docstring for the wire form)."""
 
@@ -75,7 +65,8 @@ class BatchManifest:
     seq: int
     version: int
     model_digest: str
-    payload: BatchRef
+    payload: ObjectRef
+    """The Parquet payload: its key is the batch key ``layout.batch`` gives for this batch."""
     rows: int
     groups: int
     tokens: int
@@ -96,7 +87,7 @@ class BatchManifest:
             "seq": self.seq,
             "version": self.version,
             "model_digest": self.model_digest,
-            "payload": {"key": self.payload.key, "size": self.payload.size, "sha256": self.payload.sha256},
+            "payload": self.payload.to_json(),
             "rows": self.rows,
             "groups": self.groups,
             "tokens": self.tokens,
@@ -122,13 +113,10 @@ def _from_body(body: Mapping, layout: RolloutLayout) -> BatchManifest:
     if not isinstance(node, str) or not NODE.fullmatch(node):
         raise ManifestError(f"rollout manifest node {str(node)[:80]!r} is not a node id")
     seq, version = _int(body, "seq", MAX_SEQ), _int(body, "version", MAX_VERSION)
-    p = body["payload"]
-    if not isinstance(p, dict) or set(p) != {"key", "size", "sha256"}:
-        raise ManifestError("rollout manifest payload must be {key, size, sha256}")
-    ref = BatchRef(key=p["key"], size=_int(p, "size", 1 << 62), sha256=p["sha256"])
-    if not _is_hex(ref.sha256) or ref.key != layout.batch(version, node, seq, ref.sha256):
+    ref = ObjectRef.parse(body["payload"], "rollout manifest payload")
+    if ref.key != layout.batch(version, node, seq, ref.sha256):
         raise ManifestError(f"rollout manifest names payload {str(ref.key)[:200]!r}, not its own batch key")
-    if not _is_hex(body["model_digest"]):
+    if not is_sha256(body["model_digest"]):
         raise ManifestError("rollout manifest model_digest is not 64 lowercase hex digits")
     rows, groups, tokens = (_int(body, n, 1 << 62) for n in ("rows", "groups", "tokens"))
     if not 0 < groups <= rows:
@@ -156,10 +144,6 @@ def _int(body: Mapping, name: str, most: int) -> int:
     return v
 
 
-def _is_hex(s: object) -> bool:
-    return isinstance(s, str) and _HEX64.fullmatch(s) is not None
-
-
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
 
@@ -178,12 +162,18 @@ def verify_batch_manifest(
     layout: RolloutLayout,
     name: BatchName | None = None,
 ) -> BatchManifest:
-    """A manifest a key in ``trusted`` (the node's own keys) signed for ``context``.
+    """A manifest a key in ``trusted`` (the node's own keys) signed for ``context``, from its bytes:
+    :func:`batch_manifest_from` of the verified document. Bad or untrusted signatures: SignatureError.
+    """
+    return batch_manifest_from(verify_document(data, trusted, context=context), layout=layout, name=name)
+
+
+def batch_manifest_from(signed: Signed, *, layout: RolloutLayout, name: BatchName | None = None) -> BatchManifest:
+    """The batch manifest in a verified document, else ManifestError.
 
     ``name``: what the object's key says (layout.parse_manifest); a body naming another batch is a
-    copy or a misplaced object: ManifestError. Bad or untrusted signatures: SignatureError.
+    copy or a misplaced object.
     """
-    signed = verify_document(data, trusted, context=context)
     m = BatchManifest.from_body(signed.body, layout)
     if m.publisher != signed.signer:
         raise ManifestError(

@@ -27,7 +27,8 @@ from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, RolloutError
 from pulsenet.rollouts.layout import RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, BatchRef, context, now_iso, sign_batch_manifest
+from pulsenet.rollouts.manifest import BatchManifest, context, now_iso, sign_batch_manifest
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 
@@ -131,7 +132,7 @@ class RolloutWriter:
                 seq=seq,
                 version=version,
                 model_digest=digest,
-                payload=BatchRef(key=key, size=len(data), sha256=sha),
+                payload=ObjectRef(key, len(data), sha),
                 rows=len(rows),
                 groups=len({r.group for r in rows}),
                 tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows),

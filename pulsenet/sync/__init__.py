@@ -9,7 +9,7 @@ See ``docs/sync.md`` for the key layout, the chain/anchor/retention rules and re
 
 from pulsenet.sync.chain import EMPTY_DIGEST
 from pulsenet.sync.layout import Layout
-from pulsenet.sync.manifest import Manifest, PayloadRef, sign_manifest, verify_manifest
+from pulsenet.sync.manifest import Manifest, sign_manifest, verify_manifest
 from pulsenet.sync.publisher import Publisher, PublisherConfig, PublishRecord
 from pulsenet.sync.subscriber import Subscriber, SubscriberConfig, SubscriberStats
 
@@ -17,7 +17,6 @@ __all__ = [
     "EMPTY_DIGEST",
     "Layout",
     "Manifest",
-    "PayloadRef",
     "PublishRecord",
     "Publisher",
     "PublisherConfig",

@@ -29,18 +29,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
-from pulsenet.errors import (
-    ManifestError,
-    ObjectNotFound,
-    ObjectTooLarge,
-    PatchError,
-    ReplayError,
-    VerificationError,
-)
+from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
+from pulsenet.signed import ObjectRef, fetch_document, fetch_file, fetch_unverified
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
 from pulsenet.sync.layout import Layout
-from pulsenet.sync.manifest import MAX_MANIFEST, Manifest, PayloadRef, verify_manifest
+from pulsenet.sync.manifest import MAX_HEAD, MAX_MANIFEST, Head, Manifest, head_from, manifest_from
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +46,12 @@ StateDict = Mapping[str, torch.Tensor]
 
 @dataclass(frozen=True, slots=True)
 class Step:
-    """Apply ``payload`` (from ``manifest``) to reach ``manifest.version``."""
+    """Apply ``payload`` (``manifest``'s ``role`` payload) to reach ``manifest.version``."""
 
     manifest: Manifest
-    payload: PayloadRef
+    role: str
+    """"anchor" or "patch"."""
+    payload: ObjectRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +77,9 @@ class ChainPath:
 
 @dataclass(slots=True)
 class ManifestReader:
-    """Lists a channel's manifests and fetches them verified, caching what verified."""
+    """Lists a channel's manifests and fetches them verified (``signed.fetch_document``), caching
+    what verified; also reads the head record. The one reader of a channel: subscriber, publisher
+    (resume, retention) and ``pulsenet ls``."""
 
     store: ObjectStore
     layout: Layout
@@ -113,22 +111,51 @@ class ManifestReader:
         """
         m = self._cache.get(version)
         if m is None:
-            key = self.layout.manifest(version)
-            if info is not None and info.size > self.max_bytes:
-                raise ManifestError(f"{key} is {info.size} bytes, over the {self.max_bytes}-byte manifest limit")
-            try:
-                data = await self.store.get(key, timeout=self.timeout_s, max_bytes=self.max_bytes)
-            except ObjectTooLarge as e:
-                raise ManifestError(f"{key}: {e}") from None
-            m = await asyncio.to_thread(
-                verify_manifest, data, self.trusted, context=self.layout.context, key_version=version, current=current
+            signed = await fetch_document(
+                self.store,
+                self.layout.manifest(version),
+                self.trusted,
+                context=self.layout.context,
+                max_bytes=self.max_bytes,
+                timeout=self.timeout_s,
+                listed_size=info.size if info is not None else None,
             )
+            m = manifest_from(signed, key_version=version, current=current)
             self._cache[version] = m
         if current is not None and m.version <= current:
             raise ReplayError(
                 f"manifest v{m.version} is not newer than the current v{current}: replay ignored"
             )
         return m
+
+    async def head(self) -> Head:
+        """The verified head record: ObjectNotFound, ManifestError or SignatureError."""
+        signed = await fetch_document(
+            self.store,
+            self.layout.head,
+            self.trusted,
+            context=self.layout.context,
+            max_bytes=MAX_HEAD,
+            timeout=self.timeout_s,
+        )
+        return head_from(signed)
+
+    async def peek(self, version: int, *, info: ObjectInfo | None = None) -> Manifest:
+        """The manifest at ``version`` parsed but NOT verified (``pulsenet ls`` without keys): never
+        trust it. Same size limits as :meth:`get`; not cached."""
+        body = await fetch_unverified(
+            self.store,
+            self.layout.manifest(version),
+            max_bytes=self.max_bytes,
+            timeout=self.timeout_s,
+            listed_size=info.size if info is not None else None,
+        )
+        return Manifest.from_body(body)
+
+    async def peek_head(self) -> Head:
+        """The head record parsed but NOT verified: never trust it."""
+        body = await fetch_unverified(self.store, self.layout.head, max_bytes=MAX_HEAD, timeout=self.timeout_s)
+        return Head.from_body(body)
 
     def remember(self, manifest: Manifest) -> None:
         """Cache a manifest this process wrote (it signed it, so it is verified)."""
@@ -161,11 +188,11 @@ async def candidate_paths(
     m = target
     while True:
         if m.anchor is not None and m.anchor.key not in bad:
-            paths.append(ChainPath(None, (Step(m, m.anchor), *reversed(tail))))
+            paths.append(ChainPath(None, (Step(m, "anchor", m.anchor), *reversed(tail))))
         anchors = [p for p in paths if p.start is None]
         if m.patch is None or m.patch.key in bad or m.base_version is None:
             break
-        tail.append(Step(m, m.patch))
+        tail.append(Step(m, "patch", m.patch))
         tail_bytes += m.patch.size
         if current is not None and m.base_version == current[0]:
             if m.base_digest == current[1]:
@@ -193,9 +220,10 @@ async def candidate_paths(
 class PayloadCache:
     """Payloads on local disk, checked against their manifest entry on every read.
 
-    Downloads go through ``ObjectStore.get_file`` (temporary file + rename), so the cache never holds
-    a partial object; a cached file whose size or SHA-256 is wrong (disk corruption, an older
-    crash) is deleted and fetched again.
+    Downloads go through ``signed.fetch_file`` (never past the signed size; size and SHA-256
+    checked; temporary file + rename), so the cache never holds a partial or unchecked object; a
+    cached file whose size or SHA-256 is wrong (disk corruption, an older crash) is deleted and
+    fetched again.
     """
 
     def __init__(self, store: ObjectStore, root: Path, *, timeout_s: float | None = None) -> None:
@@ -207,27 +235,20 @@ class PayloadCache:
         """Keys fetched from the store, in order (tests and metrics)."""
         self.bytes_downloaded = 0
 
-    def path(self, ref: PayloadRef) -> Path:
+    def path(self, ref: ObjectRef) -> Path:
         return self.root / ref.key.replace("/", "__")
 
-    async def read(self, ref: PayloadRef) -> bytes:
-        """The payload's bytes, verified; ObjectNotFound if it is gone, VerificationError if it is wrong."""
+    async def read(self, ref: ObjectRef) -> bytes:
+        """The payload's bytes, verified: ObjectNotFound if it is gone, VerificationError (SizeMismatch
+        for another size) if it is wrong."""
         path = self.path(ref)
         data = await asyncio.to_thread(_read_checked, path, ref)
         if data is not None:
             return data
-        try:  # the signed size caps the download: a swapped-in huge object is refused unread
-            await self.store.get_file(ref.key, path, timeout=self.timeout_s, max_bytes=ref.size)
-        except ObjectTooLarge as e:
-            raise VerificationError(f"payload {ref.key} is larger than its manifest says: {e}") from None
+        await fetch_file(self.store, ref, path, timeout=self.timeout_s)
         self.downloaded.append(ref.key)
         self.bytes_downloaded += ref.size
-        data = await asyncio.to_thread(_read_checked, path, ref)
-        if data is None:
-            raise VerificationError(
-                f"payload {ref.key} does not match its manifest (size or SHA-256): corrupt or tampered"
-            )
-        return data
+        return await asyncio.to_thread(_read_fetched, path, ref)
 
     def sweep(self) -> None:
         """Remove temporary files a killed process left behind (blocking: call in a thread)."""
@@ -246,8 +267,8 @@ class PayloadCache:
                     p.unlink()
 
 
-def _read_checked(path: Path, ref: PayloadRef) -> bytes | None:
-    """The file's bytes if they match ``ref``; None (and the file deleted) if absent or wrong."""
+def _read_checked(path: Path, ref: ObjectRef) -> bytes | None:
+    """The cached file's bytes if they match ``ref``; None (and the file deleted) if absent or wrong."""
     try:
         with path.open("rb") as f:
             data = f.read(ref.size + 1)  # never more than the manifest allows, whatever is on disk
@@ -264,6 +285,15 @@ def _read_checked(path: Path, ref: PayloadRef) -> bytes | None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return None
+
+
+def _read_fetched(path: Path, ref: ObjectRef) -> bytes:
+    """The bytes ``fetch_file`` just checked (read back without hashing them again)."""
+    with path.open("rb") as f:
+        data = f.read(ref.size + 1)
+    if len(data) != ref.size:  # changed on disk since the check: the digest checks catch the rest
+        raise VerificationError(f"payload {ref.key} changed on local disk right after its download")
+    return data
 
 
 async def rebuild(
@@ -312,9 +342,7 @@ async def rebuild(
             state = await asyncio.to_thread(_apply, state, digest, step, task.result(), threads)
         except (PatchError, VerificationError) as e:
             bad.add(step.payload.key)
-            raise VerificationError(
-                f"v{m.version} {step.payload.role} payload {step.payload.key}: {e}"
-            ) from e
+            raise VerificationError(f"v{m.version} {step.role} payload {step.payload.key}: {e}") from e
         digest = m.model_digest
     if timings is not None:
         timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
@@ -324,7 +352,7 @@ async def rebuild(
 def _apply(state: StateDict, digest: str | None, step: Step, data: bytes, threads: int) -> dict:
     """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest."""
     m = step.manifest
-    expect_base = EMPTY_DIGEST if step.payload.role == "anchor" else m.base_digest
+    expect_base = EMPTY_DIGEST if step.role == "anchor" else m.base_digest
     patch = parse_patch(data)
     if digest != expect_base or patch.base_digest != expect_base:
         raise VerificationError(
@@ -337,7 +365,7 @@ def _apply(state: StateDict, digest: str | None, step: Step, data: bytes, thread
         )
     # An anchor rebuilds from nothing, so the codec's default cap (relative to the base) would refuse
     # a model over 1 GiB; the size a trusted key signed is the exact bound instead.
-    cap = {"max_output_bytes": m.full_bytes} if step.payload.role == "anchor" else {}
+    cap = {"max_output_bytes": m.full_bytes} if step.role == "anchor" else {}
     return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
 
 

@@ -24,7 +24,6 @@ one its key names (a copied old manifest is a replay).
 from __future__ import annotations
 
 import datetime as dt
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,33 +31,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from pulsenet.codec.patch import VERSION as CODEC_VERSION
 from pulsenet.errors import ManifestError, ReplayError
-from pulsenet.signing import key_id, parse_envelope, sign_document, verify_document
+from pulsenet.signed import ObjectRef, is_sha256
+from pulsenet.signing import Signed, key_id, sign_document, verify_document
 from pulsenet.sync.layout import MAX_VERSION
 
 FORMAT = "pulsenet-sync-manifest"
 SCHEMA = 1
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _MAX_INT = 2**63 - 1
 MAX_MANIFEST = 1 << 20
 """Largest manifest object a reader fetches: real ones are about 1 KB; bigger ones are refused
 from the listed size, and the fetch itself is capped at this."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PayloadRef:
-    """One payload object as the manifest names it."""
-
-    role: str
-    """"anchor" (a patch from the empty model) or "patch" (from ``base_version``)."""
-    key: str
-    """Store key, relative to the store URL."""
-    size: int
-    """Exact size in bytes."""
-    sha256: str
-    """Hex SHA-256 of the object's bytes."""
-
-    def to_json(self) -> dict:
-        return {"role": self.role, "key": self.key, "size": self.size, "sha256": self.sha256}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,8 +56,10 @@ class Manifest:
     """Version the patch payload applies to; None when there is no patch payload."""
     base_digest: str | None
     """Model digest of ``base_version``; None when there is no patch payload."""
-    anchor: PayloadRef | None
-    patch: PayloadRef | None
+    anchor: ObjectRef | None
+    """The anchor payload: a patch from the empty model (the full weights)."""
+    patch: ObjectRef | None
+    """The patch payload, from ``base_version``."""
     full_bytes: int
     """Raw bytes of the weights (sum of numel x element size): the size of a full checkpoint."""
     publisher: str
@@ -87,8 +71,12 @@ class Manifest:
     """The publisher's own label for this state (e.g. its optimizer step); informational."""
 
     @property
-    def payloads(self) -> list[PayloadRef]:
+    def payloads(self) -> list[ObjectRef]:
         return [p for p in (self.anchor, self.patch) if p is not None]
+
+    def roles(self) -> list[tuple[str, ObjectRef]]:
+        """``(role, ref)`` of each payload: the wire form tags every ref with its role."""
+        return [(role, p) for role, p in (("anchor", self.anchor), ("patch", self.patch)) if p is not None]
 
     def to_body(self) -> dict:
         return {
@@ -99,7 +87,7 @@ class Manifest:
             "model_digest": self.model_digest,
             "base_version": self.base_version,
             "base_digest": self.base_digest,
-            "payloads": [p.to_json() for p in self.payloads],
+            "payloads": [{"role": role, **p.to_json()} for role, p in self.roles()],
             "codec_version": self.codec_version,
             "full_bytes": self.full_bytes,
             "publisher": self.publisher,
@@ -132,17 +120,14 @@ def _from_body(body: Mapping) -> Manifest:
     raw_payloads = body["payloads"]
     if not isinstance(raw_payloads, list) or len(raw_payloads) > 2:
         raise ManifestError(f"manifest v{version}: payloads must be a list of at most 2 objects")
-    payloads: dict[str, PayloadRef] = {}
+    payloads: dict[str, ObjectRef] = {}
     for p in raw_payloads:
         if not isinstance(p, dict):
             raise ManifestError(f"manifest v{version}: a payload entry is not an object: {_short(p)}")
         role = p.get("role")
         if role not in ("anchor", "patch") or role in payloads:
             raise ManifestError(f"manifest v{version}: bad or repeated payload role {_short(role)}")
-        ref = PayloadRef(role=role, key=p.get("key"), size=_int(p, "size"), sha256=p.get("sha256"))
-        if not isinstance(ref.key, str) or not ref.key or len(ref.key) > 1024 or not _is_hex(ref.sha256):
-            raise ManifestError(f"manifest v{version}: malformed {role} payload {_short(p)}")
-        payloads[role] = ref
+        payloads[role] = ObjectRef.parse({k: v for k, v in p.items() if k != "role"}, f"manifest v{version} {role}")
     base_version, base_digest = body["base_version"], body["base_digest"]
     if ("patch" in payloads) != (base_version is not None) or (base_version is None) != (base_digest is None):
         raise ManifestError(
@@ -152,14 +137,14 @@ def _from_body(body: Mapping) -> Manifest:
         isinstance(base_version, int) and not isinstance(base_version, bool) and 0 <= base_version < version
     ):
         raise ManifestError(f"manifest v{version}: base_version {_short(base_version)} must be an earlier version")
-    if base_digest is not None and not _is_hex(base_digest):
+    if base_digest is not None and not is_sha256(base_digest):
         raise ManifestError(f"manifest v{version}: malformed base_digest")
     kind = body["kind"]
     if kind not in ("anchor", "patch") or (kind == "anchor") != ("anchor" in payloads) or not payloads:
         raise ManifestError(
             f"manifest v{version}: kind {_short(kind)} does not match its payloads {sorted(payloads)}"
         )
-    if not _is_hex(body["model_digest"]):
+    if not is_sha256(body["model_digest"]):
         raise ManifestError(f"manifest v{version}: malformed model_digest")
     step = body.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or abs(step) > _MAX_INT):
@@ -197,10 +182,6 @@ def _short(v: object, limit: int = 80) -> str:
     return r if len(r) <= limit else f"{r[:limit]}… ({len(r)} chars)"
 
 
-def _is_hex(s: object) -> bool:
-    return isinstance(s, str) and _HEX64.fullmatch(s) is not None
-
-
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
 
@@ -222,13 +203,17 @@ def verify_manifest(
     key_version: int | None = None,
     current: int | None = None,
 ) -> Manifest:
-    """A manifest a trusted key signed, else SignatureError/ManifestError/ReplayError.
+    """A manifest a trusted key signed, from its bytes: :func:`manifest_from` of the verified document."""
+    return manifest_from(verify_document(data, trusted, context=context), key_version=key_version, current=current)
+
+
+def manifest_from(signed: Signed, *, key_version: int | None = None, current: int | None = None) -> Manifest:
+    """The manifest in a verified document, else ManifestError/ReplayError.
 
     ``key_version``: the version the object's key names; a body naming another version is a copy of
     some other manifest: a ReplayError if that version is not newer than ``current`` (the reader's
     version), else a ManifestError. ``current``: manifests at or below it are ReplayErrors.
     """
-    signed = verify_document(data, trusted, context=context)
     manifest = Manifest.from_body(signed.body)
     signer = signed.signer
     if manifest.publisher != signer:
@@ -244,11 +229,6 @@ def verify_manifest(
             f"manifest at v{key_version} is signed for v{manifest.version}: copied or misplaced"
         )
     return manifest
-
-
-def read_manifest_unverified(data: bytes) -> Manifest:
-    """Parse a manifest without checking its signature (listings, diagnostics): never trust it."""
-    return Manifest.from_body(parse_envelope(data)["body"])
 
 
 # --- head record -------------------------------------------------------------------------------
@@ -290,7 +270,7 @@ class Head:
         if body.get("format") != HEAD_FORMAT or body.get("schema") != SCHEMA:
             raise ManifestError(f"not a {HEAD_FORMAT} v{SCHEMA} record (format {_short(body.get('format'))})")
         digest, publisher = body.get("model_digest"), body.get("publisher")
-        if not _is_hex(digest) or not isinstance(publisher, str):
+        if not is_sha256(digest) or not isinstance(publisher, str):
             raise ManifestError("head record: malformed model_digest or publisher")
         return cls(
             version=_int(body, "version", MAX_VERSION),
@@ -308,7 +288,11 @@ def sign_head(head: Head, key: Ed25519PrivateKey, *, context: str) -> bytes:
 
 def verify_head(data: bytes, trusted: Mapping[str, Ed25519PublicKey], *, context: str) -> Head:
     """A head record a trusted key signed for ``context``, else ManifestError/SignatureError."""
-    signed = verify_document(data, trusted, context=context)
+    return head_from(verify_document(data, trusted, context=context))
+
+
+def head_from(signed: Signed) -> Head:
+    """The head record in a verified document, else ManifestError."""
     head = Head.from_body(signed.body)
     if head.publisher != signed.signer:
         raise ManifestError(f"head record claims publisher {head.publisher!r} but {signed.signer!r} signed it")

@@ -45,12 +45,12 @@ from pulsenet.errors import (
     ConditionFailed,
     ManifestError,
     ObjectNotFound,
-    ObjectTooLarge,
     StoreError,
     StoreTimeout,
     StoreUnavailable,
     VerificationError,
 )
+from pulsenet.signed import ObjectRef, fetch_document
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.chain import (
@@ -66,11 +66,10 @@ from pulsenet.sync.layout import DEFAULT_RUN, MAX_VERSION, Layout
 from pulsenet.sync.manifest import (
     Head,
     Manifest,
-    PayloadRef,
+    manifest_from,
     now_iso,
     sign_head,
     sign_manifest,
-    verify_manifest,
 )
 
 log = logging.getLogger(__name__)
@@ -409,12 +408,7 @@ class Publisher:
             for attempt in range(_TAKEN_RETRIES):
                 version = self._next
                 refs = {
-                    role: PayloadRef(
-                        role=role,
-                        key=self.layout.payload(version, role, hashes[role]),
-                        size=len(b),
-                        sha256=hashes[role],
-                    )
+                    role: ObjectRef(self.layout.payload(version, role, hashes[role]), len(b), hashes[role])
                     for role, b in blobs.items()
                 }
                 await self._upload_all(refs, blobs)
@@ -527,13 +521,16 @@ class Publisher:
     async def _is_ours(self, manifest: Manifest) -> bool:
         """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""
         try:
-            data = await self.store.get(
-                self.layout.manifest(manifest.version), timeout=self.config.timeout_s, max_bytes=self._reader.max_bytes
+            signed = await fetch_document(
+                self.store,
+                self.layout.manifest(manifest.version),
+                {self.key_id: self.key.public_key()},
+                context=self.layout.context,
+                max_bytes=self._reader.max_bytes,
+                timeout=self.config.timeout_s,
             )
-            there = verify_manifest(
-                data, {self.key_id: self.key.public_key()}, context=self.layout.context, key_version=manifest.version
-            )
-        except (ManifestError, ObjectNotFound, ObjectTooLarge):
+            there = manifest_from(signed, key_version=manifest.version)
+        except (ManifestError, ObjectNotFound):
             return False
         return (there.model_digest, there.payloads, there.base_version) == (
             manifest.model_digest,
@@ -551,7 +548,7 @@ class Publisher:
         hashes = {role: hashlib.sha256(b).hexdigest() for role, b in blobs.items()}
         return blobs, hashes, parse_patch(next(iter(blobs.values()))).target_digest
 
-    async def _upload_all(self, refs: dict[str, PayloadRef], blobs: dict[str, bytes]) -> None:
+    async def _upload_all(self, refs: dict[str, ObjectRef], blobs: dict[str, bytes]) -> None:
         try:
             async with asyncio.TaskGroup() as tg:
                 for role, ref in refs.items():

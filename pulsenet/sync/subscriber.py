@@ -45,7 +45,6 @@ from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ManifestError,
     ObjectNotFound,
-    ObjectTooLarge,
     PulsenetError,
     ReplayError,
     StoreError,
@@ -55,7 +54,7 @@ from pulsenet.store.base import ObjectStore
 from pulsenet.sync import localstate
 from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
 from pulsenet.sync.layout import DEFAULT_RUN, Layout
-from pulsenet.sync.manifest import MAX_HEAD, MAX_MANIFEST, Head, Manifest, verify_head
+from pulsenet.sync.manifest import MAX_MANIFEST, Head, Manifest
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +335,8 @@ class Subscriber:
                 continue
             self.stats.bytes_downloaded += self.cache.bytes_downloaded - fetched
             self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
-            self.stats.anchors_applied += sum(s.payload.role == "anchor" for s in path.steps)
-            self.stats.patches_applied += sum(s.payload.role == "patch" for s in path.steps)
+            self.stats.anchors_applied += sum(s.role == "anchor" for s in path.steps)
+            self.stats.patches_applied += sum(s.role == "patch" for s in path.steps)
             await self._swap(target.version, state, target.model_digest, persist=True)
             await asyncio.to_thread(self.cache.prune, set())  # all applied: nothing left to resume
             self._reader.forget_below(target.version)
@@ -383,14 +382,13 @@ class Subscriber:
         """The newest verified head record seen (this one, or an earlier one if this is refused)."""
         self._head_gone = False
         try:
-            data = await self.store.get(self.layout.head, timeout=self.config.timeout_s, max_bytes=MAX_HEAD)
-            head = await asyncio.to_thread(verify_head, data, self._reader.trusted, context=self.layout.context)
+            head = await self._reader.head()
         except ObjectNotFound:
             if self._head is not None or self.config.head_max_age_s is not None:
                 self._alarm("head record %s is missing", self.layout.head)
                 self._head_gone = self.stats.head_stale = True
             return self._head
-        except (ManifestError, ObjectTooLarge) as e:
+        except ManifestError as e:
             self.stats.heads_rejected += 1
             self._alarm("head record %s refused: %s: %s", self.layout.head, type(e).__name__, e)
             return self._head

@@ -39,18 +39,18 @@ from pulsenet.loco.documents import (
     KIND_RECORD,
     KIND_STATE,
     Manifest,
-    ObjectRef,
     Record,
     RoundStore,
     StateRef,
-    payload_key,
-    round_prefix,
 )
+from pulsenet.loco.layout import LocoLayout
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store.local import LocalStore
 
 IDS = ("t0", "t1", "t2")
 R = 3
+LAYOUT = LocoLayout()
 HOSTILE: list[Any] = [
     -1, 0, 1, 3, 2**31, 2**63, 10**30, -(10**30), 1.5, 1e308, True, False, None, "", "3", "t1", "T1",
     "x" * 5000, [], [3], [[[[]]]], {}, {"key": "k"}, "0" * 64, "ab" * 32, "\u202e", "a\u0000b",
@@ -78,7 +78,7 @@ def _sha(i: int) -> str:
 
 
 def _ref(tid: str, i: int) -> ObjectRef:
-    return ObjectRef(payload_key(tid, R, _sha(i)), 1000 + i, _sha(i))
+    return ObjectRef(LAYOUT.payload(tid, R, _sha(i)), 1000 + i, _sha(i))
 
 
 # --- seeds: what the writers really write (RoundStore.sign over the bodies they build) ------------
@@ -169,7 +169,7 @@ def _manifest_ok(m: Manifest) -> bool:
     return (
         m.trainer == "t1"
         and m.round == R
-        and _ref_ok(m.payload, round_prefix("t1", R))
+        and _ref_ok(m.payload, LAYOUT.round_prefix("t1", R))
         and type(m.sent) is int
     )
 
@@ -177,7 +177,7 @@ def _manifest_ok(m: Manifest) -> bool:
 def _record_ok(rec: Record) -> bool:
     return (
         rec.round == R and rec.writer in IDS and bool(rec.participants) and set(rec.participants) <= set(IDS)
-        and all(_ref_ok(r, round_prefix(t, R)) for t, r in rec.participants.items())
+        and all(_ref_ok(r, LAYOUT.round_prefix(t, R)) for t, r in rec.participants.items())
         and all(isinstance(v, str) for v in (*rec.rejected.values(), *rec.unavailable.values()))
     )  # fmt: skip
 

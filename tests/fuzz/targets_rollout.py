@@ -19,11 +19,11 @@ from pulsenet.codec.rollout import Rollout, decode_batch, encode_batch
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,
-    BatchRef,
     context,
     sign_batch_manifest,
     verify_batch_manifest,
 )
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, sign_document
 
 _DIGEST = "3f" * 32
@@ -135,7 +135,7 @@ def _manifest_seeds() -> list[bytes]:
             seq=seq,
             version=version,
             model_digest=_DIGEST,
-            payload=BatchRef(key=_LAYOUT.batch(version, "inf-a", seq, sha), size=size, sha256=sha),
+            payload=ObjectRef(key=_LAYOUT.batch(version, "inf-a", seq, sha), size=size, sha256=sha),
             rows=rows,
             groups=max(1, rows // 4),
             tokens=rows * 100,

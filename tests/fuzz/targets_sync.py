@@ -22,13 +22,13 @@ import tempfile
 from pathlib import Path
 
 from pulsenet.errors import VerificationError
+from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, parse_envelope, sign_document
 from pulsenet.sync import localstate
 from pulsenet.sync.layout import Layout
 from pulsenet.sync.manifest import (
     Head,
     Manifest,
-    PayloadRef,
     sign_head,
     sign_manifest,
     verify_head,
@@ -53,8 +53,8 @@ def _trusted() -> dict:
 def _manifests() -> list[Manifest]:
     kid = key_id(_key().public_key())
 
-    def ref(role: str, v: int, size: int, fill: str) -> PayloadRef:
-        return PayloadRef(role=role, key=LAYOUT.payload(v, role, fill * 64), size=size, sha256=fill * 64)
+    def ref(role: str, v: int, size: int, fill: str) -> ObjectRef:
+        return ObjectRef(key=LAYOUT.payload(v, role, fill * 64), size=size, sha256=fill * 64)
 
     common = {"full_bytes": 269_060_352, "publisher": kid, "created": "2025-01-01T00:00:00.000000+00:00"}
     return [

@@ -94,11 +94,13 @@ def signing_key():
 
 def documents() -> dict[str, bytes]:
     """Signed documents: a PULSESync manifest and head, a PULSELoCo payload manifest."""
-    from pulsenet.loco.documents import KIND_MANIFEST, RoundStore, payload_key
+    from pulsenet.loco.documents import KIND_MANIFEST, RoundStore
+    from pulsenet.loco.layout import LocoLayout
+    from pulsenet.signed import ObjectRef
     from pulsenet.signing import key_id
     from pulsenet.store import LocalStore
     from pulsenet.sync.layout import Layout
-    from pulsenet.sync.manifest import Head, Manifest, PayloadRef, sign_head, sign_manifest
+    from pulsenet.sync.manifest import Head, Manifest, sign_head, sign_manifest
 
     key = signing_key()
     kid = key_id(key.public_key())
@@ -111,7 +113,7 @@ def documents() -> dict[str, bytes]:
         base_version=6,
         base_digest=digests["base"],
         anchor=None,
-        patch=PayloadRef(role="patch", key=layout.payload(7, "patch", "ef" * 32), size=961, sha256="ef" * 32),
+        patch=ObjectRef(key=layout.payload(7, "patch", "ef" * 32), size=961, sha256="ef" * 32),
         full_bytes=269060352,
         publisher=kid,
         created="2026-12-01T00:00:00.000000+00:00",
@@ -123,7 +125,7 @@ def documents() -> dict[str, bytes]:
         "kind": KIND_MANIFEST,
         "trainer": "t0",
         "round": 3,
-        "payload": {"key": payload_key("t0", 3, "ef" * 32), "size": 368, "sha256": "ef" * 32},
+        "payload": {"key": LocoLayout().payload("t0", 3, "ef" * 32), "size": 368, "sha256": "ef" * 32},
         "mode": "pulseloco",
         "sent": 30,
         "total": 424,
