@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from pulsenet.cli.loco import data_seed
+from pulsenet.codec import payload as wire
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
-from pulsenet.loco import payload as wire
 from pulsenet.loco.documents import Manifest, trainer_keys
 from pulsenet.loco.layout import LocoLayout
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model

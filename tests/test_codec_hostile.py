@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from pulsenet.checkpoint import save_state
+from pulsenet.codec import payload as wire
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.coding import compress, decompress, to_planes
 from pulsenet.codec.digest import model_digest, model_digest_from_records, sha256_array, tensor_record
 from pulsenet.codec.patch import HEADER_SIZE, PatchEncoder, apply_patch, parse_patch
 from pulsenet.errors import PatchCorruptError, PatchError, PatchSizeLimitError, PayloadError
-from pulsenet.loco import payload as wire
 
 EMPTY = model_digest({})
 
@@ -221,7 +221,7 @@ from numba.core import config
 assert config.BOUNDSCHECK, "NUMBA_BOUNDSCHECK did not take"
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.patch import PatchEncoder, apply_patch
-from pulsenet.loco import payload as wire
+from pulsenet.codec import payload as wire
 from pulsenet.loco.algorithm import gate
 
 g = torch.Generator().manual_seed(5)

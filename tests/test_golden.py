@@ -18,10 +18,10 @@ import pytest
 import torch
 import zstandard
 
+from pulsenet.codec import payload as loco_payload
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import PatchEncoder, apply_patch, parse_patch
-from pulsenet.loco import payload as loco_payload
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 sys.path.insert(0, str(GOLDEN))

@@ -14,8 +14,8 @@ import torch
 from conftest import StoreFactory
 from loco_helpers import forge_payloads, make_keys, published_digests, tiny_trainer
 
+from pulsenet.codec import payload as wire
 from pulsenet.loco import LocoConfig, LocoTrainer, Record, RoundReport, RoundStore
-from pulsenet.loco import payload as wire
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import load_private_key

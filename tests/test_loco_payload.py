@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from pulsenet.codec import payload as wire
+from pulsenet.codec import relative
 from pulsenet.codec.coding import compress, encode_positions, to_planes
 from pulsenet.errors import PayloadError
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import payload as wire
-from pulsenet.loco import values as relative
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -352,7 +352,7 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
     the honest trainers refuse to average it (and fail the round) instead of following."""
     import numpy as np
 
-    from pulsenet.loco import payload as wire
+    from pulsenet.codec import payload as wire
 
     def outsized(payload: wire.Payload) -> wire.Payload:
         big = {

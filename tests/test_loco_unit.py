@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pulsenet.codec import payload as wire
 from pulsenet.codec.bf16 import bits, visible_change
 from pulsenet.errors import PayloadError, VerificationError
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import payload as wire
 from pulsenet.loco.state import GlobalState, TrainerState
 
 pytestmark = pytest.mark.timeout(60)

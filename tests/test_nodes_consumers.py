@@ -18,7 +18,7 @@ FAST = SubscriberConfig(interval_s=0.1, jitter=0.2, threads=1)
 
 
 async def _manifest_versions(store, pub: Publisher) -> list[int]:
-    return sorted(v for i in await store.list("") if (v := pub.layout.manifest_version(i.key)) is not None)
+    return sorted(v for i in await store.list("") if (v := pub.layout.parse_manifest(i.key)) is not None)
 
 
 async def test_slow_consumer_keeps_its_chain_until_the_bound(local_factory) -> None:

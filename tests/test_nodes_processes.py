@@ -27,7 +27,6 @@ from typing import Any
 import pytest
 
 from pulsenet.rollouts.layout import RolloutLayout
-from pulsenet.rollouts.manifest import context as rollout_context
 from pulsenet.rollouts.manifest import verify_batch_manifest
 from pulsenet.signing import generate_keypair, trusted_keys
 from pulsenet.store import S3Store
@@ -212,7 +211,7 @@ class Network:
         n = 0
         async with self.store(site) as store:
             infos = {i.key: i.size for i in await store.list("")}
-            ctx = rollout_context(RUN, store.url, layout.prefix, site)
+            ctx = layout.context(RUN, store.url, site)
             for key in (k for k in infos if k.startswith(layout.manifests)):
                 m = verify_batch_manifest(await store.get(key), trusted, context=ctx, layout=layout, name=layout.parse_manifest(key))
                 assert infos.get(m.payload.key) == m.payload.size, f"{key}: payload missing or short"

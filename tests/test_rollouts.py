@@ -308,10 +308,8 @@ async def _plant(
     )
     fields.update(overrides)
     m = BatchManifest(**fields)
-    from pulsenet.rollouts.manifest import context
-
     await site.own.put(m.payload.key, data, timeout=10)
-    signed = sign_batch_manifest(m, key, context=context(run, site.read.url, "rollouts", site.node))
+    signed = sign_batch_manifest(m, key, context=RolloutLayout().context(run, site.read.url, site.node))
     await site.own.put(layout.manifest(version, site.node, seq), signed, timeout=10)
     return m
 

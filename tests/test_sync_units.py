@@ -45,11 +45,11 @@ def test_layout_keys_sort_and_parse() -> None:
     layout = Layout("runs/policy")
     keys = [layout.manifest(v) for v in (10, 2, 100)]
     assert sorted(keys) == [layout.manifest(v) for v in (2, 10, 100)]
-    assert layout.manifest_version(layout.manifest(42)) == 42
+    assert layout.parse_manifest(layout.manifest(42)) == 42
     p = layout.payload(7, "patch", "ab" * 32)
     assert p == "runs/policy/payloads/v000000000007-patch-abababababababab.pnp"
-    assert layout.payload_version(p) == 7 and layout.manifest_version(p) is None
-    assert layout.manifest_version("runs/policy/manifests/junk.json") is None
+    assert layout.parse_payload(p)[0] == 7 and layout.parse_manifest(p) is None
+    assert layout.parse_manifest("runs/policy/manifests/junk.json") is None
     with pytest.raises(ValueError):
         Layout("../escape")
 

@@ -20,8 +20,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+from pulsenet.codec.payload import Payload
 from pulsenet.loco.algorithm import FP32_BYTES
-from pulsenet.loco.payload import Payload
 from pulsenet.loco.trainer import PhaseHook
 from pulsenet.signed import ObjectRef
 from pulsenet.store.base import ObjectStore

@@ -1,16 +1,16 @@
 """PULSELoCo: sparse DiLoCo between trainers through object storage (PULSE, arXiv 2602.03839).
 
-- ``payload``: the sparse FP32 wire format.
 - ``algorithm``: pseudo-gradient, visibility gate, error feedback, aggregation, outer Nesterov step.
 - ``state``: global state and per-trainer resume points, written atomically.
-- ``documents``: the round's store documents (key layout, signed manifests, round records, digests).
+- ``layout``: the run's key layout and signing context.
+- ``documents``: the round's signed documents (payload manifests, round records, digests, states).
 - ``config``: the run's settings and per-round reports.
 - ``collect``: the collect phase (fetch, judge, first-writer-wins round record).
 - ``recovery``: digest verdicts, and rebuilding the agreed state from the store.
 - ``inner``: the inner-loop protocol the round drives (adapters: ``pulsenet.rl.inner``).
 - ``trainer``: the round itself, top to bottom (train, encode and publish, collect, apply, agree, persist).
 
-Spec and safety arguments: ``docs/loco.md``.
+The payload wire format is ``pulsenet.codec.payload``. Spec and safety arguments: ``docs/loco.md``.
 """
 
 from pulsenet.loco.algorithm import apply_round, gate, global_digest, make_update, pseudo_gradient
@@ -18,7 +18,6 @@ from pulsenet.loco.collect import DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, Timeouts
 from pulsenet.loco.inner import InnerLoop
-from pulsenet.loco.payload import Payload, SparseTensor, decode, encode
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 
@@ -28,16 +27,12 @@ __all__ = [
     "InnerLoop",
     "LocoConfig",
     "LocoTrainer",
-    "Payload",
     "Record",
     "RoundReport",
     "RoundStore",
-    "SparseTensor",
     "Timeouts",
     "TrainerState",
     "apply_round",
-    "decode",
-    "encode",
     "gate",
     "global_digest",
     "make_update",

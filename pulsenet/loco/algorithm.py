@@ -33,8 +33,8 @@ import torch
 
 from pulsenet.codec.bf16 import visible_change
 from pulsenet.codec.digest import model_digest
+from pulsenet.codec.payload import DENSE, SPARSE, Payload, SparseTensor
 from pulsenet.errors import PayloadError
-from pulsenet.loco.payload import DENSE, SPARSE, Payload, SparseTensor
 
 StateDict = dict[str, torch.Tensor]
 FP32_BYTES = 4

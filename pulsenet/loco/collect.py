@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from pulsenet.codec import payload as wire
 from pulsenet.errors import (
     ManifestError,
     PayloadError,
@@ -31,7 +32,6 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import payload as wire
 from pulsenet.loco.config import MODES, LocoConfig
 from pulsenet.loco.documents import Manifest, Record, RoundStore, all_of
 from pulsenet.signed import ObjectRef

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pulsenet.codec import payload as wire
 from pulsenet.errors import ConfigError
-from pulsenet.loco import payload as wire
 from pulsenet.loco.documents import Timeouts
 from pulsenet.loco.layout import check_run_id
 

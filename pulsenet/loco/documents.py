@@ -1,6 +1,7 @@
-"""The PULSELoCo round protocol on an object store: key layout, signed documents, fetch and verify.
+"""The PULSELoCo round protocol's signed documents: what each says, who may sign it, and the
+:class:`RoundStore` that writes and reads them.
 
-Key layout: ``layout.py``. Each document is fetched and checked the one way every channel
+Key layout and signing context: ``layout.py``. Each document is fetched and checked the one way every channel
 does (``signed.py``): size-capped ``fetch_document``, then the body checked here; every object a
 document names through ``fetch_object`` / ``fetch_file`` (size and SHA-256).
 
@@ -292,7 +293,7 @@ class RoundStore:
         """Trainers of the run that announced themselves (ids only; their documents are verified when
         used). A listed id with no public key is not a trainer of this run and is ignored."""
         infos = await self.store.list(self.layout.members, timeout=self.t.small_s)
-        return sorted(t for i in infos if (t := self.layout.member_id(i.key)) in self.keys)
+        return sorted(t for i in infos if (t := self.layout.parse_member(i.key)) in self.keys)
 
     # --- payloads -----------------------------------------------------------------------------
 
@@ -417,7 +418,7 @@ class RoundStore:
     async def latest_record_round(self) -> int:
         """Highest round with a record (0 if none): how far the run has got."""
         infos = await self.store.list(self.layout.rounds, timeout=self.t.small_s)
-        return max((r for i in infos if (r := self.layout.record_round(i.key)) is not None), default=0)
+        return max((r for i in infos if (r := self.layout.parse_record(i.key)) is not None), default=0)
 
     # --- digests ------------------------------------------------------------------------------
 
@@ -500,7 +501,7 @@ class RoundStore:
     async def state_rounds(self) -> list[int]:
         """Rounds that have a global state manifest, ascending."""
         infos = await self.store.list(self.layout.states, timeout=self.t.small_s)
-        return sorted(r for i in infos if (r := self.layout.state_round(i.key)) is not None)
+        return sorted(r for i in infos if (r := self.layout.parse_state_manifest(i.key)) is not None)
 
     async def fetch_state(self, ref: StateRef, shapes: dict[str, tuple[int, ...]]) -> GlobalState:
         """Download, verify (size, SHA-256, shapes, round, digest) and load a global state."""
@@ -527,7 +528,7 @@ class RoundStore:
     async def latest_checkpoint(self) -> tuple[int, ObjectRef] | None:
         infos = await self.store.list(self.layout.checkpoints(self.id), timeout=self.t.small_s)
         rounds = sorted(
-            (r for i in infos if (r := self.layout.checkpoint_round(self.id, i.key)) is not None), reverse=True
+            (r for i in infos if (r := self.layout.parse_checkpoint_manifest(self.id, i.key)) is not None), reverse=True
         )
         for r in rounds:
             key = self.layout.checkpoint_manifest(self.id, r)
@@ -553,7 +554,7 @@ class RoundStore:
         """Delete this trainer's round objects older than ``round_``, and its checkpoints older than
         both ``round_`` and its newest checkpoint (a resume point always survives). Returns the count."""
         infos = await self.store.list(self.layout.trainer(self.id), timeout=self.t.small_s)
-        owned = {i.key: parsed for i in infos if (parsed := self.layout.own_round(self.id, i.key)) is not None}
+        owned = {i.key: parsed for i in infos if (parsed := self.layout.parse_own(self.id, i.key)) is not None}
         newest_ckpt = max((r for kind, r in owned.values() if kind == "checkpoint"), default=0)
 
         def is_old(key: str) -> bool:

@@ -116,7 +116,7 @@ class LocoLayout:
 
     # --- parsing keys (None: any other key) -----------------------------------------------------
 
-    def member_id(self, key: str) -> str | None:
+    def parse_member(self, key: str) -> str | None:
         """The trainer a member key names."""
         tid = key.removeprefix(self.members)
         return tid if key.startswith(self.members) and TRAINER_ID.fullmatch(tid) else None
@@ -126,22 +126,22 @@ class LocoLayout:
         m = _PAYLOAD.fullmatch(key)
         return (m.group(1), int(m.group(2))) if m else None
 
-    def record_round(self, key: str) -> int | None:
+    def parse_record(self, key: str) -> int | None:
         """The round a record key names."""
         m = _RECORD.fullmatch(key)
         return int(m.group(1)) if m else None
 
-    def state_round(self, key: str) -> int | None:
+    def parse_state_manifest(self, key: str) -> int | None:
         """The round a state manifest key names."""
         m = _STATE_MANIFEST.fullmatch(key)
         return int(m.group(1)) if m else None
 
-    def checkpoint_round(self, tid: str, key: str) -> int | None:
+    def parse_checkpoint_manifest(self, tid: str, key: str) -> int | None:
         """The round of trainer ``tid``'s checkpoint manifest key."""
         m = re.fullmatch(re.escape(self.checkpoints(tid)) + r"(\d{8})/manifest", key)
         return int(m.group(1)) if m else None
 
-    def own_round(self, tid: str, key: str) -> tuple[str, int] | None:
+    def parse_own(self, tid: str, key: str) -> tuple[str, int] | None:
         """``("round" | "checkpoint", round)`` of any object trainer ``tid`` wrote (retention)."""
         m = re.match(re.escape(self.trainer(tid)) + r"(?:(checkpoint)/)?(\d{8})/", key)
         return ("checkpoint" if m.group(1) else "round", int(m.group(2))) if m else None

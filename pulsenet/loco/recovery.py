@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pulsenet.codec import payload as wire
 from pulsenet.errors import ManifestError, ObjectNotFound, PulsenetError, RoundError, VerificationError
-from pulsenet.loco import payload as wire
 from pulsenet.loco.documents import Record, RoundStore, StateRef
 from pulsenet.loco.state import GlobalState
 

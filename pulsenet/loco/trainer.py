@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pulsenet.codec import payload as wire
 from pulsenet.errors import (
     ConfigError,
     ManifestError,
@@ -58,7 +59,6 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import payload as wire
 from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport

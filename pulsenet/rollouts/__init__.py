@@ -10,7 +10,7 @@ from pulsenet.rollouts.intake import (
     RolloutSource,
 )
 from pulsenet.rollouts.layout import RolloutLayout
-from pulsenet.rollouts.manifest import BatchManifest, context
+from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.writer import RolloutWriter, RolloutWriterConfig, WriterStats
 
@@ -26,6 +26,5 @@ __all__ = [
     "RolloutWriter",
     "RolloutWriterConfig",
     "WriterStats",
-    "context",
     "owner",
 ]

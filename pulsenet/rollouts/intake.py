@@ -2,16 +2,19 @@
 
 A batch is accepted only if, in this order (the first failing check is the counted reason):
 
-1. its manifest is at most ``signing.MAX_DOCUMENT`` bytes (listed size) — ``too_large``;
+1. its manifest is at most ``signing.MAX_DOCUMENT`` bytes (listed size, then the read is capped)
+   — ``too_large``;
 2. it verifies under a key trusted *for the node whose store it is in*, signed for that node's
-   context — ``wrong_node_key`` when another node's key signed it, ``signature`` otherwise;
+   context — ``wrong_node_key`` when a key trusted only for another node validly signed it,
+   ``signature`` otherwise;
    malformed bodies and bodies that disagree with their key name — ``malformed``;
 3. ``trainer_version - version <= max_staleness`` — else dropped as stale *in flight* (judged
    from the key name before any GET: a body must match its name anyway);
 4. its model digest is the one published for its version (``digest_of``) — ``unknown_version``,
    ``wrong_digest``;
 5. its declared size and rows are within limits — ``too_large``, refused before download;
-6. the payload's size and SHA-256 equal the manifest's — ``size_mismatch``, ``hash_mismatch``;
+6. the payload's size and SHA-256 equal the manifest's (``signed.fetch_object``: never read past the
+   signed size) — ``size_mismatch``, ``hash_mismatch``;
 7. the Parquet decodes under the limits — ``payload_malformed``;
 8. every row's version, digest and node equal the manifest's, and the row, group and token
    counts match — ``row_mismatch``.
@@ -46,7 +49,7 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from, context
+from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from
 from pulsenet.rollouts.partition import owner
 from pulsenet.signed import fetch_document, fetch_object
 from pulsenet.signing import MAX_DOCUMENT
@@ -288,7 +291,7 @@ class RolloutIntake:
 
         Store errors other than a missing or oversized object propagate (nothing is remembered)."""
         cfg = self.config
-        ctx = context(cfg.run, source.store.url, cfg.prefix, source.node)
+        ctx = self.layout.context(cfg.run, source.store.url, source.node)
         try:  # verified under every node's keys, so that another node's signature is told apart
             signed = await fetch_document(
                 source.store,

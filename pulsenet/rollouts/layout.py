@@ -53,6 +53,15 @@ class RolloutLayout:
     def batches(self) -> str:
         return f"{self.prefix}/batches/"
 
+    def context(self, run: str, store_url: str, node: str) -> str:
+        """What a batch manifest of ``node`` is signed for: ``rollouts/{run}/{node}@{store_url}/{prefix}``.
+
+        The run keeps a batch of one run out of another under the same keys; the node keeps one site
+        key that signs for several nodes from passing one node's batch off as another's; the store URL
+        and prefix keep a manifest copied into another bucket (or channel) from verifying there.
+        """
+        return f"rollouts/{run}/{node}@{store_url.rstrip('/')}/{self.prefix}"
+
     def manifest(self, version: int, node: str, seq: int) -> str:
         return f"{self.manifests}{_stem(version, node, seq)}.json"
 

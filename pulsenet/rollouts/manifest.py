@@ -9,7 +9,7 @@ A manifest is a signed document (``pulsenet.signing``) whose body is::
      "rows": 64, "groups": 8, "tokens": 9120,
      "publisher": "<key id of the signer>", "created": "2025-01-01T00:00:00.000000+00:00"}
 
-It is signed for the context ``context(run, store_url, prefix, node)`` (see there for why), written
+It is signed for the context ``RolloutLayout.context(run, store_url, node)`` (see there for why), written
 create-only after the payload. Readers accept it only if a key trusted *for that node* signed it,
 ``publisher`` is that key, and its node/version/seq are the ones its own key names.
 """
@@ -45,16 +45,6 @@ _FIELDS = frozenset(
         "created",
     }
 )
-
-
-def context(run: str, store_url: str, prefix: str, node: str) -> str:
-    """What a batch manifest is signed for: ``rollouts/{run}/{node}@{store_url}/{prefix}``.
-
-    The run keeps a batch of one run out of another under the same keys; the node keeps one site
-    key that signs for several nodes from passing one node's batch off as another's; the store URL
-    and prefix keep a manifest copied into another bucket (or channel) from verifying there.
-    """
-    return f"rollouts/{run}/{node}@{store_url.rstrip('/')}/{prefix}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -27,7 +27,7 @@ from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, RolloutError
 from pulsenet.rollouts.layout import RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, context, now_iso, sign_batch_manifest
+from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore
@@ -83,7 +83,7 @@ class RolloutWriter:
         self.node = check_node(node)
         self.config = config = config or RolloutWriterConfig()
         self.layout = RolloutLayout(config.prefix)
-        self.context = context(config.run, store.url, config.prefix, node)
+        self.context = self.layout.context(config.run, store.url, node)
         self.stats = WriterStats()
         self.next_seq: int | None = None
         """Sequence number of the next batch (None before ``start``)."""

@@ -96,7 +96,7 @@ class ManifestReader:
         infos = await self.store.list(self.layout.manifests, timeout=self.timeout_s)
         out: dict[int, ObjectInfo] = {}
         for info in infos:
-            v = self.layout.manifest_version(info.key)
+            v = self.layout.parse_manifest(info.key)
             if v is not None:
                 out[v] = info
         return out

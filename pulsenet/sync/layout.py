@@ -78,17 +78,12 @@ class Layout:
             raise ValueError(f"payload role must be one of {ROLES}, got {role!r}")
         return f"{self.payloads}v{_check_version(version):012d}-{role}-{sha256[:16]}.pnp"
 
-    def manifest_version(self, key: str) -> int | None:
+    def parse_manifest(self, key: str) -> int | None:
         """The version a manifest key names, or None for any other key."""
         if not key.startswith(self.manifests):
             return None
         m = _MANIFEST.fullmatch(key[len(self.manifests) :])
         return int(m.group(1)) if m else None
-
-    def payload_version(self, key: str) -> int | None:
-        """The version a payload key names, or None for any other key."""
-        parsed = self.parse_payload(key)
-        return parsed[0] if parsed is not None else None
 
     def parse_payload(self, key: str) -> tuple[int, str] | None:
         """``(version, role)`` of a payload key, or None for any other key."""

@@ -587,7 +587,7 @@ class Publisher:
         payloads: list[tuple[int, str]] = []
         anchor_keys: set[str] = set()
         for info in infos:
-            if (v := self.layout.manifest_version(info.key)) is not None:
+            if (v := self.layout.parse_manifest(info.key)) is not None:
                 manifests[v] = info.key
             elif (parsed := self.layout.parse_payload(info.key)) is not None:
                 payloads.append((parsed[0], info.key))

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import zstandard
 
+from pulsenet.codec import payload as wire
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.patch import HEADER_SIZE, PatchEncoder, iter_apply
-from pulsenet.loco import payload as wire
 
 _HEADER = struct.Struct("<8sHHIIQ")
 HOSTILE = [-1, 0, 1, 2, 3, 7, 8, 9, 255, 256, 2**31, 2**32, 2**48, 2**62, 2**63, 2**64, 10**30, -(2**63), 1.5,

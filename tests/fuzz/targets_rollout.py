@@ -19,7 +19,6 @@ from pulsenet.codec.rollout import Rollout, decode_batch, encode_batch
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,
-    context,
     sign_batch_manifest,
     verify_batch_manifest,
 )
@@ -28,7 +27,7 @@ from pulsenet.signing import key_id, sign_document
 
 _DIGEST = "3f" * 32
 _LAYOUT = RolloutLayout()
-_CONTEXT = context("fuzz", "s3://pulsenet-a/site", _LAYOUT.prefix, "inf-a")
+_CONTEXT = _LAYOUT.context("fuzz", "s3://pulsenet-a/site", "inf-a")
 
 
 @functools.cache

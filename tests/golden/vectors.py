@@ -18,9 +18,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
+from pulsenet.codec import payload as loco_payload  # noqa: E402
 from pulsenet.codec.digest import model_digest  # noqa: E402
 from pulsenet.codec.patch import PatchEncoder  # noqa: E402
-from pulsenet.loco import payload as loco_payload  # noqa: E402
 
 
 def _bits(tag: str, n: int, dtype: type[np.unsignedinteger]) -> np.ndarray:

@@ -21,16 +21,16 @@ Wire format (full spec: docs/format.md, "PULSELoCo payload v2"); all integers li
                     u64 val_size   bytes of the values frame
                     u64 esc_size   bytes of the escapes frame (0 if none)
                     positions frame: raw: zstd(byte planes of gap_i = pos_i - pos_{i-1} - 1);
-                                     relative: per context (values.context, from θ) the ranks of
+                                     relative: per context (relative.context, from θ) the ranks of
                                      the sent entries within that context's entries, gap-coded
                     values frame:    zstd(byte planes of the raw FP32 bits (u32), or of the codes
-                                     (values.py), escapes skipped, ordered by θ's exponent)
+                                     (relative.py), escapes skipped, ordered by θ's exponent)
                     escapes frame:   zstd(byte planes of the escapes' ordinal gaps, then of their
                                      raw FP32 bits)
 
 Relative coding uses what every receiver already holds, the round's base weights θ: which entries
 the gate sends depends mostly on how far θ sits from the edge of its BF16 cell (the position
-context), and each sent value is an exact number of θ's ULPs past that edge (``values.py``). On
+context), and each sent value is an exact number of θ's ULPs past that edge (``relative.py``). On
 SmolLM2 pseudo-gradients it makes payloads ~20% smaller than raw coding (docs/loco.md, section 9).
 Every value, including -0.0, subnormals and non-finite ones, round-trips bit for bit (whatever
 does not fit the code is an escape). The decoder checks the magic, version, tensor names and shapes
@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from pulsenet.codec import relative
+from pulsenet.codec import relative_kernels as kernels
 from pulsenet.codec.coding import (
     UINT,
     compress,
@@ -60,8 +62,6 @@ from pulsenet.codec.coding import (
     to_planes,
 )
 from pulsenet.errors import PatchError, PayloadError
-from pulsenet.loco import kernels
-from pulsenet.loco import values as relative
 
 MAGIC = b"PULSELOC"
 VERSION = 2

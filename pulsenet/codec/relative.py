@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pulsenet.codec import relative_kernels as kernels
 from pulsenet.errors import PayloadError
-from pulsenet.loco import kernels
 
 N_CONTEXTS = 256 + 17
 """Contexts of the position coding: ``max(E, 1) + bitlen(distance to the cell edge)``, E < 256."""

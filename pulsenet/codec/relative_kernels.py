@@ -2,7 +2,7 @@
 tensor each, and values, one entry at a time.
 
 A relative sparse section codes each sent entry's position as its *ordinal* among the tensor's
-entries of the same context (values.context, from the base weights θ), grouped by context. Both
+entries of the same context (relative.context, from the base weights θ), grouped by context. Both
 directions walk the tensor once in position order keeping one counter per context, instead of
 sorting 134M entries by context as a numpy formulation must: the encoder reads each sent entry's
 ordinal off its context's counter; the decoder emits an entry when its context's counter reaches
@@ -20,13 +20,13 @@ MALFORMED, OUT_OF_RANGE = 1, 2  # positions_from_ordinals' complaints
 
 @njit(inline="always")
 def _context(x):
-    """values.context of one FP32 bit pattern (uint32 as int64); bit length by lzcnt, not a table."""
+    """relative.context of one FP32 bit pattern (uint32 as int64); bit length by lzcnt, not a table."""
     return max((x >> 23) & 0xFF, 1) + 64 - leading_zeros(abs((x & 0xFFFF) - 0x8000))
 
 
 @njit(nogil=True, cache=True)
 def contexts(base_bits):
-    """values.context of every entry (uint16)."""
+    """relative.context of every entry (uint16)."""
     out = np.empty(base_bits.size, dtype=np.uint16)
     for i in range(base_bits.size):
         out[i] = _context(np.int64(base_bits[i]))
@@ -144,7 +144,7 @@ def positions_from_ordinals(base_bits, n_contexts, contexts, counts, widths, pla
 
 
 # --------------------------------------------------------------------------- relative value codes
-# values.py documents the code; these are its per-entry kernels, in exact integer arithmetic.
+# relative.py documents the code; these are its per-entry kernels, in exact integer arithmetic.
 
 NONFINITE_BASE, K_TOO_LARGE = 1, 2  # relative_values' complaints
 _MANT, _K_LIMIT = 0x7FFFFF, 1 << 24
@@ -152,7 +152,7 @@ _MANT, _K_LIMIT = 0x7FFFFF, 1 << 24
 
 @njit(inline="always")
 def _thresholds(a):
-    """(T toward zero, T away from zero) for θ's magnitude pattern ``a`` (values.thresholds)."""
+    """(T toward zero, T away from zero) for θ's magnitude pattern ``a`` (relative.thresholds)."""
     e = a >> 23
     r = (a + 0x7FFF + ((a >> 16) & 1)) >> 16
     half = 0x7FFF if r & 1 else 0x8000
@@ -195,7 +195,7 @@ def _value_bits(a, k, sign):
 
 @njit(nogil=True, cache=True)
 def relative_codes(base_bits, value_bits):
-    """values.encode on bit patterns: (codes of the entries that round-trip, escaped mask)."""
+    """relative.encode on bit patterns: (codes of the entries that round-trip, escaped mask)."""
     m = base_bits.size
     codes, escaped = np.empty(m, dtype=np.uint32), np.ones(m, dtype=np.bool_)
     nc = 0
@@ -232,7 +232,7 @@ def relative_codes(base_bits, value_bits):
 
 @njit(nogil=True, cache=True)
 def relative_values(base_bits, codes, out_bits):
-    """values.decode on bit patterns, into ``out_bits``; returns (error, entry): ``NONFINITE_BASE``
+    """relative.decode on bit patterns, into ``out_bits``; returns (error, entry): ``NONFINITE_BASE``
     for a code on a non-finite θ, ``K_TOO_LARGE`` for |k| >= 2^24; error 0 if none."""
     for i in range(codes.size):
         tb = np.int64(base_bits[i])
