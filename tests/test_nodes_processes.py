@@ -199,7 +199,7 @@ class Network:
             for key in sorted(k for k in infos if k.startswith(layout.manifests)):
                 m = verify_manifest(await store.get(key), trusted, context=layout.context)
                 assert key == layout.manifest(m.version)
-                for ref in m.payloads:  # nothing half-written: every payload a manifest names is whole
+                for _, ref in m.roles():  # nothing half-written: every payload a manifest names is whole
                     assert infos.get(ref.key) == ref.size, f"v{m.version}: {ref.key} missing or not {ref.size} B"
                 out[m.version] = m
             return out

@@ -14,6 +14,8 @@ A manifest is a signed document (``pulsenet.signing``) whose body is::
 ``kind`` is "anchor" when the version carries an anchor payload (a patch against the empty model,
 i.e. the full weights); an anchor version may also carry a patch from ``base_version``. A "patch"
 version carries only the patch. ``full_bytes`` is the raw size of the weights (for ratios).
+Each ``payloads`` entry is a ``signed.ObjectRef`` (the reference every channel uses) tagged with
+its role.
 
 The publisher writes a manifest after its payloads, create-only, so an object is trusted only once a
 manifest names it (size and SHA-256) and a version can never be overwritten. Readers accept a
@@ -69,10 +71,6 @@ class Manifest:
     codec_version: int = CODEC_VERSION
     step: int | None = None
     """The publisher's own label for this state (e.g. its optimizer step); informational."""
-
-    @property
-    def payloads(self) -> list[ObjectRef]:
-        return [p for p in (self.anchor, self.patch) if p is not None]
 
     def roles(self) -> list[tuple[str, ObjectRef]]:
         """``(role, ref)`` of each payload: the wire form tags every ref with its role."""

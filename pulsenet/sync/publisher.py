@@ -532,9 +532,9 @@ class Publisher:
             there = manifest_from(signed, key_version=manifest.version)
         except (ManifestError, ObjectNotFound):
             return False
-        return (there.model_digest, there.payloads, there.base_version) == (
+        return (there.model_digest, there.roles(), there.base_version) == (
             manifest.model_digest,
-            manifest.payloads,
+            manifest.roles(),
             manifest.base_version,
         )
 
