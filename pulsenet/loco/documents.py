@@ -494,7 +494,7 @@ class RoundStore:
             digest=_str(body, "digest", key, limit=64),
             writer=_str(body, "writer", key),
         )
-        if ref.round != round_ or not ref.state.key.startswith(self.layout.state_manifest(round_).removesuffix("manifest")):
+        if ref.round != round_ or not ref.state.key.startswith(self.layout.state_prefix(round_)):
             raise ManifestError(f"{key}: state manifest does not match its key")
         return ref
 
@@ -537,7 +537,7 @@ class RoundStore:
                 if body is None:
                     continue
                 ref = ObjectRef.parse(body.get("checkpoint"), key)
-                if _int(body, "round", key) != r or not ref.key.startswith(key.removesuffix("manifest")):
+                if _int(body, "round", key) != r or not ref.key.startswith(self.layout.checkpoint_prefix(self.id, r)):
                     raise ManifestError(f"{key}: checkpoint manifest does not match its key")
             except ManifestError as e:  # planted, torn or oversized: an older one may do
                 log.warning("%s: ignoring checkpoint manifest %s: %s", self.id, key, e)

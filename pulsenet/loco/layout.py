@@ -85,6 +85,14 @@ class LocoLayout:
     def checkpoints(self, tid: str) -> str:
         return f"{self.trainer(tid)}checkpoint/"
 
+    def checkpoint_prefix(self, tid: str, round_: int) -> str:
+        """Trainer ``tid``'s checkpoint of one round: the object its manifest names lives here."""
+        return f"{self.checkpoints(tid)}{_r(round_)}/"
+
+    def state_prefix(self, round_: int) -> str:
+        """The global state of one round: the object its manifest names lives here."""
+        return f"{self.states}{_r(round_)}/"
+
     # --- keys -----------------------------------------------------------------------------------
 
     def member(self, tid: str) -> str:
@@ -103,16 +111,16 @@ class LocoLayout:
         return f"{self.rounds}{_r(round_)}/record"
 
     def state(self, round_: int, sha256: str) -> str:
-        return f"{self.states}{_r(round_)}/{sha256[:16]}.safetensors"
+        return f"{self.state_prefix(round_)}{sha256[:16]}.safetensors"
 
     def state_manifest(self, round_: int) -> str:
-        return f"{self.states}{_r(round_)}/manifest"
+        return f"{self.state_prefix(round_)}manifest"
 
     def checkpoint(self, tid: str, round_: int, sha256: str) -> str:
-        return f"{self.checkpoints(tid)}{_r(round_)}/{sha256[:16]}.pt"
+        return f"{self.checkpoint_prefix(tid, round_)}{sha256[:16]}.pt"
 
     def checkpoint_manifest(self, tid: str, round_: int) -> str:
-        return f"{self.checkpoints(tid)}{_r(round_)}/manifest"
+        return f"{self.checkpoint_prefix(tid, round_)}manifest"
 
     # --- parsing keys (None: any other key) -----------------------------------------------------
 
