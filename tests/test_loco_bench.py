@@ -139,8 +139,8 @@ def test_grpo_ddp_is_data_parallel() -> None:
             single.compute_gradients(batch)
             grads.append([p.grad.clone() for p in single.local.model.parameters()])
         for p, *gs in zip(single.local.model.parameters(), *grads, strict=True):
-            total = torch.zeros_like(p)
-            for g in gs:
+            total = gs[0].clone()
+            for g in gs[1:]:
                 total += g
             p.grad = total / len(workers)
         average_gradients(params)

@@ -206,19 +206,21 @@ def grpo_bench(args: argparse.Namespace) -> GRPOBench:
 
 def average_gradients(params: list[list[torch.Tensor]]) -> None:
     """Set every worker's ``.grad`` to the mean of all workers' (``params[w][i]``: worker w's i-th
-    parameter), summed in worker order then divided by N: the same bits on every worker."""
+    parameter): ``((g0 + g1) + g2 ...) / N`` in worker order, into worker 0's gradient, then copied
+    to the others, so every worker holds the same bits (in place: no 0.5 GB allocation per step)."""
     n = len(params)
     for same in zip(*params, strict=True):
         grads = [p.grad for p in same]
-        if all(g is None for g in grads):
-            continue  # unused by the loss on every worker (the same graph everywhere)
-        total = torch.zeros_like(same[0])
-        for g in grads:
-            if g is not None:
-                total += g
+        if any(g is None for g in grads):
+            if all(g is None for g in grads):
+                continue  # unused by the loss on every worker (the same graph everywhere)
+            raise RuntimeError("a parameter has a gradient on some workers only")
+        total = grads[0]
+        for g in grads[1:]:
+            total += g
         total /= n
-        for p in same:
-            p.grad = total.clone()
+        for g in grads[1:]:
+            g.copy_(total)
 
 
 def weights_digest(local: Any) -> str:
