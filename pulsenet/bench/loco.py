@@ -71,7 +71,7 @@ class LocoBenchSettings(BenchSettings):
     (docs/bench.md). Older spelling accepted: --H (--inner-steps)."""
 
     task: Literal["sft", "grpo"] = "sft"
-    """Inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo; tiny model)."""
+    """Inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo)."""
     workers: int = 4
     """Trainers per mode."""
     rounds: int = 3
