@@ -150,3 +150,31 @@ def test_grpo_ddp_is_data_parallel() -> None:
         assert digests == {weights_digest(single.local)}, step
     # not a no-op: the shared step moved the weights away from the start
     assert weights_digest(single.local) != weights_digest(GRPOTrainer(build_tiny_model(0), cfg).local)
+
+
+@pytest.mark.timeout(600)
+def test_grpo_smollm2_few_shot_rollouts_on_policy() -> None:
+    """``--model smollm2``: few-shot prompts, completions cut at the newline, sampled by the worker's
+    engine from its current BF16 weights, so the trainer's log-probs match the engine's."""
+    import argparse
+
+    from pulsenet.bench.loco_grpo import SMOLLM2_SHOTS, grpo_bench
+
+    torch.set_num_threads(1)
+    args = argparse.Namespace(
+        model="smollm2", seed=0, prompts=1, group=4, max_new_tokens=4, eval_prompts=2, forward="bf16-weights"
+    )
+    bench = grpo_bench(args)
+    assert bench.stop_ids == tuple(bench.encode("\n")) and bench.default_lr == 3e-6
+    assert all(len(p.prompt.splitlines()) == SMOLLM2_SHOTS + 1 for p in bench.held_out)
+    grpo = bench.grpo_trainer("w0", 1e-4)
+    next_batch = bench.batches("w0", grpo)
+    for _ in range(2):  # the second batch comes from the stepped weights: still on policy
+        batch = next_batch()
+        assert len(batch) == 4 and {r.reward for r in batch} <= {0.0, 1.0}
+        for r in batch:
+            assert r.completion_ids[-1] in bench.stop_ids or len(r.completion_ids) == 4
+        m = grpo.compute_gradients(batch)
+        assert m.mismatch_max < 1e-3, m  # KV-cached engine vs the trainer's full forward: rounding only
+        grpo.apply_gradients()
+    assert 0.0 <= bench.eval_reward(grpo.local) <= 1.0
