@@ -231,6 +231,23 @@ def test_micro_batches_accumulate_to_the_same_step() -> None:
     assert ma.flat_groups == 0.0 and ma.reward_mean == 0.5 and ma.groups == 3 and ma.completions == 12
 
 
+def test_compute_then_apply_gradients_is_step() -> None:
+    """The split a data-parallel caller uses (``.grad`` averaged in between) is ``step``, to the bit."""
+    torch.set_num_threads(1)
+    whole = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3))
+    split = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3))
+    for n_groups in (3, 2):
+        m = whole.step(_fake_rollouts(n_groups))
+        half = split.compute_gradients(_fake_rollouts(n_groups))
+        assert split.steps == m.step - 1 and half.grad_norm is None  # no optimizer step yet
+        assert split.apply_gradients() == m.grad_norm and split.steps == m.step
+        assert (half.loss, half.entropy, half.reward_mean) == (m.loss, m.entropy, m.reward_mean)
+    a, b = whole.local.state_fp32(), split.local.state_fp32()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ConfigError, match="steps_per_batch"):
+        GRPOTrainer(build_tiny_model(0), GRPOConfig(steps_per_batch=2)).compute_gradients(_fake_rollouts())
+
+
 def test_several_steps_per_batch_clip_and_kl_reference() -> None:
     torch.set_num_threads(1)
     trainer = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=3e-2, steps_per_batch=3, beta=0.1))

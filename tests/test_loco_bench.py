@@ -7,8 +7,10 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from pulsenet.cli import main
+from pulsenet.codec.rollout import Rollout
 
 
 @pytest.mark.timeout(120)
@@ -90,14 +92,89 @@ def test_bench_loco_grpo_self_sampled_rewards(tmp_path: Path) -> None:
     b, n = s["bytes_per_worker_round"], doc["n_params"]
     assert b["ddp"] == h * 4 * n and b["diloco"] == 4 * n  # the accounting, unchanged by the task
     for row in doc["rounds"]:
-        assert row["ddp"]["bytes_per_worker"] == b["ddp"]
-        # the DDP learning baseline averaged after each of the H steps: H dense payloads per round
-        assert row["ddp"]["payload_bytes"] > (h - 0.5) * row["diloco_zstd"]["bytes_per_worker"]
+        assert row["ddp"]["bytes_per_worker"] == row["ddp"]["payload_bytes"] == b["ddp"]  # nothing put: accounting
         # PULSELoCo below DiLoCo as published (dense FP32). Not asserted against DiLoCo's zstd payload: at
         # the tiny model's GRPO rate nearly every weight moves in BF16 (sent ~95-99%), so the two are close
         assert 0 < row["pulseloco"]["bytes_per_worker"] < b["diloco"]
         assert 0 < row["diloco_zstd"]["bytes_per_worker"] < b["diloco"] + 4096
     assert list(tmp_path.glob("pulseloco-bench-*")) == []
-    # grpo runs on the tiny model only; sft has no ddp learning mode (DDP is accounting there)
-    assert main([*argv, "--model", "smollm2", "--workdir", str(tmp_path)]) != 0
+    # sft has no ddp learning mode (DDP is accounting there)
     assert main([*argv[:2], "--modes", "ddp", "--model", "tiny", "--workdir", str(tmp_path)]) != 0
+
+
+def _fake_rollouts(n_groups: int, g: int = 4) -> list[Rollout]:
+    gen = torch.Generator().manual_seed(n_groups)
+    return [
+        Rollout(
+            group=f"g{k}", prompt_ids=tuple(f"{k}+{k}=".encode()),
+            completion_ids=tuple(int(t) for t in torch.randint(32, 127, (1 + (i + k) % 3,), generator=gen)),
+            logprobs=(-2.0,) * (1 + (i + k) % 3), reward=float((i + k) % 2), version=0, model_digest="d",
+            node="n", seed=0,
+        )
+        for k in range(n_groups)
+        for i in range(g)
+    ]
+
+
+def test_grpo_ddp_is_data_parallel() -> None:
+    """``ddp``: every step the workers' gradients are averaged and every worker takes the same AdamW
+    step, so their weights are bit-identical after every step, and equal to one trainer that
+    averages the same batches' gradients itself."""
+    from pulsenet.bench.loco_grpo import average_gradients, weights_digest
+    from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+    from pulsenet.rl.models import build_tiny_model
+
+    torch.set_num_threads(1)
+    cfg = GRPOConfig(lr=1e-2, grad_clip=0.01)  # a clip that bites: the norm clipped is the average's
+    workers = [GRPOTrainer(build_tiny_model(0), cfg) for _ in range(3)]
+    single = GRPOTrainer(build_tiny_model(0), cfg)
+    params = [list(w.local.model.parameters()) for w in workers]
+    for step in range(3):
+        batches = [_fake_rollouts(n_groups=2 + (w + step) % 3) for w in range(len(workers))]  # own batches
+        for w, batch in zip(workers, batches, strict=True):
+            w.compute_gradients(batch)
+        assert len({weights_digest(w.local) for w in workers}) == 1
+        grads = []  # the single trainer: the same gradients, summed in worker order, / N
+        for batch in batches:
+            single.compute_gradients(batch)
+            grads.append([p.grad.clone() for p in single.local.model.parameters()])
+        for p, *gs in zip(single.local.model.parameters(), *grads, strict=True):
+            total = gs[0].clone()
+            for g in gs[1:]:
+                total += g
+            p.grad = total / len(workers)
+        average_gradients(params)
+        norms = {w.apply_gradients() for w in workers}
+        assert norms == {single.apply_gradients()} and norms.pop() > cfg.grad_clip
+        digests = {weights_digest(w.local) for w in workers}
+        assert digests == {weights_digest(single.local)}, step
+    # not a no-op: the shared step moved the weights away from the start
+    assert weights_digest(single.local) != weights_digest(GRPOTrainer(build_tiny_model(0), cfg).local)
+
+
+@pytest.mark.timeout(600)
+def test_grpo_smollm2_few_shot_rollouts_on_policy() -> None:
+    """``--model smollm2``: few-shot prompts, completions cut at the newline, sampled by the worker's
+    engine from its current BF16 weights, so the trainer's log-probs match the engine's."""
+    import argparse
+
+    from pulsenet.bench.loco_grpo import SMOLLM2_SHOTS, grpo_bench
+
+    torch.set_num_threads(1)
+    args = argparse.Namespace(
+        model="smollm2", seed=0, prompts=1, group=4, max_new_tokens=4, eval_prompts=2, forward="bf16-weights"
+    )
+    bench = grpo_bench(args)
+    assert bench.stop_ids == tuple(bench.encode("\n")) and bench.default_lr == 3e-6
+    assert all(len(p.prompt.splitlines()) == SMOLLM2_SHOTS + 1 for p in bench.held_out)
+    grpo = bench.grpo_trainer("w0", 1e-4)
+    next_batch = bench.batches("w0", grpo)
+    for _ in range(2):  # the second batch comes from the stepped weights: still on policy
+        batch = next_batch()
+        assert len(batch) == 4 and {r.reward for r in batch} <= {0.0, 1.0}
+        for r in batch:
+            assert r.completion_ids[-1] in bench.stop_ids or len(r.completion_ids) == 4
+        m = grpo.compute_gradients(batch)
+        assert m.mismatch_max < 1e-3, m  # KV-cached engine vs the trainer's full forward: rounding only
+        grpo.apply_gradients()
+    assert 0.0 <= bench.eval_reward(grpo.local) <= 1.0

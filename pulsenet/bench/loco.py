@@ -13,17 +13,16 @@ The learning metric is the loss of the global weights on held-out batches after 
 the trainers' forward (``--forward``; by default FP32 maths on the BF16-rounded weights), on the
 same seeds for DiLoCo and PULSELoCo, plus the mean inner training loss.
 
-``--task grpo`` (tiny model, warmed up as the nodes do): every inner step is a GRPO step
-(``GRPOInner``) on rollouts the trainer samples itself, on policy, from its current local weights
-(``rl.sampling.sample_group`` over the trainer's own forward: no inference nodes, no mismatch),
-``--prompts`` problems x ``--group`` completions per step, rewarded by the tiny task. Per round:
-the mean reward of the round's inner steps (averaged over the workers) and the greedy reward of
-the global weights on held-out problems. Mode ``ddp`` is a learning baseline run on the DiLoCo
-machinery with H = 1, outer lr 1, momentum 0: the workers' weights are averaged after every
-step. That is DDP's averaged-gradient step only for plain SGD; with AdamW each worker keeps its
-own moments (fed its own gradients), so it approximates DDP. One benchmark round of ``ddp`` is H
-such steps; its bytes stay the accounting (H dense FP32 gradients), and the dense payloads it
-actually put are reported apart (``payload_bytes``).
+``--task grpo``: every inner step is a GRPO step (``GRPOInner``) on rollouts the trainer samples
+itself, on policy, from its current local weights (no inference nodes), ``--prompts`` problems x
+``--group`` completions per step: the tiny model (warmed up as the nodes do) on its byte-level
+task, or SmolLM2 (``--model smollm2``) on few-shot single-digit arithmetic, sampled by a
+``TorchEngine`` (``bench/loco_grpo.py``). Per round: the mean reward of the round's inner steps
+(averaged over the workers) and the greedy reward of the global weights on held-out problems.
+Mode ``ddp`` is real data-parallel GRPO (``loco_grpo.run_ddp``): every step the workers' gradients
+are averaged and every worker takes the same AdamW step, so their weights stay bit-identical
+(checked every round); no store is involved and its bytes are the accounting (H dense FP32
+gradients per round).
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ class LocoBenchSettings(BenchSettings):
     (docs/bench.md). Older spelling accepted: --H (--inner-steps)."""
 
     task: Literal["sft", "grpo"] = "sft"
-    """Inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo; tiny model)."""
+    """Inner loop: supervised batches (sft) or GRPO on self-sampled rollouts (grpo)."""
     workers: int = 4
     """Trainers per mode."""
     rounds: int = 3
@@ -105,8 +104,6 @@ def run(settings: LocoBenchSettings) -> dict[str, Any]:
     grpo = args.task == "grpo"
     if args.model is None:
         args.model = "tiny" if grpo else "smollm2"
-    if grpo and args.model != "tiny":
-        raise ConfigError("--task grpo runs on the tiny model (byte-level task and sampler)")
     if grpo and min(args.prompts, args.group, args.max_new_tokens, args.eval_prompts) < 1:
         raise ConfigError("--prompts, --group, --max-new-tokens and --eval-prompts must be >= 1")
     allowed = GRPO_MODES if grpo else RICH_MODES
@@ -123,6 +120,9 @@ def run(settings: LocoBenchSettings) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     try:
         for mode in modes:
+            if mode == "ddp":  # real data-parallel GRPO, no store (bench/loco_grpo.py)
+                results[mode] = _run_ddp(args)
+                continue
             with tempfile.TemporaryDirectory(prefix=f"pulseloco-bench-{mode}-", dir=args.workdir) as tmp:
                 results[mode] = asyncio.run(_run_mode(args, mode, Path(tmp)))
         doc = _document(args, results, time.perf_counter() - started)
@@ -132,8 +132,17 @@ def run(settings: LocoBenchSettings) -> dict[str, Any]:
     return doc
 
 
-async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
+def _run_ddp(args: argparse.Namespace) -> dict[str, Any]:
+    from rich.console import Console
 
+    from pulsenet.bench.loco_grpo import grpo_bench, run_ddp
+
+    bench = grpo_bench(args)
+    lr = args.lr if args.lr is not None else bench.default_lr
+    return run_ddp(args, bench, lr, Console(stderr=True))
+
+
+async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str, Any]:
     from rich.console import Console
 
     from pulsenet.bench.loco_phases import SharedCores, SharedPayloads
@@ -147,17 +156,14 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     for tid in ids:
         generate_keypair(tmp / "keys" / tid)
     trusted = trainer_keys([f"{t}={tmp / 'keys' / t}.pub" for t in ids])
-    grpo, ddp = args.task == "grpo", mode == "ddp"
-    # ddp: the DiLoCo machinery averaging the weights after every step; span = trainer rounds per
-    # benchmark round (H), so every mode's round covers the same H inner steps
-    span = args.inner_steps if ddp else 1
+    grpo = args.task == "grpo"
     config = LocoConfig(
-        mode="diloco" if ddp else mode,
-        inner_steps=1 if ddp else args.inner_steps,
-        outer_lr=1.0 if ddp else args.outer_lr,
-        outer_momentum=0.0 if ddp else args.outer_momentum,
+        mode=mode,
+        inner_steps=args.inner_steps,
+        outer_lr=args.outer_lr,
+        outer_momentum=args.outer_momentum,
         gate_scale=args.gate_scale,
-        overlap=args.overlap and not ddp,
+        overlap=args.overlap,
         workers_expected=args.workers,
         min_quorum=args.workers,  # every round averages every worker: the figures compare like with like
         deadline_s=24 * 3600.0,
@@ -170,26 +176,23 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     # with emulated links each worker opens the store through its own link and pays every download
     stores = [LocalStore(tmp / "store", default_timeout=600.0, link_mbps=args.link_mbps) for _ in ids]
     cores, cache = SharedCores(), SharedPayloads(shares_downloads=args.link_mbps is None)
-    tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
-    lr = args.lr if args.lr is not None else default_lr
-    held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
     if grpo:
-        from pulsenet.rl.tasks import assign_problems
-        from pulsenet.rl.warmup import tiny_task
+        from pulsenet.bench.loco_grpo import grpo_bench
 
-        held_out_problems = assign_problems(
-            tiny_task(args.seed), node="eval", version=0, seed=10_007 + args.seed, n=args.eval_prompts
-        )
+        bench = grpo_bench(args)
+        lr = args.lr if args.lr is not None else bench.default_lr
+    else:
+        tokenizer, default_lr, make_model = _model_factory(args.model, args.seed)
+        lr = args.lr if args.lr is not None else default_lr
+        held_out = ArithmeticTask(10_007 + args.seed, tokenizer)
     eval_loss: dict[int, float] = {}
     console, started = Console(stderr=True), time.perf_counter()
 
     async def evaluate(trainer: LocoTrainer, report: RoundReport | None) -> None:
-        if report is not None and report.round % span:
-            return  # ddp: evaluate once per benchmark round (H trainer rounds)
-        r = report.round // span if report is not None else 0
+        r = report.round if report is not None else 0
         async with cores.turn:
             if grpo:
-                fn = lambda local: _eval_reward(local, held_out_problems, args)  # noqa: E731
+                fn = bench.eval_reward
             else:
                 fn = lambda local: _eval(local, held_out, args)  # noqa: E731
             loss = await asyncio.to_thread(_eval_global, trainer, fn)
@@ -206,7 +209,7 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
     trainers = []
     for k, tid in enumerate(ids):
         if grpo:
-            inner: Any = _self_sampling_inner(args, tid, lr)
+            inner: Any = bench.inner(tid, lr)
         else:
             inner = _supervised_inner(args, tid, lr, make_model, tokenizer)
         trainers.append(
@@ -222,30 +225,26 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         await t.start()
     await evaluate(trainers[0], None)
     t0 = time.perf_counter()
-    await asyncio.gather(*(t.run(args.rounds * span) for t in trainers))
+    await asyncio.gather(*(t.run(args.rounds) for t in trainers))
     wall = time.perf_counter() - t0
     n_params = sum(v.numel() for v in trainers[0].state.theta.values())  # type: ignore[union-attr]
     rounds = []
     for r in range(1, args.rounds + 1):
-        spanned = range((r - 1) * span + 1, r * span + 1)  # the trainer rounds of benchmark round r
-        reps = [[next(x for x in t.reports if x.round == q) for t in trainers] for q in spanned]
-        trained = [[x for x in rr if x.payload_bytes] for rr in reps]
-        times = [[cores.round_s(x.trainer, x.round) for x in tr] for tr in trained]
-        flat = [x for tr in trained for x in tr]
+        reps = [next(x for x in t.reports if x.round == r) for t in trainers]
+        trained = [x for x in reps if x.payload_bytes]
+        times = [cores.round_s(x.trainer, x.round) for x in trained]
         row = {
             "round": r,
-            "payload_bytes": sum(statistics.mean(x.payload_bytes for x in tr) for tr in trained),
-            "sent_fraction": sum(x.sent for x in flat) / sum(x.total for x in flat),
+            "payload_bytes": statistics.mean(x.payload_bytes for x in trained),
+            "sent_fraction": sum(x.sent for x in trained) / sum(x.total for x in trained),
             "eval_reward" if grpo else "eval_loss": eval_loss.get(r),
-            "train_loss": statistics.mean(x.loss for x in flat if x.loss is not None),
-            "digests_equal": all(len({x.digest for x in rr}) == 1 for rr in reps),
-            **{f"{k}_s": sum(statistics.mean(t[k] for t in ts) for ts in times)
+            "train_loss": statistics.mean(x.loss for x in trained if x.loss is not None),
+            "digests_equal": len({x.digest for x in reps}) == 1,
+            **{f"{k}_s": statistics.mean(t[k] for t in times)
                for k in ("inner", "encode", "upload", "wait", "apply", "verify", "queued")},
         }  # fmt: skip
         if grpo:  # the mean reward of the round's inner steps, averaged over the workers
-            row["reward"] = statistics.mean(
-                statistics.mean(t.inner.rewards[q - 1] for q in spanned) for t in trainers
-            )
+            row["reward"] = statistics.mean(t.inner.rewards[r - 1] for t in trainers)
         rounds.append(row)
     return {
         "n_params": n_params,
@@ -276,61 +275,6 @@ def _supervised_inner(args: argparse.Namespace, tid: str, lr: float, make_model:
     return SupervisedInner(local, task)
 
 
-def _self_sampling_inner(args: argparse.Namespace, tid: str, lr: float) -> Any:
-    """A ``GRPOInner`` fed on policy: each step samples ``--prompts`` x ``--group`` completions from
-    the trainer's current local weights (its own forward, so no engine/trainer mismatch) and scores
-    them. Its ``rewards[i]`` is the mean reward of the i-th inner phase's steps (one per round)."""
-    import torch
-
-    from pulsenet.cli.loco import data_seed
-    from pulsenet.codec.rollout import Rollout
-    from pulsenet.nodes.common import CACHE_DIR
-    from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
-    from pulsenet.rl.inner import GRPOInner
-    from pulsenet.rl.models import BYTE_EOS
-    from pulsenet.rl.sampling import sample_group
-    from pulsenet.rl.tasks import assign_problems
-    from pulsenet.rl.warmup import tiny_task, warm_tiny_model
-
-    seed = data_seed(args.seed, tid)
-    task, generator = tiny_task(args.seed), torch.Generator().manual_seed(seed)
-    grpo = GRPOTrainer(
-        warm_tiny_model(CACHE_DIR.expanduser(), seed=args.seed),
-        GRPOConfig(lr=lr, seed=seed, forward=args.forward),
-    )
-
-    def next_batch() -> list[Rollout]:
-        version = grpo.steps  # the trainer's step count: fresh problems every step
-        batch = []
-        for k, p in enumerate(
-            assign_problems(task, node=tid, version=version, seed=args.seed, n=args.prompts)
-        ):
-            prompt = tuple(p.prompt.encode())
-            for s in sample_group(
-                grpo.local.logits, prompt, args.group, max_new_tokens=args.max_new_tokens, eos_id=BYTE_EOS,
-                temperature=grpo.config.temperature, generator=generator,
-            ):  # fmt: skip
-                text = bytes(s.completion_ids).decode("utf-8", errors="replace")
-                batch.append(Rollout(
-                    group=f"{tid}-{version}-{k}", prompt_ids=prompt, completion_ids=s.completion_ids,
-                    logprobs=s.logprobs, reward=task.score(text, p), version=version, model_digest="self",
-                    node=tid, seed=args.seed,
-                ))  # fmt: skip
-        return batch
-
-    class SelfSampling(GRPOInner):
-        def __init__(self) -> None:
-            super().__init__(grpo, next_batch)
-            self.rewards: list[float] = []
-
-        def train(self, steps: int) -> list[float]:
-            losses = super().train(steps)
-            self.rewards.append(statistics.mean(m.reward_mean for m in self.metrics))
-            return losses
-
-    return SelfSampling()
-
-
 def _model_factory(name: str, seed: int) -> tuple[Any, float, Any]:
     from pulsenet.rl import build_tiny_model, load_model, load_tokenizer, smollm2_checkpoint
 
@@ -357,22 +301,6 @@ def _eval(local: Any, task: Any, args: argparse.Namespace) -> float:
     # The trainers' own forward (--forward): PULSELoCo withholds exactly the updates a BF16 forward
     # cannot see, so an FP32 evaluation would credit DiLoCo with them.
     return local.eval_loss(task.batch(args.batch, args.seq, step=step) for step in range(args.eval_batches))
-
-
-def _eval_reward(local: Any, problems: Any, args: argparse.Namespace) -> float:
-    """Greedy reward of ``local``'s weights (its own forward) on held-out problems of the tiny task."""
-    from pulsenet.rl.models import BYTE_EOS
-    from pulsenet.rl.sampling import sample_group
-    from pulsenet.rl.warmup import tiny_task
-
-    task, total = tiny_task(args.seed), 0.0
-    for p in problems:
-        (s,) = sample_group(
-            local.logits, tuple(p.prompt.encode()), 1, max_new_tokens=args.max_new_tokens, eos_id=BYTE_EOS,
-            temperature=0,
-        )  # fmt: skip
-        total += task.score(bytes(s.completion_ids).decode("utf-8", errors="replace"), p)
-    return total / len(problems)
 
 
 def _document(args: argparse.Namespace, results: dict[str, dict[str, Any]], wall: float) -> dict[str, Any]:
@@ -522,7 +450,7 @@ def _print(doc: dict[str, Any]) -> None:
         console.print(
             "reward: mean GRPO reward of the round's inner steps (on-policy, self-sampled), over the workers; "
             "eval reward: greedy, global weights, held-out problems (mean row: mean reward, final eval); "
-            "DDP learning = DiLoCo machinery with H=1, outer lr 1, momentum 0 (weights averaged every step)"
+            "DDP: gradients averaged over the workers every step, one AdamW step on every worker"
         )
     initial = (
         f"initial eval reward {s['initial_eval_reward']:.4f}"

@@ -265,6 +265,30 @@ class GRPOTrainer:
     def step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
         """``steps_per_batch`` optimizer steps on one batch of rollouts; returns its metrics.
 
+        See ``_step`` for a data-parallel site (``self.parallel``)."""
+        return self._step(rollouts, apply=True)
+
+    def compute_gradients(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
+        """The first half of ``step``: the gradient of L(θ) on one batch into the parameters'
+        ``.grad``, and no optimizer step; ``apply_gradients`` is the other half.
+
+        Between the two, a data-parallel caller replaces ``.grad`` with the average of every
+        worker's (``bench/loco_grpo.run_ddp``), so every worker takes the same step. Needs
+        ``steps_per_batch`` = 1: a second step on the batch would need the first applied. The
+        metrics' ``step`` is the step count before the update and ``grad_norm`` is None (the norm
+        that counts is the averaged gradient's: ``apply_gradients`` returns it).
+        """
+        if self.config.steps_per_batch != 1:
+            raise ConfigError("compute_gradients needs steps_per_batch = 1; use step for more")
+        return self._step(rollouts, apply=False)
+
+    def apply_gradients(self) -> float | None:
+        """Clip and AdamW-step the gradients in ``.grad`` (``LocalTrainer.apply_gradients``)."""
+        return self.local.apply_gradients()
+
+    def _step(self, rollouts: Sequence[Rollout], *, apply: bool) -> GRPOMetrics:
+        """``step`` (``apply``), or its gradients only (``compute_gradients``).
+
         With ``self.parallel`` set (a data-parallel site, ``rl.distributed.DataParallel``) this
         process computes only its shares of the batch, rows ``r::world`` for each share ``r``, every
         loss still normalised by the whole batch's token count T; ``parallel.sum_gradients`` then
@@ -317,7 +341,7 @@ class GRPOTrainer:
                     par.share_done(self.local.model)
             if par is not None:
                 par.sum_gradients(self.local.model)
-            grad_norm = self.local.apply_gradients()
+            grad_norm = self.local.apply_gradients() if apply else None
         mine = torch.cat([s for _, s in slices]) if slices else torch.zeros(0, dtype=torch.long)
         tokens, engine = batch.mask[mine], batch.engine_logp[mine]
         old_logp = torch.cat(old) if old else torch.zeros_like(engine)
