@@ -21,14 +21,21 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import tyro
 
 from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
+from pulsenet.nodes.launcher import UpConfig
+from pulsenet.settings import fields_of
 
 SCHEMA = "pulsenet.bench.rl/1"
+
+OuterStep = fields_of(UpConfig, "outer_lr", "outer_momentum")
+"""With several trainers, the outer step ``pulsenet up`` runs (plain averaging, docs/rl.md)."""
 
 
 @dataclass(kw_only=True)
@@ -69,6 +76,7 @@ class RLBenchSettings(BenchSettings):
     """Run seed."""
     workdir: Path | None = None
     """Keep keys, states and caches here (None: a temporary directory)."""
+    outer: Annotated[OuterStep, tyro.conf.arg(name="")] = field(default_factory=OuterStep)  # type: ignore[valid-type]
 
 
 def run(args: RLBenchSettings) -> dict[str, Any]:
@@ -150,6 +158,8 @@ class _Network:
                 grpo=GRPOConfig(lr=lr, pad_id=text.pad_id),
                 peers=[f"{p}={workdir / 'keys' / f'{p}.key.pub'}" for p in trainers] if loco else [],
                 inner_steps=args.inner_steps,
+                outer_lr=args.outer.outer_lr,
+                outer_momentum=args.outer.outer_momentum,
             )
             sources = [
                 RolloutSource(f"i{k}", store(t, f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
