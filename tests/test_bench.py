@@ -100,13 +100,13 @@ def test_bench_settings_from_config_env_and_flags(tmp_path, capsys):
     assert (s.workers, s.outer.inner_steps, s.link_mbps, s.inner.model, s.json) == (2, 2, 5.0, "tiny", Path("o.json"))
     assert load(["--H=4", "--overlap"], {}).outer.inner_steps == 4
 
-    # the defaults and the JSON's "config" keys are the argparse options' of before the schema
+    # the defaults and the JSON's "config" keys are the argparse options' of before the schema (plus plot)
     d = LocoBenchSettings()
     assert (d.workers, d.rounds, d.outer.inner_steps, d.inner.batch, d.inner.seq, d.inner.model) == (4, 3, 8, 2, 32, None)
     assert set(config_of(d)) == {
         "task", "model", "workers", "inner_steps", "rounds", "lr", "prompts", "group", "max_new_tokens",
         "eval_prompts", "batch", "seq", "outer_lr", "outer_momentum", "gate_scale", "overlap", "seed", "forward",
-        "eval_batches", "modes", "threads", "link_mbps", "workdir", "json",
+        "eval_batches", "modes", "threads", "link_mbps", "workdir", "json", "plot",
     }  # fmt: skip
 
     cfg.write_text('[bench.loco]\nworkers = "many"\n')

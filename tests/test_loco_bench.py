@@ -73,8 +73,10 @@ def test_bench_loco_grpo_self_sampled_rewards(tmp_path: Path) -> None:
     out, rounds, h = tmp_path / "loco.json", 2, 2
     argv = ["bench", "loco", "--task", "grpo", "--workers", "2", "--rounds", str(rounds), "--H", str(h),
             "--threads", "1", "--prompts", "4", "--group", "4", "--eval-prompts", "8"]  # fmt: skip
-    assert main([*argv, "--workdir", str(tmp_path), "--json", str(out)]) == 0
+    png = tmp_path / "plot" / "loco.png"
+    assert main([*argv, "--workdir", str(tmp_path), "--json", str(out), "--plot", str(png)]) == 0
     doc = json.loads(out.read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     s, modes = doc["summary"], ("ddp", "diloco", "pulseloco")
     assert doc["config"]["model"] == "tiny" and doc["config"]["task"] == "grpo"
     assert set(s["reward"]) == set(s["eval_reward"]) == set(modes)

@@ -92,6 +92,8 @@ class LocoBenchSettings(BenchSettings):
     """Give each worker its own emulated link of this many Mbit/s each way (None: no link)."""
     workdir: Path | None = None
     """Store and keys here (None: a temporary directory, deleted)."""
+    plot: Path | None = None
+    """Write a PNG here: the learning metric and the bytes per worker, per round and mode."""
     inner: Annotated[BenchInner, tyro.conf.arg(name="")] = field(default_factory=lambda: BenchInner(batch=2))
     outer: Annotated[OuterStep, tyro.conf.arg(name="")] = field(default_factory=OuterStep)  # type: ignore[valid-type]
 
@@ -129,6 +131,8 @@ def run(settings: LocoBenchSettings) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     _print(doc)
+    if args.plot is not None:
+        plot(doc, Path(args.plot))
     return doc
 
 
@@ -385,6 +389,39 @@ def _bytes_per_worker_round(
         if mode in results:
             out[key] = statistics.mean(x["payload_bytes"] for x in results[mode]["rounds"])
     return out
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """The run's curves (matplotlib, Agg): learning metric per round per mode, bytes per worker per round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grpo = doc["config"]["task"] == "grpo"
+    metric, ylabel = ("reward", "mean inner reward") if grpo else ("eval_loss", "eval loss")
+    labels = {"ddp": "DDP", "diloco": "DiLoCo", "diloco_zstd": "DiLoCo zstd", "pulseloco": "PULSELoCo"}
+    colors = {"ddp": "C0", "diloco": "C1", "diloco_zstd": "C4", "pulseloco": "C2"}
+    xs = [r["round"] for r in doc["rounds"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for mode in GRPO_MODES:
+        ys = [r.get(mode, {}).get(metric) for r in doc["rounds"]]
+        if any(y is not None for y in ys):
+            left.plot(xs, ys, marker="o", label=labels[mode], color=colors[mode])
+    for key in ("ddp", "diloco", "diloco_zstd", "pulseloco"):
+        ys = [r.get(key, {}).get("bytes_per_worker") for r in doc["rounds"]]
+        if any(y is not None for y in ys):
+            right.plot(xs, ys, marker=".", label=labels[key], color=colors[key])
+    c = doc["config"]
+    left.set(xlabel="round", ylabel=ylabel, title=f"{c['model']}, {c['workers']} workers, H={c['inner_steps']}")
+    right.set(xlabel="round", ylabel="bytes per worker (log)", yscale="log", title="Bytes per worker per round")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _print(doc: dict[str, Any]) -> None:
