@@ -5,8 +5,11 @@ shared interface: ``name``, ``seeds``, ``decode``, optional ``exact``, ``equal``
 this module finds them all, mutates their seeds (generic byte-level mutations plus each target's
 structure-aware ones, stacked 1-3 deep) and checks the invariant:
 
-    every case ends in a ``PulsenetError``, or (``exact`` targets) in the output of its seed;
-    no other exception, ever.
+    every case ends in a ``PulsenetError``, or (``exact`` targets) in the output of one of the
+    seeds; no other exception, ever.
+
+(One of the seeds, not its own: a splice followed by a re-encoding can rebuild another seed's
+signed document byte for byte but for whitespace, and that must verify as that seed.)
 
 Runs are deterministic for a given (target, seed, case count). Standard library + pulsenet only,
 so ``tests/fuzz/run.py`` works without pytest.
@@ -188,7 +191,6 @@ def run_target(target: dict, cases: int, seed: int = 0, *, keep_crashes: int = 2
     if not seeds:
         raise ValueError(f"{name}: no seeds")
     expected = [decode(s) for s in seeds]  # seeds must decode: a broken seed is a broken target
-    by_bytes = {s: i for i, s in enumerate(seeds)}
     rng = random.Random(seed ^ zlib.crc32(name.encode()))
     stats = Stats(name)
     t_start = time.perf_counter()
@@ -227,8 +229,7 @@ def run_target(target: dict, cases: int, seed: int = 0, *, keep_crashes: int = 2
         if not exact:
             stats.accepted += 1
             continue
-        origin = by_bytes.get(data, k)
-        if equal(out, expected[origin]):
+        if any(equal(out, e) for e in expected):
             stats.exact += 1
         else:
             stats.crashes.append(Crash(name, case, used, "decoded without error to an output that differs from its seed's",
