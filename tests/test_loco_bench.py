@@ -160,7 +160,8 @@ def test_grpo_smollm2_few_shot_rollouts_on_policy() -> None:
     engine from its current BF16 weights, so the trainer's log-probs match the engine's."""
     import argparse
 
-    from pulsenet.bench.loco_grpo import SMOLLM2_SHOTS, grpo_bench
+    from pulsenet.bench.loco_grpo import grpo_bench
+    from pulsenet.nodes.common import SHOTS
 
     torch.set_num_threads(1)
     args = argparse.Namespace(
@@ -168,7 +169,7 @@ def test_grpo_smollm2_few_shot_rollouts_on_policy() -> None:
     )
     bench = grpo_bench(args)
     assert bench.stop_ids == tuple(bench.encode("\n")) and bench.default_lr == 3e-6
-    assert all(len(p.prompt.splitlines()) == SMOLLM2_SHOTS + 1 for p in bench.held_out)
+    assert all(len(p.prompt.splitlines()) == SHOTS + 1 for p in bench.held_out)
     grpo = bench.grpo_trainer("w0", 1e-4)
     next_batch = bench.batches("w0", grpo)
     for _ in range(2):  # the second batch comes from the stepped weights: still on policy

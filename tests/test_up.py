@@ -270,3 +270,29 @@ def test_sparsity_counts_unchanged_bf16_bits() -> None:
     assert unchanged_fraction(old, new) == 21 / 25
     new["w"][1, 0] = -0.0  # same value, other bits: a change the patch must carry
     assert unchanged_fraction(old, new) == 20 / 25
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path) -> None:
+    """tiny answers its warm-up task; a pretrained model gets solved examples first and its
+    completion ends at the newline after its answer (a bare ``3+4=`` gives it no reward signal)."""
+    from pulsenet.nodes.common import SHOTS, make_task
+    from pulsenet.nodes.launcher import UpConfig, _Creds, _plan
+
+    sites = ["t0", "t1", "i0", "i1"]
+    creds = _Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
+    (tmp_path / "config").mkdir()
+    nodes = _plan(UpConfig(model=model), tmp_path, "run", creds)
+    tables = [tomllib.loads((tmp_path / "config" / f"{n.name}.toml").read_text()) for n in nodes]
+    inference = [t["inference"] for t in tables if "inference" in t]
+    assert len(inference) == 2
+    want = ("arith", "") if model == "tiny" else ("arith-shots", "\n")
+    assert all((t["task"], t["stop"]) == want for t in inference), inference
+
+    task = make_task("arith-shots", 0)
+    problem = task.draw(__import__("random").Random(1))
+    lines = problem.prompt.split("\n")
+    assert len(lines) == SHOTS + 1 and all("=" in line for line in lines)
+    assert all(eval(line.split("=")[0]) == int(line.split("=")[1]) for line in lines[:-1])  # solved shots
+    assert task.score(f"{problem.answer}\n", problem) == 1.0
+    assert task.score(f"{int(problem.answer) + 1}\n", problem) == 0.0

@@ -9,7 +9,8 @@ Models and tasks:
 
 - ``tiny``: the warmed-up byte-level model on its own task (single-digit ``a±b=``), sampled with
   the trainer's own forward (``rl.sampling.sample_group``: no KV cache, nothing to sync).
-- ``smollm2``: SmolLM2-135M-Instruct on ``FewShotTask(ArithmeticTask(max_operand=9), k=4)``:
+- ``smollm2``: SmolLM2-135M-Instruct on ``arith-shots`` (``nodes.common.make_task``, the inference
+  nodes' smollm2 task: ``FewShotTask(ArithmeticTask(max_operand=9), k=4)``):
   four solved examples, one per line, then the problem (``"2+8=10\\n...\\n7-3="``), no chat
   template, as the inference nodes prompt it. A completion ends at its first newline; the
   reward is the exact answer on that line. Sampled by a ``TorchEngine`` per worker (the
@@ -40,11 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-SMOLLM2_SHOTS = 4
-"""Solved examples before every SmolLM2 prompt (``FewShotTask``)."""
-SMOLLM2_MAX_OPERAND = 9
-"""SmolLM2's problems: ``a±b`` with single digits (initial sampled reward in between, see docs/results)."""
 
 
 @dataclass(slots=True)
@@ -178,8 +174,8 @@ class GRPOBench:
 
 
 def grpo_bench(args: argparse.Namespace) -> GRPOBench:
-    from pulsenet.nodes.common import CACHE_DIR, text_codec
-    from pulsenet.rl.tasks import ArithmeticTask, FewShotTask, assign_problems
+    from pulsenet.nodes.common import CACHE_DIR, make_task, text_codec
+    from pulsenet.rl.tasks import assign_problems
     from pulsenet.rl.warmup import tiny_task, warm_tiny_model
 
     codec = text_codec(args.model)
@@ -191,9 +187,7 @@ def grpo_bench(args: argparse.Namespace) -> GRPOBench:
     else:
         from pulsenet.rl import load_model, smollm2_checkpoint
 
-        task = FewShotTask(
-            ArithmeticTask(args.seed, max_operand=SMOLLM2_MAX_OPERAND), k=SMOLLM2_SHOTS, seed=args.seed
-        )
+        task = make_task("arith-shots", args.seed)  # what the inference nodes run for smollm2
         model = load_model(smollm2_checkpoint())
         stop_ids = tuple(codec.encode("\n"))
         lr = 3e-6

@@ -22,7 +22,7 @@ from pulsenet.rl.models import (
     smollm2_checkpoint,
     tiny_qwen2_config,
 )
-from pulsenet.rl.tasks import ChainTask, JsonlTask, RewardTask
+from pulsenet.rl.tasks import ArithmeticTask, ChainTask, FewShotTask, JsonlTask, RewardTask
 from pulsenet.rl.warmup import WARMUP_STEPS, tiny_task, warm_tiny_model
 from pulsenet.signing import key_id, load_public_key
 from pulsenet.store import S3Config, open_store
@@ -88,16 +88,27 @@ def initial_model(
     raise ConfigError(f"model must be one of {MODELS}, got {model!r}")
 
 
+SHOTS = 4
+"""Solved examples before every ``arith-shots`` prompt."""
+SHOTS_MAX_OPERAND = 9
+"""``arith-shots`` problems are ``a±b`` with single digits: SmolLM2-135M's sampled reward starts
+between 0 and 1 (docs/results/loco-grpo-smollm2-2026-12-01.md), so GRPO's groups are not flat."""
+
+
 def make_task(name: str, seed: int) -> RewardTask:
-    """``arith`` (single-digit +/-: what the tiny model is warmed up on), ``chain`` (multi-step),
-    or a ``.jsonl`` file of ``{"problem", "answer"}`` rows (MATH/GSM8K style)."""
+    """``arith`` (single-digit +/-: what the tiny model is warmed up on), ``arith-shots`` (the same
+    after four solved examples, one per line: what a pretrained model answers; pair it with a
+    newline stop), ``chain`` (multi-step), or a ``.jsonl`` file of ``{"problem", "answer"}`` rows
+    (MATH/GSM8K style)."""
     if name == "arith":
         return tiny_task(seed)
+    if name == "arith-shots":
+        return FewShotTask(ArithmeticTask(seed, max_operand=SHOTS_MAX_OPERAND), k=SHOTS, seed=seed)
     if name == "chain":
         return ChainTask(seed)
     if name.endswith(".jsonl"):
         return JsonlTask.load(name)
-    raise ConfigError(f"task must be arith, chain or a .jsonl file, got {name!r}")
+    raise ConfigError(f"task must be arith, arith-shots, chain or a .jsonl file, got {name!r}")
 
 
 def open_site_store(url: str, *, link_mbps: float | None = None) -> ObjectStore:

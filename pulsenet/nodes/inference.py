@@ -66,7 +66,11 @@ class InferenceConfig:
     model: str = "tiny"
     """Architecture and tokenizer: tiny or smollm2 (the weights come from the channel)."""
     task: str = "arith"
-    """arith, chain, or a .jsonl file of {"problem", "answer"} rows."""
+    """arith, arith-shots (few-shot single-digit arithmetic, for pretrained models), chain, or a
+    .jsonl file of {"problem", "answer"} rows."""
+    stop: str = ""
+    """Text whose tokens also end a completion ("\\n" with arith-shots: one answer per line);
+    empty: EOS and max_new_tokens only."""
     prompts: int = 8
     """Prompts per batch."""
     group_size: int = 4
@@ -291,6 +295,7 @@ class InferenceNode:
             top_p=c.top_p,
             max_new_tokens=c.max_new_tokens,
             seed=_sample_seed(c.seed, c.id, version, index),
+            stop_token_ids=tuple(self.text.encode(c.stop)) if c.stop else (),
         )
         gens = await asyncio.to_thread(engine.generate, prompts, params)
         rows, rewards = [], []

@@ -87,8 +87,9 @@ class UpConfig:
     averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
     outer_momentum: float = 0.0
     """PULSELoCo: outer Nesterov momentum of every trainer."""
-    task: str = "arith"
-    """arith, chain or a .jsonl file of {"problem", "answer"} rows."""
+    task: str = ""
+    """arith, arith-shots, chain or a .jsonl file of {"problem", "answer"} rows ("": arith for
+    tiny; arith-shots for smollm2, whose completions then stop at a newline)."""
     max_staleness: int = 2
     """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
     rows_per_step: int = 0
@@ -334,7 +335,8 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
             policy=[url[t] for t in trainers],
             trust=[keys / f"{t}.key.pub" for t in trainers],
             model=c.model,
-            task=c.task,
+            task=c.task or ("arith" if tiny else "arith-shots"),
+            stop="" if tiny or c.task else "\n",
             max_new_tokens=c.max_new_tokens or (5 if tiny else 16),
             max_staleness=c.max_staleness,
             seed=c.seed,
