@@ -29,6 +29,7 @@ import torch
 
 from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.loco.algorithm import outer_step
 from pulsenet.nodes.common import CACHE_DIR, initial_model, make_task, text_codec
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.tasks import assign_problems
@@ -98,10 +99,8 @@ def main() -> None:
                 kls.append(m.mismatch_kl)
             local = t.local.state_fp32()
             deltas.append({n: theta[n] - local[n] for n in theta})
-        for n in theta:  # m <- mu m + delta; theta <- theta - lr (delta + mu m)
-            d = sum(x[n] for x in deltas) / len(deltas)
-            momentum[n] = a.momentum * momentum[n] + d
-            theta[n] = theta[n] - a.outer_lr * (d + a.momentum * momentum[n])
+        mean = ((n, (sum(x[n] for x in deltas) / len(deltas)).numpy()) for n in theta)
+        outer_step(theta, momentum, mean, lr=a.outer_lr, mu=a.momentum)  # the trainers' own step
         versions[r] = {n: x.clone() for n, x in theta.items()}
         for old in [x for x in versions if x < r - a.lag - 2]:
             del versions[old]
