@@ -5,7 +5,7 @@ A round (``round.py``) only ever asks its inner loop to
 - run H optimizer steps from the weights it holds and say how they went (``train``),
 - hand over / take the FP32 master weights (``state_fp32`` / ``load_state_fp32``),
 - show its live named parameters (``parameters``), which the pseudo-gradient and the overlap
-  mode's re-base read in place without a copy,
+  mode's re-base read in place without a copy (a CPU snapshot when they live on a GPU),
 - snapshot and restore what a restart needs to continue bit-identically: optimizer, RNG and
   step counter (``checkpoint`` / ``restore``), stored in the trainer's resume point.
 
@@ -43,7 +43,10 @@ class InnerLoop(Protocol):
         ...
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
-        """The live FP32 parameters by the same names (read, not copied, by the round)."""
+        """The live FP32 parameters by the same names (read, not copied, by the round), on the CPU.
+
+        Weights on an accelerator come as a CPU snapshot taken at the call: the round only reads
+        the mapping, and only while no inner phase runs, so the snapshot is what it would see."""
         ...
 
     def checkpoint(self) -> dict[str, Any]:

@@ -83,13 +83,15 @@ def _serve_site_rank(c: TrainerConfig) -> None:
     c.grpo.pad_id = text_codec(c.model).pad_id
     # Rank 0 sends its weights first: the tiny model needs no warm-up here, only its shape.
     model = build_tiny_model(c.seed) if c.model == "tiny" else initial_model(c.model, c.cache_dir, seed=c.seed)
-    serve_rank(grpo=GRPOTrainer(model, c.grpo))
+    serve_rank(grpo=GRPOTrainer(model, c.grpo_config()))
 
 
 def build_trainer(c: TrainerConfig, *, site: bool = False) -> TrainerNode:
     """The trainer node of ``c``; ``site``: as rank 0 of a torchrun site (``TrainerNode``)."""
+    from pulsenet.rl.local import resolve_device
     from pulsenet.rollouts import RolloutSource
 
+    resolve_device(c.device)  # a GPU-less host fails here, before the warm-up
     if not c.store:
         raise ConfigError("trainer: set store (this site's bucket, e.g. s3://pulsenet-t0)")
     sources_urls = site_map(c.inference, "inference")

@@ -36,7 +36,7 @@ import contextlib
 import logging
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,13 @@ class TrainerConfig:
     """PULSELoCo: outer Nesterov momentum, the same on every trainer of the run (DiLoCo's 0.9)."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
+    device: str = "cpu"
+    """Where the GRPO steps run: cpu, cuda (under torchrun each rank on cuda:LOCAL_RANK, alone
+    cuda:0) or cuda:N. Overrides grpo.device. Weights leave for the store through the CPU either way."""
+
+    def grpo_config(self) -> GRPOConfig:
+        """``grpo`` on this node's ``device``."""
+        return replace(self.grpo, device=self.device)
 
 
 class TrainerNode:
@@ -151,7 +158,7 @@ class TrainerNode:
         and every GRPO step, weight load and restore here runs on all of them."""
         self.config = c = config
         self.state = NodeState(role="trainer", node_id=c.id)
-        self.grpo = GRPOTrainer(model, c.grpo)
+        self.grpo = GRPOTrainer(model, c.grpo_config())
         self.site = Site(grpo=self.grpo) if site else None
         self.publisher = Publisher(
             store,

@@ -61,9 +61,13 @@ collectives here are the ones DDP runs (DDP adds gradient bucketing and overlaps
 with the backward: worth adding on GPUs, unneeded for the tiny model).
 
 Backends (:func:`init_site`): ``gloo`` on a CPU-only host (what the tests run); with CUDA,
-``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors go over NCCL and the small CPU ones (the
-commands) over gloo. The trainer daemon keeps its model on the CPU today (it has no device
-setting), so its collectives run on gloo even on a GPU host; the NCCL half was never run here.
+``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors go over NCCL and the small CPU ones over
+gloo. Which one a collective takes follows its tensors: with ``device = "cuda"``
+(``TrainerConfig.device``; each rank on ``cuda:LOCAL_RANK``, set by :func:`init_site`) the weight
+broadcasts and the gradient all-reduces run on the parameters themselves, so over NCCL; the
+commands (``broadcast_object_list(device=cpu)``) and the step's metric sums are CPU tensors, so
+over gloo. With ``device = "cpu"`` on a GPU host everything runs on gloo. The NCCL half was never
+run here (no GPU).
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def shard_loss(local: LocalTrainer, batch: Batch, rank: int, world: int) -> torc
     """Rank ``rank``'s part of the whole batch's mean loss: its rows' token-loss sum / the batch's count."""
     input_ids, labels = batch
     count = max(valid_tokens(labels), 1)
-    ids, lab = input_ids[rank::world], labels[rank::world]
+    ids, lab = input_ids[rank::world], labels[rank::world].to(local.device)
     logits = local.logits(ids)[:, :-1, :].float()
     total = F.cross_entropy(
         logits.reshape(-1, logits.size(-1)),
@@ -219,7 +223,7 @@ def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
     for rank in dp.shares:
         loss = shard_loss(local, batch, rank, dp.world)
         loss.backward()
-        total = total + loss.detach()
+        total = total + loss.detach().cpu()  # metrics are summed on the CPU (gloo)
         dp.share_done(local.model)
     dp.sum_gradients(local.model)
     total = dp.sum_metrics(total)

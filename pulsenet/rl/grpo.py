@@ -76,6 +76,8 @@ class GRPOConfig:
     """Rows per forward/backward; gradients accumulate so the step is the same. None: all rows at once."""
     pad_id: int = 0
     """Fills rows to a common length; padding comes after each row's tokens, so causal attention never sees it."""
+    device: str = "cpu"
+    """Where the model and the batch tensors live (``LocalTrainerConfig.device``); metrics stay on the CPU."""
 
     def __post_init__(self) -> None:
         if self.forward not in FORWARDS:
@@ -100,6 +102,7 @@ class GRPOConfig:
             grad_clip=self.grad_clip,
             forward=self.forward,
             seed=self.seed,
+            device=self.device,
         )
 
 
@@ -407,7 +410,11 @@ class GRPOTrainer:
         rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
         groups = torch.tensor([group_index[r.group] for r in rollouts], dtype=torch.long)
         adv = group_advantages(rewards, groups, scale=self.config.scale_rewards)
-        return _Batch(ids=ids, mask=mask, engine_logp=engine, advantages=adv, rewards=rewards, groups=groups)
+        dev = self.local.device  # what the loss reads goes to the model; rewards and groups feed CPU metrics
+        return _Batch(
+            ids=ids.to(dev), mask=mask.to(dev), engine_logp=engine.to(dev), advantages=adv.to(dev),
+            rewards=rewards, groups=groups,
+        )  # fmt: skip
 
 
 def _gather(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -54,7 +54,13 @@ class LocalInner:
         self.local.load_state_fp32(dict(state))
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
-        return dict(self.local.model.named_parameters())
+        if self.local.device.type == "cpu":
+            return dict(self.local.model.named_parameters())
+        # On an accelerator the round gets a CPU snapshot (it reads numpy views). Taken now, that
+        # is what the live view would show: the round calls this only between inner phases, uses
+        # the mapping before the next one starts (the encode) or after it finished (the overlap
+        # mode's re-base), and never writes it; new weights always go in through load_state_fp32.
+        return self.local.state_fp32()
 
     def checkpoint(self) -> dict[str, Any]:
         return _checkpoint(self.local)

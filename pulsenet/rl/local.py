@@ -17,6 +17,11 @@ Forward modes (``LocalTrainerConfig.forward``), all with FP32 master weights and
 
 Determinism: on CPU the same inputs, weights and thread count give bit-identical results;
 nothing here changes ``torch.set_num_threads``. Set it once per process, before training.
+
+Device (``LocalTrainerConfig.device``): the model, its AdamW state and every input live there;
+what leaves the trainer (``state_fp32``, ``bf16_state``, the optimizer and RNG state of a
+checkpoint) is always on the CPU, where the codec, digests and stores read it. On the CPU nothing
+is copied that was not copied before.
 """
 
 from __future__ import annotations
@@ -38,6 +43,28 @@ from pulsenet.rl.tasks import IGNORE_INDEX, ArithmeticTask
 
 FORWARDS = ("bf16-weights", "autocast-bf16", "fp32")
 """Forward modes; see the module docstring."""
+
+_CPU = torch.device("cpu")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cpu``, ``cuda`` (the current CUDA device: ``cuda:LOCAL_RANK`` under torchrun once
+    ``torch.cuda.set_device`` ran, else ``cuda:0``) or ``cuda:N``; ConfigError if CUDA is missing."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be cpu, cuda or cuda:N, got {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"device = {name!r} but torch.cuda.is_available() is False on this machine: "
+                "set device = \"cpu\" or run on a host with a CUDA GPU and a CUDA build of torch"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,6 +89,8 @@ class LocalTrainerConfig:
     """One of ``FORWARDS``. ``autocast-bf16`` matches GPU training but is very slow on CPUs without
     AVX512-BF16/AMX (SmolLM2, batch 4x64, 2 AVX2 cores: ~60-170 s a step); ``bf16-weights`` sees the
     same BF16 weights at FP32 speed (~1-2 s a step at batch 2x32)."""
+    device: str = "cpu"
+    """Where the model, AdamW state and inputs live: ``cpu``, ``cuda`` or ``cuda:N`` (``resolve_device``)."""
 
     def __post_init__(self) -> None:
         if self.forward not in FORWARDS:
@@ -107,7 +136,9 @@ class LocalTrainer:
             raise ValueError(
                 "LocalTrainer needs FP32 master weights: load the model with dtype=torch.float32"
             )
-        self.model = model
+        self.device = resolve_device(self.config.device)
+        # before AdamW: its state is created beside the parameters (a no-op on the CPU)
+        self.model = model.to(self.device)
         # named_parameters() drops the tied lm_head, so tied weights are stepped (and reported) once.
         self._params = dict(model.named_parameters())
         self.optimizer = torch.optim.AdamW(
@@ -152,12 +183,12 @@ class LocalTrainer:
         before a softmax.
         """
         with self._forward_context():
-            return self._forward(input_ids).logits
+            return self._forward(input_ids.to(self.device)).logits
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The FP32 loss of the current weights through the configured forward (autograd as the caller's mode)."""
         # The loss runs outside autocast: BF16 logits are upcast so the softmax/log run in FP32.
-        return causal_lm_loss(self.logits(input_ids), labels)
+        return causal_lm_loss(self.logits(input_ids), labels.to(self.device))
 
     def eval_loss(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """Mean loss over ``(input_ids, labels)`` batches, without gradients, through the trainer's forward.
@@ -184,7 +215,7 @@ class LocalTrainer:
 
     def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.forward == "autocast-bf16":
-            return torch.autocast("cpu", dtype=torch.bfloat16)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def train_step(self, task: ArithmeticTask) -> float:
@@ -195,11 +226,11 @@ class LocalTrainer:
     # --- weights -------------------------------------------------------------
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
-        """A copy of the FP32 master weights by parameter name (tied duplicate excluded)."""
-        return {name: p.detach().clone() for name, p in self._params.items()}
+        """A CPU copy of the FP32 master weights by parameter name (tied duplicate excluded)."""
+        return {name: p.detach().to(_CPU, copy=True) for name, p in self._params.items()}
 
     def load_state_fp32(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` into the master weights; optimizer, RNG and step counter are untouched."""
+        """Copy ``state`` (on any device) into the master weights; optimizer, RNG and step counter are untouched."""
         missing = self._params.keys() - state.keys()
         extra = state.keys() - self._params.keys()
         if missing or extra:
@@ -217,32 +248,47 @@ class LocalTrainer:
                 p.copy_(state[name])
 
     def bf16_state(self) -> dict[str, torch.Tensor]:
-        """The BF16 view an inference node would serve (see ``models.bf16_state_dict``)."""
-        return bf16_state_dict(self.model)
+        """The BF16 view an inference node would serve (see ``models.bf16_state_dict``), on the CPU."""
+        state = bf16_state_dict(self.model)
+        return state if self.device == _CPU else {name: t.cpu() for name, t in state.items()}
 
     # --- checkpointing -------------------------------------------------------
 
     def optimizer_state(self) -> dict[str, Any]:
-        """A deep copy of the AdamW state (later steps mutate the live tensors in place)."""
-        return copy.deepcopy(self.optimizer.state_dict())
+        """A deep copy of the AdamW state (later steps mutate the live tensors in place), on the CPU."""
+        state = self.optimizer.state_dict()
+        if self.device == _CPU:
+            return copy.deepcopy(state)
+        moments = {
+            i: {k: v.to(_CPU, copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
+            for i, s in state["state"].items()
+        }
+        return {"state": moments, "param_groups": copy.deepcopy(state["param_groups"])}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """``optimizer_state`` put back; torch casts the moments to the parameters' device."""
         self.optimizer.load_state_dict(state)
 
     def rng_state(self) -> dict[str, Any]:
-        """The trainer's generators plus the global torch/python RNGs (HF modules such as dropout use those)."""
-        return {
+        """The trainer's generators plus the global torch/python RNGs (HF modules such as dropout use
+        those), and the device's generator on CUDA (dropout there draws from it)."""
+        state = {
             "torch": self.generator.get_state(),
             "python": self.rng.getstate(),
             "torch_global": torch.get_rng_state(),
             "python_global": random.getstate(),
         }
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
 
     def load_rng_state(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["torch"])
         self.rng.setstate(state["python"])
         torch.set_rng_state(state["torch_global"])
         random.setstate(state["python_global"])
+        if self.device.type == "cuda" and "cuda" in state:  # absent in a CPU trainer's checkpoint
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
     def checkpoint(self) -> dict[str, Any]:
         """Everything needed to continue bit-identically; ``torch.save``-able."""
