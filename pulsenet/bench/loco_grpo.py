@@ -218,12 +218,10 @@ def average_gradients(params: list[list[torch.Tensor]]) -> None:
 
 
 def weights_digest(local: Any) -> str:
-    """SHA-256 over a worker's FP32 master weights, in parameter order."""
-    h = hashlib.sha256()
-    for name, t in local.state_fp32().items():
-        h.update(name.encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    """The model digest (``codec.digest``) of a worker's FP32 master weights."""
+    from pulsenet.codec.digest import model_digest
+
+    return model_digest(local.state_fp32())
 
 
 def run_ddp(args: argparse.Namespace, bench: GRPOBench, lr: float, console: Any = None) -> dict[str, Any]:
