@@ -21,7 +21,7 @@ import torch
 from pulsenet.codec.digest import model_digest
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
-from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
+from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model, sharding
 from pulsenet.rl.distributed import SiteInner, serve_rank, task_batches
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store import LocalStore
@@ -32,7 +32,8 @@ ROUNDS = 2
 
 
 def _local() -> tuple[LocalTrainer, object]:
-    config = LocalTrainerConfig(lr=1e-3, batch_size=4, seq_len=32, forward="bf16-weights", seed=5)
+    # grad_clip small enough to bind at every step: the clipping norm must be the same bits too
+    config = LocalTrainerConfig(lr=1e-3, batch_size=4, seq_len=32, forward="bf16-weights", seed=5, grad_clip=1e-3)
     local = LocalTrainer(build_tiny_model(0), config)
     return local, task_batches(ArithmeticTask(11), config.batch_size, config.seq_len)
 
@@ -70,7 +71,7 @@ def _rank_main(mode: str, out: Path) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     local, batch_of = _local()
-    result: dict[str, object] = {}
+    result: dict[str, object] = {"total_elements": sum(p.numel() for p in local.model.parameters())}
     try:
         if rank != 0:
             serve_rank(local, batch_of)  # type: ignore[arg-type]
@@ -90,7 +91,10 @@ def _rank_main(mode: str, out: Path) -> None:
                     result["global"] = _run_round(inner, out)
             finally:
                 inner.stop()
-        result.update(_digests(local))
+        # what this rank holds of the trained model: its FSDP2 chunks only
+        result["sharded"] = local.sharded
+        result["shard_elements"] = sum(sharding.local(p).numel() for p in local.model.parameters())
+        result.update(_digests(local))  # a gather: both ranks take part
         (out / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -133,6 +137,10 @@ def test_two_rank_steps_equal_the_single_process_reference(tmp_path: Path, one_t
     for r in ranks:
         assert {"fp32": r["fp32"], "bf16": r["bf16"]} == want
     assert want != _digests(_local()[0])  # the steps moved the weights
+    # FSDP2: each rank held its chunk of every parameter, not the whole model
+    assert all(r["sharded"] for r in ranks)
+    assert sum(r["shard_elements"] for r in ranks) == ranks[0]["total_elements"]  # type: ignore[misc]
+    assert max(r["shard_elements"] for r in ranks) < 0.6 * ranks[0]["total_elements"]  # type: ignore[operator]
 
 
 @pytest.mark.timeout(120)

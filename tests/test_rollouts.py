@@ -279,6 +279,30 @@ async def test_valid_batches_flow_from_two_nodes(sites: list[Site]) -> None:
         await sites[0].read.put("rollouts/manifests/x", b"x", timeout=10)
 
 
+async def test_a_restarted_intake_skips_the_batches_its_trainer_consumed(sites: list[Site]) -> None:
+    """``consumed`` is part of a trainer's resume state: a new intake given it (``skip_consumed``)
+    queues only the batches the trainer had not taken, though all are still fresh and valid."""
+    w = sites[0].writer()
+    await w.start()
+    for v in (4, 4, 5):
+        await w.write(make_rows(w.node, v))
+    before = intake(sites)
+    assert await before.poll(5) == 3
+    taken = before.take(5, max_batches=2)  # the third stays queued: never trained on
+    consumed = before.consumed()
+    assert sorted(consumed.values()) == [4, 4] and len(consumed) == 2
+
+    after = intake(sites)  # the restart: a fresh intake over the same stores
+    after.skip_consumed(consumed)
+    assert await after.poll(5) == 1
+    assert [b.manifest.seq for b in after.take(5)] == [2] != [b.manifest.seq for b in taken]
+    # a fresh intake without the record would train on all three again
+    assert await intake(sites).poll(5) == 3
+    # the record forgets what is past the staleness window (max_staleness 2: at v7 only v5 is kept)
+    await after.poll(7)
+    assert list(after.consumed().values()) == [5]
+
+
 async def _plant(
     site: Site,
     batch: list[Rollout],

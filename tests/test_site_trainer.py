@@ -1,17 +1,20 @@
-"""``pulsenet trainer`` as a 2-rank site under real ``torchrun`` (CPU, gloo) against the embedded
-SeaweedFS: rank 0 is the whole trainer node, rank 1 only takes its share of every GRPO step.
+"""``pulsenet trainer`` as a 2-rank FSDP2 site under real ``torchrun`` (CPU, gloo) against the
+embedded SeaweedFS: rank 0 is the whole trainer node, rank 1 only takes its share of every GRPO
+step and holds half of the model.
 
 The rollouts are fixed batches signed with the rollouts writer, so the single-process reference
 (``GRPOTrainer`` with ``DataParallel(reference_world=2)``: both half-batch gradients in rank order,
-summed) steps on exactly what the site consumed; with 2 ranks the all-reduce is one commutative
-FP32 addition, so every published model digest must equal the reference's to the bit.
+summed, the clipping norm taken chunk by chunk) steps on exactly what the site consumed; with 2
+ranks the reduce-scatter is one commutative FP32 addition, so every published model digest must
+equal the reference's to the bit.
 
 Checked: the single-trainer mode (a version per data-parallel GRPO step), a SIGTERM to torchrun
 (both ranks exit, none is left behind), a restart that resumes from rank 0's checkpoint (rank 1 gets
 the optimizer state: the later versions still equal the reference), rank 0 finishing its steps
-(exit 0); and the PULSELoCo mode (H data-parallel GRPO steps a round, rank 1 loading the outer
-step's θ by broadcast) against ``LocoTrainer`` over the same reference site. Only CPU and gloo were
-run here (no GPU, no NCCL).
+(exit 0); and the PULSELoCo mode (H data-parallel GRPO steps a round with micro-batches and a
+binding clip, rank 1 loading the outer step's θ by broadcast, a SIGTERM in round 2 and a resume)
+against ``LocoTrainer`` over the same reference site. Only CPU and gloo were run here (no GPU, no
+NCCL).
 """
 
 from __future__ import annotations
@@ -199,10 +202,10 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _grpo(cache: Path) -> GRPOTrainer:
+def _grpo(cache: Path, **grpo: Any) -> GRPOTrainer:
     """The trainer node's GRPOTrainer: the warmed-up tiny model (cached), configs/trainer.toml's lr."""
     model = initial_model("tiny", cache, seed=0, warmup_steps=WARMUP)
-    return GRPOTrainer(model, GRPOConfig(lr=_shipped()["grpo"]["lr"], pad_id=text_codec("tiny").pad_id))
+    return GRPOTrainer(model, GRPOConfig(lr=_shipped()["grpo"]["lr"], pad_id=text_codec("tiny").pad_id, **grpo))
 
 
 def _shipped() -> dict[str, Any]:
@@ -219,7 +222,9 @@ def _bf16_digest(grpo: GRPOTrainer) -> str:
 async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
-    site = Site2(seaweed, tmp_path, PULSENET_STEPS="5")
+    # max staleness 4: phase 1's batches (served by v0) are still fresh at v3, so only the record of
+    # consumed batches in rank 0's checkpoint keeps the restarted site from training on them again
+    site = Site2(seaweed, tmp_path, PULSENET_STEPS="5", PULSENET_MAX_STALENESS="4")
     batches = _batches(5)
     # The reference: one process, both ranks' half-batch gradients summed in rank order.
     ref = _grpo(tmp_path / "cache")  # also fills the warm-up cache the ranks load
@@ -283,19 +288,25 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
     rounds, inner = 2, 2
+    # micro-batches (each rank's 4 rows in 2 passes, one reduce-scatter) and a clipping norm that
+    # binds: both must give the reference's bits under FSDP2
+    clip, micro = 1e-3, 2
     site = Site2(seaweed, tmp_path, PULSENET_STEPS=str(rounds), PULSENET_INNER_STEPS=str(inner),
-                 PULSENET_PEERS="t0=keys/t0.key.pub", PULSENET_ROUND_DEADLINE_S="60")  # fmt: skip
+                 PULSENET_PEERS="t0=keys/t0.key.pub", PULSENET_ROUND_DEADLINE_S="60",
+                 PULSENET_GRPO__GRAD_CLIP=str(clip), PULSENET_GRPO__MICRO_BATCH_SIZE=str(micro))  # fmt: skip
     site.extra["PULSENET_LOCO_STORE"] = site.url("loco")
     batches = _batches(rounds * inner, seed=4)
 
     # The reference: LocoTrainer t0 over a LocalStore, its inner loop the 2-share reference site.
-    ref = _grpo(tmp_path / "cache")
+    ref = _grpo(tmp_path / "cache", grad_clip=clip, micro_batch_size=micro)
     v0 = _bf16_digest(ref)
     feed = iter([_rows(b, 0, v0) for b in batches])
     want = {0: v0}
+    norms: list[float | None] = []
 
     async def after_round(loco: Any, report: Any) -> None:
         want[report.round] = _bf16_digest(ref)
+        norms.extend(m.grad_norm for m in loco.inner.metrics)
 
     key = tmp_path / "keys" / "t0.key"
     outer = {"outer_lr": _shipped()["outer-lr"], "outer_momentum": _shipped()["outer-momentum"]}  # as the site
@@ -306,9 +317,30 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     )  # fmt: skip
     await reference.run(rounds)
     assert len(set(want.values())) == rounds + 1
+    assert len(norms) == rounds * inner and all(n is not None and n > clip for n in norms), norms
 
-    await site.write([_rows(b, 0, v0) for b in batches])
+    # Phase 1: round 1's batches only; once v1 is out the site waits in round 2's inner phase, and
+    # a SIGTERM to torchrun abandons that round (both ranks exit).
+    await site.write([_rows(b, 0, v0) for b in batches[:inner]])
     t0 = time.monotonic()
+    proc = site.start()
+    try:
+        deadline = time.monotonic() + 120
+        while site.version() < 1:
+            assert proc.poll() is None, site.tail()
+            assert time.monotonic() < deadline, site.tail()
+            await asyncio.sleep(0.3)
+        ranks = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        assert not [p for p in ranks if _alive(p)], f"left behind: {ranks}\n{site.tail()}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert await site.published() == {v: want[v] for v in range(2)}, site.tail()
+    # Phase 2: the same command resumes from rank 0's PULSELoCo resume point (θ_1, the inner
+    # optimizer and RNG, loaded into both ranks' shards) and redoes round 2 on its batches.
+    await site.write([_rows(b, 0, v0) for b in batches[inner:]])
     proc = site.start()
     try:
         assert proc.wait(150) == 0, site.tail()  # rank 0 finished its rounds; rank 1 released
@@ -320,7 +352,7 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     # The agreed FP32 global state too (rank 0's resume point), not only its BF16 view.
     state = TrainerState.load(tmp_path / "state" / "t0" / "loco" / STATE_FILE)
     assert state.global_.round == rounds and state.global_.digest() == reference.digest
-    print(f"site: {rounds} rounds of H={inner} in {time.monotonic() - t0:.1f} s")
+    print(f"site: {rounds} rounds of H={inner}, a SIGTERM and a restart in {time.monotonic() - t0:.1f} s")
 
 
 @pytest.mark.parametrize("micro_batch_size", [None, 3])

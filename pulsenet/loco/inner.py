@@ -45,8 +45,9 @@ class InnerLoop(Protocol):
     def parameters(self) -> Mapping[str, torch.Tensor]:
         """The live FP32 parameters by the same names (read, not copied, by the round), on the CPU.
 
-        Weights on an accelerator come as a CPU snapshot taken at the call: the round only reads
-        the mapping, and only while no inner phase runs, so the snapshot is what it would see."""
+        Weights on an accelerator or sharded over a site come as a CPU snapshot taken at the call
+        (the round calls it in a thread): the round only reads the mapping, and only while no
+        inner phase runs, so the snapshot is what it would see."""
         ...
 
     def checkpoint(self) -> dict[str, Any]:

@@ -182,7 +182,7 @@ class LocoTrainer:
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
         if await self._load_resume_point() is None:
-            self.state = await asyncio.to_thread(GlobalState.genesis, self.inner.state_fp32())
+            self.state = await asyncio.to_thread(lambda: GlobalState.genesis(self.inner.state_fp32()))
             self.error = (
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
             )
@@ -291,7 +291,7 @@ class LocoTrainer:
         if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
             await self._load_theta("adopt", r + 1)  # start r+1 afresh from θ
             return None
-        local, theta = self.inner.parameters(), self._state.theta
+        local, theta = await asyncio.to_thread(self.inner.parameters), self._state.theta
         async with self._phase("rebase", r + 1):
             await asyncio.to_thread(lambda: self.inner.load_state_fp32(alg.rebase(local, base, theta)))
         return nxt
@@ -330,7 +330,7 @@ class LocoTrainer:
         """
         cfg, state = self.config, self._state
         report.loss = float(np.mean(losses)) if losses else None
-        local = self.inner.parameters()
+        local = await asyncio.to_thread(self.inner.parameters)  # a copy or a gather on a GPU or a site
         async with self._phase("encode", r):
             own, new_error = await asyncio.to_thread(
                 alg.make_update, state.theta, local, self.error,
@@ -627,12 +627,12 @@ class LocoTrainer:
         if self.state_dir is None:
             return None
         path = self.state_dir / STATE_FILE
-        await asyncio.to_thread(self._trainer_state().save, path)
+        await asyncio.to_thread(lambda: self._trainer_state().save(path))
         return path
 
     async def _load_resume_point(self) -> TrainerState | None:
         candidates: list[TrainerState] = []
-        shapes = {n: tuple(p.shape) for n, p in self.inner.parameters().items()}
+        shapes = {n: tuple(p.shape) for n, p in (await asyncio.to_thread(self.inner.parameters)).items()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
             candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
         remote = await self.rs.latest_checkpoint()
@@ -658,7 +658,7 @@ class LocoTrainer:
         """A private copy of the resume point, taken now (the next round mutates the live state)."""
         snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-")) / STATE_FILE
         if path is None:  # no local state dir: the store copy is the only resume point
-            await asyncio.to_thread(self._trainer_state().save, snap)
+            await asyncio.to_thread(lambda: self._trainer_state().save(snap))
         else:
             try:
                 os.link(path, snap)  # the inode stays ours even after the next round replaces path

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import pickle
 import time
@@ -57,6 +58,8 @@ from pulsenet.sync.publisher import Publisher, PublisherConfig, PublishRecord
 
 log = logging.getLogger(__name__)
 CHECKPOINT = "trainer.pt"
+CONSUMED = "consumed.json"
+"""PULSELoCo mode: the rollout batches trained on up to the last closed round (``_save_consumed``)."""
 
 
 @dataclass(kw_only=True)
@@ -224,10 +227,11 @@ class TrainerNode:
             restore = self.site.restore_checkpoint if self.site else self.grpo.local.restore
             await asyncio.to_thread(restore, ckpt["local"])
             self.digests.update(ckpt["digests"])
+            self.intake.skip_consumed(ckpt.get("consumed", {}))  # trained on before the restart
         if published is None or (ckpt is not None and ckpt["version"] == published + 1):
             # A new channel, or a step checkpointed but not yet published: publish it now.
             self.version = -1 if published is None else published
-            await self._publish(self.grpo.bf16_state(), None)
+            await self._publish(await asyncio.to_thread(self._bf16_state), None)
         else:
             if ckpt is None or ckpt["version"] != published:
                 # No usable checkpoint for the published version: continue from the published
@@ -237,7 +241,7 @@ class TrainerNode:
                 load = self.site.load_state_fp32 if self.site else self.grpo.local.load_state_fp32
                 await asyncio.to_thread(load, {n: t.float() for n, t in self.publisher.state.items()})
             self.version = published
-            self.digests[published] = self.publisher.digest  # type: ignore[assignment]
+            self.digests.update(await self.publisher.recent_digests(self.config.max_staleness + 1))
         self.state.version, self.state.digest = self.version, self.digests.get(self.version)
         log.info("%s: at v%d", self.config.id, self.version)
 
@@ -249,10 +253,14 @@ class TrainerNode:
         published = self.publisher.version
         if published is None or published < self.loco.round:
             self.version = -1 if published is None else published
-            await self._publish(self.grpo.bf16_state(), None)
+            await self._publish(await asyncio.to_thread(self._bf16_state), None)
         else:
             self.version = published
-            self.digests[published] = self.publisher.digest  # type: ignore[assignment]
+            # rollouts served by the versions still within the staleness bound stay acceptable
+            self.digests.update(await self.publisher.recent_digests(self.config.max_staleness + 1))
+        consumed = await asyncio.to_thread(self._load_consumed, self.loco.round)
+        if consumed is not None:
+            self.intake.skip_consumed(consumed)
         if self.version != self.loco.round:
             log.warning("%s: policy v%d at PULSELoCo round %d", self.config.id, self.version, self.loco.round)
         self.state.version, self.state.digest, self.state.round = self.version, self.digests.get(self.version), self.loco.round
@@ -301,7 +309,7 @@ class TrainerNode:
             step = self.site.grpo_step if self.site else self.grpo.step
             metrics: GRPOMetrics = await asyncio.to_thread(step, rows)
             step_s = time.perf_counter() - t0
-            state = self.grpo.bf16_state()
+            state = await asyncio.to_thread(self._bf16_state)
             if (self.version + 1) % c.checkpoint_every == 0 or self.version + 1 == c.steps:
                 await asyncio.to_thread(self._save_checkpoint, self.version + 1)
             record = await self._publish(state, metrics)
@@ -350,10 +358,11 @@ class TrainerNode:
 
     async def _after_round(self, loco: LocoTrainer, report: Any) -> None:
         """A round closed with the agreed θ loaded into the model: publish it as the next version."""
+        await asyncio.to_thread(self._save_consumed, report.round, self.intake.consumed())
         if report.round <= self.version:  # caught up through a round already published
             return
         steps = self.grpo_inner_metrics()
-        record = await self._publish(self.grpo.bf16_state(), steps[-1] if steps else None)
+        record = await self._publish(await asyncio.to_thread(self._bf16_state), steps[-1] if steps else None)
         self.history[-1].update(
             round=report.round,
             participants=report.participants,
@@ -458,12 +467,44 @@ class TrainerNode:
         s.beat()
         return record
 
+    def _bf16_state(self) -> dict[str, torch.Tensor]:
+        """The weights to publish (in a thread: a copy of the model, and on a site a gather every rank joins)."""
+        return self.site.bf16_state() if self.site else self.grpo.bf16_state()
+
     # --- local resume point -------------------------------------------------------------------------
 
     def _save_checkpoint(self, version: int) -> None:
         path = Path(self.config.state_dir) / CHECKPOINT
         with atomic_path(path, 0o600) as tmp:
-            torch.save({"version": version, "local": self.grpo.local.checkpoint(), "digests": dict(self.digests)}, tmp)
+            local = self.site.checkpoint() if self.site else self.grpo.local.checkpoint()
+            state = {"version": version, "local": local, "digests": dict(self.digests), "consumed": self.intake.consumed()}
+            torch.save(state, tmp)
+
+    def _save_consumed(self, round_: int, consumed: dict[str, int]) -> None:
+        """PULSELoCo: the rollout batches trained on up to round ``round_`` (the resume point's)."""
+        path = Path(self.config.state_dir) / CONSUMED
+        with atomic_path(path, 0o600) as tmp:
+            tmp.write_text(json.dumps({"round": round_, "consumed": consumed}))
+
+    def _load_consumed(self, round_: int) -> dict[str, int] | None:
+        """The batches ``_save_consumed`` kept for round ``round_``; None (logged) if it has no such
+        record: a crash between the round's resume point and this file, or a foreign file. Then the
+        batches of round ``round_`` that are still fresh may be trained on once more."""
+        path = Path(self.config.state_dir) / CONSUMED
+        try:
+            data = json.loads(path.read_text())
+            if data["round"] == round_:
+                return {str(k): int(v) for k, v in data["consumed"].items()}
+            why = f"it is for round {data['round']}"
+        except FileNotFoundError:
+            return None if round_ == 0 else self._no_consumed(round_, "there is none")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            why = f"unreadable: {e}"
+        return self._no_consumed(round_, why)
+
+    def _no_consumed(self, round_: int, why: str) -> None:
+        log.warning("%s: no record of the batches trained on up to round %d (%s)", self.config.id, round_, why)
+        return None
 
     def _load_checkpoint(self) -> dict[str, Any] | None:
         path = Path(self.config.state_dir) / CHECKPOINT

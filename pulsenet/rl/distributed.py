@@ -1,18 +1,22 @@
-"""Scale inside a site: data-parallel inner steps over ``torch.distributed``, one rank speaking for the site.
+"""Scale inside a site: FSDP2 data-parallel inner steps over ``torch.distributed``, one rank
+speaking for the site.
 
-A trainer site with N GPUs is launched with ``torchrun --nproc-per-node N``. Every rank holds the
-whole model (FP32 master weights, AdamW state) and steps on its share of each batch; the
-gradients are summed across the ranks before every optimizer step, so all ranks take the same
-step and hold the same weights without ever comparing them. Rank 0 is the site's voice: it holds a
-:class:`Site` and runs the PULSELoCo round (``LocoTrainer``, with a :class:`SiteInner` or
-:class:`SiteGRPOInner` as its inner loop) and PULSESync publishing exactly as a single-process
-trainer would; ranks > 0 run :func:`serve_rank` and only do what rank 0 tells them over the
-process group::
+A trainer site with N GPUs is launched with ``torchrun --nproc-per-node N``. Its model is sharded
+with FSDP2 (``rl.sharding``): each rank holds a 1/N chunk of every FP32 master weight, of every
+gradient and of the AdamW moments, and steps on its share of each batch; the backward's
+reduce-scatter sums the ranks' gradients, so the site takes the whole batch's step. Rank 0 is the
+site's voice: it holds a :class:`Site` and runs the PULSELoCo round (``LocoTrainer``, with a
+:class:`SiteInner` or :class:`SiteGRPOInner` as its inner loop) and PULSESync publishing exactly
+as a single-process trainer would; ranks > 0 run :func:`serve_rank` and only do what rank 0 tells
+them over the process group::
 
-    ("init",)         rank 0's weights (and GRPO's frozen reference weights) follow: one site θ
+    ("init",)         rank 0's weights (and GRPO's frozen reference weights) follow; then every
+                      rank shards its model: one site θ
     ("train", H)      H supervised data-parallel steps on ``batch_of(step)`` (rank 0 takes them too)
     ("grpo", rows)    one GRPO step on this rollout batch (only rank 0 reads rollouts from the store)
     ("load",)         new FP32 weights follow, one broadcast per tensor in name order
+    ("read", what)    gather the whole weights / BF16 weights / checkpoint / resume point: every
+                      rank holds a chunk, rank 0 keeps the result (``Site.state_fp32`` & co.)
     ("restore", s)    optimizer / RNG / step state s (a resume point), so every rank continues alike
     ("stop",)         leave serve_rank
 
@@ -20,54 +24,44 @@ Commands go out with ``broadcast_object_list`` (small pickles from rank 0, which
 trust: they are one job; a GRPO batch is a few hundred KB of token ids); weights with
 ``broadcast`` of the tensors themselves. ``Site`` sends each command and its collectives under
 one lock, so a command from the round's worker thread and a ``stop`` from the main thread never
-interleave on the wire.
+interleave on the wire. On a sharded site every read of the whole model is a collective, so rank
+0 reads through its ``Site`` (``state_fp32``, ``bf16_state``, ``checkpoint``, ``resume_state``),
+never through the ``LocalTrainer`` directly: a lone read would wait forever for the other ranks.
 
 The step. Each rank computes the loss of its shares of the batch, rows ``rank::world``, each
 normalised by the *whole* batch's count (valid tokens; GRPO's completion tokens T), so the sum of
 the ranks' gradients is the gradient of the whole batch's mean loss (a plain per-rank mean
 followed by an average would weight tokens unevenly when the ranks' rows hold different numbers
-of tokens). :class:`DataParallel` sums the gradients with one ``all_reduce(SUM)`` per parameter, in
-parameter order, before the one optimizer step (:func:`sft_step`, ``GRPOTrainer.step``). For the
-supervised steps the batch of step s is a function of s (``batch_of(step)``), so every rank builds
-it itself; a GRPO batch is rollouts only rank 0 downloaded, so it travels with the command.
+of tokens). FSDP2 sums them in the backward's reduce-scatter (on the last micro-batch of the rank:
+:meth:`DataParallel.before_backward`); the clipping norm is taken over the chunks
+(:meth:`DataParallel.chunk_norms`); then the one AdamW step, each rank on its chunks (:func:`sft_step`,
+``GRPOTrainer.step``). For the supervised steps the batch of step s is a function of s
+(``batch_of(step)``), so every rank builds it itself; a GRPO batch is rollouts only rank 0
+downloaded, so it travels with the command.
 
 Bit-exactness. FP32 addition is not associative, so the distributed step cannot equal a plain
 single-process step on the whole batch to the bit. It equals, to the bit, the single-process
 *reference* (``DataParallel(reference_world=2)``, ``Site(..., reference_world=2)``) that computes
-the same per-rank gradients in rank order, keeps them apart, and sums them: with 2 ranks the
-all-reduce is a single FP32 addition ``g0 + g1``, which is commutative, so every rank gets exactly
-the reference's ``g0 + g1``. With more than 2 ranks the ranks still agree with each other (an
-all-reduce hands every rank the same bits), but the backend's reduction order (gloo's ring,
-NCCL's trees) need not be the reference's left-to-right one.
+the same per-rank gradients in rank order, keeps them apart, sums them, and takes the clipping
+norm chunk by chunk as the shards hold it: with 2 ranks the reduce-scatter is a single FP32
+addition ``g0 + g1`` per element, which is commutative, so every rank's chunk is exactly the
+reference's. With more than 2 ranks the ranks still agree with each other, but the backend's
+reduction order (gloo's ring, NCCL's trees) need not be the reference's left-to-right one.
 
-Why not FSDP2 (``torch.distributed.fsdp.fully_shard``). It is in this torch build and runs on CPU
-with gloo (probed: a 2-rank ``fully_shard`` of the tiny Qwen2 per decoder layer and root, forward,
-backward and AdamW step all work), but it does not fit the site's contract:
-
-1. ``InnerLoop.parameters()`` hands the round the live full FP32 parameters to read in place, from
-   the event loop, and ``state_fp32`` / ``load_state_fp32`` move the whole state every round.
-   Under FSDP2 the parameters are DTensor shards: each of those calls becomes an all-gather or a
-   scatter that every rank must join, i.e. more commands, on the event loop's thread too.
-2. The ``bf16-weights`` forward runs the model through ``functional_call`` with BF16-rounded copies
-   of the master parameters, which bypasses the unshard hooks FSDP2 puts on the modules; FSDP2's
-   own ``MixedPrecisionPolicy(param_dtype=bfloat16)`` is the ``autocast-bf16`` mode, not this one.
-3. Its reduce-scatter divides by the world size, and clipping sums shard norms, in orders of its
-   own: the replicated step here can be checked against a single process to the bit.
-
-For models whose weights, gradients and AdamW state fit on one GPU (16 bytes a parameter: a 1.5B
-model on an 80 GB card) replication is the simpler exact choice; sharding with FSDP2 is the next
-step for larger ones (gather the full state on rank 0 once per round for the exchange). The
-collectives here are the ones DDP runs (DDP adds gradient bucketing and overlaps the all-reduce
-with the backward: worth adding on GPUs, unneeded for the tiny model).
+Memory per rank (P parameters): FP32 weights, gradients and both AdamW moments are 16P bytes on
+one process, 16P/N here at rest; during a step's forward and backward each rank also holds the
+gathered full FP32 weights (4P: ``reshard_after_forward=False``, which the BF16-rounding forward
+needs, see ``rl.sharding``) and the frozen KL reference model (4P when ``beta > 0``), which is not
+sharded.
 
 Backends (:func:`init_site`): ``gloo`` on a CPU-only host (what the tests run); with CUDA,
 ``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors go over NCCL and the small CPU ones over
 gloo. Which one a collective takes follows its tensors: with ``device = "cuda"``
-(``TrainerConfig.device``; each rank on ``cuda:LOCAL_RANK``, set by :func:`init_site`) the weight
-broadcasts and the gradient all-reduces run on the parameters themselves, so over NCCL; the
-commands (``broadcast_object_list(device=cpu)``) and the step's metric sums are CPU tensors, so
-over gloo. With ``device = "cpu"`` on a GPU host everything runs on gloo. The NCCL half was never
-run here (no GPU).
+(``TrainerConfig.device``; each rank on ``cuda:LOCAL_RANK``, set by :func:`init_site`) FSDP2's
+all-gathers and reduce-scatters and the weight broadcasts run on the parameters' device, so over
+NCCL; the commands (``broadcast_object_list(device=cpu)``), the clipping norms and the step's
+metric sums are CPU tensors, so over gloo. With ``device = "cpu"`` on a GPU host everything runs
+on gloo. The NCCL half was never run here (no GPU).
 """
 
 from __future__ import annotations
@@ -83,8 +77,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pulsenet.codec.rollout import Rollout
+from pulsenet.rl import sharding
 from pulsenet.rl.grpo import GRPOMetrics, GRPOTrainer
-from pulsenet.rl.inner import GRPOInner, LocalInner, _restore
+from pulsenet.rl.inner import GRPOInner, LocalInner, _checkpoint, _restore
 from pulsenet.rl.local import LocalTrainer
 from pulsenet.rl.tasks import IGNORE_INDEX
 
@@ -136,11 +131,13 @@ def init_site(rank: SiteRank) -> str:
 class DataParallel:
     """Which shares of a batch this process computes, and how the shares' gradients are summed.
 
-    A site rank computes its own share (``shares == (rank,)``) and all-reduces; the single-process
-    reference (``reference_world=W``) computes all W shares in rank order, keeps each share's
-    gradients apart (``share_done``) and adds them up left to right (``sum_gradients``), which is
-    what a 2-rank all-reduce computes. The step calls ``share_done`` after each share's backward
-    passes, then ``sum_gradients`` once, then the optimizer step.
+    A site rank computes its own share (``shares == (rank,)``) on its FSDP2-sharded model
+    (``rl.sharding``), whose backward reduce-scatters the sum of the ranks' gradients. The
+    single-process reference (``reference_world=W``) computes all W shares in rank order, keeps
+    each share's gradients apart (``share_done``) and adds them up left to right
+    (``sum_gradients``), which is what a 2-rank reduce-scatter computes. The step calls
+    ``before_backward`` before each backward pass, ``share_done`` after each share's, then
+    ``sum_gradients`` once, then the optimizer step with ``chunk_norms`` for the clipping norm.
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, reference_world: int | None = None) -> None:
@@ -152,6 +149,12 @@ class DataParallel:
             self.world, self.shares = dist.get_world_size(group), (dist.get_rank(group),)
         self._stash: list[list[torch.Tensor | None]] = []
 
+    def before_backward(self, model: torch.nn.Module, *, last: bool) -> None:
+        """A site's backward reduce-scatters only on this process's last pass of the step: the
+        earlier micro-batches accumulate on the rank first, as the reference accumulates a share."""
+        if not self.reference:
+            sharding.set_gradient_sync(model, last)
+
     def share_done(self, model: torch.nn.Module) -> None:
         if self.reference:
             params = list(model.parameters())
@@ -160,20 +163,20 @@ class DataParallel:
                 p.grad = None
 
     def sum_gradients(self, model: torch.nn.Module) -> None:
-        params = list(model.parameters())  # the same order on every rank: the calls pair up
-        if self.reference:
-            for i, p in enumerate(params):
-                total = None
-                for grads in self._stash:
-                    g = grads[i]
-                    total = g if total is None else (total if g is None else total + g)
-                p.grad = total
-            self._stash.clear()
+        """The reference's ``g0 + g1 + ...``; on a site the backward's reduce-scatter did it."""
+        if not self.reference:
             return
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=self.group)
+        for i, p in enumerate(model.parameters()):
+            total = None
+            for grads in self._stash:
+                g = grads[i]
+                total = g if total is None else (total if g is None else total + g)
+            p.grad = total
+        self._stash.clear()
+
+    def chunk_norms(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
+        """The clipping norm's parts, the same bits on every rank and in the reference (``rl.sharding``)."""
+        return sharding.chunk_norms(grads, self.world, None if self.reference else self.shares[0])
 
     def sum_metrics(self, values: torch.Tensor) -> torch.Tensor:
         """Per-process sums of a step's statistics, summed over the site."""
@@ -222,12 +225,13 @@ def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
     total = torch.zeros(())
     for rank in dp.shares:
         loss = shard_loss(local, batch, rank, dp.world)
+        dp.before_backward(local.model, last=True)
         loss.backward()
         total = total + loss.detach().cpu()  # metrics are summed on the CPU (gloo)
         dp.share_done(local.model)
     dp.sum_gradients(local.model)
     total = dp.sum_metrics(total)
-    local.apply_gradients()
+    local.apply_gradients(dp.chunk_norms)
     return float(total)
 
 
@@ -235,11 +239,12 @@ def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
 
 
 class Site:
-    """Rank 0's handle on the site: every call that changes the model runs on every rank.
+    """Rank 0's handle on the site: every call that changes or reads the whole model runs on every rank.
 
     Give it the ``GRPOTrainer`` (the trainer daemon) or the ``LocalTrainer`` and its ``batch_of``
-    (supervised). On construction rank 0's weights go to every rank, so the site starts from one θ
-    whatever the other ranks loaded. ``reference_world=W`` makes the single-process reference
+    (supervised), before their first step. On construction rank 0's weights go to every rank and
+    every rank shards its model (FSDP2), so the site starts from one θ whatever the other ranks
+    loaded. ``reference_world=W`` makes the single-process reference
     instead: the same steps as a W-rank site, no process group. Call :meth:`stop` when done, so
     that the other ranks leave :func:`serve_rank`; calls after it raise.
     """
@@ -294,11 +299,36 @@ class Site:
             return self.grpo.step(rollouts)
 
     def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
+        """New FP32 weights on every rank (rank 0 checks them first: a bad state raises here, before
+        any rank is told)."""
         with self._lock:
             self.local.load_state_fp32(dict(state))
             if not self.dp.reference:
                 self._send("load")
-                _broadcast_weights(self.local, self.group)
+                _broadcast_state(self.local, state, self.group)
+
+    def state_fp32(self) -> dict[str, torch.Tensor]:
+        """``LocalTrainer.state_fp32``: the whole FP32 weights on the CPU (gathered from every rank)."""
+        return self._read("state_fp32")
+
+    def bf16_state(self) -> dict[str, torch.Tensor]:
+        """``LocalTrainer.bf16_state``: what PULSESync publishes."""
+        return self._read("bf16_state")
+
+    def checkpoint(self) -> dict[str, Any]:
+        """``LocalTrainer.checkpoint``: weights, optimizer (moments gathered whole), RNG, steps."""
+        return self._read("checkpoint")
+
+    def resume_state(self) -> dict[str, Any]:
+        """An inner loop's resume point: optimizer, RNG and step counter (``InnerLoop.checkpoint``)."""
+        return self._read("resume_state")
+
+    def _read(self, what: str) -> Any:
+        """A read of the whole model: on every rank at once (each holds a shard of it), rank 0's kept."""
+        with self._lock:
+            if not self.dp.reference:
+                self._send("read", what)
+            return _READS[what](self.local)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """A resume point's optimizer, RNG and step counter (``{"optimizer", "rng", "steps"}``)."""
@@ -326,6 +356,16 @@ class _SpokenFor:
 
     def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
         self.site.load_state_fp32(state)
+
+    def state_fp32(self) -> dict[str, torch.Tensor]:
+        return self.site.state_fp32()
+
+    def parameters(self) -> Mapping[str, torch.Tensor]:
+        """A snapshot gathered from the shards (what a GPU trainer hands the round too: ``LocalInner``)."""
+        return self.site.state_fp32() if self.site.local.sharded else super().parameters()  # type: ignore[misc]
+
+    def checkpoint(self) -> dict[str, Any]:
+        return self.site.resume_state()
 
     def restore(self, state: Mapping[str, Any]) -> None:
         self.site.restore(state)
@@ -385,13 +425,15 @@ def serve_rank(
         cmd = box[0]
         if cmd[0] == "init":
             _init_weights(local, grpo, group)
+        elif cmd[0] == "read":
+            _READS[cmd[1]](local)  # this rank's part of the gather; rank 0 keeps the result
         elif cmd[0] == "train":
             _train(local, batch_of, int(cmd[1]), dp)
         elif cmd[0] == "grpo":
             assert grpo is not None, "rank 0 sent a GRPO step to a supervised rank"
             grpo.step(cmd[1])
         elif cmd[0] == "load":
-            _broadcast_weights(local, group)
+            _broadcast_state(local, None, group)
         elif cmd[0] == "restore":
             _restore(local, cmd[1])
         elif cmd[0] == "stop":
@@ -407,14 +449,37 @@ def _train(local: LocalTrainer, batch_of: BatchOf | None, steps: int, dp: DataPa
     return losses
 
 
+_READS: dict[str, Callable[[LocalTrainer], Any]] = {
+    "state_fp32": LocalTrainer.state_fp32,
+    "bf16_state": LocalTrainer.bf16_state,
+    "checkpoint": LocalTrainer.checkpoint,
+    "resume_state": _checkpoint,
+}
+"""What ``Site._read`` may ask every rank to take part in."""
+
+
 def _init_weights(local: LocalTrainer, grpo: GRPOTrainer | None, group: dist.ProcessGroup | None) -> None:
-    _broadcast_weights(local, group)
-    if grpo is not None and grpo.reference is not None:  # the KL anchor: rank 0's initial weights too
-        _broadcast_weights(grpo.reference, group)
-
-
-def _broadcast_weights(local: LocalTrainer, group: dist.ProcessGroup | None) -> None:
-    """Rank 0's FP32 master weights to every rank, one tensor at a time in name order."""
+    """Rank 0's weights (and GRPO's frozen KL reference, which stays whole on every rank) to every
+    rank, then every rank shards the trained model (FSDP2, ``rl.sharding``)."""
     with torch.no_grad():
         for _, p in sorted(local.model.named_parameters()):
             dist.broadcast(p.data, src=0, group=group)
+        if grpo is not None and grpo.reference is not None:
+            for _, p in sorted(grpo.reference.model.named_parameters()):
+                dist.broadcast(p.data, src=0, group=group)
+    local.shard(group)
+
+
+def _broadcast_state(local: LocalTrainer, state: Mapping[str, torch.Tensor] | None, group: dist.ProcessGroup | None) -> None:
+    """Rank 0's whole FP32 ``state`` (None on the other ranks, which load it) to every rank, one
+    tensor at a time in name order; each rank keeps its chunks."""
+    received: dict[str, torch.Tensor] = {}
+    for name, p in sorted(local.model.named_parameters()):
+        if state is None:
+            t = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        else:
+            t = state[name].to(p.device, torch.float32).contiguous()
+        dist.broadcast(t, src=0, group=group)
+        received[name] = t
+    if state is None:
+        local.load_state_fp32(received)

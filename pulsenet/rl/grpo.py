@@ -336,15 +336,21 @@ class GRPOTrainer:
                     eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta,
                     n_tokens=n_tokens,
                 )  # fmt: skip
+                if par is not None:
+                    par.before_backward(self.local.model, last=j + 1 == len(slices))
                 loss.backward()
                 sums[3] += int(clipped.sum())
                 if k == 0:
                     sums[0] += float(loss.detach())
                 if par is not None and (j + 1 == len(slices) or slices[j + 1][0] != r):
                     par.share_done(self.local.model)
+            if par is not None and not slices:  # fewer rows than ranks: join the site's gradient sum with zeros
+                par.before_backward(self.local.model, last=True)
+                (self._logits(self.local, batch.ids[:1]).sum() * 0).backward()
             if par is not None:
                 par.sum_gradients(self.local.model)
-            grad_norm = self.local.apply_gradients() if apply else None
+            norms = par.chunk_norms if par is not None else None
+            grad_norm = self.local.apply_gradients(norms) if apply else None
         mine = torch.cat([s for _, s in slices]) if slices else torch.zeros(0, dtype=torch.long)
         tokens, engine = batch.mask[mine], batch.engine_logp[mine]
         old_logp = torch.cat(old) if old else torch.zeros_like(engine)

@@ -29,15 +29,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from pulsenet.errors import ConfigError
+from pulsenet.rl import sharding
 from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.tasks import IGNORE_INDEX, ArithmeticTask
 
@@ -97,6 +99,11 @@ class LocalTrainerConfig:
             raise ConfigError(f"forward must be one of {FORWARDS}, got {self.forward!r}")
 
 
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor that owns its memory (a gathered shard is new already; a live one is copied)."""
+    return t.to(_CPU, copy=True)
+
+
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy in FP32 over positions whose label is not -100."""
     shifted = logits[:, :-1, :].float()
@@ -139,20 +146,38 @@ class LocalTrainer:
         self.device = resolve_device(self.config.device)
         # before AdamW: its state is created beside the parameters (a no-op on the CPU)
         self.model = model.to(self.device)
+        self.optimizer = self._bind_parameters()
+        self.generator = torch.Generator().manual_seed(self.config.seed)
+        """Draw trainer-side randomness (e.g. rollout sampling) from here, not the global RNG."""
+        self.rng = random.Random(self.config.seed)
+        self.steps = 0
+        """Optimizer steps taken so far; also the data position used by ``train_step``."""
+
+    def _bind_parameters(self) -> torch.optim.AdamW:
         # named_parameters() drops the tied lm_head, so tied weights are stepped (and reported) once.
-        self._params = dict(model.named_parameters())
-        self.optimizer = torch.optim.AdamW(
+        self._params = dict(self.model.named_parameters())
+        return torch.optim.AdamW(
             self._params.values(),
             lr=self.config.lr,
             betas=self.config.betas,
             eps=self.config.eps,
             weight_decay=self.config.weight_decay,
         )
-        self.generator = torch.Generator().manual_seed(self.config.seed)
-        """Draw trainer-side randomness (e.g. rollout sampling) from here, not the global RNG."""
-        self.rng = random.Random(self.config.seed)
-        self.steps = 0
-        """Optimizer steps taken so far; also the data position used by ``train_step``."""
+
+    def shard(self, group: Any = None) -> None:
+        """FSDP2 over the process group (``rl.sharding``): weights, gradients and AdamW state split
+        across its ranks. Collective, on every rank alike, before the first step (the optimizer is
+        rebuilt over the shards). Afterwards every weight read or write (``state_fp32``,
+        ``load_state_fp32``, ``bf16_state``, the optimizer state) is a collective too, which
+        ``rl.distributed.Site`` runs on every rank."""
+        if self.steps or self.optimizer.state:
+            raise RuntimeError("shard a LocalTrainer before its first step")
+        sharding.shard_model(self.model, self.device, round_bf16=self.config.forward == "bf16-weights", group=group)
+        self.optimizer = self._bind_parameters()
+
+    @property
+    def sharded(self) -> bool:
+        return sharding.is_sharded(self.model)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
         """One AdamW step on a batch; returns the FP32 loss before the update."""
@@ -163,16 +188,25 @@ class LocalTrainer:
         self.apply_gradients()
         return float(loss.detach())
 
-    def apply_gradients(self) -> float | None:
+    def apply_gradients(self, norms: Callable[[list[torch.Tensor | None]], torch.Tensor] | None = None) -> float | None:
         """Clip (if configured) and AdamW-step the gradients already in ``.grad``; count the step.
 
         For losses built outside ``step`` (GRPO accumulates micro-batches, then steps once).
+        ``norms``: a data-parallel site's ``chunk_norms`` (``rl.distributed.DataParallel.chunk_norms``),
+        so the clipping norm is the same bits on every rank and in the single-process reference.
         Returns the global grad norm before clipping, or None when clipping is off.
         """
         norm = None
         if self.config.grad_clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self._params.values(), self.config.grad_clip))
+            params = list(self._params.values())
+            if norms is None:
+                norm = float(torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip))
+            else:
+                grads = [p.grad for p in params]
+                norm = sharding.clip_to_norm(grads, norms(grads), self.config.grad_clip)
         self.optimizer.step()
+        if self.sharded:
+            sharding.reshard(self.model)
         self.steps += 1
         return norm
 
@@ -204,7 +238,7 @@ class LocalTrainer:
         return sum(losses) / len(losses)
 
     def _forward(self, input_ids: torch.Tensor) -> Any:
-        if self.config.forward != "bf16-weights":
+        if self.config.forward != "bf16-weights" or self.sharded:  # sharded: rl.sharding's hooks round
             return self.model(input_ids=input_ids, use_cache=False)
         # tie_weights: the tied lm_head (absent from _params) uses the rounded embedding too;
         # strict=False: buffers (rotary frequencies) are not parameters and stay as they are.
@@ -227,10 +261,12 @@ class LocalTrainer:
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the FP32 master weights by parameter name (tied duplicate excluded)."""
-        return {name: p.detach().to(_CPU, copy=True) for name, p in self._params.items()}
+        return {name: _cpu_copy(sharding.full(p.detach())) for name, p in self._params.items()}
 
     def load_state_fp32(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (on any device) into the master weights; optimizer, RNG and step counter are untouched."""
+        """Copy ``state`` (on any device) into the master weights; optimizer, RNG and step counter are untouched.
+
+        Sharded, every rank passes the whole state and keeps its chunk."""
         missing = self._params.keys() - state.keys()
         extra = state.keys() - self._params.keys()
         if missing or extra:
@@ -245,28 +281,44 @@ class LocalTrainer:
                 )
         with torch.no_grad():
             for name, p in self._params.items():
-                p.copy_(state[name])
+                sharding.local(p).copy_(sharding.local_chunk(state[name], p))
+        if self.sharded:
+            sharding.reshard(self.model)
 
     def bf16_state(self) -> dict[str, torch.Tensor]:
         """The BF16 view an inference node would serve (see ``models.bf16_state_dict``), on the CPU."""
+        if self.sharded:  # the masters gathered whole (tied duplicates are not in _params), buffers as they are
+            state = self.model.state_dict()
+            return bf16_state_dict({
+                n: sharding.full(t).cpu() for n, t in state.items() if n in self._params or not isinstance(t, DTensor)
+            })  # fmt: skip
         state = bf16_state_dict(self.model)
         return state if self.device == _CPU else {name: t.cpu() for name, t in state.items()}
 
     # --- checkpointing -------------------------------------------------------
 
     def optimizer_state(self) -> dict[str, Any]:
-        """A deep copy of the AdamW state (later steps mutate the live tensors in place), on the CPU."""
+        """A deep copy of the AdamW state (later steps mutate the live tensors in place), on the CPU;
+        sharded, the moments are gathered whole, so the checkpoint is a one-process trainer's."""
         state = self.optimizer.state_dict()
-        if self.device == _CPU:
+        if self.device == _CPU and not self.sharded:
             return copy.deepcopy(state)
         moments = {
-            i: {k: v.to(_CPU, copy=True) if torch.is_tensor(v) else v for k, v in s.items()}
+            i: {k: _cpu_copy(sharding.full(v)) if torch.is_tensor(v) else v for k, v in s.items()}
             for i, s in state["state"].items()
         }
         return {"state": moments, "param_groups": copy.deepcopy(state["param_groups"])}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """``optimizer_state`` put back; torch casts the moments to the parameters' device."""
+        """``optimizer_state`` put back; torch casts the moments to the parameters' device (sharded:
+        every rank passes the whole state and keeps its chunks)."""
+        if self.sharded:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            state = dict(state, state={
+                i: {k: sharding.as_shard(v, params[int(i)]) if torch.is_tensor(v) and v.shape == params[int(i)].shape
+                    and isinstance(params[int(i)], DTensor) else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            })  # fmt: skip
         self.optimizer.load_state_dict(state)
 
     def rng_state(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -100,14 +101,16 @@ def unique_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def bf16_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def bf16_state_dict(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The BF16 weights an inference node serves: floating tensors rounded to BF16, others as-is.
 
-    Tied duplicates are dropped as on disk (see module docstring). Every tensor is contiguous
-    and owns its memory, so it can be hashed, diffed or written to safetensors directly.
+    Tied duplicates are dropped as on disk (see module docstring); a mapping is taken as already
+    free of them. Every tensor is contiguous and owns its memory, so it can be hashed, diffed or
+    written to safetensors directly.
     """
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in unique_state_dict(model).items():
+    state = unique_state_dict(model) if isinstance(model, torch.nn.Module) else model
+    for name, tensor in state.items():
         t = tensor.detach()
         t = t.to(torch.bfloat16) if t.is_floating_point() else t.clone()
         out[name] = t.contiguous()

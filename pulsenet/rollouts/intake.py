@@ -175,6 +175,7 @@ class RolloutIntake:
         self.stats = IntakeStats()
         self._seen: dict[str, dict[str, str]] = {s.node: {} for s in sources}  # node -> key -> etag decided
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
+        self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
         self._queue: collections.deque[RolloutBatch] = collections.deque()
 
     def __len__(self) -> int:
@@ -204,8 +205,20 @@ class RolloutIntake:
                 continue
             self.stats.taken += 1
             self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
+            self._taken[f"{b.manifest.node}/{self.layout.manifest(b.version, b.manifest.node, b.manifest.seq)}"] = b.version
             out.append(b)
         return out
+
+    def consumed(self) -> dict[str, int]:
+        """``batch id -> version`` of the batches ``take`` handed out that are still within the
+        staleness window: part of a trainer's resume state, so that a restarted trainer does not
+        train on a batch twice (``skip_consumed``)."""
+        return dict(self._taken)
+
+    def skip_consumed(self, consumed: Mapping[str, int]) -> None:
+        """Never queue these batches (what ``consumed`` returned before a restart)."""
+        self._taken.update(consumed)
+        self._accepted.update(consumed)
 
     async def run(self, trainer_version: Callable[[], int], stop: asyncio.Event | None = None) -> None:
         """Poll until ``stop`` is set or the task is cancelled; failed polls are logged and counted."""
@@ -231,6 +244,7 @@ class RolloutIntake:
         self.stats.polls += 1
         floor = trainer_version - self.config.max_staleness
         self._accepted = {b: v for b, v in self._accepted.items() if v >= floor}
+        self._taken = {b: v for b, v in self._taken.items() if v >= floor}
         accepted = 0
         for source in self.sources:
             try:

@@ -329,6 +329,22 @@ class Publisher:
             "resumed at v%d (%s…), next version v%d", newest.version, newest.model_digest[:16], self._next
         )
 
+    async def recent_digests(self, count: int) -> dict[int, str]:
+        """``version -> model digest`` of the newest ``count`` versions up to ``self.version`` that
+        are still in the store, from manifests verified with this publisher's key.
+
+        What a restarted trainer needs to accept rollouts served by versions it published before
+        the restart (their batches name the version and its digest)."""
+        if self.version is None or count < 1:
+            return {}
+        out: dict[int, str] = {}
+        for v in range(max(0, self.version - count + 1), self.version + 1):
+            try:
+                out[v] = (await self._reader.get(v)).model_digest
+            except (ManifestError, ObjectNotFound) as e:  # retired, or not ours
+                log.info("no verified manifest for v%d: %s", v, e)
+        return out
+
     async def _rebuild(self, paths: list[ChainPath], newest: Manifest) -> dict[str, torch.Tensor]:
         bad: set[str] = set()
         with tempfile.TemporaryDirectory(prefix="pulsenet-publisher-") as tmp:
