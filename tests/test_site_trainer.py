@@ -153,6 +153,25 @@ class Site2:
         with open(self.log, "ab") as log:
             return subprocess.Popen(cmd, cwd=self.tmp, env=self.env(), stdout=log, stderr=subprocess.STDOUT)
 
+    async def sigterm_at(self, version: int) -> None:
+        """Start the site, wait until it has published ``version``, SIGTERM torchrun (it passes the
+        signal on: rank 0 stops cleanly and releases rank 1), and check that no rank is left."""
+        proc = self.start()
+        try:
+            deadline = time.monotonic() + 120
+            while self.version() < version:
+                assert proc.poll() is None, self.tail()
+                assert time.monotonic() < deadline, self.tail()
+                await asyncio.sleep(0.3)
+            ranks = _children(proc.pid)
+            assert len(ranks) == 2, ranks
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+            assert not [p for p in ranks if _alive(p)], f"left behind: {ranks}\n{self.tail()}"
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
@@ -241,22 +260,7 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
     # Phase 1: three batches served by v0; the site publishes v1..v3, then waits for more.
     await site.write([_rows(b, 0, want[0]) for b in batches[:3]])
     t0 = time.monotonic()
-    proc = site.start()
-    try:
-        deadline = time.monotonic() + 120
-        while site.version() < 3:
-            assert proc.poll() is None, site.tail()
-            assert time.monotonic() < deadline, site.tail()
-            await asyncio.sleep(0.3)
-        ranks = _children(proc.pid)
-        assert len(ranks) == 2, ranks
-        # SIGTERM to torchrun: it passes it on; rank 0 stops cleanly and releases rank 1.
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        assert not [p for p in ranks if _alive(p)], f"left behind: {ranks}\n{site.tail()}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    await site.sigterm_at(3)
     phase1_s = time.monotonic() - t0
     published = await site.published()
     assert {v: published[v] for v in range(4)} == dict(enumerate(want[:4])), site.tail()
@@ -323,20 +327,7 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     # a SIGTERM to torchrun abandons that round (both ranks exit).
     await site.write([_rows(b, 0, v0) for b in batches[:inner]])
     t0 = time.monotonic()
-    proc = site.start()
-    try:
-        deadline = time.monotonic() + 120
-        while site.version() < 1:
-            assert proc.poll() is None, site.tail()
-            assert time.monotonic() < deadline, site.tail()
-            await asyncio.sleep(0.3)
-        ranks = _children(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        assert not [p for p in ranks if _alive(p)], f"left behind: {ranks}\n{site.tail()}"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    await site.sigterm_at(1)
     assert await site.published() == {v: want[v] for v in range(2)}, site.tail()
     # Phase 2: the same command resumes from rank 0's PULSELoCo resume point (θ_1, the inner
     # optimizer and RNG, loaded into both ranks' shards) and redoes round 2 on its batches.

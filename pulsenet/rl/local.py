@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.func import functional_call
 
 from pulsenet.errors import ConfigError
@@ -100,8 +99,9 @@ class LocalTrainerConfig:
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor that owns its memory (a gathered shard is new already; a live one is copied)."""
-    return t.to(_CPU, copy=True)
+    """A CPU tensor that owns its memory: a shard gathered whole (new already), or a copy."""
+    t = t.detach()
+    return sharding.full(t).to(_CPU) if sharding.is_shard(t) else t.to(_CPU, copy=True)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -261,7 +261,7 @@ class LocalTrainer:
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the FP32 master weights by parameter name (tied duplicate excluded)."""
-        return {name: _cpu_copy(sharding.full(p.detach())) for name, p in self._params.items()}
+        return {name: _cpu_copy(p) for name, p in self._params.items()}
 
     def load_state_fp32(self, state: dict[str, torch.Tensor]) -> None:
         """Copy ``state`` (on any device) into the master weights; optimizer, RNG and step counter are untouched.
@@ -289,9 +289,7 @@ class LocalTrainer:
         """The BF16 view an inference node would serve (see ``models.bf16_state_dict``), on the CPU."""
         if self.sharded:  # the masters gathered whole (tied duplicates are not in _params), buffers as they are
             state = self.model.state_dict()
-            return bf16_state_dict({
-                n: sharding.full(t).cpu() for n, t in state.items() if n in self._params or not isinstance(t, DTensor)
-            })  # fmt: skip
+            return bf16_state_dict({n: _cpu_copy(t) for n, t in state.items() if n in self._params or not sharding.is_shard(t)})
         state = bf16_state_dict(self.model)
         return state if self.device == _CPU else {name: t.cpu() for name, t in state.items()}
 
@@ -304,7 +302,7 @@ class LocalTrainer:
         if self.device == _CPU and not self.sharded:
             return copy.deepcopy(state)
         moments = {
-            i: {k: _cpu_copy(sharding.full(v)) if torch.is_tensor(v) else v for k, v in s.items()}
+            i: {k: _cpu_copy(v) if torch.is_tensor(v) else v for k, v in s.items()}
             for i, s in state["state"].items()
         }
         return {"state": moments, "param_groups": copy.deepcopy(state["param_groups"])}
@@ -314,11 +312,8 @@ class LocalTrainer:
         every rank passes the whole state and keeps its chunks)."""
         if self.sharded:
             params = [p for group in self.optimizer.param_groups for p in group["params"]]
-            state = dict(state, state={
-                i: {k: sharding.as_shard(v, params[int(i)]) if torch.is_tensor(v) and v.shape == params[int(i)].shape
-                    and isinstance(params[int(i)], DTensor) else v for k, v in s.items()}
-                for i, s in state["state"].items()
-            })  # fmt: skip
+            moments = {i: {k: sharding.cut_like(v, params[int(i)]) for k, v in s.items()} for i, s in state["state"].items()}
+            state = {**state, "state": moments}
         self.optimizer.load_state_dict(state)
 
     def rng_state(self) -> dict[str, Any]:

@@ -84,6 +84,10 @@ def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
         model.set_requires_gradient_sync(sync, recurse=True)
 
 
+def is_shard(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
 def full(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor: a shard is all-gathered (a collective: every rank must call it alike)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
@@ -112,6 +116,14 @@ def as_shard(whole: torch.Tensor, like: DTensor) -> DTensor:
     """``whole`` cut like ``like`` (this rank's chunk, no communication: every rank holds ``whole``)."""
     part = local_chunk(whole, like).to(like.device).contiguous()
     return DTensor.from_local(part, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+def cut_like(value: Any, param: torch.Tensor) -> Any:
+    """An optimizer moment of ``param``'s shape, given whole, cut like ``param`` when it is a shard;
+    anything else (AdamW's step count) as it is."""
+    if isinstance(param, DTensor) and torch.is_tensor(value) and value.shape == param.shape:
+        return as_shard(value, param)
+    return value
 
 
 def chunk_norms(grads: Sequence[torch.Tensor | None], world: int, rank: int | None = None) -> torch.Tensor:
