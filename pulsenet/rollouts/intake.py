@@ -205,7 +205,8 @@ class RolloutIntake:
                 continue
             self.stats.taken += 1
             self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
-            self._taken[f"{b.manifest.node}/{self.layout.manifest(b.version, b.manifest.node, b.manifest.seq)}"] = b.version
+            m = b.manifest  # accepted only from its own node's store, under its own name
+            self._taken[self.batch_id(m.node, BatchName(m.version, m.node, m.seq))] = b.version
             out.append(b)
         return out
 
