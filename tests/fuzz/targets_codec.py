@@ -38,6 +38,18 @@ def _int(rng: random.Random) -> int:
     return rng.choice([0, 1, 2, 7, 8, 255, 2**16, 2**31 - 1, 2**32, 2**48, 2**63 - 1, 2**63, 2**64 - 1, -1])
 
 
+_MAX_FRAME = 1 << 26
+"""The largest frame content a mutator decompresses (the seeds' are far smaller): an earlier
+mutation may have left a frame that declares gigabytes, which is the decoder's to refuse."""
+
+
+def _unzstd(frame: bytes) -> bytes:
+    """A frame's content for a mutator to work on; ZstdError if invalid or larger than ``_MAX_FRAME``."""
+    if zstandard.frame_content_size(frame) > _MAX_FRAME:
+        raise zstandard.ZstdError("frame too large to mutate")
+    return zstandard.ZstdDecompressor().decompress(frame, max_output_size=_MAX_FRAME)
+
+
 def _recompress(raw: bytes, rng: random.Random) -> bytes:
     """A valid zstd frame of ``raw``: with or without its content size, sometimes with bytes after it."""
     frame = zstandard.ZstdCompressor(level=1, write_content_size=rng.random() < 0.8).compress(raw)
@@ -128,7 +140,7 @@ def _split(data: bytes) -> tuple[dict, bytes] | None:
         return None
     _, _, _, tsize, _, _ = _HEADER.unpack_from(data)
     try:
-        table = json.loads(zstandard.ZstdDecompressor().decompress(data[HEADER_SIZE : HEADER_SIZE + tsize]))
+        table = json.loads(_unzstd(data[HEADER_SIZE : HEADER_SIZE + tsize]))
     except (zstandard.ZstdError, ValueError, RecursionError):
         return None
     return (table, data[HEADER_SIZE + tsize :]) if isinstance(table, dict) else None
@@ -278,7 +290,7 @@ def patch_section(data: bytes, rng: random.Random) -> bytes:
     e, s = rng.choice(refs)
     off, size, raw_size = e[s]
     try:
-        raw = zstandard.ZstdDecompressor().decompress(body[off : off + size])
+        raw = _unzstd(body[off : off + size])
     except zstandard.ZstdError:
         return data
     new_raw = _mutate_raw(raw, rng)
@@ -478,7 +490,7 @@ def payload_frame(data: bytes, rng: random.Random) -> bytes:
             s["frames"][k] = _mutate_raw(prefix, rng) + frame
             return _pack(head, sections)
     try:
-        raw = zstandard.ZstdDecompressor().decompress(frame) if frame else b""
+        raw = _unzstd(frame) if frame else b""
     except zstandard.ZstdError:
         return data
     s["frames"][k] = prefix + _recompress(_mutate_raw(raw, rng), rng)
