@@ -79,6 +79,12 @@ def _rank_main(mode: str, out: Path) -> None:
             inner = SiteInner(local, batch_of)  # type: ignore[arg-type]
             try:
                 if mode == "steps":
+                    # a read of the whole sharded model that bypasses the site raises (alone, rank 0
+                    # would wait forever for rank 1, which waits for a command)
+                    try:
+                        local.state_fp32()
+                    except RuntimeError as e:
+                        result["guard"] = str(e)
                     # STEPS steps, with a detour: a restart's restore must reach every rank
                     # (optimizer, step counter), or rank 1 would train on the wrong rows after it
                     losses = inner.train(STEPS - 1)
@@ -137,6 +143,7 @@ def test_two_rank_steps_equal_the_single_process_reference(tmp_path: Path, one_t
     for r in ranks:
         assert {"fp32": r["fp32"], "bf16": r["bf16"]} == want
     assert want != _digests(_local()[0])  # the steps moved the weights
+    assert "through its rl.distributed.Site" in str(ranks[0].get("guard"))
     # FSDP2: each rank held its chunk of every parameter, not the whole model
     assert all(r["sharded"] for r in ranks)
     assert sum(r["shard_elements"] for r in ranks) == ranks[0]["total_elements"]  # type: ignore[misc]

@@ -25,8 +25,9 @@ trust: they are one job; a GRPO batch is a few hundred KB of token ids); weights
 ``broadcast`` of the tensors themselves. ``Site`` sends each command and its collectives under
 one lock, so a command from the round's worker thread and a ``stop`` from the main thread never
 interleave on the wire. On a sharded site every read of the whole model is a collective, so rank
-0 reads through its ``Site`` (``state_fp32``, ``bf16_state``, ``checkpoint``, ``resume_state``),
-never through the ``LocalTrainer`` directly: a lone read would wait forever for the other ranks.
+0 reads through its ``Site`` (``state_fp32``, ``bf16_state``, ``checkpoint``, ``resume_state``);
+a read through the ``LocalTrainer`` directly, which alone would wait forever for the other ranks,
+raises RuntimeError instead (``LocalTrainer.read_guard``, while the site runs).
 
 The step. Each rank computes the loss of its shares of the batch, rows ``rank::world``, each
 normalised by the *whole* batch's count (valid tokens; GRPO's completion tokens T), so the sum of
@@ -66,8 +67,9 @@ on gloo. The NCCL half was never run here (no GPU).
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -266,17 +268,40 @@ class Site:
         if grpo is not None:
             grpo.parallel = self.dp
         self._lock = threading.Lock()
+        self._speaker: int | None = None  # the thread holding the lock
         self._stopped = False
         if not self.dp.reference:
             if dist.get_rank(group) != 0:
                 raise ValueError("Site runs on rank 0; the other ranks run serve_rank")
-            with self._lock:
+            with self._speaking():
                 self._send("init")
                 _init_weights(self.local, self.grpo, group)
+            self.local.read_guard = self._check_reader
 
     @property
     def world(self) -> int:
         return self.dp.world
+
+    @contextlib.contextmanager
+    def _speaking(self) -> Iterator[None]:
+        """The site's lock, held by this thread: a command and the collectives that follow it go out
+        together, and whole-model reads of the sharded trainer are allowed here only."""
+        with self._lock:
+            self._speaker = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._speaker = None
+
+    def _check_reader(self) -> None:
+        """``LocalTrainer.read_guard`` on rank 0: a read of the whole sharded model outside the site
+        would wait forever for ranks that are waiting for a command."""
+        if not self._stopped and self._speaker != threading.get_ident():
+            raise RuntimeError(
+                "this trainer is sharded over a site: read its whole weights or checkpoint through "
+                "its rl.distributed.Site (state_fp32, bf16_state, checkpoint, resume_state), so that "
+                "every rank takes part"
+            )
 
     def _send(self, *cmd: Any) -> None:
         """Hold ``self._lock``: the command and the collectives that follow it go out together."""
@@ -287,21 +312,21 @@ class Site:
 
     def train(self, steps: int) -> list[float]:
         """``steps`` supervised steps on ``batch_of(step)``."""
-        with self._lock:
+        with self._speaking():
             self._send("train", steps)
             return _train(self.local, self.batch_of, steps, self.dp)
 
     def grpo_step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
         """One ``GRPOTrainer.step`` on every rank; the batch goes with the command."""
         assert self.grpo is not None, "a supervised site has no GRPO step"
-        with self._lock:
+        with self._speaking():
             self._send("grpo", list(rollouts))
             return self.grpo.step(rollouts)
 
     def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
         """New FP32 weights on every rank (rank 0 checks them first: a bad state raises here, before
         any rank is told)."""
-        with self._lock:
+        with self._speaking():
             self.local.load_state_fp32(dict(state))
             if not self.dp.reference:
                 self._send("load")
@@ -325,14 +350,14 @@ class Site:
 
     def _read(self, what: str) -> Any:
         """A read of the whole model: on every rank at once (each holds a shard of it), rank 0's kept."""
-        with self._lock:
+        with self._speaking():
             if not self.dp.reference:
                 self._send("read", what)
             return _READS[what](self.local)
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """A resume point's optimizer, RNG and step counter (``{"optimizer", "rng", "steps"}``)."""
-        with self._lock:
+        with self._speaking():
             _restore(self.local, state)
             self._send("restore", {k: state[k] for k in ("optimizer", "rng", "steps")})
 
@@ -343,7 +368,7 @@ class Site:
 
     def stop(self) -> None:
         """Release the other ranks (once; waits for a command in flight to finish)."""
-        with self._lock:
+        with self._speaking():
             if not self._stopped:
                 self._send("stop")
                 self._stopped = True

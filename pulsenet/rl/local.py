@@ -152,6 +152,9 @@ class LocalTrainer:
         self.rng = random.Random(self.config.seed)
         self.steps = 0
         """Optimizer steps taken so far; also the data position used by ``train_step``."""
+        self.read_guard: Callable[[], None] | None = None
+        """Set on a site's rank 0 (``rl.distributed.Site``): raises when a read of the whole sharded
+        model bypasses the site, which would otherwise wait forever for the other ranks."""
 
     def _bind_parameters(self) -> torch.optim.AdamW:
         # named_parameters() drops the tied lm_head, so tied weights are stepped (and reported) once.
@@ -261,6 +264,7 @@ class LocalTrainer:
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
         """A CPU copy of the FP32 master weights by parameter name (tied duplicate excluded)."""
+        self._whole_read()
         return {name: _cpu_copy(p) for name, p in self._params.items()}
 
     def load_state_fp32(self, state: dict[str, torch.Tensor]) -> None:
@@ -287,17 +291,23 @@ class LocalTrainer:
 
     def bf16_state(self) -> dict[str, torch.Tensor]:
         """The BF16 view an inference node would serve (see ``models.bf16_state_dict``), on the CPU."""
+        self._whole_read()
         if self.sharded:  # the masters gathered whole (tied duplicates are not in _params), buffers as they are
             state = self.model.state_dict()
             return bf16_state_dict({n: _cpu_copy(t) for n, t in state.items() if n in self._params or not sharding.is_shard(t)})
         state = bf16_state_dict(self.model)
         return state if self.device == _CPU else {name: t.cpu() for name, t in state.items()}
 
+    def _whole_read(self) -> None:
+        if self.read_guard is not None:
+            self.read_guard()
+
     # --- checkpointing -------------------------------------------------------
 
     def optimizer_state(self) -> dict[str, Any]:
         """A deep copy of the AdamW state (later steps mutate the live tensors in place), on the CPU;
         sharded, the moments are gathered whole, so the checkpoint is a one-process trainer's."""
+        self._whole_read()
         state = self.optimizer.state_dict()
         if self.device == _CPU and not self.sharded:
             return copy.deepcopy(state)
