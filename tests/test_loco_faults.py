@@ -93,11 +93,16 @@ async def test_divergent_trainer_is_detected_and_repaired_from_the_store(
             t = next(iter(trainer.state.theta.values()))  # type: ignore[union-attr]
             t.view(-1).view(torch.int32)[0] ^= 1 << 3
 
-    trainers = [
-        tiny_trainer(tid, s3_factory(), keys, pubs, _config(), on_round=corrupt if tid == "c" else None)
-        for tid in IDS
-    ]
-    await asyncio.gather(*(t.run(4) for t in trainers))
+    trainers = [tiny_trainer(tid, s3_factory(), keys, pubs, _config()) for tid in IDS]
+
+    async def drive(t: LocoTrainer) -> None:
+        async with t.session():
+            while t.round < 4:
+                report = await t.next_round()
+                if t.id == "c" and report is not None:
+                    corrupt(t, report)
+
+    await asyncio.gather(*(drive(t) for t in trainers))
     c3 = next(r for r in trainers[2].reports if r.round == 3)
     a3 = next(r for r in trainers[0].reports if r.round == 3)
     assert c3.repaired and not a3.repaired and not a3.agreed  # detected within the round it happened

@@ -220,7 +220,6 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
             LocoTrainer(
                 tid, stores[k], load_private_key(tmp / "keys" / tid), trusted, inner, config,
                 on_phase=cores.hook(tid), payload_cache=cache.view(stores[k]),
-                on_round=evaluate if k == 0 else None,
             )
         )  # fmt: skip
     for t in trainers:  # announce all first, so the first start() publishes genesis and the rest find it
@@ -229,7 +228,15 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
         await t.start()
     await evaluate(trainers[0], None)
     t0 = time.perf_counter()
-    await asyncio.gather(*(t.run(args.rounds) for t in trainers))
+
+    async def drive(t: LocoTrainer, observe: bool) -> None:
+        async with t.session():
+            while t.round < args.rounds:
+                report = await t.next_round(until=args.rounds)
+                if observe and report is not None:
+                    await evaluate(t, report)
+
+    await asyncio.gather(*(drive(t, k == 0) for k, t in enumerate(trainers)))
     wall = time.perf_counter() - t0
     n_params = sum(v.numel() for v in trainers[0].state.theta.values())  # type: ignore[union-attr]
     rounds = []

@@ -194,7 +194,7 @@ class Collector:
         if not all(t.done() for t in fetches.values()):
             return None
         proposal = self._proposal(r, fetches, ctx.base_digest, unreadable)
-        complete = len(fetches) >= self.config.workers_expected
+        complete = len(fetches) >= self.config.expected
         if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
             return None
         record, won = await self.rs.propose_record(proposal)

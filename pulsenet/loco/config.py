@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pulsenet.codec import payload as wire
@@ -36,8 +36,9 @@ class LocoConfig:
     """The one-round-delayed outer step (asynchronous DiLoCo): round r+1's inner phase runs while
     round r is exchanged, and its progress is re-based onto θ_r when round r closes (docs/loco.md).
     Every trainer computes the same θ either way; the payloads are one round stale."""
-    workers_expected: int = 1
-    """A round closes as soon as this many payloads are in, without waiting for the deadline."""
+    workers_expected: int | None = None
+    """A round closes as soon as this many payloads are in, without waiting for the deadline;
+    None: every trainer whose key the run trusts (``LocoTrainer`` fills it in)."""
     min_quorum: int | None = None
     """Fewest valid payloads a round may close with after the deadline; None: a majority of workers_expected."""
     join_wait_s: float = 120.0
@@ -69,16 +70,28 @@ class LocoConfig:
         check_run_id(self.run)
         if self.mode not in MODES:
             raise ConfigError(f"mode must be one of {sorted(MODES)}, got {self.mode!r}")
-        if self.inner_steps < 1 or self.workers_expected < 1 or self.state_every < 1:
+        if self.inner_steps < 1 or self.state_every < 1 or (self.workers_expected or 1) < 1:
             raise ConfigError("inner_steps, workers_expected and state_every must be >= 1")
+        if self.min_quorum is not None and self.min_quorum < 1:
+            raise ConfigError(f"min_quorum must be >= 1 or None, got {self.min_quorum}")
         if not self.gate_scale > 0:
             raise ConfigError(f"gate_scale must be > 0, got {self.gate_scale}")
-        if self.quorum > self.workers_expected:
+        if self.workers_expected is not None and self.quorum > self.workers_expected:
             raise ConfigError(f"min_quorum {self.quorum} exceeds workers_expected {self.workers_expected}")
+
+    def for_trainers(self, n: int) -> LocoConfig:
+        """This config with ``workers_expected`` filled in for a run of ``n`` trusted trainers."""
+        return self if self.workers_expected is not None else replace(self, workers_expected=n)
+
+    @property
+    def expected(self) -> int:
+        if self.workers_expected is None:
+            raise ConfigError("workers_expected is not set: use LocoConfig.for_trainers(n) first")
+        return self.workers_expected
 
     @property
     def quorum(self) -> int:
-        return self.min_quorum if self.min_quorum is not None else self.workers_expected // 2 + 1
+        return self.min_quorum if self.min_quorum is not None else self.expected // 2 + 1
 
     @property
     def sparse(self) -> bool:

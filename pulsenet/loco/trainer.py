@@ -5,7 +5,7 @@ Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's
 (:meth:`LocoTrainer.run_round` reads exactly like this)::
 
     0. behind?   rounds/r/record exists without us -> catch up from the store
-    1. train     H inner steps from θ_{r-1}                              InnerLoop.train (thread)
+    1. train     H inner steps from θ_{r-1}            the caller's inner phase, or InnerLoop.train
     2. encode    s = e + θ_{r-1} - θ_local, visibility gate, payload     algorithm, payload (thread)
        publish   payload, then its signed manifest                       background task
     3. collect   peers' payloads as their manifests appear; the round    collect.py
@@ -21,6 +21,12 @@ With ``overlap`` (the one-round-delayed outer step, :meth:`LocoTrainer.run_round
 step 1 of round r+1 runs while steps 3-4 of round r run, and its progress is re-based onto θ_r.
 
 What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
+Who drives it is the caller's choice, the way torchft's DiLoCo makes the outer sync a step the
+training loop calls: ``await trainer.run(rounds)`` lets the round run ``InnerLoop.train`` itself (a
+benchmark, ``pulsenet loco train``); a node that owns its data (the trainer daemon) opens
+``trainer.session()`` and calls ``await trainer.next_round(train)`` once per round, where
+``train(r)`` is its own inner phase (H steps on batches it took, in a thread) returning the losses;
+the round never calls back into its caller for data.
 Each step's work is entered through ``on_phase(name, round)``, an optional async context manager
 factory: a benchmark shares cores and times phases with it (``pulsenet.bench.loco_phases``), a
 test injects a straggler. Phases: ``inner``, ``encode``, ``upload``, ``collect``, ``apply``,
@@ -40,10 +46,11 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -72,7 +79,9 @@ from pulsenet.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
-Hook = Callable[["LocoTrainer", RoundReport], Awaitable[None] | None]
+T = TypeVar("T")
+InnerPhase = Callable[[int], Awaitable[list[float]]]
+"""``train(r)``: round r's H inner steps from the weights the inner loop holds; one loss per step taken."""
 PhaseHook = Callable[[str, int], AbstractAsyncContextManager[object]]
 """``on_phase(phase, round)``: entered around each phase's work (see the module docstring)."""
 
@@ -103,11 +112,10 @@ class LocoTrainer:
         config: LocoConfig,
         *,
         state_dir: Path | None = None,
-        on_round: Hook | None = None,
         on_phase: PhaseHook | None = None,
         payload_cache: DecodedPayloads | None = None,
     ) -> None:
-        self.config = config
+        self.config = config = config.for_trainers(len(keys))
         self.rs = RoundStore(store, trainer_id, key, keys, config.timeouts, run=config.run)
         self.id = self.rs.id
         own = self.rs.keys.get(self.id)
@@ -119,7 +127,6 @@ class LocoTrainer:
         self.inner = inner
         """The H local steps (``loco.inner``): supervised, GRPO, or a test's."""
         self.state_dir = Path(state_dir) if state_dir is not None else None
-        self.on_round = on_round
         self.on_phase = on_phase
         self.cache = payload_cache
         """Decoded payloads shared by the trainers of one process (a benchmark's), or None."""
@@ -130,54 +137,75 @@ class LocoTrainer:
         self.collector: Collector | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._group: asyncio.TaskGroup | None = None
-        """The lifetime of background uploads while ``run`` runs: an unexpected failure in one fails the run."""
+        """The lifetime of background uploads while a ``session`` is open: an unexpected failure in one fails it."""
         self._failures = 0
+        self._carried: list[float] | None = None
+        """``overlap``: the losses of the next round's inner phase, already trained (``next_round``)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def run(self, rounds: int) -> list[RoundReport]:
-        """Start (or resume) and take part until the global state has reached ``rounds``.
+        """Start (or resume) and take part until the global state has reached ``rounds``, the inner
+        loop training each round itself (``InnerLoop.train``)."""
+        async with self.session():
+            while self.round < rounds:
+                await self.next_round(until=rounds)
+        return self.reports
 
-        Background uploads live in a TaskGroup for the whole call: a typed store error in one is
-        logged (``_spawn``), anything else fails the run, as itself, rather than vanishing.
+    @contextlib.asynccontextmanager
+    async def session(self) -> AsyncIterator[LocoTrainer]:
+        """Start (or resume) the trainer and hold the lifetime of its background uploads.
+
+        Background uploads live in a TaskGroup for the whole session: a typed store error in one is
+        logged (``_spawn``), anything else fails the session, as itself, rather than vanishing.
+        Leaving the session waits for the uploads in flight (``drain``).
         """
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 try:
-                    await self._run(rounds)
+                    if self.state is None:
+                        await self.start()
+                    yield self
                 finally:
                     await self.drain()
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
             self._group = None
-        return self.reports
 
-    async def _run(self, rounds: int) -> None:
-        if self.state is None:
-            await self.start()
-        carried: list[float] | None = None
-        while self.round < rounds:
-            try:
-                if self.config.overlap:
-                    carried = await self.run_round_overlapped(rounds, carried)
-                else:
-                    await self.run_round()
-                self._failures = 0
-            except (RoundError, StoreError, ManifestError, VerificationError) as e:
-                # Anything the store holds that cannot be used (unreachable, unverifiable, malformed)
-                # fails the round, typed; the next iteration finds the round's record (or not) and
-                # catches up from the store.
-                carried = None
-                self._failures += 1
-                log.error(
-                    "%s: round %d failed (%d in a row): %s: %s",
-                    *(self.id, self.round + 1, self._failures, type(e).__name__, e),
-                )
-                if self._failures >= self.config.max_round_failures:
-                    raise
-                await self._collector.sleep()
+    async def next_round(self, train: InnerPhase | None = None, *, until: int | None = None) -> RoundReport | None:
+        """One round inside a ``session``: its report (trained, or caught up from the store), or None
+        if it failed. ``train``: the caller's inner phase (default ``InnerLoop.train``); ``until``:
+        the run's last round, which the ``overlap`` mode needs to know whether to train ahead.
+
+        Anything the store holds that cannot be used (unreachable, unverifiable, malformed) fails
+        the round, typed: it is logged and counted, and the next call finds the round's record (or
+        not) and catches up from the store. ``max_round_failures`` failures in a row re-raise."""
+        before = len(self.reports)
+        if self.config.overlap:
+            self._carried = await self._attempt(
+                self.run_round_overlapped(until if until is not None else self.round + 1, self._carried, train)
+            )
+        else:
+            await self._attempt(self.run_round(train))
+        return self.reports[-1] if len(self.reports) > before else None
+
+    async def _attempt(self, round_: Awaitable[T]) -> T | None:
+        try:
+            result = await round_
+        except (RoundError, StoreError, ManifestError, VerificationError) as e:
+            self._failures += 1
+            log.error(
+                "%s: round %d failed (%d in a row): %s: %s",
+                *(self.id, self.round + 1, self._failures, type(e).__name__, e),
+            )
+            if self._failures >= self.config.max_round_failures:
+                raise
+            await self._collector.sleep()
+            return None
+        self._failures = 0
+        return result
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
@@ -224,13 +252,14 @@ class LocoTrainer:
 
     # --- the round ----------------------------------------------------------------------------
 
-    async def run_round(self) -> RoundReport:
-        """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order."""
+    async def run_round(self, train: InnerPhase | None = None) -> RoundReport:
+        """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order.
+        ``train``: the caller's inner phase (default: ``InnerLoop.train`` in a thread)."""
         r = self.round + 1
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
         report = self._open_report(r)
-        losses = await self._train(r)  # 1. H inner steps from θ_{r-1}
+        losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
         sent = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
         upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
         record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
@@ -239,7 +268,9 @@ class LocoTrainer:
         await self._persist(r, digests)  # 6. resume point, checkpoint, global state
         return await self._report(report)
 
-    async def run_round_overlapped(self, rounds: int, carried: list[float] | None) -> list[float] | None:
+    async def run_round_overlapped(
+        self, rounds: int, carried: list[float] | None, train: InnerPhase | None = None
+    ) -> list[float] | None:
         """One round with the one-round-delayed outer step (``config.overlap``): round r+1's inner
         phase runs while round r is collected and applied, then its progress is re-based onto θ_r.
 
@@ -255,7 +286,7 @@ class LocoTrainer:
         if carried is not None:  # trained while the previous round was exchanged
             losses, report.overlapped = carried, True
         else:
-            losses = await self._train(r)
+            losses = await self._train(r, train)
         sent = await self._encode(r, report, losses)
         upload = asyncio.create_task(self._publish(sent))
         ahead: asyncio.Task[list[float]] | None = None
@@ -264,7 +295,7 @@ class LocoTrainer:
             if r < rounds:
                 async with self._phase("rebase", r + 1):
                     base = await asyncio.to_thread(self.inner.state_fp32)
-                ahead = asyncio.create_task(self._train(r + 1))
+                ahead = asyncio.create_task(self._train(r + 1, train))
             # collect and apply touch neither the local model nor the inner optimizer
             record, payloads = await self._collect(sent, upload)
             await self._apply(sent, record, payloads, load_local=ahead is None)
@@ -315,9 +346,11 @@ class LocoTrainer:
 
     # --- 1. train -----------------------------------------------------------------------------
 
-    async def _train(self, r: int) -> list[float]:
+    async def _train(self, r: int, train: InnerPhase | None = None) -> list[float]:
         """Round r's H inner steps from the weights the inner loop holds; their losses."""
         async with self._phase("inner", r):
+            if train is not None:
+                return await train(r)
             return await asyncio.to_thread(self.inner.train, self.config.inner_steps)
 
     # --- 2. encode and publish ----------------------------------------------------------------
@@ -607,7 +640,7 @@ class LocoTrainer:
     async def _wait_for_members(self) -> None:
         loop = asyncio.get_running_loop()
         until = loop.time() + self.config.join_wait_s
-        while len(members := await self.rs.members()) < self.config.workers_expected:
+        while len(members := await self.rs.members()) < self.config.expected:
             if loop.time() >= until:
                 log.warning(
                     "%s: only %s joined within %g s; starting anyway",
@@ -684,10 +717,6 @@ class LocoTrainer:
 
     async def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
-        if self.on_round is not None:
-            result = self.on_round(self, report)
-            if asyncio.iscoroutine(result):
-                await result
         return report
 
     def _phase(self, name: str, r: int) -> AbstractAsyncContextManager[object]:

@@ -196,7 +196,6 @@ class TrainerNode:
                     deadline_s=c.round_deadline_s,
                 ),
                 state_dir=Path(c.state_dir) / "loco",
-                on_round=self._after_round,
             )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -332,7 +331,16 @@ class TrainerNode:
         """PULSELoCo rounds until ``steps`` rounds; a stop abandons the round in hand (nothing it
         wrote is visible unless complete: payloads before their create-only manifests)."""
         assert self.loco is not None
-        rounds = asyncio.create_task(self.loco.run(self.config.steps))
+        loco = self.loco
+
+        async def run_rounds() -> None:
+            async with loco.session():
+                while loco.round < self.config.steps:
+                    report = await loco.next_round()
+                    if report is not None:
+                        await self._after_round(loco, report)
+
+        rounds = asyncio.create_task(run_rounds())
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({rounds, stopped}, return_when=asyncio.FIRST_COMPLETED)
