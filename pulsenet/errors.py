@@ -113,6 +113,10 @@ class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
 
 
+class PolicyError(PulsenetError):
+    """A policy the node made or received is unusable (non-finite weights): never published or applied."""
+
+
 class RolloutError(PulsenetError, ValueError):
     """A rollout batch (Parquet payload or its manifest) is malformed, inconsistent or over a limit."""
 

@@ -112,6 +112,17 @@ def fields_of(cls: type, *names: str) -> type:
     return made
 
 
+def inherit(child: Any, **values: Any) -> None:
+    """Copy a parent's shared settings into a nested component config (``run`` into every
+    component of a node): set once at the top, the same everywhere below.
+
+    A parent lists the copied fields in its ``INHERITED`` class attribute (dotted names:
+    ``{"loco.run"}``); ``_flags`` leaves them out, so a TOML key or a ``PULSENET_*`` variable for one is an unknown setting
+    rather than a value silently overwritten here."""
+    for name, value in values.items():
+        setattr(child, name, value)
+
+
 def load_toml(path: str | Path) -> dict:
     try:
         with open(path, "rb") as f:
@@ -124,13 +135,17 @@ def load_toml(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
-def to_toml_table(value: Any) -> dict[str, Any]:
-    """A dataclass as the TOML table that reproduces it (what ``pulsenet up`` writes per node)."""
+def to_toml_table(value: Any, _hidden: frozenset[str] | None = None, _prefix: str = "") -> dict[str, Any]:
+    """A dataclass as the TOML table that reproduces it (what ``pulsenet up`` writes per node);
+    inherited fields (``INHERITED``) are left to the parent's value, as ``load_settings`` wants."""
+    hidden = _hidden if _hidden is not None else getattr(type(value), "INHERITED", frozenset())
     out: dict[str, Any] = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
+        if _prefix + f.name in hidden:
+            continue
         if dataclasses.is_dataclass(v):
-            out[f.name] = to_toml_table(v)
+            out[f.name] = to_toml_table(v, hidden, f"{_prefix}{f.name}.")
         elif v is not None:
             out[f.name] = [str(x) for x in v] if isinstance(v, list | tuple) else str(v) if isinstance(v, Path) else v
     return out
@@ -139,7 +154,7 @@ def to_toml_table(value: Any) -> dict[str, Any]:
 # --- internals ---------------------------------------------------------------------------------
 
 
-def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
+def _flags(cls: type, prefix: str = "", hidden: frozenset[str] | None = None) -> dict[str, tuple[str, str]]:
     """``dotted field name -> (flag, kind)`` with kind "bool", "list", "positional" or "value".
 
     A nested dataclass field annotated ``tyro.conf.arg(name="")`` adds no prefix (its fields are
@@ -147,8 +162,11 @@ def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
     (``--grpo.lr``, table ``[trainer.grpo]``, ``PULSENET_GRPO__LR``)."""
     out: dict[str, tuple[str, str]] = {}
     hints = typing.get_type_hints(cls, include_extras=True)
+    hidden = hidden if hidden is not None else getattr(cls, "INHERITED", frozenset())
     for f in dataclasses.fields(cls):
         name = prefix + f.name
+        if name in hidden:
+            continue
         typ, marks = hints[f.name], ()
         if typing.get_origin(typ) is typing.Annotated:
             typ, *marks = typing.get_args(typ)
@@ -158,7 +176,7 @@ def _flags(cls: type, prefix: str = "") -> dict[str, tuple[str, str]]:
             made = f.default_factory()  # a class or a lambda (``lambda: GRPOConfig(lr=1e-3)``)
             if dataclasses.is_dataclass(made):
                 flat = any(getattr(m, "name", None) == "" for m in marks)
-                out |= _flags(type(made), prefix if flat else name + ".")
+                out |= _flags(type(made), prefix if flat else name + ".", hidden)
                 continue
         origin = typing.get_origin(typ)
         if any(m is tyro.conf.Positional or getattr(m, "__name__", "") == "Positional" for m in marks):

@@ -193,7 +193,7 @@ def test_node_commands_parse_and_wire_the_network(compose: dict[str, Any]) -> No
         # PULSELoCo: one shared bucket, every trainer's key under its id, the same algorithm settings.
         assert t.loco_store == "s3://pulsenet-loco"
         assert sorted(t.peers) == [f"{i}=/pub/{i}.key.pub" for i in ids]
-    assert len({(t.loco_store, t.inner_steps, t.outer_lr, t.outer_momentum) for t in trainers.values()}) == 1
+    assert len({(t.loco_store, t.loco.inner_steps, t.loco.outer_lr, t.loco.outer_momentum) for t in trainers.values()}) == 1
     for c in inference.values():
         assert isinstance(c, InferenceConfig)
         assert sorted(c.policy) == sorted(t.store for t in trainers.values())

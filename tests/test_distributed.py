@@ -1,5 +1,5 @@
 """A 2-rank site on CPU (gloo): data-parallel inner steps and a PULSELoCo round spoken for by rank 0,
-bit-equal to the single-process reference (``SiteInner(reference_world=2)``, see pulsenet/rl/distributed.py).
+bit-equal to the single-process reference (``GroupInner(reference_world=2)``, see pulsenet/rl/distributed.py).
 
 The ranks are this file run by ``torchrun`` (``torchrun --nproc-per-node 2 tests/test_distributed.py
 MODE OUT``), the launch path of a real site. Only CPU and gloo were tested here (no GPU, no NCCL).
@@ -22,7 +22,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model, sharding
-from pulsenet.rl.distributed import SiteInner, serve_rank, task_batches
+from pulsenet.rl.distributed import GroupInner, serve_rank, task_batches
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store import LocalStore
 
@@ -49,7 +49,7 @@ def _digests(local: LocalTrainer) -> dict[str, str]:
     return {"fp32": model_digest(local.state_fp32()), "bf16": model_digest(local.bf16_state())}
 
 
-def _run_round(inner: SiteInner, out: Path) -> str:
+def _run_round(inner: GroupInner, out: Path) -> str:
     """One site ("site") over a LocalStore under ``out``: ROUNDS rounds; the agreed global digest."""
     key = out / "keys" / "site"
     if not key.exists():
@@ -76,7 +76,7 @@ def _rank_main(mode: str, out: Path) -> None:
         if rank != 0:
             serve_rank(local, batch_of)  # type: ignore[arg-type]
         else:
-            inner = SiteInner(local, batch_of)  # type: ignore[arg-type]
+            inner = GroupInner(local, batch_of)  # type: ignore[arg-type]
             try:
                 if mode == "steps":
                     # a read of the whole sharded model that bypasses the site raises (alone, rank 0
@@ -137,13 +137,13 @@ def one_thread():  # type: ignore[no-untyped-def]
 def test_two_rank_steps_equal_the_single_process_reference(tmp_path: Path, one_thread: None) -> None:
     ranks = _run_site("steps", tmp_path)
     local, batch_of = _local()
-    losses = SiteInner(local, batch_of, reference_world=WORLD).train(STEPS)  # type: ignore[arg-type]
+    losses = GroupInner(local, batch_of, reference_world=WORLD).train(STEPS)  # type: ignore[arg-type]
     want = _digests(local)
     assert ranks[0]["losses"] == losses
     for r in ranks:
         assert {"fp32": r["fp32"], "bf16": r["bf16"]} == want
     assert want != _digests(_local()[0])  # the steps moved the weights
-    assert "through its rl.distributed.Site" in str(ranks[0].get("guard"))
+    assert "through its rl.distributed.RankGroup" in str(ranks[0].get("guard"))
     # FSDP2: each rank held its chunk of every parameter, not the whole model
     assert all(r["sharded"] for r in ranks)
     assert sum(r["shard_elements"] for r in ranks) == ranks[0]["total_elements"]  # type: ignore[misc]
@@ -154,7 +154,7 @@ def test_two_rank_steps_equal_the_single_process_reference(tmp_path: Path, one_t
 def test_two_rank_site_runs_pulseloco_rounds_like_one_process(tmp_path: Path, one_thread: None) -> None:
     ranks = _run_site("loco", tmp_path / "site")
     local, batch_of = _local()
-    inner = SiteInner(local, batch_of, reference_world=WORLD)  # type: ignore[arg-type]
+    inner = GroupInner(local, batch_of, reference_world=WORLD)  # type: ignore[arg-type]
     assert ranks[0]["global"] == _run_round(inner, tmp_path / "reference")
     want = _digests(local)
     for r in ranks:  # rank 1 got the outer step's θ by broadcast

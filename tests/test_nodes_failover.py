@@ -11,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from pulsenet.loco import LocoConfig
 from pulsenet.nodes.common import initial_model, make_task, text_codec
 from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
-from pulsenet.rl.grpo import GRPOConfig
+from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+from pulsenet.rl.inner import GRPOInner
 from pulsenet.rollouts import RolloutSource
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
+from pulsenet.sync.publisher import PublisherConfig
+from pulsenet.sync.subscriber import SubscriberConfig
 
 TRAINERS = ("t0", "t1", "t2")
 STEPS = 6
@@ -41,10 +45,8 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
                 run="failover",
                 steps=STEPS,
                 rows_per_step=16,
-                inner_steps=1,
-                min_quorum=2,
-                round_deadline_s=4.0,
-                anchor_every=100,
+                loco=LocoConfig(inner_steps=1, min_quorum=2, deadline_s=4.0),
+                publish=PublisherConfig(anchor_every=100),
                 state_dir=tmp_path / t,
                 peers=[f"{p}={tmp_path / 'keys' / f'{p}.key.pub'}" for p in TRAINERS],
                 grpo=GRPOConfig(lr=5e-4, pad_id=text.pad_id),
@@ -52,7 +54,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             store=store(t),
             key=keys[t][0],
             sources=[RolloutSource("i0", store("i0"), {key_id(keys["i0"][1]): keys["i0"][1]})],
-            model=initial_model("tiny", tmp_path / "cache", warmup_steps=20),
+            policy=GRPOInner(GRPOTrainer(initial_model("tiny", tmp_path / "cache", warmup_steps=20), GRPOConfig(lr=5e-4, pad_id=text.pad_id))),
             loco_store=store("loco"),
         )
         for t in TRAINERS
@@ -66,7 +68,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             max_new_tokens=4,
             batches_per_version=4,
             state_dir=tmp_path / "i0",
-            poll_s=0.2,
+            subscribe=SubscriberConfig(interval_s=0.2),
             failover_s=2.0,
             status_every_s=1.0,
         ),
@@ -99,8 +101,8 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
         with contextlib.suppress(asyncio.CancelledError):
             await inference
 
-    survivors = {h["version"]: h["digest"] for h in trainers[1].history}
-    assert survivors == {h["version"]: h["digest"] for h in trainers[2].history}  # bit-identical
+    survivors = {e.version: e.digest for e in trainers[1].events.events}
+    assert survivors == {e.version: e.digest for e in trainers[2].events.events}  # bit-identical
     assert max(survivors) == STEPS
     versions = [v for v, _ in node.served]
     assert versions == sorted(versions) and versions[-1] == STEPS

@@ -99,8 +99,8 @@ class Network:
                 "PULSENET_TRUST_INFERENCE": ",".join(f"{i}=keys/{i}.key.pub" for i in self.inference),
                 "PULSENET_STEPS": str(self.steps),
                 "PULSENET_WARMUP_STEPS": str(WARMUP),
-                "PULSENET_ANCHOR_EVERY": "4",
-                "PULSENET_KEEP_ANCHORS": "8",  # nothing deleted here: the test reads every manifest
+                "PULSENET_PUBLISH__ANCHOR_EVERY": "4",
+                "PULSENET_PUBLISH__KEEP_ANCHORS": "8",  # nothing deleted here: the test reads every manifest
                 "PULSENET_CONSUMER_POLL_S": "1",
                 "PULSENET_LOCO_STORE": "",  # a lone trainer: the shipped config is t0 of a PULSELoCo pair
             }
@@ -108,7 +108,7 @@ class Network:
             env |= {
                 "PULSENET_POLICY": self.url("t0"),
                 "PULSENET_TRUST": "keys/t0.key.pub",
-                "PULSENET_POLL_S": "0.3",
+                "PULSENET_SUBSCRIBE__INTERVAL_S": "0.3",
                 "PULSENET_BATCHES_PER_VERSION": "1",
                 "PULSENET_STATUS_EVERY_S": "1",
             }

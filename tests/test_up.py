@@ -22,7 +22,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from pulsenet.nodes.launcher import MARKER, read_events
+from pulsenet.nodes.events import read_events
+from pulsenet.nodes.launcher import MARKER
 
 pytestmark = pytest.mark.integration
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -124,29 +125,27 @@ def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path:
 
     # Every trainer runs the same PULSELoCo round: plain averaging as the outer step (docs/rl.md).
     tables = [tomllib.loads((workdir / "config" / f"{t}.toml").read_text())["trainer"] for t in trainers]
-    same = {(t["loco_store"], t["inner_steps"], t["outer_lr"], t["outer_momentum"]) for t in tables}
+    same = {(t["loco_store"], t["loco"]["inner_steps"], t["loco"]["outer_lr"], t["loco"]["outer_momentum"]) for t in tables}
     assert same == {(tables[0]["loco_store"], 2, 1.0, 0.0)}, same
 
-    # Independently of the summary, from the nodes' own logs: every trainer published the same
-    # versions; every version an inference node swapped in has the digest the trainers published
-    # for it, and its weights rehash to it at exit; rollouts were trained on within the bound.
-    logs = workdir / "logs"
-    published = {e["version"]: e["digest"] for e in read_events(logs / "t0.log") if e["event"] == "published"}
+    # Independently of the summary, from the nodes' own version events: every trainer published the
+    # same versions; every version an inference node swapped in has the digest the trainers
+    # published for it, and its weights rehash to it at exit; rollouts were trained on within the bound.
+    published = {e.version: e.digest for e in _events(workdir, "t0") if e.kind == "published"}
     assert sorted(published) == [0, 1, 2, 3]
     for t in trainers:
-        events = read_events(logs / f"{t}.log")
-        assert {e["version"]: e["digest"] for e in events if e["event"] == "published"} == published
-        steps = [e for e in events if e["event"] == "step"]
-        assert all(0 <= e["staleness"] <= MAX_STALENESS for e in steps)
-        assert [e["version"] for e in steps] == [1, 2, 3]  # one PULSELoCo round per version
-        assert all(e["loco_bytes"] > 0 for e in steps)
+        events = [e for e in _events(workdir, t) if e.kind == "published"]
+        assert {e.version: e.digest for e in events} == published
+        assert all(0 <= s <= MAX_STALENESS for e in events for s in e.staleness)
+        assert [e.round for e in events] == [0, 1, 2, 3]  # one PULSELoCo round per version
+        assert all(e.bytes["pulseloco"] > 0 for e in events[1:])
     for node in ("i0", "i1"):
-        events = read_events(logs / f"{node}.log")
-        served = [(e["version"], e["digest"]) for e in events if e["event"] == "served"]
+        events = _events(workdir, node)
+        served = [(e.version, e.digest) for e in events if e.kind == "served"]
         assert served and served[-1][0] == 3
         assert all(published[v] == d for v, d in served), served
-        stopped = [e for e in events if e["event"] == "stopped"]
-        assert len(stopped) == 1 and stopped[0]["weights_digest"] == published[3]
+        stopped = [e for e in events if e.kind == "stopped"]
+        assert len(stopped) == 1 and stopped[0].weights_digest == published[3]
 
     # No orphans: every node process (and the store) is gone once the launcher has returned.
     pids = [d["pid"] for d in summary["nodes_detail"].values()]
@@ -172,7 +171,7 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
     logs = workdir / "logs"
     try:
         _wait_for(
-            lambda: any(e["event"] == "step" and e["version"] >= 2 for e in read_events(logs / "t0.log")),
+            lambda: any(e.kind == "published" and e.version >= 2 for e in _events(workdir, "t0")),
             180,
             "v2 trained",
             proc,
@@ -187,13 +186,13 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
     # Each node stopped on its own SIGTERM (no SIGKILL fallback): the inference nodes rehashed
     # their weights on the way out and the trainer closed without an error.
     for node in ("i0", "i1"):
-        stopped = [e for e in read_events(logs / f"{node}.log") if e["event"] == "stopped"]
-        assert len(stopped) == 1 and stopped[0]["weights_digest"] == stopped[0]["digest"]
+        stopped = [e for e in _events(workdir, node) if e.kind == "stopped"]
+        assert len(stopped) == 1 and stopped[0].weights_digest == stopped[0].digest
     assert "Traceback" not in (logs / "t0.log").read_text()
 
     # The policy channel: the newest visible version rebuilds, verified, to what the trainer logged.
     trainer = tomllib.loads((workdir / "config" / "t0.toml").read_text())["trainer"]
-    published = {e["version"]: e["digest"] for e in read_events(logs / "t0.log") if e["event"] == "published"}
+    published = {e.version: e.digest for e in _events(workdir, "t0") if e.kind == "published"}
     pulled = subprocess.run(
         [sys.executable, "-m", "pulsenet", "pull", "--store", trainer["store"], "--run", trainer["run"],
          "--trust", str(workdir / "keys" / "t0.key.pub"), "--out", str(workdir / "pulled")],
@@ -221,6 +220,11 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
             assert len(batch) == 1, (m, sorted(keys))
             named = batch[0].split(f"{run_prefix}/", 1)[1]
             assert refs.get(named) == keys[batch[0]], (m, refs)  # there, at the size its manifest signed
+
+
+def _events(workdir: Path, node: str) -> list:
+    """A node's version events (``state/<node>/events.jsonl``)."""
+    return read_events(workdir / "state" / node / "events.jsonl")
 
 
 def _refs(doc: object) -> Iterator[tuple[str, int]]:

@@ -7,7 +7,7 @@ nodes (PULSESync subscriber -> engine -> signed rollout batches), each with its 
 and, with ``--link-mbps``, its own emulated link. The nodes are the daemons' own classes
 (``pulsenet.nodes``), so the benchmark measures the code that ships.
 
-Summary (JSON ``summary``): reward per step, the staleness histogram, dropped batches (stale in
+Summary (JSON ``summary``): reward per version (a round's mean), the staleness histogram, dropped batches (stale in
 flight / in the queue), mismatch KL per step, bytes per channel (rollouts, PULSESync downloads,
 what full checkpoints would have cost), update apply times, and ``digests_equal``: every version
 every engine served has the digest the trainer published for it, and every engine's own weights
@@ -21,62 +21,31 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
-
-import tyro
+from typing import Any
 
 from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
-from pulsenet.nodes.launcher import UpConfig
-from pulsenet.settings import fields_of
+from pulsenet.nodes.plan import NetworkSettings
 
 SCHEMA = "pulsenet.bench.rl/1"
 
-OuterStep = fields_of(UpConfig, "outer_lr", "outer_momentum")
-"""With several trainers, the outer step ``pulsenet up`` runs (plain averaging, docs/rl.md)."""
-
 
 @dataclass(kw_only=True)
-class RLBenchSettings(BenchSettings):
+class RLBenchSettings(BenchSettings, NetworkSettings):
     """Asynchronous GRPO through the embedded S3 server: one trainer (or --trainers N with PULSELoCo
-    rounds) and K inference engines, the daemons' own node classes (docs/rl.md)."""
+    rounds) and K inference engines, the daemons' own node classes, planned as ``pulsenet up``
+    plans them (nodes/plan.py, docs/rl.md). --steps is --rounds."""
 
-    model: Literal["tiny", "smollm2"] = "tiny"
-    """Policy model: tiny or smollm2 (SmolLM2-135M)."""
-    steps: int = 60
-    """GRPO steps = policy versions published."""
-    inference: int = 2
-    """Inference nodes (engines)."""
     trainers: int = 1
     """Trainers; more than one train PULSELoCo rounds of --inner-steps GRPO steps."""
     inner_steps: int = 4
     """GRPO steps per PULSELoCo round (H), with --trainers > 1."""
-    max_staleness: int = 2
-    """Versions a rollout batch may lag behind the trainer's policy."""
     link_mbps: float | None = None
     """Emulated link per node, each way (Mbit/s; None: no link)."""
-    prompts: int = 32
-    """Prompts per rollout batch."""
-    group_size: int = 8
-    """Completions per prompt (G)."""
-    rows_per_step: int = 512
-    """Completions per GRPO step at least."""
-    batches_per_version: int | None = None
-    """Batches each engine generates per policy version (None: what the trainers consume per
-    version, plus one so generation overlaps training)."""
-    lr: float | None = None
-    """GRPO learning rate (None: 5e-4 tiny, 3e-6 smollm2)."""
-    task: str = "arith"
-    """arith, chain or a .jsonl file."""
-    max_new_tokens: int | None = None
-    """Completion limit (None: 5 tiny, 16 smollm2)."""
-    seed: int = 0
-    """Run seed."""
     workdir: Path | None = None
     """Keep keys, states and caches here (None: a temporary directory)."""
-    outer: Annotated[OuterStep, tyro.conf.arg(name="")] = field(default_factory=OuterStep)  # type: ignore[valid-type]
 
 
 def run(args: RLBenchSettings) -> dict[str, Any]:
@@ -89,8 +58,8 @@ async def _run(args: RLBenchSettings) -> dict[str, Any]:
     from pulsenet.store.seaweed import SeaweedServer
 
     console = Console(stderr=True)
-    if args.steps < 1 or args.inference < 1 or args.max_staleness < 0:
-        raise SystemExit("pulsenet bench rl: --steps and --inference must be >= 1, --max-staleness >= 0")
+    if args.rounds < 1 or args.inference < 1 or args.max_staleness < 0:
+        raise SystemExit("pulsenet bench rl: --rounds and --inference must be >= 1, --max-staleness >= 0")
     with bench_workdir(args.workdir, "rl") as workdir, tempfile.TemporaryDirectory(dir=workdir) as run_tmp:
         rundir = Path(run_tmp)  # a fresh store and fresh node states every run
         sites = [*(f"t{j}" for j in range(args.trainers)), *(f"i{k}" for k in range(args.inference))]
@@ -99,8 +68,8 @@ async def _run(args: RLBenchSettings) -> dict[str, Any]:
             server.create_buckets()
             network = _Network(args, workdir, rundir, server)
             console.print(
-                f"[bold]bench rl[/]: {args.model}, {args.steps} GRPO steps, {args.inference} inference "
-                f"nodes, max staleness {args.max_staleness}, "
+                f"[bold]bench rl[/]: {args.model}, {args.rounds} rounds, {args.trainers} trainer(s), "
+                f"{args.inference} inference nodes, max staleness {args.max_staleness}, "
                 f"{'unlimited' if args.link_mbps is None else f'{args.link_mbps:g} Mbit/s'} links"
             )
             t0 = time.perf_counter()
@@ -110,99 +79,42 @@ async def _run(args: RLBenchSettings) -> dict[str, Any]:
 
 
 class _Network:
-    """The trainer and the inference nodes of one benchmark run, wired to one server."""
+    """The trainers and the inference nodes of one benchmark run, wired to one server: the plan
+    ``pulsenet up`` runs as processes (``nodes/plan.py``), built here in one process, each node
+    with its own store identity and, with ``--link-mbps``, its own emulated link."""
 
     def __init__(self, args: RLBenchSettings, workdir: Path, rundir: Path, server: Any) -> None:
         """``workdir`` keeps what runs may share (keys, the warm-up cache); ``rundir`` is this run's."""
-        from pulsenet.nodes.common import initial_model, make_task, text_codec
-        from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-        from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
-        from pulsenet.rl.grpo import GRPOConfig
-        from pulsenet.rollouts import RolloutSource
-        from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
+        from pulsenet.nodes.plan import Site, plan_network
+        from pulsenet.nodes.run import build_inference, build_trainer
+        from pulsenet.signing import generate_keypair
         from pulsenet.store import S3Store
 
         self.args = args
-        tiny = args.model == "tiny"
-        lr = args.lr if args.lr is not None else (5e-4 if tiny else 3e-6)
-        max_new = args.max_new_tokens if args.max_new_tokens is not None else (5 if tiny else 16)
-        per_version = args.trainers * (args.inner_steps if args.trainers > 1 else 1) * args.rows_per_step
-        per_batch = args.inference * args.prompts * args.group_size
-        batches_per_version = args.batches_per_version or -(-per_version // per_batch) + 1
-        trainers = [f"t{j}" for j in range(args.trainers)]
-        keys = {}
-        for site in [*trainers, *(f"i{k}" for k in range(args.inference))]:
-            path = workdir / "keys" / f"{site}.key"
-            if not path.exists():
-                generate_keypair(path)
-            keys[site] = (load_private_key(path), load_public_key(f"{path}.pub"))
+        keys = workdir / "keys"
+        ids = [*(f"t{j}" for j in range(args.trainers)), *(f"i{k}" for k in range(args.inference))]
+        for site in ids:
+            if not (keys / f"{site}.key").exists():
+                generate_keypair(keys / f"{site}.key")
+        sites = {s: Site(f"s3://{server.bucket(s)}", keys / f"{s}.key", rundir / s) for s in ids}
+        loco = f"s3://{server.bucket('loco')}" if args.trainers > 1 else ""
+        trainer_configs, inference_configs = plan_network(
+            args, run="bench", sites=sites, public_keys=keys, loco_store=loco, cache_dir=workdir / "cache"
+        )
+        buckets = {server.bucket(s): s for s in [*ids, "loco"]}
 
-        def store(identity_site: str, bucket_site: str) -> S3Store:
-            cfg = server.config(server.writer(identity_site), link_mbps=args.link_mbps)
-            return S3Store(server.bucket(bucket_site), "", cfg)
+        def opener(identity: str) -> Any:
+            """Store URLs opened with ``identity``'s credentials (its own bucket writable, others readable)."""
 
-        text = text_codec(args.model)
-        loco = args.trainers > 1
-        self.trainers = []
-        for t in trainers:
-            tcfg = TrainerConfig(
-                id=t,
-                run="bench",
-                model=args.model,
-                steps=args.steps,
-                rows_per_step=args.rows_per_step,
-                max_staleness=args.max_staleness,
-                anchor_every=max(args.steps + 1, 10),
-                seed=args.seed,
-                state_dir=rundir / t,
-                grpo=GRPOConfig(lr=lr, pad_id=text.pad_id),
-                peers=[f"{p}={workdir / 'keys' / f'{p}.key.pub'}" for p in trainers] if loco else [],
-                inner_steps=args.inner_steps,
-                outer_lr=args.outer.outer_lr,
-                outer_momentum=args.outer.outer_momentum,
-            )
-            sources = [
-                RolloutSource(f"i{k}", store(t, f"i{k}"), {key_id(keys[f"i{k}"][1]): keys[f"i{k}"][1]})
-                for k in range(args.inference)
-            ]
-            self.trainers.append(
-                TrainerNode(
-                    tcfg,
-                    store=store(t, t),
-                    key=keys[t][0],
-                    sources=sources,
-                    model=initial_model(args.model, seed=args.seed),
-                    loco_store=store(t, "loco") if loco else None,  # the run's bucket: trainers write it
-                )
-            )
-        self.trainer = self.trainers[0]
-        trusted = {key_id(keys[t][1]): keys[t][1] for t in trainers}
-        self.inference = []
-        for k in range(args.inference):
-            icfg = InferenceConfig(
-                id=f"i{k}",
-                run="bench",
-                model=args.model,
-                prompts=args.prompts,
-                group_size=args.group_size,
-                max_new_tokens=max_new,
-                max_staleness=args.max_staleness,
-                batches_per_version=batches_per_version,
-                seed=args.seed,
-                state_dir=rundir / f"i{k}",
-                poll_s=0.2,
-            )
-            self.inference.append(
-                InferenceNode(
-                    icfg,
-                    store=store(f"i{k}", f"i{k}"),
-                    policy_stores=[store(f"i{k}", t) for t in trainers],
-                    trusted=trusted,
-                    key=keys[f"i{k}"][0],
-                    task=make_task(args.task, args.seed),
-                    text=text,
-                )
-            )
+            def open_url(url: str) -> S3Store:
+                bucket = url.removeprefix("s3://").split("/", 1)[0]
+                cfg = server.config(server.writer(identity), link_mbps=args.link_mbps)
+                return S3Store(server.bucket(buckets[bucket]), "", cfg)
+
+            return open_url
+
+        self.trainers = [build_trainer(c, open_store=opener(c.id)) for c in trainer_configs]
+        self.inference = [build_inference(c, open_store=opener(c.id)) for c in inference_configs]
 
     async def run(self, console: Any) -> None:
         from rich.live import Live
@@ -254,50 +166,56 @@ class _Network:
         return t
 
     def result(self, wall: float) -> dict[str, Any]:
-        tr = self.trainer
-        published = {h["version"]: h["digest"] for h in tr.history}
-        # Every trainer publishes every version: the same digests, or the run diverged.
-        trainers_agree = all({h["version"]: h["digest"] for h in t.history} == published for t in self.trainers)
-        steps = [h for h in tr.history if h["metrics"] is not None]
-        served_ok = all(published.get(v) == d for n in self.inference for v, d in n.served)
-        own_ok = all(n.engine is not None and n.engine.weights_digest() == n.engine.digest for n in self.inference)
-        full = {h["version"]: h["full_bytes"] for h in tr.history}
-        stats = [t.intake.stats for t in self.trainers]
+        """The run's JSON, from the nodes' version events (``nodes/summary.py``, as ``pulsenet up``)."""
+        from pulsenet.nodes.summary import summarize
+
+        nodes = [*self.trainers, *self.inference]
+        events = {n.config.id: n.events.events for n in nodes}
+        s = summarize(events, {n.config.id: n.state.role for n in nodes}, max_staleness=self.args.max_staleness)
+        first = [e for e in events[self.trainers[0].config.id] if e.kind == "published"]
+        steps = [m for e in first for m in e.steps]
         staleness: dict[int, int] = {}
-        for st in stats:
-            for lag, n in st.staleness.items():
-                staleness[lag] = staleness.get(lag, 0) + n
-        rewards = [h["metrics"]["reward_mean"] for h in steps]
+        for t in self.trainers:
+            for e in t.events.events:
+                for lag in e.staleness:
+                    staleness[lag] = staleness.get(lag, 0) + 1
+        totals = [t.events.events[-1].totals for t in self.trainers if t.events.events]
+        stopped = [n.events.last("stopped") for n in self.inference]
+        full = {e.version: e.bytes.get("full", 0) for e in first}
+        served = {n.config.id: [e for e in n.events.events if e.kind == "served"] for n in self.inference}
+        rewards = [e.reward for e in first if e.reward is not None]  # per version (round)
         tenth = max(1, len(rewards) // 10)
+        checks = s["checks"]
         summary = {
             "reward": rewards,
             "reward_first_last": [_mean(rewards[:tenth]), _mean(rewards[-tenth:])],
-            "entropy": [h["metrics"]["entropy"] for h in steps],
-            "mismatch_kl": [h["metrics"]["mismatch_kl"] for h in steps],
+            "entropy": [m["entropy"] for m in steps],
+            "mismatch_kl": [m["mismatch_kl"] for m in steps],
             "staleness": {str(k): v for k, v in sorted(staleness.items())},
             "dropped": {
-                "stale_in_flight": sum(st.stale_in_flight for st in stats),
-                "stale_queued": sum(st.stale_queued for st in stats),
+                "stale_in_flight": int(sum(t.get("stale_in_flight", 0) for t in totals)),
+                "stale_queued": int(sum(t.get("stale_queued", 0) for t in totals)),
             },
-            "rejected": {r: sum(st.rejected.get(r, 0) for st in stats) for r in {r for st in stats for r in st.rejected}},
+            "rejected": int(sum(t.get("batches_rejected", 0) for t in totals)),
             "bytes": {
-                "rollouts": sum(n.writer.stats.bytes_uploaded for n in self.inference),
-                "pulsesync": sum(s.stats.bytes_downloaded for n in self.inference for s in n.subscribers),
-                "pulsesync_published": sum(h["bytes"] for h in tr.history),
-                "full_sync": sum(full.get(v, 0) for n in self.inference for v, _ in n.served),
+                "rollouts": int(sum(e.totals.get("rollout_bytes", 0) for e in stopped if e is not None)),
+                "pulsesync": int(sum(e.totals.get("pulsesync_bytes", 0) for e in stopped if e is not None)),
+                "pulsesync_published": sum(e.bytes.get("pulsesync", 0) for e in first),
+                "full_sync": sum(full.get(e.version, 0) for ev in served.values() for e in ev),
             },
-            "update_apply_s": [round(x, 4) for n in self.inference for x in n.update_apply_s],
-            "versions_served": {n.config.id: [v for v, _ in n.served] for n in self.inference},
-            "digests_equal": bool(served_ok and own_ok and trainers_agree and all(n.served for n in self.inference)),
-            "pulseloco_bytes": sum(h.get("payload_bytes", 0) for t in self.trainers for h in t.history),
-            "final_version": tr.version,
+            "update_apply_s": [round(e.phases.get("apply", 0.0), 4) for ev in served.values() for e in ev],
+            "versions_served": {n: [e.version for e in ev] for n, ev in served.items()},
+            "digests_equal": all(checks[k] for k in ("served_verified", "own_weights_verified", "trainers_agree")),
+            "pulseloco_bytes": sum(e.bytes.get("pulseloco", 0) for t in self.trainers for e in t.events.events),
+            "final_version": self.trainers[0].version,
             "wall_s": round(wall, 2),
         }
         return {
             "schema": SCHEMA,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
             "args": config_of(self.args),
-            "steps": tr.history,
+            "rounds": s["rounds"],
+            "steps": [e.as_dict() for e in first],
             "summary": summary,
         }
 

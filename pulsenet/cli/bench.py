@@ -31,7 +31,7 @@ BENCHES = {
 }
 """name -> (help, the settings class in ``pulsenet.bench.<name>``)."""
 
-ALIASES = {"loco": {"--H": "--inner-steps"}}
+ALIASES = {"loco": {"--H": "--inner-steps"}, "rl": {"--steps": "--rounds"}}
 """Flag spellings from before the schema (docs and results use them) -> the field's flag."""
 
 

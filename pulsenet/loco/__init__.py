@@ -17,7 +17,7 @@ from pulsenet.loco.algorithm import apply_round, gate, global_digest, make_updat
 from pulsenet.loco.collect import DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, Timeouts
-from pulsenet.loco.inner import InnerLoop
+from pulsenet.loco.inner import InnerLoop, SelfTraining
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 
@@ -30,6 +30,7 @@ __all__ = [
     "Record",
     "RoundReport",
     "RoundStore",
+    "SelfTraining",
     "Timeouts",
     "TrainerState",
     "apply_round",

@@ -1,20 +1,22 @@
 """The inner loop a PULSELoCo round drives: the handful of methods the round needs, nothing more.
 
-A round (``round.py``) only ever asks its inner loop to
+A round (``trainer.py``) asks its inner loop to
 
-- run H optimizer steps from the weights it holds and say how they went (``train``),
 - hand over / take the FP32 master weights (``state_fp32`` / ``load_state_fp32``),
 - show its live named parameters (``parameters``), which the pseudo-gradient and the overlap
   mode's re-base read in place without a copy (a CPU snapshot when they live on a GPU),
 - snapshot and restore what a restart needs to continue bit-identically: optimizer, RNG and
-  step counter (``checkpoint`` / ``restore``), stored in the trainer's resume point.
+  step counter (``checkpoint`` / ``restore``), stored in the trainer's resume point,
 
-What the steps train on is the inner loop's business: the supervised adapter draws its batches
-from a task, the GRPO adapter takes rollout batches from its caller (both in ``pulsenet.rl.inner``).
-``loco/`` therefore imports nothing from ``pulsenet.rl``.
+and, when its caller does not drive the inner phase itself (``LocoTrainer.run``), to run H
+optimizer steps from the weights it holds (``SelfTraining.train``).
+
+What the steps train on is the inner loop's business, or its caller's: the supervised adapter
+draws its batches from a task, the GRPO adapter steps on the rollouts the trainer daemon took
+(both in ``pulsenet.rl.inner``). ``loco/`` therefore imports nothing from ``pulsenet.rl``.
 
 Threading: the round calls these from worker threads (``parameters`` from the event loop), one
-at a time: never two at once, never anything while ``train`` runs (with ``overlap`` too).
+at a time: never two at once, never anything while an inner phase runs (with ``overlap`` too).
 """
 
 from __future__ import annotations
@@ -27,13 +29,6 @@ import torch
 
 @runtime_checkable
 class InnerLoop(Protocol):
-    def train(self, steps: int) -> list[float]:
-        """Up to ``steps`` optimizer steps from the current weights; one loss per step taken.
-
-        Fewer (even none) is allowed: the round publishes whatever progress was made. Free the
-        gradients before returning (they would otherwise live across the exchange)."""
-        ...
-
     def state_fp32(self) -> dict[str, torch.Tensor]:
         """A copy of the FP32 master weights by parameter name (tied duplicates excluded)."""
         ...
@@ -58,4 +53,16 @@ class InnerLoop(Protocol):
     def restore(self, state: Mapping[str, Any]) -> None:
         """Put back what ``checkpoint`` returned; raise (KeyError, TypeError, ValueError, RuntimeError)
         when it does not fit this model."""
+        ...
+
+
+@runtime_checkable
+class SelfTraining(InnerLoop, Protocol):
+    """An inner loop that trains a round on its own data (``LocoTrainer.run`` needs one)."""
+
+    def train(self, steps: int) -> list[float]:
+        """Up to ``steps`` optimizer steps from the current weights; one loss per step taken.
+
+        Fewer (even none) is allowed: the round publishes whatever progress was made. Free the
+        gradients before returning (they would otherwise live across the exchange)."""
         ...

@@ -5,7 +5,7 @@ Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's
 (:meth:`LocoTrainer.run_round` reads exactly like this)::
 
     0. behind?   rounds/r/record exists without us -> catch up from the store
-    1. train     H inner steps from θ_{r-1}            the caller's inner phase, or InnerLoop.train
+    1. train     H inner steps from θ_{r-1}            the caller's inner phase, or SelfTraining.train
     2. encode    s = e + θ_{r-1} - θ_local, visibility gate, payload     algorithm, payload (thread)
        publish   payload, then its signed manifest                       background task
     3. collect   peers' payloads as their manifests appear; the round    collect.py
@@ -22,7 +22,7 @@ step 1 of round r+1 runs while steps 3-4 of round r run, and its progress is re-
 
 What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
 Who drives it is the caller's choice, the way torchft's DiLoCo makes the outer sync a step the
-training loop calls: ``await trainer.run(rounds)`` lets the round run ``InnerLoop.train`` itself (a
+training loop calls: ``await trainer.run(rounds)`` lets the round run ``SelfTraining.train`` itself (a
 benchmark, ``pulsenet loco train``); a node that owns its data (the trainer daemon) opens
 ``trainer.session()`` and calls ``await trainer.next_round(train)`` once per round, where
 ``train(r)`` is its own inner phase (H steps on batches it took, in a thread) returning the losses;
@@ -70,7 +70,7 @@ from pulsenet.loco import recovery
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
-from pulsenet.loco.inner import InnerLoop
+from pulsenet.loco.inner import InnerLoop, SelfTraining
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
@@ -146,7 +146,7 @@ class LocoTrainer:
 
     async def run(self, rounds: int) -> list[RoundReport]:
         """Start (or resume) and take part until the global state has reached ``rounds``, the inner
-        loop training each round itself (``InnerLoop.train``)."""
+        loop training each round itself (``SelfTraining.train``)."""
         async with self.session():
             while self.round < rounds:
                 await self.next_round(until=rounds)
@@ -176,7 +176,7 @@ class LocoTrainer:
 
     async def next_round(self, train: InnerPhase | None = None, *, until: int | None = None) -> RoundReport | None:
         """One round inside a ``session``: its report (trained, or caught up from the store), or None
-        if it failed. ``train``: the caller's inner phase (default ``InnerLoop.train``); ``until``:
+        if it failed. ``train``: the caller's inner phase (default ``SelfTraining.train``); ``until``:
         the run's last round, which the ``overlap`` mode needs to know whether to train ahead.
 
         Anything the store holds that cannot be used (unreachable, unverifiable, malformed) fails
@@ -254,7 +254,7 @@ class LocoTrainer:
 
     async def run_round(self, train: InnerPhase | None = None) -> RoundReport:
         """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order.
-        ``train``: the caller's inner phase (default: ``InnerLoop.train`` in a thread)."""
+        ``train``: the caller's inner phase (default: ``SelfTraining.train`` in a thread)."""
         r = self.round + 1
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
@@ -351,6 +351,8 @@ class LocoTrainer:
         async with self._phase("inner", r):
             if train is not None:
                 return await train(r)
+            if not isinstance(self.inner, SelfTraining):
+                raise TypeError(f"{type(self.inner).__name__} does not train itself: pass next_round its inner phase")
             return await asyncio.to_thread(self.inner.train, self.config.inner_steps)
 
     # --- 2. encode and publish ----------------------------------------------------------------

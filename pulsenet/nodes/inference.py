@@ -26,8 +26,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,9 +37,11 @@ from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
+from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.tasks import RewardTask, assign_problems
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
+from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
 
@@ -47,7 +50,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class InferenceConfig:
-    """A inference node. Settings: the [inference] table of --config FILE, then PULSENET_<FIELD>, then --field."""
+    """An inference node. Settings: the [inference] table of --config FILE (nested tables for the
+    components: [inference.engine], [inference.subscribe]), then PULSENET_<FIELD> (nested:
+    PULSENET_SUBSCRIBE__INTERVAL_S), then --field (--subscribe.interval-s)."""
 
     id: str = "i0"
     """This node's id: names its rollout batches and picks its problems."""
@@ -61,8 +66,6 @@ class InferenceConfig:
     """Trainer channels to follow, as store URLs (read-only credentials are enough)."""
     trust: list[Path] = field(default_factory=list)
     """Public keys of the trainers whose PULSESync versions this node accepts."""
-    channel: str = "policy"
-    """PULSESync channel name inside each trainer store."""
     model: str = "tiny"
     """Architecture and tokenizer: tiny or smollm2 (the weights come from the channel)."""
     task: str = "arith"
@@ -89,9 +92,7 @@ class InferenceConfig:
     seed: int = 0
     """Run seed: with the node id and version it fixes the problems and samples."""
     state_dir: Path = Path("state/i0")
-    """Verified weights per channel (restart resumes from them) and caches."""
-    poll_s: float = 1.0
-    """Time between policy polls."""
+    """Verified weights per channel (restart resumes from them), caches and the event log (events.jsonl)."""
     failover_s: float = 30.0
     """Switch to another trainer channel when the followed one brought nothing newer for this long
     and another announces a newer version."""
@@ -104,6 +105,16 @@ class InferenceConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 600.0
     """/healthz answers 503 when the loop has made no progress for this long."""
+    engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    """The inference engine: device, compute dtype, batching, update verification."""
+    subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
+    """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
+
+    INHERITED: ClassVar[frozenset[str]] = frozenset({"subscribe.run", "subscribe.state_dir"})
+    """Set once here (``run``; ``state_dir``/policy-K per channel), copied into the subscribers."""
+
+    def __post_init__(self) -> None:
+        inherit(self.subscribe, run=self.run)
 
 
 class InferenceNode:
@@ -119,7 +130,6 @@ class InferenceNode:
         key: object,
         task: RewardTask,
         text: TextCodec,
-        engine_config: TorchEngineConfig | None = None,
     ) -> None:
         self.config = c = config
         self.task, self.text = task, text
@@ -130,23 +140,15 @@ class InferenceNode:
         )
         self.subscribers = [
             Subscriber(
-                s,
-                trusted,
-                SubscriberConfig(
-                    channel=c.channel,
-                    run=c.run,
-                    interval_s=c.poll_s,
-                    state_dir=Path(c.state_dir) / f"policy-{k}",
-                ),
-                on_update=self._on_update,
+                s, trusted, replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"), on_update=self._on_update
             )
             for k, s in enumerate(policy_stores)
         ]
         self.engine: TorchEngine | None = None
-        self.engine_config = engine_config or TorchEngineConfig()
-        self.update_apply_s: list[float] = []
-        self.served: list[tuple[int, str]] = []
-        """(version, digest) of every version this node served, as verified by its subscriber."""
+        self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
+        """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
+        self._downloaded = 0
+        """PULSESync bytes downloaded when the last version was served."""
         self._update_lock = asyncio.Lock()
         self._first = asyncio.Event()
         self._newer = asyncio.Event()
@@ -164,20 +166,39 @@ class InferenceNode:
             if self.engine is None:
                 hf = model_config(self.config.model)
                 self.engine = await asyncio.to_thread(
-                    TorchEngine.from_state, hf, state, digest, version=version, config=self.engine_config
+                    TorchEngine.from_state, hf, state, digest, version=version, config=self.config.engine
                 )
             else:
                 await asyncio.to_thread(self.engine.update, version, state, digest)
-            self.update_apply_s.append(time.perf_counter() - t)
-            self.served.append((version, digest))
-            self.state.version, self.state.digest = version, digest
-            self.state.bytes["pulsesync"] = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
-            self.state.beat()
+            self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
             self._first.set()
             self._newer.set()
-            log.info(
-                "%s serves v%d (%s…)", self.config.id, version, digest[:12], extra={"version": version, "digest": digest}
-            )
+
+    def _emit(self, kind: str, version: int, digest: str, **fields: Any) -> VersionEvent:
+        downloaded = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
+        event = VersionEvent(
+            kind=kind,
+            node=self.config.id,
+            role="inference",
+            version=version,
+            digest=digest,
+            bytes={"pulsesync": downloaded - self._downloaded},
+            totals={
+                "rows_produced": self.state.rollouts["produced"],
+                "batches_produced": self.writer.stats.batches,
+                "rollout_bytes": self.writer.stats.bytes_uploaded,
+                "pulsesync_bytes": downloaded,
+            },
+            **fields,
+        )
+        self._downloaded = downloaded
+        self.state.record(self.events.emit(event))
+        return event
+
+    @property
+    def served(self) -> list[tuple[int, str]]:
+        """(version, digest) of every version this node served, as verified by its subscriber."""
+        return [(e.version, e.digest) for e in self.events.events if e.kind == "served"]
 
     def newest_published(self) -> int | None:
         """The newest version any followed channel's head or manifests announced."""
@@ -265,21 +286,8 @@ class InferenceNode:
             if engine is None or engine.version is None:
                 return
             own = await asyncio.to_thread(engine.weights_digest)
-            log.info(
-                "%s: stopped at v%d, weights digest %s…",
-                self.config.id,
-                engine.version,
-                own[:12],
-                extra={
-                    "event": "stopped",
-                    "version": engine.version,
-                    "digest": engine.digest,
-                    "weights_digest": own,
-                    "pulsesync_bytes": sum(sub.stats.bytes_downloaded for sub in self.subscribers),
-                    "rollout_bytes": self.writer.stats.bytes_uploaded,
-                    "produced": self.state.rollouts["produced"],
-                },
-            )
+            assert engine.digest is not None
+            self._emit("stopped", engine.version, engine.digest, weights_digest=own)
 
     async def generate_batch(self) -> int:
         """One batch at the engine's current version; returns the version it was generated with."""
@@ -316,7 +324,6 @@ class InferenceNode:
         s.reward = sum(rewards) / len(rewards)
         s.staleness = None if newest is None else newest - version
         s.bytes["rollouts"] = self.writer.stats.bytes_uploaded
-        s.bytes["pulsesync"] = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
         s.beat()
         log.info("%s: v%d batch %d, %d rows, reward %.3f (%s)", c.id, version, index, len(rows), s.reward, manifest)
         return version

@@ -8,9 +8,10 @@ What it does, in order:
    write only its own bucket (``writer-<site>``; with several trainers, also their shared PULSELoCo
    bucket), or ``--s3-endpoint`` with the credentials of the
    environment (AWS_*) and buckets ``<bucket-prefix><site>``; every run uses its own prefix;
-3. N trainers and K inference nodes (2 and 2 by default), each ``python -m pulsenet --log-format
-   json -v <role> --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its
-   own status port and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
+3. N trainers and K inference nodes (2 and 2 by default), planned by ``nodes/plan.py`` (the model's
+   preset under this command's settings), each ``python -m pulsenet --log-format json -v <role>
+   --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status port
+   and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
 4. a live table polling each node's ``/status`` and ``/healthz``;
 5. when the trainers have published ``--rounds`` versions (and exited), the inference nodes get
@@ -18,12 +19,12 @@ What it does, in order:
    stops every node the same way at any time (SIGTERM, wait, SIGKILL fallback);
 6. the end summary and, with ``--report DIR``, ``summary.json`` and PNG plots (``nodes/report.py``).
 
-Where the per-round history comes from: the nodes' own JSON-line logs. The trainer writes one
-``"event": "published"`` line per version (digest, payload bytes, full size, sparsity) and one
-``"event": "step"`` line per GRPO step (reward, staleness, cumulative rollout bytes); an inference
-node writes ``"served"`` per verified version it swapped in and ``"stopped"`` with its own weights
-hashed again at exit. Logs survive the process (a trainer exits after its last version, before a
-poller could be sure to see it) and hold every version, where ``/status`` holds only the latest.
+Where the per-round history comes from: the nodes' own version events (``nodes/events.py``), one
+JSON line per version in ``<workdir>/state/<node>/events.jsonl``: a trainer's ``published``, an
+inference node's ``served`` and ``stopped``. They survive the process (a trainer exits after its
+last version, before a poller could be sure to see it) and hold every version, where ``/status``
+holds only the latest; ``nodes/summary.py`` turns them into the report. No log text is parsed,
+except a crashed node's last error for the failure reason.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import shutil
 import signal
@@ -48,15 +48,12 @@ from pathlib import Path
 from typing import Any
 
 from pulsenet.errors import ConfigError, PulsenetError
+from pulsenet.nodes.events import EVENTS_FILE, VersionEvent, read_events
+from pulsenet.nodes.plan import NetworkSettings, Site, inference_ids, plan_network, trainer_ids
+from pulsenet.nodes.summary import summarize
 from pulsenet.runtime import signal_group, spawn_tied
 
 log = logging.getLogger(__name__)
-TINY = {"rows_per_step": 512, "prompts": 32, "group_size": 8, "lr": 5e-4}
-"""Tiny-model defaults: big batches at a moderate lr are what makes the sampled reward rise on 2
-CPU cores in under a minute (docs/rl.md, bench rl: 0.26 -> 0.37 in 60 steps); the node defaults
-(32 completions per step, lr 1e-3) give a flat or falling curve here. With several trainers a
-round's inner steps split the 512 (64 per step at H = 8, 8 prompts a batch), averaged by a plain
-outer step: 0.25 -> 0.39 in 60 rounds (docs/rl.md, "Several trainers")."""
 MARKER = ".pulsenet-up"
 """Marks a work directory as ``pulsenet up``'s own: only then does a run wipe directories in it."""
 LOCO_SITE = "loco"
@@ -66,47 +63,11 @@ RUN_DIRS = ("state", "config", "logs", "s3")
 
 
 @dataclass(kw_only=True)
-class UpConfig:
+class UpConfig(NetworkSettings):
     """A local network on one machine. Settings: the [up] table of --config FILE, then PULSENET_<FIELD>, then --field."""
 
     workdir: Path = Path(".pulsenet-up")
     """Keys and the warm-up cache (kept), this run's node states, configs, logs and store (wiped per run)."""
-    model: str = "tiny"
-    """tiny (warmed up on arith, cached under the work dir) or smollm2 (the realistic run)."""
-    rounds: int = 60
-    """Policy versions to train: PULSELoCo rounds of inner_steps GRPO steps per trainer (with one
-    trainer a round is one GRPO step)."""
-    trainers: int = 2
-    """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
-    inference: int = 2
-    """Inference nodes."""
-    inner_steps: int = 8
-    """PULSELoCo: GRPO steps per round (H), with more than one trainer."""
-    outer_lr: float = 1.0
-    """PULSELoCo: outer Nesterov learning rate of every trainer (1 with outer_momentum 0: plain
-    averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
-    outer_momentum: float = 0.0
-    """PULSELoCo: outer Nesterov momentum of every trainer."""
-    task: str = ""
-    """arith, arith-shots, chain or a .jsonl file of {"problem", "answer"} rows ("": arith for
-    tiny; arith-shots for smollm2, whose completions then stop at a newline)."""
-    max_staleness: int = 2
-    """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
-    rows_per_step: int = 0
-    """Completions per GRPO step (0: 512 for tiny, / inner_steps with several trainers; the
-    trainer's default for smollm2)."""
-    prompts: int = 0
-    """Prompts per rollout batch (0: 32 for tiny, the inference node's default for smollm2)."""
-    group_size: int = 0
-    """Completions per prompt, GRPO's G (0: 8 for tiny, the inference node's default for smollm2)."""
-    batches_per_version: int = 0
-    """Rollout batches each inference node generates per policy version at most (0: the node's default)."""
-    max_new_tokens: int = 0
-    """Tokens per completion at most (0: 5 for tiny, 16 for smollm2)."""
-    lr: float = 0.0
-    """GRPO learning rate (0: 5e-4 for tiny, 3e-6 for smollm2)."""
-    seed: int = 0
-    """Run seed (warm-up, problems, samples)."""
     s3_endpoint: str = ""
     """An S3 endpoint to use instead of the embedded SeaweedFS (credentials from AWS_*; the
     buckets <bucket-prefix><site> are created if missing)."""
@@ -135,6 +96,7 @@ class Node:
     cmd: list[str]
     env: dict[str, str]
     log_path: Path
+    events_path: Path
     status_url: str
     proc: subprocess.Popen[bytes] | None = None
     status: dict[str, Any] = field(default_factory=dict)
@@ -156,7 +118,7 @@ class Outcome:
     code: int
     reason: str
     nodes: list[Node]
-    events: dict[str, list[dict[str, Any]]]
+    events: dict[str, list[VersionEvent]]
     wall_s: float
 
 
@@ -183,7 +145,7 @@ def run_up(c: UpConfig) -> int:
             f"{c.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}"
         )
         outcome = asyncio.run(_Supervisor(c, nodes, err).run())
-    summary = summarize(c, outcome)
+    summary = summarize_up(c, outcome)
     if outcome.code not in (0, 130) and not summary["rounds"]:
         out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {workdir / 'logs'})")
         return outcome.code
@@ -213,8 +175,6 @@ def _warm_up_once(cache: Path, seed: int, console: Any) -> None:
 def _check(c: UpConfig) -> None:
     if c.trainers < 1 or c.inference < 1 or c.rounds < 1:
         raise ConfigError("pulsenet up: --trainers, --inference and --rounds must be >= 1")
-    if c.model not in ("tiny", "smollm2"):
-        raise ConfigError(f"pulsenet up: --model must be tiny or smollm2, got {c.model!r}")
     if c.max_staleness < 0:
         raise ConfigError("pulsenet up: --max-staleness must be >= 0")
 
@@ -301,78 +261,24 @@ def _create_buckets(env: dict[str, str], names: list[str]) -> None:
 
 
 def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
-    """Each node's config file, command, environment, status port and log."""
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    """Each node's config file (``nodes/plan.py``), command, environment, status port and log."""
     from pulsenet.settings import to_toml_table
 
     keys = workdir / "keys"
-    trainers = [f"t{k}" for k in range(c.trainers)]
-    inference = [f"i{k}" for k in range(c.inference)]
-    url = {s: f"s3://{creds.buckets[s]}/{run_id}" for s in trainers + inference}
-    tiny = c.model == "tiny"
+    ids = trainer_ids(c) + inference_ids(c)
+    sites = {
+        s: Site(f"s3://{creds.buckets[s]}/{run_id}", keys / f"{s}.key", workdir / "state" / s) for s in ids
+    }
+    loco = f"s3://{creds.buckets[LOCO_SITE]}/{run_id}" if c.trainers > 1 else ""  # every trainer may write it
+    trainers, inference = plan_network(
+        c, run=run_id, sites=sites, public_keys=keys, loco_store=loco, cache_dir=workdir / "cache"
+    )
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
-    rows_per_step = c.rows_per_step or (TINY["rows_per_step"] if tiny else TrainerConfig().rows_per_step)
-    if tiny and not c.rows_per_step and c.trainers > 1:
-        rows_per_step = max(32, rows_per_step // c.inner_steps)  # a round then costs about one lone step
     nodes = []
-    for t in trainers:
-        tc = TrainerConfig(
-            id=t,
-            run=run_id,
-            store=url[t],
-            key=keys / f"{t}.key",
-            inference=[f"{i}={url[i]}" for i in inference],
-            trust_inference=[f"{i}={keys / f'{i}.key.pub'}" for i in inference],
-            model=c.model,
-            steps=c.rounds,
-            max_staleness=c.max_staleness,
-            anchor_every=max(c.rounds + 1, 10),
-            seed=c.seed,
-            state_dir=workdir / "state" / t,
-            cache_dir=workdir / "cache",
-            status_port=_free_port(),
-        )
-        tc.rows_per_step = rows_per_step
-        tc.grpo.lr = c.lr or (TINY["lr"] if tiny else 3e-6)
-        if c.trainers > 1:
-            # PULSELoCo among the trainers: one round of inner_steps GRPO steps per version.
-            tc.loco_store = f"s3://{creds.buckets[LOCO_SITE]}/{run_id}"  # every trainer may write it
-            tc.peers = [f"{p}={keys / f'{p}.key.pub'}" for p in trainers]
-            tc.inner_steps = c.inner_steps
-            tc.outer_lr, tc.outer_momentum = c.outer_lr, c.outer_momentum
-        nodes.append(_node(workdir, t, "trainer", {"trainer": to_toml_table(tc)}, base | creds.env[t], tc.status_port))
-    for i in inference:
-        ic = InferenceConfig(
-            id=i,
-            run=run_id,
-            store=url[i],
-            key=keys / f"{i}.key",
-            policy=[url[t] for t in trainers],
-            trust=[keys / f"{t}.key.pub" for t in trainers],
-            model=c.model,
-            task=c.task or ("arith" if tiny else "arith-shots"),
-            stop="" if tiny or c.task else "\n",
-            max_new_tokens=c.max_new_tokens or (5 if tiny else 16),
-            max_staleness=c.max_staleness,
-            seed=c.seed,
-            state_dir=workdir / "state" / i,
-            poll_s=0.25,
-            status_port=_free_port(),
-        )
-        ic.prompts = c.prompts or (TINY["prompts"] if tiny else ic.prompts)
-        if tiny and not c.prompts and c.trainers > 1:  # batches the size of a (smaller) step
-            ic.prompts = max(1, rows_per_step // (c.group_size or TINY["group_size"]))
-        ic.group_size = c.group_size or (TINY["group_size"] if tiny else ic.group_size)
-        if c.batches_per_version:
-            ic.batches_per_version = c.batches_per_version
-        elif c.trainers > 1:
-            # A round takes inner_steps steps of rows_per_step rows on each trainer, from batches
-            # partitioned among them (not evenly): twice that per version, or rounds starve.
-            per_step = math.ceil(rows_per_step / (ic.prompts * ic.group_size))  # a step takes whole batches
-            need = c.inner_steps * c.trainers * per_step / c.inference
-            ic.batches_per_version = max(ic.batches_per_version, 2 * math.ceil(need))
-        nodes.append(_node(workdir, i, "inference", {"inference": to_toml_table(ic)}, base | creds.env[i], ic.status_port))
+    for role, configs in (("trainer", trainers), ("inference", inference)):
+        for nc in configs:
+            nc.status_port = _free_port()
+            nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, base | creds.env[nc.id], nc.status_port))
     return nodes
 
 
@@ -381,7 +287,8 @@ def _node(workdir: Path, name: str, role: str, table: dict[str, Any], env: dict[
     path.write_text(_toml(table))
     tomllib.loads(path.read_text())  # what we wrote must read back
     cmd = [sys.executable, "-m", "pulsenet", "--log-format", "json", "-v", role, "--config", str(path)]
-    return Node(name, role, cmd, env, workdir / "logs" / f"{name}.log", f"http://127.0.0.1:{port}")
+    events = workdir / "state" / name / EVENTS_FILE
+    return Node(name, role, cmd, env, workdir / "logs" / f"{name}.log", events, f"http://127.0.0.1:{port}")
 
 
 def _toml(data: dict[str, Any], prefix: str = "") -> str:
@@ -441,7 +348,7 @@ class _Supervisor:
             await asyncio.to_thread(self._stop_all, [n for n in self.nodes if n.returncode is None])
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-        events = {n.name: read_events(n.log_path) for n in self.nodes}
+        events = {n.name: read_events(n.events_path) for n in self.nodes}
         return Outcome(code, self.reason, self.nodes, events, time.perf_counter() - t0)
 
     def _interrupt(self, sig: signal.Signals) -> None:
@@ -478,7 +385,7 @@ class _Supervisor:
                     self.reason = "; ".join(f"{n.name} exited with code {n.returncode}: {last_error(n.log_path)}" for n in failed)
                     return 1
                 if final is None and all(n.returncode == 0 for n in trainers):
-                    final = max((e["version"] for t in trainers for e in read_events(t.log_path) if e.get("event") == "published"), default=None)
+                    final = max((e.version for t in trainers for e in read_events(t.events_path) if e.kind == "published"), default=None)
                     if final is None or final < c.rounds:
                         self.reason = f"trainers exited at v{final}, before v{c.rounds}"
                         return 1
@@ -508,10 +415,10 @@ class _Supervisor:
             if n.health in ("done", f"exit {rc}"):
                 return
             n.health = "done" if rc == 0 else f"exit {rc}"
-            # Its last word is in its log: a trainer exits right after its last version.
-            published = [e for e in read_events(n.log_path) if e["event"] in ("published", "stopped")]
-            if published:
-                n.status = n.status | {"version": published[-1]["version"], "digest": published[-1]["digest"]}
+            # Its last word is in its events: a trainer exits right after its last version.
+            last = [e for e in read_events(n.events_path) if e.kind in ("published", "stopped")]
+            if last:
+                n.status = n.status | {"version": last[-1].version, "digest": last[-1].digest}
             return
         try:
             async with http.get(f"{n.status_url}/status") as r:
@@ -576,29 +483,6 @@ def _fmt(v: Any, spec: str = "{}") -> str:
     return "-" if v is None else spec.format(v)
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The ``event`` lines of a node's JSON-line log, in order (other lines are skipped)."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            rec = json.loads(line)
-        except ValueError:  # a line cut by a kill
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if "event" not in rec and rec.get("logger") == "pulsenet.nodes.inference" and "digest" in rec:
-            rec["event"] = "served"  # "<id> serves v<version>": a verified version swapped in
-        if "event" in rec:
-            out.append(rec)
-    return out
-
-
 def last_error(path: Path) -> str:
     """The node's last error line (a ``pulsenet: error`` line or an ERROR record), else its last line."""
     try:
@@ -617,84 +501,12 @@ def last_error(path: Path) -> str:
 # --- the summary ------------------------------------------------------------------------------
 
 
-def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
-    """Rounds, nodes and checks from the nodes' logs (see the module docstring)."""
-    trainers = [n for n in o.nodes if n.role == "trainer"]
-    inference = [n for n in o.nodes if n.role == "inference"]
-    published: dict[int, dict[str, Any]] = {}
-    steps: dict[int, dict[str, Any]] = {}
-    """The first trainer's step line per version: PULSELoCo bytes are per worker per round."""
-    every: dict[int, list[dict[str, Any]]] = {}
-    """Every trainer's step line per version: each trained on its own share of the rollouts."""
-    rollouts: dict[int, int] = {}
-    """Rollout bytes each version's training took in, summed over trainers (their logs count
-    cumulative downloads at each publish)."""
-    for t in trainers:
-        before = 0
-        for e in o.events[t.name]:
-            if e["event"] == "published":
-                published.setdefault(e["version"], e)
-                now = int(e.get("rollout_bytes") or 0)
-                rollouts[e["version"]] = rollouts.get(e["version"], 0) + max(0, now - before)
-                before = now
-            elif e["event"] == "step":
-                steps.setdefault(e["version"], e)
-                every.setdefault(e["version"], []).append(e)
-    k = len(inference)
-    rounds = []
-    # A round per version after v0 (the initial weights): what its publish and its step logged.
-    for v in sorted(set(steps) | {v for v in published if v > 0}):
-        s, p = steps.get(v, {}), published.get(v, {})
-        rounds.append(
-            {
-                "round": v,
-                "reward": _mean_reward(every.get(v, [])) if v in every else p.get("reward"),
-                "staleness": max((e["staleness"] for e in every.get(v, []) if e.get("staleness") is not None), default=None),
-                "sparsity": p.get("sparsity"),
-                "bytes": {
-                    # What crossed to the k inference nodes: each follows one channel's whole chain.
-                    "pulsesync": int(p.get("bytes", 0)) * k,
-                    "full_sync": int(p.get("full_bytes", 0)) * k,
-                    "pulseloco": int(s.get("loco_bytes", 0)),
-                    "diloco": int(s.get("diloco_bytes", 0)),
-                    "ddp": int(s.get("ddp_bytes", 0)),
-                    "rollouts": rollouts.get(v, 0),
-                },
-            }
-        )
-    nodes: dict[str, dict[str, Any]] = {}
-    served_ok: dict[str, bool] = {}
-    for t in trainers:
-        last = max((e for e in o.events[t.name] if e["event"] == "published"), key=lambda e: e["version"], default={})
-        nodes[t.name] = {"role": "trainer", "version": last.get("version"), "digest": last.get("digest"), "pid": t.pid}
-    for n in inference:
-        ev = o.events[n.name]
-        served = [e for e in ev if e["event"] == "served"]
-        stopped = next((e for e in reversed(ev) if e["event"] == "stopped"), None)
-        last = stopped or (served[-1] if served else {})
-        served_ok[n.name] = bool(served) and all(published.get(e["version"], {}).get("digest") == e["digest"] for e in served)
-        nodes[n.name] = {
-            "role": "inference",
-            "version": last.get("version"),
-            "digest": last.get("digest"),
-            "weights_digest": stopped.get("weights_digest") if stopped else None,
-            "served": [e["version"] for e in served],
-            "served_verified": served_ok[n.name],
-            "pulsesync_downloaded": stopped.get("pulsesync_bytes") if stopped else None,
-            "pid": n.pid,
-        }
-    digests = {d["digest"] for d in nodes.values()}
-    checks = {
-        "served_verified": all(served_ok.values()),
-        "own_weights_verified": all(
-            d["weights_digest"] is not None and d["weights_digest"] == d["digest"]
-            for d in nodes.values()
-            if d["role"] == "inference"
-        ),
-        "final_digests_equal": len(digests) == 1 and None not in digests,
-        "staleness_within_bound": all((r["staleness"] or 0) <= c.max_staleness for r in rounds),
-    }
-    extra = {
+def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
+    """Rounds, nodes and checks from the nodes' version events (``nodes/summary.py``), plus the run."""
+    s = summarize(o.events, {n.name: n.role for n in o.nodes}, max_staleness=c.max_staleness)
+    for n in o.nodes:
+        s["nodes"][n.name]["pid"] = n.pid
+    s["extra"] = {
         "run": {
             "model": c.model,
             "rounds": c.rounds,
@@ -705,17 +517,10 @@ def summarize(c: UpConfig, o: Outcome) -> dict[str, Any]:
             "exit": o.code,
             "reason": o.reason,
         },
-        "checks": checks,
-        "nodes_detail": nodes,
+        "checks": s["checks"],
+        "nodes_detail": s["nodes"],
     }
-    return {"rounds": rounds, "nodes": nodes, "checks": checks, "extra": extra}
-
-
-def _mean_reward(steps: list[dict[str, Any]]) -> float | None:
-    """The round's mean reward over every trainer's rollouts (each line: its mean over its rows)."""
-    rated = [(float(e["reward"]), int(e.get("rows") or 1)) for e in steps if e.get("reward") is not None]
-    rows = sum(n for _, n in rated)
-    return sum(r * n for r, n in rated) / rows if rows else None
+    return s
 
 
 def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:

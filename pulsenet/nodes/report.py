@@ -1,6 +1,6 @@
 """The end-of-run report of a local network: ``summary.json`` and PNG plots (matplotlib, Agg).
 
-Input is the per-round history the launcher collected from the nodes' ``/status`` (reward,
+Input is the per-round history ``nodes/summary.py`` made of the nodes' version events (reward,
 bytes moved per channel, sparsity) plus each node's final state; nothing here talks to a node.
 """
 
@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pulsenet.fsutil import atomic_write_bytes
-
-CHANNELS = ("pulsesync", "full_sync", "pulseloco", "diloco", "ddp", "rollouts")
-"""Byte totals a summary reports: what was sent, and what the dense alternatives would have cost."""
+from pulsenet.nodes.summary import CHANNELS
 
 
 def write_report(

@@ -3,7 +3,7 @@ node, serve its status, run it until SIGTERM/SIGINT. What ``pulsenet trainer`` a
 ``pulsenet inference`` call; ``pulsenet up`` starts each node as such a process.
 
 ``pulsenet trainer`` under ``torchrun`` (``RANK``/``WORLD_SIZE`` set: docs/distributed.md) is a
-data-parallel site: rank 0 runs the whole trainer node, the other ranks only its GRPO steps.
+data-parallel rank group: rank 0 runs the whole trainer node, the other ranks only its GRPO steps.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Callable
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.common import (
@@ -28,18 +29,19 @@ from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.status import StatusServer
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.signing import load_private_key, trusted_keys
+from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
 
 def run_trainer(c: TrainerConfig) -> None:
-    """``pulsenet trainer``: one trainer node, or one rank of a ``torchrun`` site.
+    """``pulsenet trainer``: one trainer node, or one rank of its ``torchrun`` rank group.
 
     Rank 0 is the trainer node (store, intake, PULSELoCo, publishing, checkpoints, status); when it
     returns, however (its last step, SIGTERM/SIGINT, an error), it releases the other ranks, which
     then exit too. A restarted job resumes from rank 0's checkpoint and hands it to every rank.
     """
-    from pulsenet.rl.distributed import init_site, torchrun_rank
+    from pulsenet.rl.distributed import GroupGRPOInner, init_rank_group, torchrun_rank
 
     rank = torchrun_rank(os.environ)
     if rank is None:
@@ -47,28 +49,29 @@ def run_trainer(c: TrainerConfig) -> None:
         return
     import torch.distributed as dist
 
-    backend = init_site(rank)
+    backend = init_rank_group(rank)
     try:
         if rank.rank != 0:
-            log.info("%s: site rank %d of %d (%s) serves rank 0", c.id, rank.rank, rank.world, backend)
-            _serve_site_rank(c)
-            log.info("%s: site rank %d released by rank 0", c.id, rank.rank)
+            log.info("%s: rank %d of %d (%s) serves rank 0", c.id, rank.rank, rank.world, backend)
+            _serve_rank(c)
+            log.info("%s: rank %d released by rank 0", c.id, rank.rank)
             return
-        log.info("%s: speaks for a site of %d ranks (%s)", c.id, rank.world, backend)
-        node = build_trainer(c, site=True)
-        assert node.site is not None
+        log.info("%s: speaks for a rank group of %d (%s)", c.id, rank.world, backend)
+        node = build_trainer(c, ranks=True)
+        group = node.policy
+        assert isinstance(group, GroupGRPOInner)
         try:
             run_node(node, c.status_host, c.status_port, c.stuck_after_s)
         except BaseException:
             with contextlib.suppress(RuntimeError):  # the process group may be what failed
-                node.site.stop()
+                group.stop()
             raise
-        node.site.stop()
+        group.stop()
     finally:
         dist.destroy_process_group()
 
 
-def _serve_site_rank(c: TrainerConfig) -> None:
+def _serve_rank(c: TrainerConfig) -> None:
     """A rank > 0: the GRPO steps rank 0 sends, nothing else (no store, no keys, no status port).
 
     SIGTERM/SIGINT are ignored: torchrun and a terminal signal every rank at once, and this one
@@ -86,8 +89,15 @@ def _serve_site_rank(c: TrainerConfig) -> None:
     serve_rank(grpo=GRPOTrainer(model, c.grpo_config()))
 
 
-def build_trainer(c: TrainerConfig, *, site: bool = False) -> TrainerNode:
-    """The trainer node of ``c``; ``site``: as rank 0 of a torchrun site (``TrainerNode``)."""
+def build_trainer(
+    c: TrainerConfig, *, ranks: bool = False, open_store: Callable[[str], ObjectStore] = open_site_store
+) -> TrainerNode:
+    """The trainer node of ``c``. ``ranks``: as rank 0 of a torchrun rank group (the default
+    process group is up, the other ranks run ``rl.distributed.serve_rank``). ``open_store``: a
+    store URL with this site's credentials (default: from the environment's AWS_* variables)."""
+    from pulsenet.rl.distributed import GroupGRPOInner, RankGroup
+    from pulsenet.rl.grpo import GRPOTrainer
+    from pulsenet.rl.inner import GRPOInner
     from pulsenet.rl.local import resolve_device
     from pulsenet.rollouts import RolloutSource
 
@@ -99,30 +109,29 @@ def build_trainer(c: TrainerConfig, *, site: bool = False) -> TrainerNode:
     missing = sorted(set(sources_urls) - set(keys))
     if missing:
         raise ConfigError(f"trainer: no trusted key for inference node(s) {missing} (trust_inference ID=PATH)")
-    sources = [RolloutSource(n, open_site_store(url), keys[n]) for n, url in sources_urls.items()]
-    text = text_codec(c.model)
-    c.grpo.pad_id = text.pad_id
-    model = initial_model(c.model, c.cache_dir, seed=c.seed, warmup_steps=c.warmup_steps)
+    sources = [RolloutSource(n, open_store(url), keys[n]) for n, url in sources_urls.items()]
+    c.grpo.pad_id = text_codec(c.model).pad_id
+    grpo = GRPOTrainer(initial_model(c.model, c.cache_dir, seed=c.seed, warmup_steps=c.warmup_steps), c.grpo_config())
     return TrainerNode(
         c,
-        store=open_site_store(c.store),
+        store=open_store(c.store),
         key=load_private_key(c.key),
         sources=sources,
-        model=model,
-        loco_store=open_site_store(c.loco_store) if c.loco_store else None,
-        site=site,
+        policy=GroupGRPOInner(RankGroup(grpo=grpo)) if ranks else GRPOInner(grpo),
+        loco_store=open_store(c.loco_store) if c.loco_store else None,
     )
 
 
-def build_inference(c: InferenceConfig) -> InferenceNode:
+def build_inference(c: InferenceConfig, *, open_store: Callable[[str], ObjectStore] = open_site_store) -> InferenceNode:
+    """The inference node of ``c`` (``open_store``: as for ``build_trainer``)."""
     if not c.store or not c.policy or not c.trust:
         raise ConfigError(
             "inference: set store (this site's bucket), policy (trainer store URLs) and trust (trainer public keys)"
         )
     return InferenceNode(
         c,
-        store=open_site_store(c.store),
-        policy_stores=[open_site_store(url) for url in c.policy],
+        store=open_store(c.store),
+        policy_stores=[open_store(url) for url in c.policy],
         trusted=trusted_keys(c.trust),
         key=load_private_key(c.key),
         task=make_task(c.task, c.seed),

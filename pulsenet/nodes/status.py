@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pulsenet.nodes.events import VersionEvent
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -55,9 +57,33 @@ class NodeState:
     started: float = field(default_factory=time.time)
     last_beat: float = field(default_factory=time.monotonic)
 
+    last_event: dict[str, Any] | None = None
+    """The node's last ``VersionEvent`` (nodes/events.py), as a dict."""
+
     def beat(self) -> None:
         """The loop made progress."""
         self.last_beat = time.monotonic()
+
+    def record(self, event: VersionEvent) -> None:
+        """A version event: what ``/status`` and ``/metrics`` show of versions comes from here."""
+        self.version, self.digest = event.version, event.digest
+        if event.round is not None:
+            self.round = event.round
+        if event.reward is not None:
+            self.reward = event.reward
+        if event.staleness:
+            self.staleness = max(event.staleness)
+        for channel, n in event.bytes.items():
+            if channel in self.bytes:  # bytes moved; the rest (full, diloco, ddp) are comparisons
+                self.bytes[channel] += n
+        totals = event.totals
+        if event.role == "trainer":
+            self.rollouts["consumed"] = int(totals.get("rows_accepted", 0))
+            self.rollouts["rejected"] = int(totals.get("batches_rejected", 0))
+            self.rollouts["dropped_in_flight"] = int(totals.get("stale_in_flight", 0))
+            self.rollouts["dropped_queued"] = int(totals.get("stale_queued", 0))
+        self.last_event = event.as_dict()
+        self.beat()
 
     def error(self, e: BaseException) -> None:
         self.errors += 1

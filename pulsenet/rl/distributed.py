@@ -1,33 +1,33 @@
-"""Scale inside a site: FSDP2 data-parallel inner steps over ``torch.distributed``, one rank
-speaking for the site.
+"""Scale inside a trainer site: a rank group, FSDP2 data-parallel inner steps over ``torch.distributed``,
+rank 0 speaking for the group.
 
 A trainer site with N GPUs is launched with ``torchrun --nproc-per-node N``. Its model is sharded
 with FSDP2 (``rl.sharding``): each rank holds a 1/N chunk of every FP32 master weight, of every
 gradient and of the AdamW moments, and steps on its share of each batch; the backward's
-reduce-scatter sums the ranks' gradients, so the site takes the whole batch's step. Rank 0 is the
-site's voice: it holds a :class:`Site` and runs the PULSELoCo round (``LocoTrainer``, with a
-:class:`SiteInner` or :class:`SiteGRPOInner` as its inner loop) and PULSESync publishing exactly
+reduce-scatter sums the ranks' gradients, so the rank group takes the whole batch's step. Rank 0 is the
+group's voice: it holds a :class:`RankGroup` and runs the PULSELoCo round (``LocoTrainer``, with a
+:class:`GroupInner` or :class:`GroupGRPOInner` as its inner loop) and PULSESync publishing exactly
 as a single-process trainer would; ranks > 0 run :func:`serve_rank` and only do what rank 0 tells
 them over the process group::
 
     ("init",)         rank 0's weights (and GRPO's frozen reference weights) follow; then every
-                      rank shards its model: one site θ
+                      rank shards its model: one θ for the group
     ("train", H)      H supervised data-parallel steps on ``batch_of(step)`` (rank 0 takes them too)
     ("grpo", rows)    one GRPO step on this rollout batch (only rank 0 reads rollouts from the store)
     ("load",)         new FP32 weights follow, one broadcast per tensor in name order
     ("read", what)    gather the whole weights / BF16 weights / checkpoint / resume point: every
-                      rank holds a chunk, rank 0 keeps the result (``Site.state_fp32`` & co.)
+                      rank holds a chunk, rank 0 keeps the result (``RankGroup.state_fp32`` & co.)
     ("restore", s)    optimizer / RNG / step state s (a resume point), so every rank continues alike
     ("stop",)         leave serve_rank
 
 Commands go out with ``broadcast_object_list`` (small pickles from rank 0, which the other ranks
 trust: they are one job; a GRPO batch is a few hundred KB of token ids); weights with
-``broadcast`` of the tensors themselves. ``Site`` sends each command and its collectives under
+``broadcast`` of the tensors themselves. ``RankGroup`` sends each command and its collectives under
 one lock, so a command from the round's worker thread and a ``stop`` from the main thread never
-interleave on the wire. On a sharded site every read of the whole model is a collective, so rank
-0 reads through its ``Site`` (``state_fp32``, ``bf16_state``, ``checkpoint``, ``resume_state``);
+interleave on the wire. On a sharded rank group every read of the whole model is a collective, so rank
+0 reads through its ``RankGroup`` (``state_fp32``, ``bf16_state``, ``checkpoint``, ``resume_state``);
 a read through the ``LocalTrainer`` directly, which alone would wait forever for the other ranks,
-raises RuntimeError instead (``LocalTrainer.read_guard``, while the site runs).
+raises RuntimeError instead (``LocalTrainer.read_guard``, while the rank group runs).
 
 The step. Each rank computes the loss of its shares of the batch, rows ``rank::world``, each
 normalised by the *whole* batch's count (valid tokens; GRPO's completion tokens T), so the sum of
@@ -42,7 +42,7 @@ downloaded, so it travels with the command.
 
 Bit-exactness. FP32 addition is not associative, so the distributed step cannot equal a plain
 single-process step on the whole batch to the bit. It equals, to the bit, the single-process
-*reference* (``DataParallel(reference_world=2)``, ``Site(..., reference_world=2)``) that computes
+*reference* (``DataParallel(reference_world=2)``, ``RankGroup(..., reference_world=2)``) that computes
 the same per-rank gradients in rank order, keeps them apart, sums them, and takes the clipping
 norm chunk by chunk as the shards hold it: with 2 ranks the reduce-scatter is a single FP32
 addition ``g0 + g1`` per element, which is commutative, so every rank's chunk is exactly the
@@ -55,10 +55,10 @@ gathered full FP32 weights (4P: ``reshard_after_forward=False``, which the BF16-
 needs, see ``rl.sharding``) and the frozen KL reference model (4P when ``beta > 0``), which is not
 sharded.
 
-Backends (:func:`init_site`): ``gloo`` on a CPU-only host (what the tests run); with CUDA,
+Backends (:func:`init_rank_group`): ``gloo`` on a CPU-only host (what the tests run); with CUDA,
 ``cpu:gloo,cuda:nccl``, so collectives on CUDA tensors go over NCCL and the small CPU ones over
 gloo. Which one a collective takes follows its tensors: with ``device = "cuda"``
-(``TrainerConfig.device``; each rank on ``cuda:LOCAL_RANK``, set by :func:`init_site`) FSDP2's
+(``TrainerConfig.device``; each rank on ``cuda:LOCAL_RANK``, set by :func:`init_rank_group`) FSDP2's
 all-gathers and reduce-scatters and the weight broadcasts run on the parameters' device, so over
 NCCL; the commands (``broadcast_object_list(device=cpu)``), the clipping norms and the step's
 metric sums are CPU tensors, so over gloo. With ``device = "cpu"`` on a GPU host everything runs
@@ -79,20 +79,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from pulsenet.codec.rollout import Rollout
-from pulsenet.rl import sharding
 from pulsenet.rl.grpo import GRPOMetrics, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner, LocalInner, _checkpoint, _restore
 from pulsenet.rl.local import LocalTrainer
+from pulsenet.rl.parallel import DataParallel
 from pulsenet.rl.tasks import IGNORE_INDEX
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 BatchOf = Callable[[int], Batch]
 """``batch_of(step) -> (input_ids, labels)``: the whole batch of a step, the same on every rank."""
 
-SITE_TIMEOUT = timedelta(days=1)
+GROUP_TIMEOUT = timedelta(days=1)
 """Deadline of one collective. Ranks > 0 wait for rank 0's next command inside a broadcast, and a
 lone trainer may wait for rollouts for as long as the inference nodes are down: a short timeout
-would kill an idle site. A rank that dies is noticed at once anyway (gloo and NCCL see the
+would kill an idle rank group. A rank that dies is noticed at once anyway (gloo and NCCL see the
 connection drop, torchrun sees the exit); a rank 0 that hangs is what its /healthz reports."""
 
 _CPU = torch.device("cpu")
@@ -102,7 +102,7 @@ _CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True, slots=True)
-class SiteRank:
+class TorchrunRank:
     """This process's place in a ``torchrun`` job."""
 
     rank: int
@@ -110,88 +110,24 @@ class SiteRank:
     local_rank: int
 
 
-def torchrun_rank(env: Mapping[str, str]) -> SiteRank | None:
+def torchrun_rank(env: Mapping[str, str]) -> TorchrunRank | None:
     """``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` as torchrun sets them; None outside torchrun."""
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
-    return SiteRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
+    return TorchrunRank(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])))
 
 
-def init_site(rank: SiteRank) -> str:
-    """Join the site's process group (torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous); the backend."""
+def init_rank_group(rank: TorchrunRank) -> str:
+    """Join the rank group's process group (torchrun's ``MASTER_ADDR``/``MASTER_PORT`` rendezvous); the backend."""
     backend = "gloo"
     if torch.cuda.is_available():  # never run here: no GPU
         torch.cuda.set_device(rank.local_rank)
         backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, rank=rank.rank, world_size=rank.world, timeout=SITE_TIMEOUT)
+    dist.init_process_group(backend, rank=rank.rank, world_size=rank.world, timeout=GROUP_TIMEOUT)
     return backend
 
 
 # --- the data-parallel step ---------------------------------------------------------------------
-
-
-class DataParallel:
-    """Which shares of a batch this process computes, and how the shares' gradients are summed.
-
-    A site rank computes its own share (``shares == (rank,)``) on its FSDP2-sharded model
-    (``rl.sharding``), whose backward reduce-scatters the sum of the ranks' gradients. The
-    single-process reference (``reference_world=W``) computes all W shares in rank order, keeps
-    each share's gradients apart (``share_done``) and adds them up left to right
-    (``sum_gradients``), which is what a 2-rank reduce-scatter computes. The step calls
-    ``before_backward`` before each backward pass, ``share_done`` after each share's, then
-    ``sum_gradients`` once, then the optimizer step with ``chunk_norms`` for the clipping norm.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None = None, *, reference_world: int | None = None) -> None:
-        self.group = group
-        self.reference = reference_world is not None
-        if reference_world is not None:
-            self.world, self.shares = reference_world, tuple(range(reference_world))
-        else:
-            self.world, self.shares = dist.get_world_size(group), (dist.get_rank(group),)
-        self._stash: list[list[torch.Tensor | None]] = []
-
-    def before_backward(self, model: torch.nn.Module, *, last: bool) -> None:
-        """A site's backward reduce-scatters only on this process's last pass of the step: the
-        earlier micro-batches accumulate on the rank first, as the reference accumulates a share."""
-        if not self.reference:
-            sharding.set_gradient_sync(model, last)
-
-    def share_done(self, model: torch.nn.Module) -> None:
-        if self.reference:
-            params = list(model.parameters())
-            self._stash.append([p.grad for p in params])
-            for p in params:
-                p.grad = None
-
-    def sum_gradients(self, model: torch.nn.Module) -> None:
-        """The reference's ``g0 + g1 + ...``; on a site the backward's reduce-scatter did it."""
-        if not self.reference:
-            return
-        for i, p in enumerate(model.parameters()):
-            total = None
-            for grads in self._stash:
-                g = grads[i]
-                total = g if total is None else (total if g is None else total + g)
-            p.grad = total
-        self._stash.clear()
-
-    def chunk_norms(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """The clipping norm's parts, the same bits on every rank and in the reference (``rl.sharding``)."""
-        return sharding.chunk_norms(grads, self.world, None if self.reference else self.shares[0])
-
-    def sum_metrics(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-process sums of a step's statistics, summed over the site."""
-        return values if self.reference else _all_reduce(values, dist.ReduceOp.SUM, self.group)
-
-    def max_metrics(self, values: torch.Tensor) -> torch.Tensor:
-        return values if self.reference else _all_reduce(values, dist.ReduceOp.MAX, self.group)
-
-
-def _all_reduce(values: torch.Tensor, op: Any, group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = values.clone()
-    dist.all_reduce(out, op=op, group=group)
-    return out
 
 
 def task_batches(task: Any, batch_size: int, seq_len: int) -> BatchOf:
@@ -221,7 +157,7 @@ def shard_loss(local: LocalTrainer, batch: Batch, rank: int, world: int) -> torc
 
 def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
     """One supervised optimizer step on this process's shares of ``batch``, gradients summed over
-    the site; the whole batch's loss (the same float on every rank)."""
+    the rank group; the whole batch's loss (the same float on every rank)."""
     local.model.train()
     local.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(())
@@ -237,17 +173,17 @@ def sft_step(local: LocalTrainer, batch: Batch, dp: DataParallel) -> float:
     return float(total)
 
 
-# --- rank 0: the site's voice -------------------------------------------------------------------
+# --- rank 0: the rank group's voice -------------------------------------------------------------------
 
 
-class Site:
-    """Rank 0's handle on the site: every call that changes or reads the whole model runs on every rank.
+class RankGroup:
+    """Rank 0's handle on the rank group: every call that changes or reads the whole model runs on every rank.
 
     Give it the ``GRPOTrainer`` (the trainer daemon) or the ``LocalTrainer`` and its ``batch_of``
     (supervised), before their first step. On construction rank 0's weights go to every rank and
-    every rank shards its model (FSDP2), so the site starts from one θ whatever the other ranks
+    every rank shards its model (FSDP2), so the rank group starts from one θ whatever the other ranks
     loaded. ``reference_world=W`` makes the single-process reference
-    instead: the same steps as a W-rank site, no process group. Call :meth:`stop` when done, so
+    instead: the same steps as a group of W ranks, no process group. Call :meth:`stop` when done, so
     that the other ranks leave :func:`serve_rank`; calls after it raise.
     """
 
@@ -261,7 +197,7 @@ class Site:
         reference_world: int | None = None,
     ) -> None:
         if (local is None) == (grpo is None):
-            raise ValueError("Site needs a LocalTrainer (supervised) or a GRPOTrainer, not both")
+            raise ValueError("RankGroup needs a LocalTrainer (supervised) or a GRPOTrainer, not both")
         self.grpo, self.batch_of, self.group = grpo, batch_of, group
         self.local: LocalTrainer = grpo.local if grpo is not None else local  # type: ignore[assignment,union-attr]
         self.dp = DataParallel(group, reference_world=reference_world)
@@ -272,7 +208,7 @@ class Site:
         self._stopped = False
         if not self.dp.reference:
             if dist.get_rank(group) != 0:
-                raise ValueError("Site runs on rank 0; the other ranks run serve_rank")
+                raise ValueError("RankGroup runs on rank 0; the other ranks run serve_rank")
             with self._speaking():
                 self._send("init")
                 _init_weights(self.local, self.grpo, group)
@@ -284,7 +220,7 @@ class Site:
 
     @contextlib.contextmanager
     def _speaking(self) -> Iterator[None]:
-        """The site's lock, held by this thread: a command and the collectives that follow it go out
+        """The rank group's lock, held by this thread: a command and the collectives that follow it go out
         together, and whole-model reads of the sharded trainer are allowed here only."""
         with self._lock:
             self._speaker = threading.get_ident()
@@ -294,19 +230,19 @@ class Site:
                 self._speaker = None
 
     def _check_reader(self) -> None:
-        """``LocalTrainer.read_guard`` on rank 0: a read of the whole sharded model outside the site
+        """``LocalTrainer.read_guard`` on rank 0: a read of the whole sharded model outside the rank group
         would wait forever for ranks that are waiting for a command."""
         if not self._stopped and self._speaker != threading.get_ident():
             raise RuntimeError(
-                "this trainer is sharded over a site: read its whole weights or checkpoint through "
-                "its rl.distributed.Site (state_fp32, bf16_state, checkpoint, resume_state), so that "
+                "this trainer is sharded over a rank group: read its whole weights or checkpoint through "
+                "its rl.distributed.RankGroup (state_fp32, bf16_state, checkpoint, resume_state), so that "
                 "every rank takes part"
             )
 
     def _send(self, *cmd: Any) -> None:
         """Hold ``self._lock``: the command and the collectives that follow it go out together."""
         if self._stopped:
-            raise RuntimeError("the site was stopped: its other ranks are gone")
+            raise RuntimeError("the rank group was stopped: its other ranks are gone")
         if not self.dp.reference:
             dist.broadcast_object_list([cmd], src=0, group=self.group, device=_CPU)
 
@@ -318,7 +254,7 @@ class Site:
 
     def grpo_step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
         """One ``GRPOTrainer.step`` on every rank; the batch goes with the command."""
-        assert self.grpo is not None, "a supervised site has no GRPO step"
+        assert self.grpo is not None, "a supervised rank group has no GRPO step"
         with self._speaking():
             self._send("grpo", list(rollouts))
             return self.grpo.step(rollouts)
@@ -375,32 +311,32 @@ class Site:
 
 
 class _SpokenFor:
-    """An inner loop whose weight and resume-state changes go through its site to every rank."""
+    """An inner loop whose weight and resume-state changes go through its rank group to every rank."""
 
-    site: Site
+    ranks: RankGroup
 
     def load_state_fp32(self, state: Mapping[str, torch.Tensor]) -> None:
-        self.site.load_state_fp32(state)
+        self.ranks.load_state_fp32(state)
 
     def state_fp32(self) -> dict[str, torch.Tensor]:
-        return self.site.state_fp32()
+        return self.ranks.state_fp32()
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
         """A snapshot gathered from the shards (what a GPU trainer hands the round too: ``LocalInner``)."""
-        return self.site.state_fp32() if self.site.local.sharded else super().parameters()  # type: ignore[misc]
+        return self.ranks.state_fp32() if self.ranks.local.sharded else super().parameters()  # type: ignore[misc]
 
     def checkpoint(self) -> dict[str, Any]:
-        return self.site.resume_state()
+        return self.ranks.resume_state()
 
     def restore(self, state: Mapping[str, Any]) -> None:
-        self.site.restore(state)
+        self.ranks.restore(state)
 
     def stop(self) -> None:
-        self.site.stop()
+        self.ranks.stop()
 
 
-class SiteInner(_SpokenFor, LocalInner):
-    """The supervised ``InnerLoop`` of a site, on rank 0 (``reference_world``: see :class:`Site`)."""
+class GroupInner(_SpokenFor, LocalInner):
+    """The supervised ``InnerLoop`` of a rank group, on rank 0 (``reference_world``: see :class:`RankGroup`)."""
 
     def __init__(
         self,
@@ -411,22 +347,31 @@ class SiteInner(_SpokenFor, LocalInner):
         reference_world: int | None = None,
     ) -> None:
         self.local = local
-        self.site = Site(local, batch_of=batch_of, group=group, reference_world=reference_world)
+        self.ranks = RankGroup(local, batch_of=batch_of, group=group, reference_world=reference_world)
 
     def train(self, steps: int) -> list[float]:
-        return self.site.train(steps)
+        return self.ranks.train(steps)
 
 
-class SiteGRPOInner(_SpokenFor, GRPOInner):
-    """``GRPOInner`` of a site, on rank 0: each of the H steps is :meth:`Site.grpo_step`."""
+class GroupGRPOInner(_SpokenFor, GRPOInner):
+    """``GRPOInner`` of a rank group, on rank 0: each step, weight read and checkpoint runs on every rank."""
 
-    def __init__(self, site: Site, next_batch: Callable[[], Sequence[Rollout] | None]) -> None:
-        assert site.grpo is not None
-        super().__init__(site.grpo, next_batch)
-        self.site = site
+    def __init__(self, ranks: RankGroup) -> None:
+        assert ranks.grpo is not None
+        super().__init__(ranks.grpo)
+        self.ranks = ranks
 
-    def _step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
-        return self.site.grpo_step(batch)
+    def step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
+        return self.ranks.grpo_step(batch)
+
+    def bf16_state(self) -> dict[str, torch.Tensor]:
+        return self.ranks.bf16_state()
+
+    def full_checkpoint(self) -> dict[str, Any]:
+        return self.ranks.checkpoint()
+
+    def restore_full(self, checkpoint: Mapping[str, Any]) -> None:
+        self.ranks.restore_checkpoint(checkpoint)
 
 
 # --- ranks > 0 ----------------------------------------------------------------------------------
@@ -439,7 +384,7 @@ def serve_rank(
     *,
     grpo: GRPOTrainer | None = None,
 ) -> None:
-    """Ranks > 0: do what rank 0's :class:`Site` says until it says stop."""
+    """Ranks > 0: do what rank 0's :class:`RankGroup` says until it says stop."""
     dp = DataParallel(group)
     if grpo is not None:
         grpo.parallel, local = dp, grpo.local
@@ -464,11 +409,11 @@ def serve_rank(
         elif cmd[0] == "stop":
             return
         else:
-            raise ValueError(f"unknown site command {cmd[0]!r}")
+            raise ValueError(f"unknown rank group command {cmd[0]!r}")
 
 
 def _train(local: LocalTrainer, batch_of: BatchOf | None, steps: int, dp: DataParallel) -> list[float]:
-    assert batch_of is not None, "a GRPO site has no supervised batches"
+    assert batch_of is not None, "a GRPO rank group has no supervised batches"
     losses = [sft_step(local, batch_of(local.steps), dp) for _ in range(steps)]
     local.optimizer.zero_grad(set_to_none=True)  # free the gradients between rounds
     return losses
@@ -480,7 +425,7 @@ _READS: dict[str, Callable[[LocalTrainer], Any]] = {
     "checkpoint": LocalTrainer.checkpoint,
     "resume_state": _checkpoint,
 }
-"""What ``Site._read`` may ask every rank to take part in."""
+"""What ``RankGroup._read`` may ask every rank to take part in."""
 
 
 def _init_weights(local: LocalTrainer, grpo: GRPOTrainer | None, group: dist.ProcessGroup | None) -> None:

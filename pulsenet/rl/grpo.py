@@ -33,16 +33,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ConfigError
 from pulsenet.rl.local import FORWARDS, LocalTrainer, LocalTrainerConfig
-
-if TYPE_CHECKING:  # rl.distributed builds on this module
-    from pulsenet.rl.distributed import DataParallel
+from pulsenet.rl.parallel import DataParallel
 
 
 @dataclass(kw_only=True, slots=True)
@@ -243,7 +241,7 @@ class GRPOTrainer:
             ref_model.requires_grad_(False)
             self.reference = LocalTrainer(ref_model, self.config.local_config())
         self.parallel: DataParallel | None = None
-        """Set by a data-parallel site (``rl.distributed.Site``): this process steps on its shares only."""
+        """Set by a data-parallel rank group (``rl.distributed.RankGroup``): this process steps on its shares only."""
 
     @property
     def steps(self) -> int:
@@ -268,7 +266,7 @@ class GRPOTrainer:
     def step(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
         """``steps_per_batch`` optimizer steps on one batch of rollouts; returns its metrics.
 
-        See ``_step`` for a data-parallel site (``self.parallel``)."""
+        See ``_step`` for a data-parallel rank group (``self.parallel``)."""
         return self._step(rollouts, apply=True)
 
     def compute_gradients(self, rollouts: Sequence[Rollout]) -> GRPOMetrics:
@@ -292,11 +290,11 @@ class GRPOTrainer:
     def _step(self, rollouts: Sequence[Rollout], *, apply: bool) -> GRPOMetrics:
         """``step`` (``apply``), or its gradients only (``compute_gradients``).
 
-        With ``self.parallel`` set (a data-parallel site, ``rl.distributed.DataParallel``) this
+        With ``self.parallel`` set (a data-parallel rank group, ``rl.parallel.DataParallel``) this
         process computes only its shares of the batch, rows ``r::world`` for each share ``r``, every
         loss still normalised by the whole batch's token count T; ``parallel.sum_gradients`` then
-        sums the shares' gradients over the site before the one optimizer step, so every rank
-        takes the whole batch's step. Metrics are summed over the site the same way.
+        sums the shares' gradients over the rank group before the one optimizer step, so every rank
+        takes the whole batch's step. Metrics are summed over the rank group the same way.
         """
         cfg = self.config
         batch = self._collate(rollouts)
@@ -344,7 +342,7 @@ class GRPOTrainer:
                     sums[0] += float(loss.detach())
                 if par is not None and (j + 1 == len(slices) or slices[j + 1][0] != r):
                     par.share_done(self.local.model)
-            if par is not None and not slices:  # fewer rows than ranks: join the site's gradient sum with zeros
+            if par is not None and not slices:  # fewer rows than ranks: join the rank group's gradient sum with zeros
                 par.before_backward(self.local.model, last=True)
                 (self._logits(self.local, batch.ids[:1]).sum() * 0).backward()
             if par is not None:

@@ -1,26 +1,17 @@
 """Inner loops for PULSELoCo (``pulsenet.loco.inner.InnerLoop``): supervised and GRPO.
 
 ``SupervisedInner``: a ``LocalTrainer`` stepping on a task's batches (the benchmark and
-``pulsenet loco train``). ``GRPOInner``: a ``GRPOTrainer`` stepping on rollout batches that its
-caller supplies (the trainer node). Both keep their resume state in the same shape,
-``{"optimizer", "rng", "steps"}`` of the underlying ``LocalTrainer``, so resume points and the
-checkpoints in the store are what they were before the protocol existed.
-
-Feeding a ``GRPOInner``::
-
-    batches: queue.Queue[Sequence[Rollout] | None] = queue.Queue()
-    inner = GRPOInner(GRPOTrainer(model, cfg), next_batch=batches.get)
-    trainer = LocoTrainer(tid, store, key, keys, inner, loco_config)
-    ...  # the intake task: batches.put(verified_rollouts); batches.put(None) to end the round early
-
-``next_batch`` is called in the round's worker thread, once per inner step, and may block there
-until a batch is ready (a ``queue.Queue.get`` does). Returning ``None`` ends the inner phase: the
-round publishes the progress of the steps already taken (none is fine: an empty update).
+``pulsenet loco train``); it trains a round itself (``train``). ``GRPOInner``: a ``GRPOTrainer``
+stepping on rollout batches its caller hands it one step at a time (the trainer daemon, whose
+loop owns the data: ``LocoTrainer.next_round(train)`` with the daemon's inner phase). Both keep
+their resume state in the same shape, ``{"optimizer", "rng", "steps"}`` of the underlying
+``LocalTrainer``, so resume points and the checkpoints in the store are what they were before the
+protocol existed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,33 +74,39 @@ class SupervisedInner(LocalInner):
 
 
 class GRPOInner(LocalInner):
-    """H GRPO steps (``GRPOTrainer.step``, one rollout batch each) on batches from ``next_batch``.
+    """The trainer daemon's handle on its GRPO model: one step at a time, on rows its caller took.
 
-    ``next_batch() -> Sequence[Rollout] | None`` runs in the round's worker thread and may block;
-    ``None`` ends the inner phase early (see the module docstring). ``metrics`` holds the last
-    inner phase's per-step ``GRPOMetrics`` (reward, KL, clipping) for the caller's status.
-    Each step's "loss" reported to the round is ``GRPOMetrics.loss``.
+    It does not draw batches: the daemon's loop takes rollouts from its intake and calls ``step``
+    for each (in a thread), so a PULSELoCo round's inner phase is the caller's, not a pull through
+    a callback. Besides the ``InnerLoop`` surface (weights, resume state) it gives the daemon what
+    a version needs: the BF16 weights to publish and a whole-trainer checkpoint (weights too) for
+    the lone trainer's resume point. A data-parallel rank group overrides each of these to run on
+    every rank (``rl.distributed.GroupGRPOInner``).
     """
 
-    def __init__(self, grpo: GRPOTrainer, next_batch: Callable[[], Sequence[Rollout] | None]) -> None:
-        self.grpo, self.next_batch = grpo, next_batch
-        self.metrics: list[GRPOMetrics] = []
+    def __init__(self, grpo: GRPOTrainer) -> None:
+        self.grpo = grpo
 
     @property
     def local(self) -> LocalTrainer:  # type: ignore[override]
         return self.grpo.local
 
-    def train(self, steps: int) -> list[float]:
-        metrics: list[GRPOMetrics] = []
-        for _ in range(steps):
-            batch = self.next_batch()
-            if batch is None:
-                break
-            metrics.append(self._step(batch))
-        self.grpo.local.optimizer.zero_grad(set_to_none=True)
-        self.metrics = metrics
-        return [m.loss for m in metrics]
-
-    def _step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
-        """One GRPO step (a data-parallel site sends it to every rank: ``rl.distributed``)."""
+    def step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
+        """One GRPO step (``GRPOTrainer.step``) on ``batch``."""
         return self.grpo.step(batch)
+
+    def end_phase(self) -> None:
+        """Free the gradients: they would otherwise live across a round's exchange."""
+        self.grpo.local.optimizer.zero_grad(set_to_none=True)
+
+    def bf16_state(self) -> dict[str, torch.Tensor]:
+        """The weights the inference nodes serve (what PULSESync publishes)."""
+        return self.grpo.bf16_state()
+
+    def full_checkpoint(self) -> dict[str, Any]:
+        """``LocalTrainer.checkpoint``: weights, optimizer, RNG and step counter."""
+        return self.grpo.local.checkpoint()
+
+    def restore_full(self, checkpoint: Mapping[str, Any]) -> None:
+        """Put back what ``full_checkpoint`` returned."""
+        self.grpo.local.restore(dict(checkpoint))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -152,9 +153,11 @@ class LocalTrainer:
         self.rng = random.Random(self.config.seed)
         self.steps = 0
         """Optimizer steps taken so far; also the data position used by ``train_step``."""
+        self.skipped = 0
+        """Updates dropped for a non-finite gradient norm (``apply_gradients``); not in ``steps``."""
         self.read_guard: Callable[[], None] | None = None
-        """Set on a site's rank 0 (``rl.distributed.Site``): raises when a read of the whole sharded
-        model bypasses the site, which would otherwise wait forever for the other ranks."""
+        """Set on a rank group's rank 0 (``rl.distributed.RankGroup``): raises when a read of the whole sharded
+        model bypasses the rank group, which would otherwise wait forever for the other ranks."""
 
     def _bind_parameters(self) -> torch.optim.AdamW:
         # named_parameters() drops the tied lm_head, so tied weights are stepped (and reported) once.
@@ -172,7 +175,7 @@ class LocalTrainer:
         across its ranks. Collective, on every rank alike, before the first step (the optimizer is
         rebuilt over the shards). Afterwards every weight read or write (``state_fp32``,
         ``load_state_fp32``, ``bf16_state``, the optimizer state) is a collective too, which
-        ``rl.distributed.Site`` runs on every rank."""
+        ``rl.distributed.RankGroup`` runs on every rank."""
         if self.steps or self.optimizer.state:
             raise RuntimeError("shard a LocalTrainer before its first step")
         sharding.shard_model(self.model, self.device, round_bf16=self.config.forward == "bf16-weights", group=group)
@@ -195,9 +198,14 @@ class LocalTrainer:
         """Clip (if configured) and AdamW-step the gradients already in ``.grad``; count the step.
 
         For losses built outside ``step`` (GRPO accumulates micro-batches, then steps once).
-        ``norms``: a data-parallel site's ``chunk_norms`` (``rl.distributed.DataParallel.chunk_norms``),
+        ``norms``: a data-parallel rank group's ``chunk_norms`` (``rl.parallel.DataParallel.chunk_norms``),
         so the clipping norm is the same bits on every rank and in the single-process reference.
         Returns the global grad norm before clipping, or None when clipping is off.
+
+        A non-finite norm (a hostile or overflowing reward, a NaN activation) skips the update: the
+        gradients are dropped and the weights and AdamW moments stay as they were, the same on every
+        rank (the norm is all-reduced). Without clipping there is no norm and no such guard; the
+        trainer daemon still refuses to publish non-finite weights.
         """
         norm = None
         if self.config.grad_clip is not None:
@@ -207,10 +215,14 @@ class LocalTrainer:
             else:
                 grads = [p.grad for p in params]
                 norm = sharding.clip_to_norm(grads, norms(grads), self.config.grad_clip)
-        self.optimizer.step()
+        if norm is not None and not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped += 1
+        else:
+            self.optimizer.step()
+            self.steps += 1
         if self.sharded:
             sharding.reshard(self.model)
-        self.steps += 1
         return norm
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

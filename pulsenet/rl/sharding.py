@@ -1,5 +1,5 @@
-"""FSDP2 for a site's trainer: the model's FP32 master weights, gradients and AdamW state sharded
-over the site's ranks, with the same bits as one process computing every rank's share.
+"""FSDP2 for a rank group's trainer: the model's FP32 master weights, gradients and AdamW state sharded
+over the rank group's ranks, with the same bits as one process computing every rank's share.
 
 ``shard_model`` applies ``torch.distributed.fsdp.fully_shard`` to every block of the model (the
 members of its ``nn.ModuleList``: a transformer's decoder layers) and then to the root, so each
@@ -21,7 +21,7 @@ bfloat16)`` is a different mode (BF16 matmuls and BF16 gradients: ``autocast-bf1
 
 Exactness, checked by tests/test_distributed.py and tests/test_site_trainer.py: with 2 ranks a
 reduce-scatter is one FP32 addition per element, ``g0 + g1``, so the sharded step equals the
-single-process reference (``rl.distributed.DataParallel(reference_world=2)``) to the bit, the
+single-process reference (``rl.parallel.DataParallel(reference_world=2)``) to the bit, the
 clipping norm included (``grad_norm``: both sides take the norm chunk by chunk, the way the shards
 hold it). With more ranks the reduction order is the backend's.
 """
@@ -129,7 +129,7 @@ def cut_like(value: Any, param: torch.Tensor) -> Any:
 def chunk_norms(grads: Sequence[torch.Tensor | None], world: int, rank: int | None = None) -> torch.Tensor:
     """``[world, len(grads)]`` 2-norms of every rank's chunk of every gradient.
 
-    ``rank`` given: a site rank, whose ``grads`` are its shards; the other rows come from the other
+    ``rank`` given: a rank group rank, whose ``grads`` are its shards; the other rows come from the other
     ranks (``all_gather``). ``rank`` None: one process holding the whole gradients (the reference)
     cuts them itself. Either way every rank ends with the same matrix, to the bit."""
     def norm(g: torch.Tensor | None) -> torch.Tensor:

@@ -44,7 +44,7 @@ from pulsenet.loco.documents import trainer_keys
 from pulsenet.loco.state import TrainerState
 from pulsenet.loco.trainer import STATE_FILE
 from pulsenet.nodes.common import initial_model, text_codec
-from pulsenet.rl.distributed import Site, SiteGRPOInner
+from pulsenet.rl.distributed import GroupGRPOInner, RankGroup
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
 from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
@@ -243,11 +243,11 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
 ) -> None:
     # max staleness 4: phase 1's batches (served by v0) are still fresh at v3, so only the record of
     # consumed batches in rank 0's checkpoint keeps the restarted site from training on them again
-    site = Site2(seaweed, tmp_path, PULSENET_STEPS="5", PULSENET_MAX_STALENESS="4")
+    site = Site2(seaweed, tmp_path, PULSENET_STEPS="5", PULSENET_INTAKE__MAX_STALENESS="4")
     batches = _batches(5)
     # The reference: one process, both ranks' half-batch gradients summed in rank order.
     ref = _grpo(tmp_path / "cache")  # also fills the warm-up cache the ranks load
-    ref_site = Site(grpo=ref, reference_world=2)
+    ref_site = RankGroup(grpo=ref, reference_world=2)
     want = [_bf16_digest(ref)]
     for rows in batches[:3]:
         ref_site.grpo_step(_rows(rows, 0, want[0]))
@@ -265,8 +265,8 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
     published = await site.published()
     assert {v: published[v] for v in range(4)} == dict(enumerate(want[:4])), site.tail()
     logs = site.log.read_text()
-    assert "speaks for a site of 2 ranks (gloo)" in logs and "site rank 1 of 2 (gloo)" in logs
-    assert "site rank 1 released by rank 0" in logs, site.tail()  # not killed: told to stop
+    assert "speaks for a rank group of 2 (gloo)" in logs and "rank 1 of 2 (gloo)" in logs
+    assert "rank 1 released by rank 0" in logs, site.tail()  # not killed: told to stop
 
     # Phase 2: the same command resumes from rank 0's checkpoint (v3) and hands it to rank 1; two
     # more batches (served by v3) make v4 and v5, and the job ends with rank 0's last step.
@@ -295,8 +295,8 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     # micro-batches (each rank's 4 rows in 2 passes, one reduce-scatter) and a clipping norm that
     # binds: both must give the reference's bits under FSDP2
     clip, micro = 1e-3, 2
-    site = Site2(seaweed, tmp_path, PULSENET_STEPS=str(rounds), PULSENET_INNER_STEPS=str(inner),
-                 PULSENET_PEERS="t0=keys/t0.key.pub", PULSENET_ROUND_DEADLINE_S="60",
+    site = Site2(seaweed, tmp_path, PULSENET_STEPS=str(rounds), PULSENET_LOCO__INNER_STEPS=str(inner),
+                 PULSENET_PEERS="t0=keys/t0.key.pub", PULSENET_LOCO__DEADLINE_S="60",
                  PULSENET_GRPO__GRAD_CLIP=str(clip), PULSENET_GRPO__MICRO_BATCH_SIZE=str(micro))  # fmt: skip
     site.extra["PULSENET_LOCO_STORE"] = site.url("loco")
     batches = _batches(rounds * inner, seed=4)
@@ -306,20 +306,28 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     v0 = _bf16_digest(ref)
     feed = iter([_rows(b, 0, v0) for b in batches])
     want = {0: v0}
-    norms: list[float | None] = []
-
-    async def after_round(loco: Any, report: Any) -> None:
-        want[report.round] = _bf16_digest(ref)
-        norms.extend(m.grad_norm for m in loco.inner.metrics)
 
     key = tmp_path / "keys" / "t0.key"
     outer = {"outer_lr": _shipped()["outer-lr"], "outer_momentum": _shipped()["outer-momentum"]}  # as the site
     config = LocoConfig(run=RUN, inner_steps=inner, workers_expected=1, min_quorum=None, deadline_s=60.0, **outer)
+    policy = GroupGRPOInner(RankGroup(grpo=ref, reference_world=2))
     reference = LocoTrainer(
         "t0", LocalStore(tmp_path / "ref-store"), load_private_key(key), trainer_keys([f"t0={key}.pub"]),
-        SiteGRPOInner(Site(grpo=ref, reference_world=2), lambda: next(feed, None)), config, on_round=after_round,
+        policy, config,
     )  # fmt: skip
-    await reference.run(rounds)
+    norms: list[float | None] = []
+
+    async def inner_phase(r: int) -> list[float]:  # the node's loop: H steps on the batches it takes
+        metrics = [policy.step(next(feed)) for _ in range(inner)]
+        norms.extend(m.grad_norm for m in metrics)
+        policy.end_phase()
+        return [m.loss for m in metrics]
+
+    async with reference.session():
+        while reference.round < rounds:
+            report = await reference.next_round(inner_phase)
+            assert report is not None
+            want[report.round] = _bf16_digest(ref)
     assert len(set(want.values())) == rounds + 1
     assert len(norms) == rounds * inner and all(n is not None and n > clip for n in norms), norms
 
@@ -335,7 +343,7 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     proc = site.start()
     try:
         assert proc.wait(150) == 0, site.tail()  # rank 0 finished its rounds; rank 1 released
-        assert "site rank 1 released by rank 0" in site.log.read_text()
+        assert "rank 1 released by rank 0" in site.log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -351,7 +359,7 @@ def test_reference_shares_sum_to_the_plain_step(micro_batch_size: int | None, on
     """The share loop without torchrun: one share is the plain step to the bit (weights and
     metrics), and a share with no rows (a 1-row batch over 2 shares) adds nothing."""
     from pulsenet.rl import build_tiny_model
-    from pulsenet.rl.distributed import DataParallel
+    from pulsenet.rl.parallel import DataParallel
 
     def step(rows: int, world: int | None) -> tuple[str, dict[str, Any]]:
         grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, micro_batch_size=micro_batch_size))

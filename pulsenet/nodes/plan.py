@@ -1,0 +1,160 @@
+"""A local network's nodes, planned once: what ``pulsenet up`` writes to each node's config file
+and ``pulsenet bench rl`` builds in one process.
+
+``NetworkSettings`` is the shape of a network (model, trainers, inference nodes, rounds, batch
+sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
+``InferenceConfig`` per inference node. Model-specific defaults are TOML presets
+(``pulsenet/presets/<model>.toml``: the ``[trainer]`` and ``[inference]`` tables a node reads),
+applied under the network's own settings: a value given there (non-zero) wins. The rest is
+derived here, in one place: with several trainers a GRPO step takes 1/H of a lone trainer's rows
+(a round then costs about one lone step), and each inference node makes enough batches per
+version for every trainer's share of a round.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from pulsenet.nodes.inference import InferenceConfig
+from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.settings import load_settings
+
+PRESETS = ("tiny", "smollm2")
+"""Models with a preset of their own; any other model (a Hugging Face directory) takes ``pretrained``."""
+
+
+@dataclass(kw_only=True)
+class NetworkSettings:
+    """The shape of a local network (``pulsenet up``, ``pulsenet bench rl``); 0 or "": the model's preset."""
+
+    model: str = "tiny"
+    """tiny (warmed up on arith, cached), smollm2 (the realistic run), or a Hugging Face model directory."""
+    rounds: int = 60
+    """Policy versions to train: PULSELoCo rounds of inner_steps GRPO steps per trainer (with one
+    trainer a round is one GRPO step)."""
+    trainers: int = 2
+    """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
+    inference: int = 2
+    """Inference nodes."""
+    inner_steps: int = 8
+    """PULSELoCo: GRPO steps per round (H), with more than one trainer."""
+    outer_lr: float = 1.0
+    """PULSELoCo: outer Nesterov learning rate of every trainer (1 with outer_momentum 0: plain
+    averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
+    outer_momentum: float = 0.0
+    """PULSELoCo: outer Nesterov momentum of every trainer."""
+    task: str = ""
+    """arith, arith-shots, chain or a .jsonl file of {"problem", "answer"} rows ("": the preset's:
+    arith for tiny; arith-shots for smollm2, whose completions then stop at a newline)."""
+    max_staleness: int = 2
+    """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
+    rows_per_step: int = 0
+    """Completions per GRPO step (0: the preset's, 512 for tiny, / inner_steps with several trainers)."""
+    prompts: int = 0
+    """Prompts per rollout batch (0: the preset's, 32 for tiny; a step's rows / group_size with
+    several trainers)."""
+    group_size: int = 0
+    """Completions per prompt, GRPO's G (0: the preset's, 8 for tiny)."""
+    batches_per_version: int = 0
+    """Rollout batches each inference node generates per policy version at most (0: enough for
+    every trainer's share of a round, twice over)."""
+    max_new_tokens: int = 0
+    """Tokens per completion at most (0: the preset's, 5 for tiny, 16 for smollm2)."""
+    lr: float = 0.0
+    """GRPO learning rate (0: the preset's, 5e-4 for tiny, 3e-6 for real models)."""
+    seed: int = 0
+    """Run seed (warm-up, problems, samples)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where one node of the plan lives: its store URL, its key and its state directory."""
+
+    store: str
+    key: Path
+    state_dir: Path
+
+
+def trainer_ids(n: NetworkSettings) -> list[str]:
+    return [f"t{k}" for k in range(n.trainers)]
+
+
+def inference_ids(n: NetworkSettings) -> list[str]:
+    return [f"i{k}" for k in range(n.inference)]
+
+
+def preset(model: str) -> Path:
+    """The preset TOML of ``model`` (``pulsenet/presets/``)."""
+    name = model if model in PRESETS else "pretrained"
+    return Path(str(resources.files("pulsenet.presets") / f"{name}.toml"))
+
+
+def plan_network(
+    n: NetworkSettings,
+    *,
+    run: str,
+    sites: dict[str, Site],
+    public_keys: Path,
+    loco_store: str = "",
+    cache_dir: Path | None = None,
+) -> tuple[list[TrainerConfig], list[InferenceConfig]]:
+    """Every node's settings. ``sites``: node id -> its store, key and state directory;
+    ``public_keys``: the directory of every node's ``<id>.key.pub``; ``loco_store``: the bucket the
+    trainers share (several trainers only)."""
+    trainers, inference = trainer_ids(n), inference_ids(n)
+    several = n.trainers > 1
+    if several and not loco_store:
+        raise ValueError("several trainers need the store they share (loco_store)")
+    base_t = load_settings(TrainerConfig, table="trainer", config=preset(n.model), environ={})
+    base_i = load_settings(InferenceConfig, table="inference", config=preset(n.model), environ={})
+    rows_per_step = n.rows_per_step or base_t.rows_per_step
+    if several and not n.rows_per_step:
+        rows_per_step = max(32, rows_per_step // n.inner_steps)  # a round then costs about one lone step
+    group_size = n.group_size or base_i.group_size
+    prompts = n.prompts or (max(1, rows_per_step // group_size) if several else base_i.prompts)
+    batches_per_version = n.batches_per_version or base_i.batches_per_version
+    if several and not n.batches_per_version:
+        # A round takes inner_steps steps of rows_per_step rows on each trainer, from batches
+        # partitioned among them (not evenly): twice that per version, or rounds starve.
+        per_step = math.ceil(rows_per_step / (prompts * group_size))  # a step takes whole batches
+        need = n.inner_steps * n.trainers * per_step / n.inference
+        batches_per_version = max(batches_per_version, 2 * math.ceil(need))
+
+    out_t = []
+    for t in trainers:
+        c = copy.deepcopy(base_t)
+        c.id, c.run, c.model, c.seed, c.steps = t, run, n.model, n.seed, n.rounds
+        c.store, c.key, c.state_dir, c.cache_dir = sites[t].store, sites[t].key, sites[t].state_dir, cache_dir
+        c.inference = [f"{i}={sites[i].store}" for i in inference]
+        c.trust_inference = [f"{i}={public_keys / f'{i}.key.pub'}" for i in inference]
+        c.rows_per_step = rows_per_step
+        c.intake.max_staleness = n.max_staleness
+        c.publish.anchor_every = max(n.rounds + 1, 10)
+        if n.lr:
+            c.grpo.lr = n.lr
+        if several:
+            c.loco_store = loco_store
+            c.peers = [f"{p}={public_keys / f'{p}.key.pub'}" for p in trainers]
+            c.loco.inner_steps, c.loco.outer_lr, c.loco.outer_momentum = n.inner_steps, n.outer_lr, n.outer_momentum
+        c.__post_init__()  # the run into every component
+        out_t.append(c)
+    out_i = []
+    for i in inference:
+        c = copy.deepcopy(base_i)
+        c.id, c.run, c.model, c.seed = i, run, n.model, n.seed
+        c.store, c.key, c.state_dir = sites[i].store, sites[i].key, sites[i].state_dir
+        c.policy = [sites[t].store for t in trainers]
+        c.trust = [public_keys / f"{t}.key.pub" for t in trainers]
+        if n.task:  # the user's task: no stop text a preset meant for its own task
+            c.task, c.stop = n.task, ""
+        c.prompts, c.group_size, c.batches_per_version = prompts, group_size, batches_per_version
+        c.max_new_tokens = n.max_new_tokens or c.max_new_tokens
+        c.max_staleness = n.max_staleness
+        c.subscribe.interval_s = 0.25
+        c.__post_init__()
+        out_i.append(c)
+    return out_t, out_i
