@@ -87,7 +87,11 @@ class LocalStore(ObjectStore):
         return data
 
     async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
-        got = await self._io("get", key, _read_if_changed, self._path(key), etag, max_bytes, reading=True)
+        try:
+            got = await self._io("get", key, _read_if_changed, self._path(key), etag, max_bytes, reading=True)
+        except BaseException:
+            self.requests.get += 1  # answered with an error (a missing key) or not at all
+            raise
         if got is None:
             self.requests.get_not_modified += 1
             return None
