@@ -7,6 +7,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -22,7 +23,16 @@ from pulsenet.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from pulsenet.store import LocalStore, ObjectStore, RateLimiter, RequestCounts, S3Config, S3Store, open_store
+from pulsenet.store import (
+    LocalStore,
+    ObjectStore,
+    RateLimiter,
+    RequestCounts,
+    S3Config,
+    S3Store,
+    backoff_delay,
+    open_store,
+)
 from pulsenet.store import s3 as s3_module
 from pulsenet.store.local import TMP_PREFIX
 
@@ -341,6 +351,14 @@ async def test_s3_hung_server_times_out() -> None:
         async with S3Store("bucket", "", dataclasses.replace(cfg, max_retries=1)) as store:
             with pytest.raises(StoreTimeout, match="no response"):  # read timeouts, retries exhausted
                 await store.head("x")
+
+
+def test_backoff_is_exponential_with_full_jitter() -> None:
+    rng = random.Random(0)
+    for attempt, bound in ((0, 0.1), (1, 0.2), (3, 0.8), (6, 5.0), (60, 5.0), (10_000, 5.0)):
+        draws = [backoff_delay(attempt, 0.1, 5.0, rng) for _ in range(2000)]
+        assert min(draws) >= 0 and max(draws) <= bound
+        assert min(draws) < bound * 0.05 and max(draws) > bound * 0.95  # the whole range, not half of it
 
 
 async def test_s3_unreachable_is_unavailable() -> None:

@@ -18,6 +18,7 @@ from pulsenet.store.base import (
     ObjectStore,
     RequestCounts,
     StoreHealth,
+    backoff_delay,
     check_key,
 )
 from pulsenet.store.local import LocalStore
@@ -36,6 +37,7 @@ __all__ = [
     "S3Config",
     "S3Store",
     "StoreHealth",
+    "backoff_delay",
     "open_store",
 ]
 

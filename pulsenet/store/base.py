@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
@@ -144,6 +145,15 @@ class StoreHealth:
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry ``attempt + 1`` (0-based): "full jitter", uniform in
+    ``[0, min(cap_s, base_s * 2**attempt)]`` (AWS Architecture Blog, "Exponential Backoff And
+    Jitter"), so clients that lost the store at the same moment do not come back in lockstep. The one
+    backoff rule of the store and of the retry loops above it."""
+    bound = min(cap_s, base_s * 2 ** min(attempt, 62))
+    return (rng or random).uniform(0, bound)
 
 
 def check_key(key: str) -> str:

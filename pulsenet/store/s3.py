@@ -2,9 +2,12 @@
 
 boto3 is synchronous, so every call runs in this store's own thread pool (sized to its transfer
 concurrency, unlike the loop's default executor) and the event loop never blocks. botocore's own
-retries are off: one retry loop here, with exponential backoff and jitter, retries transient failures
-(5xx, throttling, dropped connections, timeouts) and never a 4xx or a cancellation. The whole call,
-backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``).
+retries are off: one retry loop here, with exponential backoff and full jitter, retries transient
+failures (5xx, throttling, dropped connections, timeouts) and never a 4xx that means "no" or a
+cancellation; when they are exhausted the call raises StoreUnavailable or StoreTimeout. The whole
+call, backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``). Every request is
+counted (``requests``) and its outcome recorded (``health``), so a node sees an outage as it
+happens, not only when a call gives up.
 
 Multipart uploads and ranged parallel downloads are done here rather than by boto3's TransferManager:
 s3transfer cannot send ``If-None-Match`` with CompleteMultipartUpload, and its worker threads ignore
@@ -26,7 +29,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +50,7 @@ from pulsenet.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, too_large
+from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, backoff_delay, too_large
 from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
 from pulsenet.store.ratelimit import RateLimiter, charge
 
@@ -96,8 +98,9 @@ class S3Config:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     """Per request: how long a socket may stay silent."""
-    max_retries: int = 6
-    """Retries after the first attempt; with the default backoff they span about 3-6 s."""
+    max_retries: int = 8
+    """Retries after the first attempt; with the default backoff they wait 8 s on average (16 s at
+    most) before StoreUnavailable, and the call's deadline (``timeout_s``) caps them anyway."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0
     multipart_threshold: int = 16 * MiB
@@ -518,10 +521,10 @@ class S3Store(ObjectStore):
                     self.health.ok()  # a 4xx is an answer
                 if not transient or attempt >= self.config.max_retries:
                     raise self._typed(e, op, key, conditional, attempt + 1) from e
-                # "Equal jitter": at least half the exponential delay, so a restarting server gets
-                # time to come back, and the rest random, so clients don't retry in lockstep.
-                delay = min(self.config.backoff_cap_s, self.config.backoff_base_s * 2**attempt)
-                delay = delay / 2 + random.uniform(0, delay / 2)
+                # "Full jitter" (AWS Architecture Blog, "Exponential Backoff And Jitter"): a uniform
+                # draw below the exponential bound, so a thousand nodes that lost the store at the
+                # same moment do not come back in lockstep. The bound doubles to backoff_cap_s.
+                delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_cap_s)
                 log.debug("%s %s: %s; retry %d in %.2f s", op, key, e, attempt + 1, delay)
             else:
                 self.health.ok()

@@ -52,7 +52,7 @@ from pulsenet.errors import (
 )
 from pulsenet.signed import ObjectRef, fetch_document
 from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ObjectStore, backoff_delay
 from pulsenet.sync.chain import (
     EMPTY_DIGEST,
     ChainPath,
@@ -108,9 +108,10 @@ class PublisherConfig:
     spool_dir: Path | None = None
     """Where spooled payloads go; None: the system temp dir."""
     retry_backoff_s: float = 0.5
-    """First wait after a failed upload (the store was unreachable); doubles per failure."""
+    """Bound of the first wait after a failed upload (the store was unreachable); doubles per
+    failure, each wait drawn uniformly below it (``store.backoff_delay``, full jitter)."""
     retry_backoff_cap_s: float = 10.0
-    """Longest wait between upload attempts."""
+    """Largest bound of a wait between upload attempts."""
 
     def __post_init__(self) -> None:
         if (
@@ -395,20 +396,21 @@ class Publisher:
             raise err
 
     async def _run(self) -> None:
-        backoff = self.config.retry_backoff_s
+        attempt = 0
         while True:
             item = await self._queue.get()
             self._busy = True
             try:
                 await self._publish(item)
-                backoff = self.config.retry_backoff_s
+                attempt = 0
             except (StoreTimeout, StoreUnavailable) as e:
                 # The store is unreachable: keep the state (unless a newer one waits) and retry.
                 self.failures += 1
-                log.warning("publishing failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
+                delay = backoff_delay(attempt, self.config.retry_backoff_s, self.config.retry_backoff_cap_s)
+                attempt += 1
+                log.warning("publishing failed (%s: %s); retrying in %.1f s", type(e).__name__, e, delay)
                 self._queue.put_back(item)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.retry_backoff_cap_s)
+                await asyncio.sleep(delay)
             except Exception as e:  # the worker's top level: logged, counted, kept for flush()
                 self.failures += 1
                 self._error = e
@@ -553,11 +555,12 @@ class Publisher:
 
     async def _rewrite_head(self) -> None:
         """Retry a failed head write with backoff until one lands (cancelled by ``close``)."""
-        backoff = self.config.retry_backoff_s
+        attempt = 0
         while self._head_due:
-            await asyncio.sleep(backoff)
-            if self._head_due and not await self.write_head():
-                backoff = min(backoff * 2, self.config.retry_backoff_cap_s)
+            await asyncio.sleep(backoff_delay(attempt, self.config.retry_backoff_s, self.config.retry_backoff_cap_s))
+            attempt += 1
+            if self._head_due:
+                await self.write_head()
 
     async def _is_ours(self, manifest: Manifest) -> bool:
         """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""
