@@ -144,6 +144,8 @@ class InferenceNode:
             )
             for k, s in enumerate(policy_stores)
         ]
+        self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
+        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
         self.engine: TorchEngine | None = None
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
@@ -157,8 +159,11 @@ class InferenceNode:
 
     # --- policy ---------------------------------------------------------------------------------
 
-    async def _on_update(self, version: int, state: dict[str, torch.Tensor], digest: str) -> None:
-        """Verified weights from any trainer channel: the newest version wins, once."""
+    async def _on_update(
+        self, version: int, state: dict[str, torch.Tensor], digest: str, *, changed: frozenset[str] | None = None
+    ) -> None:
+        """Verified weights from any trainer channel: the newest version wins, once. ``changed``: the
+        tensors the verified patches rewrote (all after an anchor): the engine touches only those."""
         async with self._update_lock:
             if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
                 return
@@ -169,7 +174,7 @@ class InferenceNode:
                     TorchEngine.from_state, hf, state, digest, version=version, config=self.config.engine
                 )
             else:
-                await asyncio.to_thread(self.engine.update, version, state, digest)
+                await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed)
             self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
             self._first.set()
             self._newer.set()
@@ -200,10 +205,11 @@ class InferenceNode:
         """(version, digest) of every version this node served, as verified by its subscriber."""
         return [(e.version, e.digest) for e in self.events.events if e.kind == "served"]
 
-    def newest_published(self) -> int | None:
-        """The newest version any followed channel's head or manifests announced."""
-        seen = [v for s in self.subscribers for v in (s.stats.head_version, s.version) if v is not None]
-        return max(seen, default=None)
+    def newest_verified(self) -> int | None:
+        """The newest version any followed channel built and verified. Retention and staleness go by
+        this, never by what a head announces: a signed head for v999999999999 with no verifiable
+        manifest behind it must not make this node delete the batches it writes."""
+        return max((s.version for s in self.subscribers if s.version is not None), default=None)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -316,7 +322,7 @@ class InferenceNode:
         if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
             raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
         manifest = await self.writer.write(rows)
-        newest = self.newest_published()
+        newest = self.newest_verified()
         if newest is not None:
             await self.writer.retain(newest)
         s = self.state

@@ -142,7 +142,7 @@ def build_inference(c: InferenceConfig, *, open_store: Callable[[str], ObjectSto
 async def serve(node: TrainerNode | InferenceNode, host: str, port: int, stuck_after_s: float) -> None:
     """Run ``node`` with its status server until it finishes or a signal stops it."""
     stop = asyncio.Event()
-    async with StatusServer(node.state, host=host, port=port, stuck_after_s=stuck_after_s) as status:
+    async with StatusServer(node.state, host=host, port=port, stuck_after_s=stuck_after_s, stores=node.stores) as status:
         log.info("%s %s: status on %s", node.state.role, node.state.node_id, status.url, extra={"status_url": status.url})
         with stop_on_signals(stop):
             try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pulsenet.nodes.events import VersionEvent
+from pulsenet.store.base import REQUEST_KINDS, ObjectStore
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -57,6 +58,8 @@ class NodeState:
     started: float = field(default_factory=time.time)
     last_beat: float = field(default_factory=time.monotonic)
 
+    degraded: str | None = None
+    """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
     """The node's last ``VersionEvent`` (nodes/events.py), as a dict."""
 
@@ -97,10 +100,10 @@ class NodeState:
 
 
 class _StateCollector(Collector):
-    """Prometheus metrics read from the ``NodeState`` at scrape time."""
+    """Prometheus metrics read from the ``NodeState`` and the node's stores at scrape time."""
 
-    def __init__(self, state: NodeState) -> None:
-        self.state = state
+    def __init__(self, state: NodeState, stores: Mapping[str, ObjectStore]) -> None:
+        self.state, self.stores = state, stores
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s, labels = self.state, ["role", "node"]
@@ -128,19 +131,55 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
         errors.add_metric(ids, s.errors)
         yield errors
+        yield from _store_metrics(self.stores, labels, ids)
+
+
+def _store_metrics(stores: Mapping[str, ObjectStore], labels: list[str], ids: list[str]) -> Iterator[Any]:
+    """Requests by the class object stores bill them in, bytes moved, and whether each store answers."""
+    requests = CounterMetricFamily(
+        "pulsenet_store_requests", "Store requests sent, by kind", labels=[*labels, "store", "kind"]
+    )
+    moved = CounterMetricFamily(
+        "pulsenet_store_transfer_bytes", "Body bytes moved to or from a store", labels=[*labels, "store", "direction"]
+    )
+    failing = GaugeMetricFamily(
+        "pulsenet_store_consecutive_failures", "Failed requests since the store last answered", labels=[*labels, "store"]
+    )
+    last_ok = GaugeMetricFamily(
+        "pulsenet_store_last_ok_timestamp_seconds", "When the store last answered (Unix time)", labels=[*labels, "store"]
+    )
+    for name, store in stores.items():
+        counts, health = store.requests, store.health
+        for kind in REQUEST_KINDS:
+            requests.add_metric([*ids, name, kind], getattr(counts, kind))
+        moved.add_metric([*ids, name, "down"], counts.bytes_down)
+        moved.add_metric([*ids, name, "up"], counts.bytes_up)
+        failing.add_metric([*ids, name], health.consecutive_failures)
+        if health.last_ok is not None:
+            last_ok.add_metric([*ids, name], health.last_ok)
+    yield from (requests, moved, failing, last_ok)
 
 
 class StatusServer:
     """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one)."""
 
     def __init__(
-        self, state: NodeState, *, host: str = "127.0.0.1", port: int = 0, stuck_after_s: float = 300.0
+        self,
+        state: NodeState,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        stuck_after_s: float = 300.0,
+        stores: Mapping[str, ObjectStore] | None = None,
     ) -> None:
+        """``stores``: the node's stores by a name of its choosing (``own``, a peer's id): their
+        request counters go to ``/metrics``, their health to ``/healthz`` and ``/status``."""
         self.state = state
         self.host, self.port = host, port
         self.stuck_after_s = stuck_after_s
+        self.stores = dict(stores or {})
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StateCollector(state))
+        self.registry.register(_StateCollector(state, self.stores))
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -169,14 +208,34 @@ class StatusServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def _healthz(self, _: web.Request) -> web.Response:
+    def health(self) -> dict[str, Any]:
+        """``ok``; ``degraded`` while a store does not answer or the node says it waits on something
+        (``NodeState.degraded``); ``stuck`` once the loop made no progress for ``stuck_after_s``."""
         idle = time.monotonic() - self.state.last_beat
-        ok = idle <= self.stuck_after_s
-        body = {"ok": ok, "idle_s": round(idle, 3), "stuck_after_s": self.stuck_after_s}
-        return web.json_response(body, status=200 if ok else 503)
+        reasons = [f"{name}: {why}" for name, st in self.stores.items() if (why := st.health.degraded())]
+        if self.state.degraded:
+            reasons.append(self.state.degraded)
+        status = "stuck" if idle > self.stuck_after_s else "degraded" if reasons else "ok"
+        if status == "stuck":
+            reasons.insert(0, f"no progress for {idle:.0f} s (stuck after {self.stuck_after_s:g} s)")
+        return {
+            "ok": status == "ok",
+            "status": status,
+            "reasons": reasons,
+            "idle_s": round(idle, 3),
+            "stuck_after_s": self.stuck_after_s,
+        }
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        body = self.health()
+        return web.json_response(body, status=200 if body["ok"] else 503)
 
     async def _status(self, _: web.Request) -> web.Response:
-        return web.Response(text=json.dumps(self.state.to_json(), sort_keys=True), content_type="application/json")
+        body = self.state.to_json() | {
+            "health": self.health(),
+            "stores": {n: {"requests": st.requests.as_dict(), "health": st.health.as_dict()} for n, st in self.stores.items()},
+        }
+        return web.Response(text=json.dumps(body, sort_keys=True, default=str), content_type="application/json")
 
     async def _metrics(self, _: web.Request) -> web.Response:
         data = await asyncio.to_thread(generate_latest, self.registry)

@@ -177,6 +177,10 @@ class TrainerNode:
         else:
             self.rounds = LocalRounds(c.id, policy, self.intake, c.state_dir)
         self.sources = sources
+        self.stores: dict[str, ObjectStore] = {"own": store, **{f"rollouts-{s.node}": s.store for s in sources}}
+        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
+        if loco_store is not None:
+            self.stores["loco"] = loco_store
         self.consumers = ConsumerTracker(bound=c.consumer_bound, ttl_s=c.consumer_ttl_s)
         self.version = -1
         self._round = _Round()
