@@ -156,6 +156,9 @@ class InferenceNode:
         self._newer = asyncio.Event()
         """Set by each update: a generation loop waiting for a newer version wakes up."""
         self._batches_at: dict[int, int] = {}
+        self._start_floor: int | None = None
+        """The newest version a trusted channel announced and a verified manifest backed at start:
+        generation waits until the engine serves at least this (``_floor_at_start``)."""
 
     # --- policy ---------------------------------------------------------------------------------
 
@@ -176,7 +179,11 @@ class InferenceNode:
             else:
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed)
             self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
-            self._first.set()
+            if self._start_floor is None or version >= self._start_floor:
+                if self._start_floor is not None and not self._first.is_set():
+                    log.info("%s: caught up to v%d (at least v%d at start): generating", self.config.id, version, self._start_floor)
+                    self.state.degraded = None
+                self._first.set()
             self._newer.set()
 
     def _emit(self, kind: str, version: int, digest: str, **fields: Any) -> VersionEvent:
@@ -216,6 +223,7 @@ class InferenceNode:
     async def run(self, stop: asyncio.Event, status: StatusServer | None = None) -> None:
         """Follow, generate and upload until ``stop``; a SIGTERM finishes the batch in hand."""
         await self.writer.start()
+        await self._floor_at_start()
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._follow(stop))
@@ -224,6 +232,28 @@ class InferenceNode:
         finally:
             for sub in self.subscribers:
                 await sub.close()
+
+    async def _floor_at_start(self) -> None:
+        """Before any subscriber resumes from its saved weights: the newest version any channel
+        announces and a verified manifest backs. A restarted node then serves its saved version
+        (it has nothing newer yet) but generates nothing until it has caught up to that floor:
+        batches of a version the trainers have left behind would be discarded as stale. A store
+        that does not answer within the subscriber's small-call deadline leaves no floor (nothing
+        newer can be verified now, so the saved version is what the node has)."""
+        announced = []
+        for sub in self.subscribers:
+            try:
+                async with asyncio.timeout(self.config.subscribe.timeout_s):
+                    v = await sub.announced()  # store errors: None (logged there)
+            except TimeoutError:
+                log.warning("%s: a channel did not answer at start: no catch-up floor from it", self.config.id)
+                continue
+            if v is not None:
+                announced.append(v)
+        self._start_floor = max(announced, default=None)
+        if self._start_floor is not None:
+            self.state.degraded = f"catching up to v{self._start_floor} before generating"
+            log.info("%s: v%d is verifiable: no generation below it", self.config.id, self._start_floor)
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Run one channel's subscriber; fail over to a channel that announces a newer version."""

@@ -13,27 +13,38 @@ What it does, in order:
    --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status port
    and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
-4. a live table polling each node's ``/status`` and ``/healthz``;
+4. the ``Supervisor``: a live table polling each node's ``/status`` (its health and reasons in it);
+   a node that exits unexpectedly is started again with the same command, config and credentials
+   after an exponential backoff, and so is the embedded store (same directory, ports and keys); a
+   node whose own ``/healthz`` says stuck is restarted; a network that makes no new version within
+   the round deadline is reported STUCK with the trainer that holds it up. The run fails only on a
+   crash loop (``--supervise.max-restarts`` restarts within ``--supervise.window-s``), naming the
+   node, how often it exited and its last error (``nodes/supervisor.py`` holds these decisions;
+   ``state/supervisor.jsonl`` records each of them);
 5. when the trainers have published ``--rounds`` versions (and exited), the inference nodes get
    SIGTERM once they serve the final version (or after ``serve_timeout_s``); Ctrl-C or SIGTERM
    stops every node the same way at any time (SIGTERM, wait, SIGKILL fallback);
-6. the end summary and, with ``--report DIR``, ``summary.json`` and PNG plots (``nodes/report.py``).
+6. the end summary (restarts per node included) and, with ``--report DIR``, ``summary.json`` and
+   PNG plots (``nodes/report.py``).
 
 Where the per-round history comes from: the nodes' own version events (``nodes/events.py``), one
 JSON line per version in ``<workdir>/state/<node>/events.jsonl``: a trainer's ``published``, an
 inference node's ``served`` and ``stopped``. They survive the process (a trainer exits after its
 last version, before a poller could be sure to see it) and hold every version, where ``/status``
 holds only the latest; ``nodes/summary.py`` turns them into the report. No log text is parsed,
-except a crashed node's last error for the failure reason.
+except an exited node's last error (``supervisor.last_error``: an ERROR record, a typed
+``pulsenet: error``, a traceback; never merely its last line) for the reason.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -45,12 +56,24 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.events import EVENTS_FILE, VersionEvent, read_events
 from pulsenet.nodes.plan import NetworkSettings, Site, inference_ids, plan_network, trainer_ids
 from pulsenet.nodes.summary import summarize
+from pulsenet.nodes.supervisor import (
+    JOURNAL_FILE,
+    EventTail,
+    Exit,
+    Journal,
+    Restarts,
+    SuperviseConfig,
+    TrainerView,
+    describe_exit,
+    holdup,
+    last_error,
+)
 from pulsenet.runtime import signal_group, spawn_tied
 
 log = logging.getLogger(__name__)
@@ -60,6 +83,8 @@ LOCO_SITE = "loco"
 """The bucket the trainers of a PULSELoCo run share (each writes only its own keys in it)."""
 RUN_DIRS = ("state", "config", "logs", "s3")
 """What belongs to one run and is wiped when the next starts (keys/ and cache/ are kept)."""
+LONE_ROUND_DEADLINE_S = 300.0
+"""The default round deadline of a lone trainer (a version per GRPO step)."""
 
 
 @dataclass(kw_only=True)
@@ -76,7 +101,7 @@ class UpConfig(NetworkSettings):
     report: Path | None = None
     """Write summary.json and reward.png, bytes.png, sparsity.png here."""
     live: bool = True
-    """Show the live table (off: one line per change of the trainer's version)."""
+    """Show the live table (off: one line per new version, or change of a node's health or restarts)."""
     poll_s: float = 0.5
     """Interval of /status polls (display, end detection)."""
     timeout_s: float = 1800.0
@@ -85,11 +110,13 @@ class UpConfig(NetworkSettings):
     """After the trainers finish, how long inference nodes get to serve the final version."""
     stop_grace_s: float = 30.0
     """After SIGTERM, how long a node gets to exit before SIGKILL."""
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    """Restarts (backoff, crash loop), the round deadline of a stuck network, liveness restarts."""
 
 
 @dataclass
 class Node:
-    """One child process of the network."""
+    """One node of the network: its command (the same for every life) and its current process."""
 
     name: str
     role: str
@@ -99,27 +126,51 @@ class Node:
     events_path: Path
     status_url: str
     proc: subprocess.Popen[bytes] | None = None
+    """The current life's process; None between an exit and its restart, and once done."""
     status: dict[str, Any] = field(default_factory=dict)
+    """Its last /status answer."""
     health: str = "starting"
+    """Its /healthz status (``ok``, ``degraded``, ``stuck``), ``starting``, ``no answer``, ``down: ...``, ``done``."""
+    reasons: list[str] = field(default_factory=list)
+    """Its /healthz reasons."""
+    restarts: Restarts = field(default_factory=Restarts)
+    pids: list[int] = field(default_factory=list)
+    """The process id of every life."""
+    log_offset: int = 0
+    """Where the current life's output starts in its log (its last error is looked for after it)."""
+    life_from: int = 0
+    """Index of the current life's first event in ``tail.events``."""
+    answered: bool = False
+    """The current life has answered /status."""
+    done: bool = False
+    """A trainer that exited after its last version."""
+    stopping: str = ""
+    """Why the supervisor is stopping the current life (it reported stuck), "" otherwise."""
+    tail: EventTail = field(init=False)
+    """Its ``events.jsonl``, read as it grows: every version it published or served, in every life."""
+
+    def __post_init__(self) -> None:
+        self.tail = EventTail(self.events_path)
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        return self.pids[-1] if self.pids else None
 
     @property
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
 
 @dataclass
 class Outcome:
-    """What a run ended with: its exit code, the nodes, and the history read from their logs."""
+    """What a run ended with: its exit code, the nodes, and the history read from their events."""
 
     code: int
     reason: str
     nodes: list[Node]
     events: dict[str, list[VersionEvent]]
     wall_s: float
+    store_restarts: int = 0
 
 
 # --- the run ------------------------------------------------------------------------------------
@@ -127,10 +178,21 @@ class Outcome:
 
 def run_up(c: UpConfig) -> int:
     """``pulsenet up``: the whole run, from a fresh store to the summary; returns the exit code."""
+    from rich.console import Console
+
+    out = Console()
+    outcome, summary = run_network(c)
+    report_outcome(out, c, outcome, summary)
+    return outcome.code
+
+
+def run_network(c: UpConfig, injector: Injector | None = None) -> tuple[Outcome, dict[str, Any]]:
+    """Fresh run directories, keys, the store, the nodes under the ``Supervisor`` until the run is
+    over, then the summary (``summarize_up``). ``injector``: ``pulsenet chaos``'s faults."""
     _check(c)
     from rich.console import Console
 
-    out, err = Console(), Console(stderr=True)
+    err = Console(stderr=True)
     workdir = c.workdir.absolute()
     _fresh_run_dirs(workdir)
     sites = [f"t{k}" for k in range(c.trainers)] + [f"i{k}" for k in range(c.inference)]
@@ -138,24 +200,40 @@ def run_up(c: UpConfig) -> int:
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
     if c.model == "tiny":
         _warm_up_once(workdir / "cache", c.seed, err)
-    with _store(c, workdir, sites) as creds:
-        nodes = _plan(c, workdir, run_id, creds)
+    with _store(c, workdir, sites) as (creds, server):
+        nodes = _plan(c, workdir, run_id, creds, injector)
+        deadline = c.supervise.round_deadline_s or _round_deadline(workdir, c)
         err.print(
             f"[bold]pulsenet up[/]: {c.trainers} trainer(s), {c.inference} inference node(s), {c.model}, "
-            f"{c.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}"
+            f"{c.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s"
         )
-        outcome = asyncio.run(_Supervisor(c, nodes, err).run())
-    summary = summarize_up(c, outcome)
+        journal = Journal(workdir / "state" / JOURNAL_FILE)
+        journal.write("start", run=run_id, nodes=[n.name for n in nodes], round_deadline_s=deadline)
+        sup = Supervisor(c, nodes, err, server=server, journal=journal, injector=injector, round_deadline_s=deadline)
+        outcome = asyncio.run(sup.run())
+    return outcome, summarize_up(c, outcome)
+
+
+def report_outcome(out: Any, c: UpConfig, outcome: Outcome, summary: dict[str, Any]) -> None:
+    """The end of ``pulsenet up``'s output: the failure, or the summary (and the report files)."""
     if outcome.code not in (0, 130) and not summary["rounds"]:
-        out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {workdir / 'logs'})")
-        return outcome.code
+        out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {c.workdir.absolute() / 'logs'})")
+        return
     print_summary(out, c, outcome, summary)
     if c.report is not None:
         from pulsenet.nodes.report import write_report
 
         write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"])
         out.print(f"report: {c.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
-    return outcome.code
+
+
+def _round_deadline(workdir: Path, c: UpConfig) -> float:
+    """The default round deadline: twice the trainers' PULSELoCo ``deadline_s`` (from t0's config as
+    written), or ``LONE_ROUND_DEADLINE_S`` for a lone trainer."""
+    if c.trainers < 2:
+        return LONE_ROUND_DEADLINE_S
+    table = tomllib.loads((workdir / "config" / "t0.toml").read_text())["trainer"]
+    return 2.0 * float(table.get("loco", {}).get("deadline_s", LONE_ROUND_DEADLINE_S / 2))
 
 
 def _warm_up_once(cache: Path, seed: int, console: Any) -> None:
@@ -213,7 +291,8 @@ class _Creds:
 
 
 @contextlib.contextmanager
-def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[_Creds]:
+def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[tuple[_Creds, Any]]:
+    """The store's credentials per site, and the embedded ``SeaweedServer`` (None with ``--s3-endpoint``)."""
     trainers = [s for s in sites if s.startswith("t")]
     shared = {LOCO_SITE: trainers} if len(trainers) > 1 else {}
     buckets = {s: f"{c.bucket_prefix}{s}" for s in (*sites, *shared)}
@@ -223,7 +302,7 @@ def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[_Creds]:
         if not env.get("AWS_ACCESS_KEY_ID") or not env.get("AWS_SECRET_ACCESS_KEY"):
             raise ConfigError("pulsenet up --s3-endpoint: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY")
         _create_buckets(env, list(buckets.values()))
-        yield _Creds({s: env for s in sites}, buckets)
+        yield _Creds({s: env for s in sites}, buckets), None
         return
     from pulsenet.store.seaweed import SeaweedServer
 
@@ -238,7 +317,7 @@ def _store(c: UpConfig, workdir: Path, sites: list[str]) -> Iterator[_Creds]:
                 "AWS_SECRET_ACCESS_KEY": cfg.secret_access_key or "",
                 "AWS_REGION": cfg.region or "",
             }
-        yield _Creds(env, buckets)
+        yield _Creds(env, buckets), server
 
 
 def _create_buckets(env: dict[str, str], names: list[str]) -> None:
@@ -260,8 +339,9 @@ def _create_buckets(env: dict[str, str], names: list[str]) -> None:
                 raise PulsenetError(f"cannot create bucket {name!r} on {env['AWS_ENDPOINT_URL']}: {e}") from e
 
 
-def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
-    """Each node's config file (``nodes/plan.py``), command, environment, status port and log."""
+def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds, injector: Injector | None = None) -> list[Node]:
+    """Each node's config file (``nodes/plan.py``), command, environment, status port and log.
+    ``injector``: may adjust the planned settings and give each node its own store endpoint."""
     from pulsenet.settings import to_toml_table
 
     keys = workdir / "keys"
@@ -273,12 +353,17 @@ def _plan(c: UpConfig, workdir: Path, run_id: str, creds: _Creds) -> list[Node]:
     trainers, inference = plan_network(
         c, run=run_id, sites=sites, public_keys=keys, loco_store=loco, cache_dir=workdir / "cache"
     )
+    if injector is not None:
+        injector.adjust(trainers, inference)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
     nodes = []
     for role, configs in (("trainer", trainers), ("inference", inference)):
         for nc in configs:
             nc.status_port = _free_port()
-            nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, base | creds.env[nc.id], nc.status_port))
+            env = base | creds.env[nc.id]
+            if injector is not None and env.get("AWS_ENDPOINT_URL"):
+                env["AWS_ENDPOINT_URL"] = injector.endpoint(nc.id, env["AWS_ENDPOINT_URL"])
+            nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, env, nc.status_port))
     return nodes
 
 
@@ -319,13 +404,68 @@ def _free_port() -> int:
 # --- supervision ------------------------------------------------------------------------------
 
 
-class _Supervisor:
-    """Starts the nodes, polls them, decides when the run is over, and stops them."""
+class Injector(Protocol):
+    """What ``pulsenet chaos`` (pulsenet/chaos) hooks into a run; the launcher calls, in order:
 
-    def __init__(self, c: UpConfig, nodes: list[Node], console: Any) -> None:
+    ``adjust`` on the planned node settings (before they are written), ``endpoint`` per node (the
+    store URL it is given: a link the injector can throttle or cut), ``start`` before any node
+    starts, ``run`` beside the supervisor's loop (cancelled when the run ends; an exception fails
+    the run), and ``after`` once every node has stopped while the store still runs."""
+
+    def adjust(self, trainers: list[Any], inference: list[Any]) -> None: ...
+
+    def endpoint(self, node: str, url: str) -> str: ...
+
+    async def start(self, sup: Supervisor) -> None: ...
+
+    async def run(self, sup: Supervisor) -> None: ...
+
+    async def after(self, sup: Supervisor) -> None: ...
+
+
+class Supervisor:
+    """Starts the nodes, restarts what exits unexpectedly (and the embedded store), reports a network
+    that makes no version, decides when the run is over, and stops everything.
+
+    The decisions are ``nodes/supervisor.py``'s; this class holds the processes and the loop. What
+    it does is written to ``journal`` (``state/supervisor.jsonl``) as it happens."""
+
+    def __init__(
+        self,
+        c: UpConfig,
+        nodes: list[Node],
+        console: Any,
+        *,
+        server: Any = None,
+        journal: Journal | None = None,
+        injector: Injector | None = None,
+        round_deadline_s: float = 300.0,
+    ) -> None:
+        """``server``: the embedded ``SeaweedServer`` to watch and restart (None: an external endpoint)."""
         self.c, self.nodes, self.console = c, nodes, console
+        self.server, self.injector = server, injector
+        self.journal = journal or Journal(None)
+        self.round_deadline_s = round_deadline_s
+        self.policy = c.supervise
         self.stop = asyncio.Event()
         self.reason = ""
+        self.store_restarts = Restarts()
+        self.version = -1
+        """The newest version any trainer published (their events)."""
+        self.version_at = time.monotonic()
+        self.versions: list[tuple[int, float]] = []
+        """(version, monotonic time) each time ``version`` rose: progress, for waiters and rates."""
+        self.stuck_since: float | None = None
+        self.holdup = ""
+        """While the network is stuck: which trainer holds it up, and why."""
+        self.final: int | None = None
+        self._rng = random.Random()
+        self._store_task: asyncio.Task[None] | None = None
+        self._store_failure = ""
+        self._tick = asyncio.Event()
+        self._stoppers: set[asyncio.Task[None]] = set()
+
+    # --- the run ------------------------------------------------------------------------------
 
     async def run(self) -> Outcome:
         import aiohttp
@@ -335,71 +475,94 @@ class _Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._interrupt, sig)
         code = 1
+        chaos: asyncio.Task[None] | None = None
         try:
+            if self.injector is not None:
+                await self.injector.start(self)
             for n in self.nodes:
-                n.log_path.parent.mkdir(parents=True, exist_ok=True)
-                with open(n.log_path, "ab") as logf:  # the child holds its own descriptor
-                    n.proc = spawn_tied(
-                        n.cmd, n.name, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=n.env
-                    )
+                self._spawn(n)
+            if self.injector is not None:
+                chaos = asyncio.create_task(self.injector.run(self), name="injector")
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
-                code = await self._watch(http)
+                code = await self._watch(http, chaos)
         finally:
-            await asyncio.to_thread(self._stop_all, [n for n in self.nodes if n.returncode is None])
+            if chaos is not None:
+                chaos.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await chaos
+            if self._store_task is not None:  # a store restart in flight finishes (bounded by its start-up timeout)
+                with contextlib.suppress(Exception):
+                    await self._store_task
+            await asyncio.to_thread(self._stop_all, [n for n in self.nodes if n.running])
+            for task in list(self._stoppers):
+                with contextlib.suppress(Exception):
+                    await task
+            if self.injector is not None:
+                try:
+                    await self.injector.after(self)
+                except Exception as e:  # the run's outcome stands; what the injector missed is logged
+                    log.error("chaos: after the run: %s: %s", type(e).__name__, e)
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
         events = {n.name: read_events(n.events_path) for n in self.nodes}
-        return Outcome(code, self.reason, self.nodes, events, time.perf_counter() - t0)
+        self.journal.write("end", code=code, reason=self.reason)
+        return Outcome(code, self.reason, self.nodes, events, time.perf_counter() - t0, self.store_restarts.count)
 
     def _interrupt(self, sig: signal.Signals) -> None:
         self.reason = f"stopped by {signal.Signals(sig).name}"
         self.stop.set()
 
-    async def _watch(self, http: Any) -> int:
+    async def _watch(self, http: Any, chaos: asyncio.Task[None] | None) -> int:
         """Poll until the trainers are done and the inference nodes serve their last version."""
         from rich.live import Live
 
         c = self.c
         deadline = time.monotonic() + c.timeout_s
         serve_deadline: float | None = None
-        final: int | None = None
         trainers = [n for n in self.nodes if n.role == "trainer"]
         inference = [n for n in self.nodes if n.role == "inference"]
         live = Live(self.table(), console=self.console, refresh_per_second=2, transient=False) if c.live else None
-        last_version = None
+        last_line = None
         with live if live is not None else contextlib.nullcontext():
             while True:
-                await asyncio.gather(*(self._poll(http, n) for n in self.nodes))
+                await asyncio.gather(*(self._poll(http, n) for n in self.nodes if n.running))
+                now = time.monotonic()
+                for n in self.nodes:
+                    n.tail.read()
+                failure = self._watch_store(now) or self._handle_exits(now)
+                if failure:
+                    self.reason = failure
+                    return 1
+                self._start_due(now)
+                self._liveness()
+                self._progress(now)
+                self._tick.set()
+                self._tick = asyncio.Event()
                 if live is not None:
                     live.update(self.table())
-                else:
-                    v = max((_version(n) for n in trainers), default=-1)
-                    if v != last_version:
-                        last_version = v
-                        self.console.print(self.line())
+                elif (key := self._line_key()) != last_line:
+                    last_line = key
+                    self.console.print(self.line())
                 if self.stop.is_set():
                     return 130
-                failed = [n for n in self.nodes if n.returncode not in (None, 0)]
-                failed += [n for n in inference if n.returncode == 0]
-                if failed:
-                    self.reason = "; ".join(f"{n.name} exited with code {n.returncode}: {last_error(n.log_path)}" for n in failed)
+                if chaos is not None and chaos.done() and not chaos.cancelled() and chaos.exception() is not None:
+                    e = chaos.exception()
+                    self.reason = f"chaos failed: {type(e).__name__}: {e}"
                     return 1
-                if final is None and all(n.returncode == 0 for n in trainers):
-                    final = max((e.version for t in trainers for e in read_events(t.events_path) if e.kind == "published"), default=None)
-                    if final is None or final < c.rounds:
-                        self.reason = f"trainers exited at v{final}, before v{c.rounds}"
-                        return 1
-                    serve_deadline = time.monotonic() + c.serve_timeout_s
-                if final is not None:
-                    if all(_version(n) >= final for n in inference):
-                        self.reason = f"done: every node at v{final}"
+                if self.final is None and all(n.done for n in trainers):
+                    self.final = max((_version(n) for n in trainers), default=-1)
+                    serve_deadline = now + c.serve_timeout_s
+                    self._say(f"trainers done at v{self.final}; waiting for the inference nodes to serve it")
+                if self.final is not None:
+                    if all(_serving(n) >= self.final for n in inference):
+                        self.reason = f"done: every node at v{self.final}"
                         return 0
-                    if serve_deadline is not None and time.monotonic() > serve_deadline:
-                        behind = [n.name for n in inference if _version(n) < final]
-                        self.reason = f"{', '.join(behind)} did not serve v{final} within {c.serve_timeout_s:g} s"
+                    if serve_deadline is not None and now > serve_deadline:
+                        behind = [n.name for n in inference if _serving(n) < self.final]
+                        self.reason = f"{', '.join(behind)} did not serve v{self.final} within {c.serve_timeout_s:g} s"
                         return 1
-                if time.monotonic() > deadline:
-                    self.reason = f"timed out after {c.timeout_s:g} s"
+                if now > deadline:
+                    self.reason = f"timed out after {c.timeout_s:g} s" + (f"; stuck: {self.holdup}" if self.holdup else "")
                     return 1
                 try:
                     async with asyncio.timeout(c.poll_s):
@@ -407,56 +570,222 @@ class _Supervisor:
                 except TimeoutError:
                     pass
 
+    async def ticked(self, timeout: float | None = None) -> None:
+        """Return after the supervisor's next poll (what waiters on progress or restarts use)."""
+        async with asyncio.timeout(timeout):
+            await self._tick.wait()
+
+    def _say(self, msg: str) -> None:
+        log.info("%s", msg)
+        self.console.print(f"[bold]pulsenet up[/]: {msg}")
+
+    # --- processes ----------------------------------------------------------------------------
+
+    def _spawn(self, n: Node) -> None:
+        n.log_path.parent.mkdir(parents=True, exist_ok=True)
+        n.tail.read()
+        n.life_from = len(n.tail.events)  # this life's events start here
+        with open(n.log_path, "ab") as logf:  # the child holds its own descriptor
+            n.log_offset = logf.tell()  # this life's errors start here
+            n.proc = spawn_tied(n.cmd, n.name, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=n.env)
+        n.pids.append(n.proc.pid)
+        n.health, n.reasons, n.answered, n.stopping = "starting", [], False, ""
+
+    def _handle_exits(self, now: float) -> str:
+        """Exited nodes: a trainer past its last version is done; any other exit is unexpected and
+        restarted after a backoff. Returns the failure reason of a crash loop, else ""."""
+        for n in self.nodes:
+            if n.proc is None or (rc := n.proc.poll()) is None:
+                continue
+            n.proc = None
+            if n.role == "trainer" and rc == 0 and not n.stopping and _version(n) >= self.c.rounds:
+                n.done, n.health = True, "done"
+                self.journal.write("done", node=n.name, version=_version(n))
+                continue
+            why = n.stopping or describe_exit(rc)
+            error = last_error(n.log_path, n.log_offset) or str(n.status.get("last_error") or "")
+            delay = n.restarts.exited(Exit(time.time(), rc, why, error), now, self.policy, self._rng)
+            n.health = f"down: {why}"
+            self.journal.write("exit", node=n.name, code=rc, why=why, error=error, version=_version(n), restart_in_s=delay)
+            if delay is None:
+                reason = n.restarts.crash_loop(n.name, self.policy)
+                self.journal.write("crash_loop", node=n.name, reason=reason)
+                return reason
+            self._say(f"{n.name} {why} (last error: {error or 'none logged'}); restart in {delay:.1f} s")
+        return ""
+
+    def _start_due(self, now: float) -> None:
+        for n in self.nodes:
+            if n.proc is None and not n.done and n.restarts.due is not None and now >= n.restarts.due:
+                self._spawn(n)
+                n.restarts.restarted(now)
+                assert n.proc is not None
+                self.journal.write("restart", node=n.name, count=n.restarts.count, pid=n.proc.pid)
+
+    def _liveness(self) -> None:
+        """A node whose own /healthz says stuck is stopped (SIGTERM, then SIGKILL) and restarted."""
+        if not self.policy.restart_stuck:
+            return
+        for n in self.nodes:
+            if n.running and n.health == "stuck" and not n.stopping:
+                n.stopping = f"stopped as stuck ({'; '.join(n.reasons) or 'no progress'})"
+                self.journal.write("stuck_node", node=n.name, reasons=n.reasons)
+                self._say(f"{n.name} reports stuck: {'; '.join(n.reasons)}; restarting it")
+                task = asyncio.create_task(asyncio.to_thread(self._stop_all, [n]))
+                self._stoppers.add(task)
+                task.add_done_callback(self._stoppers.discard)
+
     async def _poll(self, http: Any, n: Node) -> None:
         import aiohttp
 
-        rc = n.returncode
-        if rc is not None:
-            if n.health in ("done", f"exit {rc}"):
-                return
-            n.health = "done" if rc == 0 else f"exit {rc}"
-            # Its last word is in its events: a trainer exits right after its last version.
-            last = [e for e in read_events(n.events_path) if e.kind in ("published", "stopped")]
-            if last:
-                n.status = n.status | {"version": last[-1].version, "digest": last[-1].digest}
-            return
         try:
             async with http.get(f"{n.status_url}/status") as r:
-                n.status = await r.json()
-            async with http.get(f"{n.status_url}/healthz") as r:
-                n.health = "ok" if r.status == 200 else "stuck"
+                status = await r.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
-            n.health = "starting" if not n.status else "no answer"
+            n.health = "no answer" if n.answered else "starting"
+            return
+        n.status, n.answered = status, True
+        health = status.get("health") or {}
+        n.health, n.reasons = str(health.get("status", "ok")), [str(x) for x in health.get("reasons", ())]
 
     def _stop_all(self, nodes: list[Node]) -> None:
         """SIGTERM every node, wait up to ``stop_grace_s``, SIGKILL what is left (blocking)."""
-        for n in nodes:
-            assert n.proc is not None
-            signal_group(n.proc, signal.SIGTERM)
+        procs = [(n, n.proc) for n in nodes if n.proc is not None]
+        for _, proc in procs:
+            signal_group(proc, signal.SIGCONT)  # a paused node must run to act on SIGTERM
+            signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.c.stop_grace_s
-        for n in nodes:
-            assert n.proc is not None
+        for n, proc in procs:
             try:
-                n.proc.wait(max(0.0, deadline - time.monotonic()))
+                proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s: SIGKILL", n.name, self.c.stop_grace_s)
-                signal_group(n.proc, signal.SIGKILL)
-                n.proc.wait()
+                signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
+    # --- the store ----------------------------------------------------------------------------
+
+    def _watch_store(self, now: float) -> str:
+        """Restart the embedded store on the same directory, ports and keys when it has exited."""
+        s = self.server
+        if s is None or self._store_task is not None or s.running:
+            return ""
+        r = self.store_restarts
+        if r.due is None:
+            code = s.exit_code
+            why = self._store_failure or (describe_exit(code) if code is not None else "not running")
+            self._store_failure = ""
+            delay = r.exited(Exit(time.time(), code, why, _weed_error(s)), now, self.policy, self._rng)
+            self.journal.write("store_exit", code=code, why=why, restart_in_s=delay)
+            if delay is None:
+                reason = r.crash_loop("the store", self.policy)
+                self.journal.write("crash_loop", node="store", reason=reason)
+                return reason
+            self._say(f"the store {why}; restart in {delay:.1f} s")
+        elif now >= r.due:
+            self._store_task = asyncio.create_task(self._restart_store())
+        return ""
+
+    async def _restart_store(self) -> None:
+        from pulsenet.errors import PulsenetError
+
+        t0 = time.monotonic()
+        try:
+            await asyncio.to_thread(self.server.restart)
+        except PulsenetError as e:  # did not come up: counted as one more exit, retried after a backoff
+            self.store_restarts.restarted(time.monotonic())
+            self._store_failure = f"restart failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            log.error("store restart failed: %s", e)
+        else:
+            self.store_restarts.restarted(time.monotonic())
+            self.journal.write("store_restart", count=self.store_restarts.count, took_s=round(time.monotonic() - t0, 2))
+            self._say(f"the store is back (restart {self.store_restarts.count}, {time.monotonic() - t0:.1f} s)")
+        finally:
+            self._store_task = None
+
+    def store_state(self) -> str:
+        """Why the store does not serve ("" while it does, or when it is an external endpoint)."""
+        s = self.server
+        if s is None or (s.running and self._store_task is None):
+            return ""
+        if self._store_task is not None:
+            return "restarting"
+        last = self.store_restarts.exits[-1].why if self.store_restarts.exits else "down"
+        return f"down ({last})"
+
+    # --- progress -----------------------------------------------------------------------------
+
+    def _progress(self, now: float) -> None:
+        """Track the newest version; past the round deadline without one, the network is stuck."""
+        v = max((_version(n) for n in self.nodes if n.role == "trainer"), default=-1)
+        if v > self.version:
+            self.version, self.version_at = v, now
+            self.versions.append((v, now))
+            if self.stuck_since is not None:
+                self.journal.write("unstuck", version=v, stuck_s=round(now - self.stuck_since, 1))
+                self._say(f"the network moves again: v{v} after {now - self.stuck_since:.0f} s")
+            self.stuck_since, self.holdup = None, ""
+            return
+        if self.final is not None or now - self.version_at <= self.round_deadline_s:
+            return
+        self.holdup = holdup(self.trainer_views(), self.store_state())
+        if self.stuck_since is None:
+            self.stuck_since = self.version_at
+            self.journal.write("stuck", version=self.version, idle_s=round(now - self.version_at, 1), holdup=self.holdup)
+            self._say(f"STUCK: no version for {now - self.version_at:.0f} s (at v{self.version}): {self.holdup}")
+
+    def trainer_views(self) -> list[TrainerView]:
+        views = []
+        for n in self.nodes:
+            if n.role != "trainer":
+                continue
+            state = "done" if n.done else "running" if n.running else "restarting"
+            idle = n.status.get("idle_s")
+            views.append(
+                TrainerView(
+                    n.name,
+                    state,
+                    n.health,
+                    _version(n) if _version(n) >= 0 else None,
+                    round=n.status.get("round"),
+                    reasons=tuple(n.reasons),
+                    idle_s=float(idle) if idle is not None else None,
+                    exit=n.restarts.exits[-1].why if n.restarts.exits else "",
+                )
+            )
+        return views
+
+    def network_state(self) -> str:
+        """One line: the network's version and age, or STUCK and who holds it up; the store."""
+        age = time.monotonic() - self.version_at
+        if self.holdup:
+            line = f"[bold red]STUCK[/] at v{self.version} for {age:.0f} s: {self.holdup}"
+        else:
+            line = f"network at v{self.version}, last version {age:.0f} s ago"
+        store = self.store_state()
+        if self.server is not None:
+            line += f"; store {store or 'ok'}" + (f", {self.store_restarts.count} restart(s)" if self.store_restarts.count else "")
+        return line
+
+    # --- display ------------------------------------------------------------------------------
 
     def table(self) -> Any:
         from rich.table import Table
 
-        t = Table(title="pulsenet up", expand=False)
-        for col in ("node", "health", "version", "reward", "staleness", "rollouts", "pulsesync B", "pulseloco B", "rollout B", "errors"):
+        t = Table(title="pulsenet up", caption=self.network_state(), expand=False)
+        cols = ("node", "health", "restarts", "version", "reward", "staleness", "rollouts", "pulsesync B", "pulseloco B", "rollout B", "errors")
+        for col in cols:
             t.add_column(col, justify="right")
         for n in self.nodes:
             s = n.status
             b = s.get("bytes", {})
             r = s.get("rollouts", {})
+            v = _version(n)
             t.add_row(
                 n.name,
                 n.health,
-                _fmt(s.get("version")),
+                str(n.restarts.count),
+                _fmt(v if v >= 0 else None),
                 _fmt(s.get("reward"), "{:.3f}"),
                 _fmt(s.get("staleness")),
                 _fmt(r.get("consumed") if n.role == "trainer" else r.get("produced")),
@@ -467,35 +796,40 @@ class _Supervisor:
             )
         return t
 
+    def _line_key(self) -> tuple[Any, ...]:
+        """What a new line is printed for without the live table: versions, health, restarts, stuck."""
+        return (self.version, self.holdup, *((n.health, n.restarts.count) for n in self.nodes))
+
     def line(self) -> str:
-        return "  ".join(
-            f"{n.name}: v{_fmt(n.status.get('version'))} r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
+        nodes = "  ".join(
+            f"{n.name}: v{_fmt(_version(n) if _version(n) >= 0 else None)} r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
+            + (f" ({n.restarts.count} restarts)" if n.restarts.count else "")
             for n in self.nodes
         )
+        return nodes + ("  STUCK: " + self.holdup if self.holdup else "")
+
+
+def _weed_error(server: Any) -> str:
+    """The store's last error line (its log's E/F records), "" if none."""
+    lines = [x for x in server.log_tail(50).splitlines() if x[:1] in ("E", "F") and x[1:5].isdigit()]
+    return lines[-1][:300] if lines else ""
 
 
 def _version(n: Node) -> int:
-    v = n.status.get("version")
-    return -1 if v is None else int(v)
+    """The version a node last published (trainer) or swapped in (inference), from its events; -1: none yet."""
+    e = n.tail.last("published") if n.role == "trainer" else n.tail.last("served", "stopped")
+    return -1 if e is None else e.version
+
+
+def _serving(n: Node) -> int:
+    """The version a running node's current life serves (its events since it started); -1: none, or down."""
+    if not n.running:
+        return -1
+    return max((e.version for e in n.tail.events[n.life_from :] if e.kind == "served"), default=-1)
 
 
 def _fmt(v: Any, spec: str = "{}") -> str:
     return "-" if v is None else spec.format(v)
-
-
-def last_error(path: Path) -> str:
-    """The node's last error line (a ``pulsenet: error`` line or an ERROR record), else its last line."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return "(no log)"
-    for line in reversed(lines):
-        if line.startswith("pulsenet: error"):
-            return line
-        if line.startswith("{") and '"level": "ERROR"' in line:
-            with contextlib.suppress(ValueError):
-                return json.loads(line).get("msg", line)
-    return lines[-1][:300] if lines else "(empty log)"
 
 
 # --- the summary ------------------------------------------------------------------------------
@@ -505,7 +839,12 @@ def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
     """Rounds, nodes and checks from the nodes' version events (``nodes/summary.py``), plus the run."""
     s = summarize(o.events, {n.name: n.role for n in o.nodes}, max_staleness=c.max_staleness)
     for n in o.nodes:
-        s["nodes"][n.name]["pid"] = n.pid
+        s["nodes"][n.name] |= {
+            "pid": n.pid,
+            "pids": list(n.pids),
+            "restarts": n.restarts.count,
+            "exits": [dataclasses.asdict(e) for e in n.restarts.exits],
+        }
     s["extra"] = {
         "run": {
             "model": c.model,
@@ -519,6 +858,7 @@ def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
         },
         "checks": s["checks"],
         "nodes_detail": s["nodes"],
+        "restarts": {n.name: n.restarts.count for n in o.nodes} | {"store": o.store_restarts},
     }
     return s
 
@@ -556,7 +896,7 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
     t = Table(title="verified versions and digests")
-    for col in ("node", "role", "version", "digest", "checks"):
+    for col in ("node", "role", "restarts", "version", "digest", "checks"):
         t.add_column(col)
     for name, d in s["nodes"].items():
         ok = ""
@@ -566,8 +906,10 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 ok += ", own weights not rehashed"
             else:
                 ok += ", own weights match" if d["weights_digest"] == d["digest"] else ", OWN WEIGHTS DIFFER"
-        t.add_row(name, d["role"], _fmt(d["version"]), (d["digest"] or "-")[:16] + "…", ok)
+        t.add_row(name, d["role"], str(d.get("restarts", 0)), _fmt(d["version"]), (d["digest"] or "-")[:16] + "…", ok)
     out.print(t)
+    if o.store_restarts:
+        out.print(f"store restarts: {o.store_restarts}")
     checks = s["checks"]
     out.print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
 
