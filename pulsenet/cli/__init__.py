@@ -26,6 +26,7 @@ _MODULES = (
     "pulsenet.cli.bench",
     "pulsenet.cli.nodes",
     "pulsenet.cli.up",
+    "pulsenet.cli.chaos",
 )
 
 

@@ -542,7 +542,7 @@ class Supervisor:
                     live.update(self.table())
                 elif (key := self._line_key()) != last_line:
                     last_line = key
-                    self.console.print(self.line())
+                    self.console.print(self.line(), soft_wrap=True)
                 if self.stop.is_set():
                     return 130
                 if chaos is not None and chaos.done() and not chaos.cancelled() and chaos.exception() is not None:
@@ -550,15 +550,15 @@ class Supervisor:
                     self.reason = f"chaos failed: {type(e).__name__}: {e}"
                     return 1
                 if self.final is None and all(n.done for n in trainers):
-                    self.final = max((_version(n) for n in trainers), default=-1)
+                    self.final = max((node_version(n) for n in trainers), default=-1)
                     serve_deadline = now + c.serve_timeout_s
-                    self._say(f"trainers done at v{self.final}; waiting for the inference nodes to serve it")
+                    self.say(f"trainers done at v{self.final}; waiting for the inference nodes to serve it")
                 if self.final is not None:
-                    if all(_serving(n) >= self.final for n in inference):
+                    if all(serving_version(n) >= self.final for n in inference):
                         self.reason = f"done: every node at v{self.final}"
                         return 0
                     if serve_deadline is not None and now > serve_deadline:
-                        behind = [n.name for n in inference if _serving(n) < self.final]
+                        behind = [n.name for n in inference if serving_version(n) < self.final]
                         self.reason = f"{', '.join(behind)} did not serve v{self.final} within {c.serve_timeout_s:g} s"
                         return 1
                 if now > deadline:
@@ -575,9 +575,10 @@ class Supervisor:
         async with asyncio.timeout(timeout):
             await self._tick.wait()
 
-    def _say(self, msg: str) -> None:
+    def say(self, msg: str) -> None:
+        """Log ``msg`` and print it under the table."""
         log.info("%s", msg)
-        self.console.print(f"[bold]pulsenet up[/]: {msg}")
+        self.console.print(f"[bold]pulsenet up[/]: {msg}", soft_wrap=True)
 
     # --- processes ----------------------------------------------------------------------------
 
@@ -598,20 +599,20 @@ class Supervisor:
             if n.proc is None or (rc := n.proc.poll()) is None:
                 continue
             n.proc = None
-            if n.role == "trainer" and rc == 0 and not n.stopping and _version(n) >= self.c.rounds:
+            if n.role == "trainer" and rc == 0 and not n.stopping and node_version(n) >= self.c.rounds:
                 n.done, n.health = True, "done"
-                self.journal.write("done", node=n.name, version=_version(n))
+                self.journal.write("done", node=n.name, version=node_version(n))
                 continue
             why = n.stopping or describe_exit(rc)
             error = last_error(n.log_path, n.log_offset) or str(n.status.get("last_error") or "")
             delay = n.restarts.exited(Exit(time.time(), rc, why, error), now, self.policy, self._rng)
             n.health = f"down: {why}"
-            self.journal.write("exit", node=n.name, code=rc, why=why, error=error, version=_version(n), restart_in_s=delay)
+            self.journal.write("exit", node=n.name, code=rc, why=why, error=error, version=node_version(n), restart_in_s=delay)
             if delay is None:
                 reason = n.restarts.crash_loop(n.name, self.policy)
                 self.journal.write("crash_loop", node=n.name, reason=reason)
                 return reason
-            self._say(f"{n.name} {why} (last error: {error or 'none logged'}); restart in {delay:.1f} s")
+            self.say(f"{n.name} {why} (last error: {error or 'none logged'}); restart in {delay:.1f} s")
         return ""
 
     def _start_due(self, now: float) -> None:
@@ -630,7 +631,7 @@ class Supervisor:
             if n.running and n.health == "stuck" and not n.stopping:
                 n.stopping = f"stopped as stuck ({'; '.join(n.reasons) or 'no progress'})"
                 self.journal.write("stuck_node", node=n.name, reasons=n.reasons)
-                self._say(f"{n.name} reports stuck: {'; '.join(n.reasons)}; restarting it")
+                self.say(f"{n.name} reports stuck: {'; '.join(n.reasons)}; restarting it")
                 task = asyncio.create_task(asyncio.to_thread(self._stop_all, [n]))
                 self._stoppers.add(task)
                 task.add_done_callback(self._stoppers.discard)
@@ -681,7 +682,7 @@ class Supervisor:
                 reason = r.crash_loop("the store", self.policy)
                 self.journal.write("crash_loop", node="store", reason=reason)
                 return reason
-            self._say(f"the store {why}; restart in {delay:.1f} s")
+            self.say(f"the store {why}; restart in {delay:.1f} s")
         elif now >= r.due:
             self._store_task = asyncio.create_task(self._restart_store())
         return ""
@@ -699,7 +700,7 @@ class Supervisor:
         else:
             self.store_restarts.restarted(time.monotonic())
             self.journal.write("store_restart", count=self.store_restarts.count, took_s=round(time.monotonic() - t0, 2))
-            self._say(f"the store is back (restart {self.store_restarts.count}, {time.monotonic() - t0:.1f} s)")
+            self.say(f"the store is back (restart {self.store_restarts.count}, {time.monotonic() - t0:.1f} s)")
         finally:
             self._store_task = None
 
@@ -717,13 +718,13 @@ class Supervisor:
 
     def _progress(self, now: float) -> None:
         """Track the newest version; past the round deadline without one, the network is stuck."""
-        v = max((_version(n) for n in self.nodes if n.role == "trainer"), default=-1)
+        v = max((node_version(n) for n in self.nodes if n.role == "trainer"), default=-1)
         if v > self.version:
             self.version, self.version_at = v, now
             self.versions.append((v, now))
             if self.stuck_since is not None:
                 self.journal.write("unstuck", version=v, stuck_s=round(now - self.stuck_since, 1))
-                self._say(f"the network moves again: v{v} after {now - self.stuck_since:.0f} s")
+                self.say(f"the network moves again: v{v} after {now - self.stuck_since:.0f} s")
             self.stuck_since, self.holdup = None, ""
             return
         if self.final is not None or now - self.version_at <= self.round_deadline_s:
@@ -732,7 +733,7 @@ class Supervisor:
         if self.stuck_since is None:
             self.stuck_since = self.version_at
             self.journal.write("stuck", version=self.version, idle_s=round(now - self.version_at, 1), holdup=self.holdup)
-            self._say(f"STUCK: no version for {now - self.version_at:.0f} s (at v{self.version}): {self.holdup}")
+            self.say(f"STUCK: no version for {now - self.version_at:.0f} s (at v{self.version}): {self.holdup}")
 
     def trainer_views(self) -> list[TrainerView]:
         views = []
@@ -746,7 +747,7 @@ class Supervisor:
                     n.name,
                     state,
                     n.health,
-                    _version(n) if _version(n) >= 0 else None,
+                    node_version(n) if node_version(n) >= 0 else None,
                     round=n.status.get("round"),
                     reasons=tuple(n.reasons),
                     idle_s=float(idle) if idle is not None else None,
@@ -780,7 +781,7 @@ class Supervisor:
             s = n.status
             b = s.get("bytes", {})
             r = s.get("rollouts", {})
-            v = _version(n)
+            v = node_version(n)
             t.add_row(
                 n.name,
                 n.health,
@@ -802,7 +803,7 @@ class Supervisor:
 
     def line(self) -> str:
         nodes = "  ".join(
-            f"{n.name}: v{_fmt(_version(n) if _version(n) >= 0 else None)} r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
+            f"{n.name}: v{_fmt(node_version(n) if node_version(n) >= 0 else None)} r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
             + (f" ({n.restarts.count} restarts)" if n.restarts.count else "")
             for n in self.nodes
         )
@@ -815,13 +816,13 @@ def _weed_error(server: Any) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _version(n: Node) -> int:
+def node_version(n: Node) -> int:
     """The version a node last published (trainer) or swapped in (inference), from its events; -1: none yet."""
     e = n.tail.last("published") if n.role == "trainer" else n.tail.last("served", "stopped")
     return -1 if e is None else e.version
 
 
-def _serving(n: Node) -> int:
+def serving_version(n: Node) -> int:
     """The version a running node's current life serves (its events since it started); -1: none, or down."""
     if not n.running:
         return -1
