@@ -71,6 +71,24 @@ def _ours(workdir: Path) -> list[str]:
     return found
 
 
+def _pid(workdir: Path, needle: str) -> int:
+    """The live process of this run whose command line holds ``needle`` (a node's config, the store's dir)."""
+    found = [int(line.split(":")[0]) for line in _ours(workdir) if needle in line]
+    assert len(found) == 1, (needle, _ours(workdir))
+    return found[0]
+
+
+def _journal(workdir: Path) -> list[dict]:
+    from pulsenet.nodes.supervisor import read_journal
+
+    return read_journal(workdir / "state" / "supervisor.jsonl")
+
+
+def _after(workdir: Path, kind: str, since: float) -> list[dict]:
+    """The supervisor's ``kind`` records written after ``since`` (Unix time)."""
+    return [r for r in _journal(workdir) if r["kind"] == kind and r["at"] >= since]
+
+
 def _gone(workdir: Path, timeout: float = 10.0) -> list[str]:
     deadline = time.monotonic() + timeout
     while (left := _ours(workdir)) and time.monotonic() < deadline:
@@ -79,24 +97,53 @@ def _gone(workdir: Path, timeout: float = 10.0) -> list[str]:
 
 
 def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen[str]) -> None:
+    """Until ``cond()``; fails when ``pulsenet up`` exits first, or after ``timeout`` s in which no
+    node wrote to its log or events (a loaded machine's slow run is waited for, a stall is not)."""
+    workdir = Path(proc.args[proc.args.index("--workdir") + 1])
     deadline = time.monotonic() + timeout
+    seen = _activity(workdir)
     while not cond():
         if proc.poll() is not None:
             pytest.fail(f"pulsenet up exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
+        if (now := _activity(workdir)) != seen:
+            seen, deadline = now, time.monotonic() + timeout
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"no {what} within {timeout} s")
+            pytest.fail(f"no {what}: no node moved for {timeout} s")
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(420)
+def _finish(proc: subprocess.Popen[str], stall_s: float = 180.0) -> str:
+    """``pulsenet up``'s output once it exits; fails (killing it) only after ``stall_s`` s in which no
+    node wrote anything: how long a run may take depends on the machine's load, a stall does not."""
+    workdir = Path(proc.args[proc.args.index("--workdir") + 1])
+    seen, since = _activity(workdir), time.monotonic()
+    while True:
+        try:
+            return proc.communicate(timeout=2.0)[0]
+        except subprocess.TimeoutExpired:
+            pass
+        if (now := _activity(workdir)) != seen:
+            seen, since = now, time.monotonic()
+        elif time.monotonic() - since > stall_s:
+            proc.kill()
+            pytest.fail(f"pulsenet up made no progress for {stall_s:g} s:\n{proc.communicate()[0][-3000:]}")
+
+
+def _activity(workdir: Path) -> int:
+    """Bytes every node has written to its log and events so far."""
+    files = [*(workdir / "logs").glob("*.log"), *(workdir / "state").glob("*/events.jsonl")]
+    return sum(f.stat().st_size for f in files if f.exists())
+
+
+@pytest.mark.timeout(1200)  # the waits fail on a stall; this bounds a slow (loaded) machine
 def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path: Path) -> None:
     report = tmp_path / "report"
     loco = ["--trainers", str(TRAINERS), "--inner-steps", "2"]
     small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32"]  # fast, not learning
     proc = _up(workdir, "--rounds", "3", "--inference", "2", "--report", str(report), *small, *loco)
     try:
-        out, _ = proc.communicate(timeout=400)
+        out = _finish(proc)
     finally:
         proc.kill()
     assert proc.returncode == 0, out[-4000:]
@@ -156,7 +203,7 @@ def test_up_trains_serves_verified_versions_and_reports(workdir: Path, tmp_path:
     assert _gone(workdir, timeout=2.0) == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: Path, seaweed) -> None:
     """On an external endpoint (``--s3-endpoint``, the session's SeaweedFS), so the store outlives
     the run: after Ctrl-C every visible version rebuilds and verifies, every visible batch is whole."""
@@ -177,7 +224,7 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
             proc,
         )
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=90)
+        out = _finish(proc, stall_s=90)
     finally:
         proc.kill()
     assert proc.returncode == 130, out[-3000:]
@@ -239,7 +286,7 @@ def _refs(doc: object) -> Iterator[tuple[str, int]]:
             yield from _refs(v)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     proc = _up(workdir, "--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4")
     try:
@@ -250,6 +297,72 @@ def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     finally:
         proc.kill()
     assert _gone(workdir, timeout=15.0) == []
+
+
+@pytest.mark.timeout(1500)
+def test_up_reports_a_stuck_network_and_restarts_killed_nodes_and_store(workdir: Path, tmp_path: Path) -> None:
+    """The issue's table, by hand as an operator would: a trainer frozen (SIGSTOP) makes the network
+    STUCK, with that trainer named, until it is continued; then an inference node and the store are
+    SIGKILLed and come back (same command, same data directory, ports and keys). The run completes,
+    every node on the last version, and the report counts the restarts."""
+    report = tmp_path / "report"
+    small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32", "--inner-steps", "2"]
+    supervise = ["--supervise.round-deadline-s", "8", "--supervise.backoff-s", "0.5"]
+    proc = _up(workdir, "--rounds", "12", "--report", str(report), *small, *supervise)
+    try:
+        _wait_for(lambda: any(e.version >= 2 for e in _events(workdir, "t0") if e.kind == "published"), 300, "v2", proc)
+        t1 = _pid(workdir, "config/t1.toml")
+        frozen = time.time()
+        os.kill(t1, signal.SIGSTOP)
+        _wait_for(lambda: _after(workdir, "stuck", frozen), 120, "a stuck report", proc)
+        os.kill(t1, signal.SIGCONT)
+        _wait_for(lambda: _after(workdir, "unstuck", frozen), 180, "the network moving again", proc)
+        v = max(e.version for e in _events(workdir, "t0") if e.kind == "published")
+        os.kill(_pid(workdir, "config/i1.toml"), signal.SIGKILL)
+        os.kill(_pid(workdir, str(workdir / "s3")), signal.SIGKILL)
+        _wait_for(lambda: any(r["kind"] == "store_restart" for r in _journal(workdir)), 120, "the store back", proc)
+        _wait_for(lambda: any(e.version > v for e in _events(workdir, "t0") if e.kind == "published"), 300, "a version after", proc)
+        out = _finish(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    journal = _journal(workdir)
+    stuck = _after(workdir, "stuck", frozen)[0]
+    assert "t1" in stuck["holdup"] and "t0" not in stuck["holdup"], stuck  # the frozen trainer, by name
+    assert "STUCK" in out and "t1 does not answer" in out
+    exit_i1 = next(r for r in journal if r["kind"] == "exit" and r["node"] == "i1")
+    assert exit_i1["why"] == "killed by SIGKILL" and exit_i1["error"] == ""  # no unrelated line as its "error"
+    assert any(r["kind"] == "restart" and r["node"] == "i1" for r in journal)
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["restarts"]["i1"] >= 1 and summary["restarts"]["store"] == 1, summary["restarts"]
+    assert summary["nodes_detail"]["i1"]["restarts"] == summary["restarts"]["i1"]
+    assert all(d["version"] == 12 for d in summary["nodes"].values()), summary["nodes"]
+    assert len({d["digest"] for d in summary["nodes"].values()}) == 1
+    assert all(summary["checks"].values()), summary["checks"]
+    assert _gone(workdir, timeout=5.0) == []
+
+
+@pytest.mark.timeout(900)
+def test_a_crash_loop_ends_the_run_naming_the_node_its_exits_and_its_last_error(workdir: Path) -> None:
+    """A node that cannot start again (its config broken while it ran) is restarted with backoff
+    until the crash-loop limit, then the run fails saying which node, how often and why."""
+    small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32", "--inner-steps", "2"]
+    supervise = ["--supervise.max-restarts", "2", "--supervise.backoff-s", "0.2", "--supervise.backoff-cap-s", "0.5"]
+    proc = _up(workdir, "--rounds", "1000", *small, *supervise)
+    try:
+        _wait_for(lambda: any(e.kind == "served" for e in _events(workdir, "i1")), 300, "i1 serving", proc)
+        (workdir / "config" / "i1.toml").write_text("[inference]\nno_such_setting = 1\n")
+        os.kill(_pid(workdir, "config/i1.toml"), signal.SIGKILL)
+        out = _finish(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    loop = next(r for r in _journal(workdir) if r["kind"] == "crash_loop")
+    assert loop["node"] == "i1"
+    assert "i1 is in a crash loop: 3 exits within 600 s (2 restarts in all; killed by SIGKILL, exit code 2, exit code 2)" in loop["reason"]
+    assert "no_such_setting" in loop["reason"]  # its last error: what the node said when it failed to start
+    assert "i1 is in a crash loop" in out
+    assert _gone(workdir, timeout=10.0) == []
 
 
 def test_up_refuses_to_wipe_a_directory_it_did_not_make(tmp_path: Path) -> None:

@@ -233,7 +233,8 @@ def _store(
             for t, rounds in sorted(own.items()):
                 kinds[f"{t} rounds"] = {"present": len(rounds), "bound": keep + every + 1 if keep else None}
             for kind, rounds in sorted(shared.items()):
-                kinds[f"{kind} rounds"] = {"present": len(rounds), "bound": None, "note": "no retention covers it"}
+                name = "round records (rounds/)" if kind == "rounds" else "global states (state/)"
+                kinds[name] = {"present": len(rounds), "bound": None, "note": "no retention covers it"}
         elif node.startswith("t"):
             manifests = {int(m.group(1)) for k in keys if (m := _POLICY_MANIFEST.search(k))}
             payloads = {int(m.group(1)) for k in keys if (m := _POLICY_PAYLOAD.search(k))}

@@ -222,8 +222,8 @@ class Chaos:
                 at = int(record["version"])
                 recovered = await self._until(sup, lambda v=at: _past(sup, v), self.c.recover_timeout_s)
                 if recovered:
-                    record["recovered_at"] = self._now()
-                    record["recovery_s"] = round(record["recovered_at"] - record["end"], 2)
+                    record["recovered_at_s"] = self._now()
+                    record["recovery_s"] = round(record["recovered_at_s"] - record["end_s"], 2)
                     sup.journal.write("recovered", index=k, fault=fault.kind, recovery_s=record["recovery_s"])
                     sup.say(f"chaos: recovered from {fault.kind} {fault.target} in {record['recovery_s']:.1f} s")
                 else:
@@ -250,7 +250,7 @@ class Chaos:
     # --- faults --------------------------------------------------------------------------------
 
     async def _inject(self, sup: Supervisor, f: Fault, record: dict[str, Any]) -> None:
-        record |= {"injected": True, "version": sup.version, "at": self._now()}
+        record |= {"injected": True, "version": sup.version, "at_s": self._now()}
         if f.kind.startswith("kill-") and f.target != "store":
             node = _node(sup, f.target)
             if not await self._until(sup, lambda: node.running, self.c.recover_timeout_s):
@@ -282,7 +282,7 @@ class Chaos:
                 await asyncio.sleep(f.duration_s)
             finally:
                 link.restore()
-        record["end"] = self._now()
+        record["end_s"] = self._now()
 
     def _undo(self, sup: Supervisor) -> None:
         """Whatever a cancelled fault left behind: a paused store, a cut or slow link."""

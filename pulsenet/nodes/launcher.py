@@ -452,7 +452,9 @@ class Supervisor:
         self.store_restarts = Restarts()
         self.version = -1
         """The newest version any trainer published (their events)."""
-        self.version_at = time.monotonic()
+        self.version_at: float | None = None
+        """When ``version`` last rose; None until every trainer has answered once (start-up,
+        warm-up and loading are not a stuck network: the round deadline counts from then)."""
         self.versions: list[tuple[int, float]] = []
         """(version, monotonic time) each time ``version`` rose: progress, for waiters and rates."""
         self.stuck_since: float | None = None
@@ -727,6 +729,10 @@ class Supervisor:
                 self.say(f"the network moves again: v{v} after {now - self.stuck_since:.0f} s")
             self.stuck_since, self.holdup = None, ""
             return
+        if self.version_at is None:
+            if all(n.answered or n.done for n in self.nodes if n.role == "trainer"):
+                self.version_at = now
+            return
         if self.final is not None or now - self.version_at <= self.round_deadline_s:
             return
         self.holdup = holdup(self.trainer_views(), self.store_state())
@@ -758,6 +764,8 @@ class Supervisor:
 
     def network_state(self) -> str:
         """One line: the network's version and age, or STUCK and who holds it up; the store."""
+        if self.version_at is None:
+            return "network starting"
         age = time.monotonic() - self.version_at
         if self.holdup:
             line = f"[bold red]STUCK[/] at v{self.version} for {age:.0f} s: {self.holdup}"
