@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from pulsenet.nodes.events import EVENTS_FILE, read_events
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import verify_batch_manifest
 from pulsenet.signing import generate_keypair, trusted_keys
@@ -156,16 +158,31 @@ class Network:
         return json.loads(body) if code == 200 else None
 
     def wait_for(self, what: str, cond: Any, timeout: float) -> Any:
+        """``cond()``'s first true value. Fails when a node exits with an error, or after ``timeout``
+        s in which no node wrote a log line or an event: a loaded machine's slow run keeps moving
+        and is waited for, a stalled one fails as fast as on a quiet one (the test's timeout bounds all)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        seen = self._activity()
+        while True:
             value = cond()
             if value:
                 return value
             for site, p in self.procs.items():
                 if p.poll() not in (None, 0):
                     raise AssertionError(f"{site} exited {p.returncode} waiting for {what}:\n{self.tail(site)}")
+            if (now := self._activity()) != seen:
+                seen, deadline = now, time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                break
             time.sleep(0.3)
-        raise AssertionError(f"timed out waiting for {what}:\n" + "\n".join(f"--- {s}\n{self.tail(s, 15)}" for s in self.procs))
+        raise AssertionError(
+            f"no progress for {timeout:g} s waiting for {what}:\n" + "\n".join(f"--- {s}\n{self.tail(s, 15)}" for s in self.procs)
+        )
+
+    def _activity(self) -> tuple[int, ...]:
+        """How much every node has written so far (logs and version events)."""
+        paths = [self.log_path(s) for s in SITES] + [self.tmp / "state" / s / EVENTS_FILE for s in SITES]
+        return tuple(p.stat().st_size if p.exists() else 0 for p in paths)
 
     def version(self, site: str) -> int:
         s = self.status(site)
@@ -183,8 +200,8 @@ class Network:
                 p.wait(10)
 
     def served(self, site: str) -> list[tuple[int, str]]:
-        """(version, digest) of every version ``site`` served, from its JSON log lines."""
-        return [(r["version"], r["digest"]) for r in self.logs(site) if "serves v" in r.get("msg", "") and "digest" in r]
+        """(version, digest) of every version ``site`` served, from its version events (every life)."""
+        return [(e.version, e.digest) for e in read_events(self.tmp / "state" / site / EVENTS_FILE) if e.kind == "served"]
 
     def store(self, site: str) -> S3Store:
         return S3Store(self.server.bucket(site), self.prefix, self.server.config("admin"))
@@ -269,8 +286,8 @@ async def test_nodes_serve_status_survive_sigkill_and_agree(network: Network) ->
     net.start("t0")
     net.start("i0")
     net.wait_for("restarted trainer at its old version", lambda: net.version("t0") >= before, 90)
-    resumed = [r for r in net.logs("t0") if r.get("msg", "").startswith("t0: at v")]
-    assert len(resumed) == 2 and int(resumed[1]["msg"].split("v")[-1]) >= before, resumed
+    resumed = [int(m.group(1)) for r in net.logs("t0") if (m := re.match(r"t0: at v(\d+)", r.get("msg", "")))]
+    assert len(resumed) == 2 and resumed[1] >= before, resumed
 
     # SIGTERM mid-run (the trainer and the other inference node): exit 0, nothing half-written,
     # and the same command resumes them.

@@ -129,7 +129,8 @@ class HelperProcess:
         return version - saved[-1]["version"] if saved else version + 1
 
     async def wait(self, pred, timeout: float, what: str) -> dict:
-        await wait_until(lambda: any(pred(e) for e in self.events), timeout, what)
+        """The first event matching ``pred``; ``timeout`` s without a new event of the process fail."""
+        await wait_until(lambda: any(pred(e) for e in self.events), timeout, what, progress=lambda: len(self.events))
         return next(e for e in self.events if pred(e))
 
     async def close(self) -> None:
@@ -156,6 +157,7 @@ async def running(*subs: Subscriber) -> AsyncIterator[asyncio.Event]:
 # --- the main scenario ---------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(1200)  # the waits below fail on a stall, not on a slow (loaded) machine
 async def test_thirty_versions_reach_three_subscribers(
     s3_factory: StoreFactory, seaweed: SeaweedServer, tmp_path: Path
 ) -> None:
@@ -182,13 +184,18 @@ async def test_thirty_versions_reach_three_subscribers(
             states.append(trainer.bf16_state())
             pub.publish(states[-1], step=len(states) - 1)  # ...while uploads run in the background
             if pace is not None:  # keep the process at most two versions behind, so it follows the chain
-                await wait_until(lambda p=pace: p.behind(len(states) - 1) <= 2, 60, "the process to keep up")
+                await wait_until(
+                    lambda p=pace: p.behind(len(states) - 1) <= 2,
+                    60,
+                    "the process to keep up",
+                    progress=lambda p=pace: len(p.events),
+                )
 
     helper = await HelperProcess.start(store, seaweed, trust, tmp_path / "c", 29, tmp_path / "c.log")
     restarted: HelperProcess | None = None
     try:
         async with pub, running(sub_a) as _:
-            await helper.wait(lambda e: e["event"] == "started", 60, "the subscriber process to start")
+            await helper.wait(lambda e: e["event"] == "started", 180, "the subscriber process to start")
             # Phase 1: v0..v13; the process is SIGKILLed as it starts building a version after v9,
             # i.e. in the middle of fetching and applying a chain.
             trainer_task = asyncio.create_task(train_and_publish(14, pace=helper))
@@ -198,13 +205,13 @@ async def test_thirty_versions_reach_three_subscribers(
             helper.proc.send_signal(signal.SIGKILL)
             await helper.close()
             await trainer_task
-            await pub.flush(timeout=60)
+            await pub.flush(timeout=180)
             assert len(helper.saved()) > 1  # it was following, not one jump
             # Restart: it resumes from its local weights and fetches patches only (no anchor).
             restarted = await HelperProcess.start(
                 store, seaweed, trust, tmp_path / "c", 29, tmp_path / "c.log"
             )
-            started = await restarted.wait(lambda e: e["event"] == "started", 60, "the restarted process")
+            started = await restarted.wait(lambda e: e["event"] == "started", 180, "the restarted process")
             assert started["resumed"] is not None and started["resumed"] >= building["current"]
             # On a loaded machine the SIGKILL can land after the process saved v13 (the chain it was
             # building reached it): it then resumes at v13 and has nothing to fetch until phase 2.
@@ -218,11 +225,18 @@ async def test_thirty_versions_reach_three_subscribers(
                 assert restarted.saved() and not any("-anchor-" in k for k in after), after
             # Phase 2: v14..v29, with a late joiner once v20 (an anchor version) is out.
             trainer_task = asyncio.create_task(train_and_publish(30))
-            await wait_until(lambda: pub.version is not None and pub.version >= 20, 90, "v20")
+            await wait_until(
+                lambda: pub.version is not None and pub.version >= 20, 90, "v20", progress=lambda: (len(states), pub.version)
+            )
             async with sub_b, running(sub_b):
                 await trainer_task
-                await pub.flush(timeout=60)
-                await wait_until(lambda: sub_a.version == 29 and sub_b.version == 29, 60, "v29 everywhere")
+                await pub.flush(timeout=180)
+                await wait_until(
+                    lambda: sub_a.version == 29 and sub_b.version == 29,
+                    60,
+                    "v29 everywhere",
+                    progress=lambda: (sub_a.version, sub_b.version),
+                )
                 late_downloads = list(sub_b.cache.downloaded)
             done = await restarted.wait(lambda e: e["event"] == "done", 60, "the process to finish")
             assert await restarted.proc.wait() == 0
@@ -482,7 +496,7 @@ async def test_soak_random_sigkills_with_retention(
                             store, seaweed, trust, tmp_path / "c", last, tmp_path / "c.log"
                         )
                     )
-            await pub.flush(timeout=60)
+            await pub.flush(timeout=180)
             done = await procs[-1].wait(lambda e: e["event"] == "done", 120, "the last process to finish")
     finally:
         for p in procs:
