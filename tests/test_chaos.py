@@ -76,6 +76,14 @@ def test_bounded_chaos_run_recovers_from_every_fault_and_passes_the_audit(workdi
     journal = read_journal(workdir / "state" / "supervisor.jsonl")
     assert [r["fault"] for r in journal if r["kind"] == "fault"] == ALL_KINDS
     assert any(r["kind"] == "store_restart" for r in journal)
+    # A kill is recovered from only once its target lives again (a restart between the two records).
+    for fault in (r for r in journal if r["kind"] == "fault" and r["fault"].startswith("kill-")):
+        back = next(r for r in journal if r["kind"] == "recovered" and r["index"] == fault["index"])
+        restart = "store_restart" if fault["target"] == "store" else "restart"
+        assert any(
+            r["kind"] == restart and r.get("node", "store") == fault["target"] and fault["at"] < r["at"] < back["at"]
+            for r in journal
+        ), (fault, back)
     cut = next(f for f in faults if f["kind"] == "cut-link")
     assert result["config"]["links"][cut["target"]]["up"] > 0  # its traffic went through the relay
     stores = result["store"]
@@ -87,10 +95,10 @@ def test_bounded_chaos_run_recovers_from_every_fault_and_passes_the_audit(workdi
 @pytest.mark.slow
 @pytest.mark.timeout(3 * 3600)
 def test_soak_thirty_minutes_of_seeded_faults(workdir: Path, tmp_path: Path) -> None:
-    """The soak docs/reliability.md reports (PULSENET_SLOW=1): 400 rounds of the small tiny network,
-    about 30 minutes here, with 12 faults drawn from every kind (seed 7), one every 25 versions or so."""
+    """The soak docs/reliability.md reports (PULSENET_SLOW=1): 800 rounds of the small tiny network,
+    about 30 minutes here, with 16 faults drawn from every kind (seed 7), one every 40 versions or so."""
     out = Path(os.environ.get("PULSENET_SOAK_OUT", tmp_path / "soak.json"))
-    args = ["--rounds", "400", *SMALL, "--count", "12", "--chaos-seed", "7", "--settle-versions", "25"]
+    args = ["--rounds", "800", *SMALL, "--count", "16", "--chaos-seed", "7", "--settle-versions", "40"]
     args += ["--stall-s", "30", "--link-s", "45", "--timeout-s", "7200", "--sample-s", "5"]
     code, text = _chaos(workdir, out, *args)
     result = json.loads(out.read_text())

@@ -219,8 +219,10 @@ class Chaos:
                 await self._inject(sup, fault, record)
                 sup.journal.write("fault", **{("fault" if k == "kind" else k): v for k, v in record.items()})
                 sup.say(f"chaos: {fault.kind} {fault.target} at v{record['version']}")
-                at = int(record["version"])
-                recovered = await self._until(sup, lambda v=at: _past(sup, v), self.c.recover_timeout_s)
+                at, restarted = int(record["version"]), self._restarted(sup, fault)
+                recovered = await self._until(
+                    sup, lambda v=at, r=restarted: r() and _past(sup, v), self.c.recover_timeout_s
+                )
                 if recovered:
                     record["recovered_at_s"] = self._now()
                     record["recovery_s"] = round(record["recovered_at_s"] - record["end_s"], 2)
@@ -249,8 +251,23 @@ class Chaos:
 
     # --- faults --------------------------------------------------------------------------------
 
+    def _restarted(self, sup: Supervisor, f: Fault) -> Any:
+        """For a kill: a test that the supervisor has noticed it and started a new life (of the node,
+        or of the store) since; other faults end no process."""
+        if f.kind == "kill-store":
+            before = sup.store_restarts.count
+            return lambda: sup.store_restarts.count > before
+        if f.kind.startswith("kill-"):
+            node = _node(sup, f.target)
+            lives = len(node.pids)
+            return lambda: len(node.pids) > lives
+        return lambda: True
+
     async def _inject(self, sup: Supervisor, f: Fault, record: dict[str, Any]) -> None:
-        record |= {"injected": True, "version": sup.version, "at_s": self._now()}
+        for n in sup.nodes:  # the network's version as of now, not as of the last poll
+            n.tail.read()
+        now_v = max((node_version(n) for n in sup.nodes if n.role == "trainer"), default=-1)
+        record |= {"injected": True, "version": max(sup.version, now_v), "at_s": self._now()}
         if f.kind.startswith("kill-") and f.target != "store":
             node = _node(sup, f.target)
             if not await self._until(sup, lambda: node.running, self.c.recover_timeout_s):
@@ -351,13 +368,15 @@ class Chaos:
 
 
 def proc_sample(pid: int) -> tuple[float, int] | None:
-    """(RSS in MB, open file descriptors) of a live process from /proc; None once it is gone."""
+    """(RSS in MB, open file descriptors) of a live process from /proc; None once it is gone or exiting."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return None
-    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    rss = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
+    if rss is None:  # a zombie, exiting: no memory to speak of, and not the life's figure
+        return None
     return rss / 1024, fds
 
 
@@ -372,15 +391,21 @@ def _whole(sup: Supervisor) -> bool:
 
 
 def _past(sup: Supervisor, version: int) -> bool:
-    """Every node has moved past ``version`` (or reached the run's final version), in its current life."""
+    """Every node has moved past ``version`` (or reached the run's final version) in its current
+    life: a trainer published a newer version since it (re)started, an inference node serves one."""
     target = version + 1 if sup.final is None else min(version + 1, sup.final)
     for n in sup.nodes:
         if n.role == "trainer":
-            if not (n.done or n.running) or node_version(n) < target:
+            if not n.done and (not n.running or _life_published(n) < target):
                 return False
         elif serving_version(n) < target:
             return False
     return _whole(sup)
+
+
+def _life_published(n: Node) -> int:
+    """The newest version a trainer published in its current life (-1: none yet)."""
+    return max((e.version for e in n.tail.events[n.life_from :] if e.kind == "published"), default=-1)
 
 
 def _interval(sup: Supervisor) -> float:

@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -807,7 +808,8 @@ class Supervisor:
 
     def _line_key(self) -> tuple[Any, ...]:
         """What a new line is printed for without the live table: versions, health, restarts, stuck."""
-        return (self.version, self.holdup, *((n.health, n.restarts.count) for n in self.nodes))
+        holdup = re.sub(r"\d+", "#", self.holdup)  # its idle seconds tick: a new line only when its words change
+        return (self.version, holdup, *((n.health, n.restarts.count) for n in self.nodes))
 
     def line(self) -> str:
         nodes = "  ".join(
