@@ -11,13 +11,12 @@ from typing import Any
 
 import torch
 
-from pulsenet.cli.loco import data_seed
 from pulsenet.codec import payload as wire
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
 from pulsenet.loco.documents import Manifest, trainer_keys
 from pulsenet.loco.layout import LocoLayout
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
-from pulsenet.rl.inner import SupervisedInner
+from pulsenet.rl.inner import SupervisedInner, data_seed
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store.base import ObjectStore
 

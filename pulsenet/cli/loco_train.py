@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 
 from pulsenet.cli import command_settings
-from pulsenet.cli.loco import InnerLoop, data_seed
 from pulsenet.loco.config import LocoConfig
+from pulsenet.rl.inner import SupervisedSettings, data_seed
 from pulsenet.settings import require
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ class LocoTrainSettings:
     """Local resume point (None: ./loco-state/ID)."""
     report: Path | None = None
     """Write the per-round reports here as JSON."""
-    inner: Annotated[InnerLoop, tyro.conf.arg(name="")] = field(default_factory=InnerLoop)
+    inner: Annotated[SupervisedSettings, tyro.conf.arg(name="")] = field(default_factory=SupervisedSettings)
     loco: Annotated[LocoConfig, tyro.conf.arg(name="")] = field(default_factory=LocoConfig)
     """The run's algorithm and protocol settings (every trainer of the run uses the same)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,10 +141,6 @@ def site_map(entries: Iterable[str], what: str) -> dict[str, str]:
             raise ConfigError(f"{what} entries are ID=STORE_URL, got {entry!r}")
         out[ident] = url
     return out
-
-
-def merged(maps: Mapping[str, Mapping[str, Ed25519PublicKey]]) -> dict[str, Ed25519PublicKey]:
-    return {kid: k for keys in maps.values() for kid, k in keys.items()}
 
 
 @contextlib.contextmanager
