@@ -50,7 +50,7 @@ def make_rows(
     for gi in range(groups):
         prompt = tuple(rng.randrange(50_000) for _ in range(rng.randrange(1, 12)))
         for _ in range(g):
-            n = rng.randrange(0, 16)
+            n = rng.randrange(1, 16)
             rows.append(
                 Rollout(
                     group=f"{node}-v{version}-s{seed}-g{gi}",
@@ -241,6 +241,11 @@ class Site:
 
 @pytest.fixture
 def sites(s3_factory, seaweed: SeaweedServer) -> list[Site]:
+    return make_sites(s3_factory, seaweed)
+
+
+def make_sites(s3_factory, seaweed: SeaweedServer) -> list[Site]:
+    """Inference nodes ``inf-a`` and ``inf-b``, each with its own bucket and key."""
     out = []
     for s in ("a", "b"):
         bucket = seaweed.bucket(s)
@@ -272,7 +277,7 @@ async def test_valid_batches_flow_from_two_nodes(sites: list[Site]) -> None:
     assert await ti.poll(5) == 4
     assert await ti.poll(5) == 0  # nothing new, nothing fetched twice
     got = ti.take(5)
-    assert {(b.manifest.node, b.manifest.seq): b.rows for b in got} == sent
+    assert {(b.manifest.node, b.manifest.seq): b.columns.to_rows() for b in got} == sent
     assert ti.stats.rejected == {} and ti.stats.taken == 4 and ti.stats.staleness == {1: 2, 0: 2}
     # the trainer's credentials cannot write into a node's bucket
     with pytest.raises(Exception, match=r"[Aa]ccess|[Dd]enied|403"):
@@ -346,7 +351,7 @@ async def test_forged_batch_is_rejected(sites: list[Site]) -> None:
     ti = intake(sites)
     assert await ti.poll(3) == 1
     assert ti.stats.rejected == {"signature": 2}
-    assert [b.rows for b in ti.take(3)] == [make_rows(a.node, 3, seed=3)]
+    assert [b.columns.to_rows() for b in ti.take(3)] == [make_rows(a.node, 3, seed=3)]
 
 
 async def test_tampered_payload_is_rejected(sites: list[Site]) -> None:
@@ -362,7 +367,7 @@ async def test_tampered_payload_is_rejected(sites: list[Site]) -> None:
     ti = intake(sites)
     assert await ti.poll(2) == 1
     assert ti.stats.rejected == {"hash_mismatch": 1, "size_mismatch": 1}
-    assert ti.take(2)[0].rows == make_rows(a.node, 2, seed=3)
+    assert ti.take(2)[0].columns.to_rows() == make_rows(a.node, 2, seed=3)
 
 
 async def test_stale_batches_are_dropped_in_flight_and_in_queue(sites: list[Site]) -> None:
@@ -516,5 +521,5 @@ async def test_restart_continues_the_sequence_and_never_overwrites(sites: list[S
     assert (mx.seq, my.seq) == (6, 7) and y.stats.seq_taken == 1
     ti = intake(sites)
     assert await ti.poll(1) == 6
-    by_seq = {b.manifest.seq: b.rows for b in ti.take(1)}
+    by_seq = {b.manifest.seq: b.columns.to_rows() for b in ti.take(1)}
     assert by_seq[6] == make_rows(a.node, 1, seed=4) and by_seq[7] == make_rows(a.node, 1, seed=5)

@@ -12,10 +12,12 @@ from pulsenet.rollouts.intake import (
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
+from pulsenet.rollouts.rows import ROW_REASONS, RowLimits, check_rows
 from pulsenet.rollouts.writer import RolloutWriter, RolloutWriterConfig, WriterStats
 
 __all__ = [
     "REASONS",
+    "ROW_REASONS",
     "BatchManifest",
     "IntakeStats",
     "RolloutBatch",
@@ -25,6 +27,8 @@ __all__ = [
     "RolloutSource",
     "RolloutWriter",
     "RolloutWriterConfig",
+    "RowLimits",
     "WriterStats",
+    "check_rows",
     "owner",
 ]
