@@ -278,3 +278,19 @@ async def test_one_node_cannot_starve_another(sites: list[Site]) -> None:
     await ti.poll(1)
     assert [x.node for x in ti.take(1)].count(a.node) == 3
     assert ti.stats.taken_by_node == {a.node: 3, b.node: 3}
+
+
+async def test_take_hands_out_the_newest_fresh_batches_first(sites: list[Site]) -> None:
+    """Issue 23: a trainer takes the newest fresh batch that fits, not the oldest, so what it
+    trains on is as fresh as the queue allows; older ones are taken when nothing newer waits."""
+    a, b = sites
+    for v in (3, 5, 4):
+        await a.writer().write(make_rows(a.node, v, seed=v))
+        await b.writer().write(make_rows(b.node, v, seed=v))
+    ti = intake(sites, max_staleness=2)
+    assert await ti.poll(5) == 6
+    assert [x.version for x in ti.take(5, max_batches=2)] == [5, 5]
+    assert [x.version for x in ti.take(5, max_batches=3)] == [4, 4, 3]
+    assert ti.stats.staleness == {0: 2, 1: 2, 2: 1}
+    assert [x.version for x in ti.take(6)] == []  # the last v3 went stale in the queue
+    assert ti.stats.stale_queued == 1

@@ -27,9 +27,10 @@ A refused manifest is remembered by key and ETag and never fetched again while u
 never blocks or slows valid ones; every refusal is counted per reason and per node. Accepted
 batches wait in a local queue as arrays (``codec.rollout.RolloutColumns``, ~8 bytes per token),
 bounded in batches, tokens and bytes: what does not fit stays in the store for a later poll. Each
-poll serves the sources round-robin (from a rotating start), so a node that keeps many batches
-listed cannot starve the others. ``take()`` drops batches that went stale while queued (counted
-apart from those stale in flight). Several trainers share one pool by a deterministic partition (partition.py): each
+poll serves the sources round-robin (from a rotating start), newest batch first within a source,
+so a node that keeps many batches listed cannot starve the others. ``take()`` hands out the newest
+fresh batches first and drops those that went stale while queued (counted apart from those stale
+in flight). Several trainers share one pool by a deterministic partition (partition.py): each
 fetches only the batches it owns. A batch whose GRPO step failed is reported back with
 ``failed()``: counted, and kept in the consumed record so it is never trained on again.
 """
@@ -229,7 +230,7 @@ class RolloutIntake:
         self._seen: dict[str, dict[str, str]] = {s.node: {} for s in sources}  # node -> key -> etag decided
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
-        self._queue: list[RolloutBatch] = []  # in arrival order
+        self._queue: list[RolloutBatch] = []  # in arrival order; ``take`` hands out the newest first
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -244,8 +245,12 @@ class RolloutIntake:
     # --- trainer API -------------------------------------------------------------------------
 
     def take(self, trainer_version: int, max_batches: int | None = None) -> list[RolloutBatch]:
-        """Queued batches still fresh enough for ``trainer_version``, in arrival order; stale ones
-        are dropped and counted (``stale_queued``)."""
+        """Queued batches still fresh enough for ``trainer_version``, newest version first (arrival
+        order within a version); stale ones are dropped and counted (``stale_queued``).
+
+        Newest first: what is trained on is as fresh as the queue allows, and an older batch is
+        taken only when nothing newer waits (issue 23: oldest first trained every round on batches
+        two versions old)."""
         fresh: list[RolloutBatch] = []
         for b in self._queue:
             lag = trainer_version - b.version
@@ -255,6 +260,7 @@ class RolloutIntake:
             self.stats.stale_queued += 1
             self._unqueued(b)
             log.info("dropped queued batch %s: %d versions stale", b.batch_id, lag)
+        fresh.sort(key=lambda b: -b.version)  # stable
         n = len(fresh) if max_batches is None else max(0, max_batches)
         out, self._queue = fresh[:n], fresh[n:]
         for b in out:
@@ -327,7 +333,7 @@ class RolloutIntake:
     def _candidates(
         self, source: RolloutSource, listing: list[ObjectInfo], trainer_version: int
     ) -> list[tuple[ObjectInfo, BatchName]]:
-        """The listed batches this trainer may fetch now, in listing order; decides (and remembers) the
+        """The listed batches this trainer may fetch now, newest first; decides (and remembers) the
         stale ones and those another trainer owns without a GET."""
         seen = self._seen[source.node]
         listed = {i.key for i in listing}
@@ -355,6 +361,7 @@ class RolloutIntake:
                 seen[info.key] = info.etag  # queued, taken or failed before (e.g. before a restart)
                 continue
             out.append((info, name))
+        out.sort(key=lambda c: (c[1].version, c[1].seq), reverse=True)
         return out
 
     async def _admit(
