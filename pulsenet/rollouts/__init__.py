@@ -1,6 +1,14 @@
 """The rollout channel (inference -> trainer): signed Parquet batches in each inference node's own
 store. See docs/rollouts.md; key layout in layout.py, manifests in manifest.py."""
 
+from pulsenet.rollouts.demand import (
+    Demand,
+    DemandConfig,
+    DemandReader,
+    DemandSource,
+    DemandWriter,
+    batches_to_generate,
+)
 from pulsenet.rollouts.intake import (
     REASONS,
     IntakeStats,
@@ -19,6 +27,11 @@ __all__ = [
     "REASONS",
     "ROW_REASONS",
     "BatchManifest",
+    "Demand",
+    "DemandConfig",
+    "DemandReader",
+    "DemandSource",
+    "DemandWriter",
     "IntakeStats",
     "RolloutBatch",
     "RolloutIntake",
@@ -29,6 +42,7 @@ __all__ = [
     "RolloutWriterConfig",
     "RowLimits",
     "WriterStats",
+    "batches_to_generate",
     "check_rows",
     "owner",
 ]

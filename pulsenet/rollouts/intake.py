@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,6 +60,7 @@ from pulsenet.errors import (
     StoreError,
     VerificationError,
 )
+from pulsenet.rollouts.demand import Demand
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from
 from pulsenet.rollouts.partition import owner
@@ -236,7 +238,7 @@ class RolloutIntake:
         return len(self._queue)
 
     def batch_id(self, node: str, name: BatchName) -> str:
-        return f"{node}/{self.layout.manifest(name.version, name.node, name.seq)}"
+        return self.layout.batch_id(node, name)
 
     def participants(self, version: int) -> tuple[str, ...]:
         """The trainer ids sharing the pool at ``version`` (the partition's set)."""
@@ -281,6 +283,37 @@ class RolloutIntake:
             self._accepted[b.batch_id] = b.version
             self._count(b.node, "step_failed")
             log.warning("rollout batch %s dropped: its GRPO step failed: %s", b.batch_id, why)
+
+    def demand(
+        self, trainer_version: int, rows_in_flight: int, *, live: Iterable[str] | None = None
+    ) -> Demand:
+        """This trainer's demand record (demand.py) for ``DemandWriter``: ``rows_in_flight`` rows
+        wanted outstanding, split evenly over the ``live`` sources (default: all; a node known
+        dead gets 0, so the live ones cover its share), and per node the batches taken (or
+        failed) at versions this trainer still accepts, from the consumed record.
+
+        ``rows_in_flight``: what the next steps will take, e.g. ``rows_per_step`` (one version
+        per step) or ``2 * rows_per_step`` (PULSELoCo: H steps per version, refilled as taken)."""
+        if rows_in_flight < 0:
+            raise ValueError(f"rows_in_flight must be >= 0, got {rows_in_flight}")
+        floor = trainer_version - self.config.max_staleness
+        nodes = [s.node for s in self.sources]
+        known = None if live is None else set(live)
+        alive = [n for n in nodes if known is None or n in known] or nodes
+        share = math.ceil(rows_in_flight / len(alive))
+        taken = dict.fromkeys(nodes, 0)
+        for bid, v in self._taken.items():
+            node = bid.split("/", 1)[0]
+            if v >= floor and node in taken:
+                taken[node] += 1
+        return Demand(
+            trainer=self.trainer_id,
+            version=trainer_version,
+            max_staleness=self.config.max_staleness,
+            participants=self.participants(trainer_version),
+            grants={n: share if n in alive else 0 for n in nodes},
+            taken=taken,
+        )
 
     def consumed(self) -> dict[str, int]:
         """``batch id -> version`` of the batches ``take`` handed out (or ``failed`` reported) that

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, RolloutError
-from pulsenet.rollouts.layout import RolloutLayout, check_node
+from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
@@ -87,6 +87,13 @@ class RolloutWriter:
         self.stats = WriterStats()
         self.next_seq: int | None = None
         """Sequence number of the next batch (None before ``start``)."""
+        self._produced: dict[int, BatchName] = {}  # seq -> this node's batches whose manifest is in the store
+
+    @property
+    def produced(self) -> list[BatchName]:
+        """This node's batches in its store (manifest written, not yet deleted by ``retain``), as
+        of ``start`` plus what this writer did since: what demand pacing counts as outstanding."""
+        return [self._produced[s] for s in sorted(self._produced)]
 
     async def start(self) -> None:
         """Continue the sequence after every batch or manifest of this node already in the store."""
@@ -99,6 +106,8 @@ class RolloutWriter:
                 name = parse(info.key)
                 if name is not None and name.node == self.node:
                     seqs.append(name.seq)
+                    if prefix == self.layout.manifests:
+                        self._produced[name.seq] = name
         self.next_seq = max(seqs) + 1
         log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
 
@@ -149,6 +158,7 @@ class RolloutWriter:
                 log.warning("manifest %s exists; moving to the next sequence number", mkey)
                 await self.store.delete([key], timeout=self.config.timeout_s)
                 continue
+            self._produced[seq] = manifest.name
             self.stats.batches += 1
             self.stats.rows += len(rows)
             self.stats.bytes_uploaded += len(data) + len(signed)
@@ -172,6 +182,7 @@ class RolloutWriter:
                     doomed[kind].append(info.key)
         for kind in ("manifests", "batches"):  # manifests first: none ever names a missing payload
             await self.store.delete(doomed[kind], timeout=self.config.timeout_s)
+        self._produced = {s: n for s, n in self._produced.items() if n.version >= floor}
         n = len(doomed["manifests"]) + len(doomed["batches"])
         self.stats.deleted += n
         if n:
