@@ -30,7 +30,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
-from pulsenet.signed import ObjectRef, fetch_document, fetch_file, fetch_unverified
+from pulsenet.signed import ObjectRef, fetch_document, fetch_document_if_changed, fetch_file, fetch_unverified
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
 from pulsenet.sync.layout import Layout
@@ -139,6 +139,20 @@ class ManifestReader:
             timeout=self.timeout_s,
         )
         return head_from(signed)
+
+    async def head_if_changed(self, etag: str | None) -> tuple[Head, str] | None:
+        """The verified head record and its ETag, or None while its ETag is still ``etag`` (one
+        conditional GET: a 304 with no body). Errors as :meth:`head`."""
+        got = await fetch_document_if_changed(
+            self.store,
+            self.layout.head,
+            self.trusted,
+            etag=etag,
+            context=self.layout.context,
+            max_bytes=MAX_HEAD,
+            timeout=self.timeout_s,
+        )
+        return None if got is None else (head_from(got.signed), got.etag)
 
     async def peek(self, version: int, *, info: ObjectInfo | None = None) -> Manifest:
         """The manifest at ``version`` parsed but NOT verified (``pulsenet ls`` without keys): never
