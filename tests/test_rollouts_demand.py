@@ -259,3 +259,17 @@ async def test_a_paced_network_trains_on_what_it_generates(sites: list[Site], tr
     assert trained / generated >= 0.95
     assert ti.stats.staleness == {0: 4, 1: trained - 4}  # the first step's rows, then one version behind
     assert version == steps and DIGESTS[version]
+
+
+async def test_an_idle_demand_poll_is_one_conditional_get_per_trainer(trainers: list[Trainer]) -> None:
+    for t in trainers:
+        w = t.writer()
+        await w.write(demand(t.id, participants=(t.id,)))
+    reader = DemandReader([t.source() for t in trainers], DemandConfig(run="test"))
+    assert len(await reader.poll()) == 2
+    before = [t.read.requests.snapshot() for t in trainers]
+    assert len(await reader.poll()) == 2
+    for t, b in zip(trainers, before, strict=True):
+        d = t.read.requests - b
+        assert (d.requests, d.get_not_modified) == (1, 1)
+    assert reader.stats.not_modified == 2 and reader.stats.reads == 2

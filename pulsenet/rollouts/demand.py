@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import logging
 import math
 import time
@@ -332,7 +331,9 @@ class DemandSource:
 class DemandStats:
     polls: int = 0
     reads: int = 0
-    """Records fetched (whole GETs)."""
+    """Records fetched (GETs that returned a body)."""
+    not_modified: int = 0
+    """Conditional GETs answered 304: the record is the one read last."""
     changed: int = 0
     """Records that moved forward (a higher seq)."""
     missing: int = 0
@@ -364,7 +365,7 @@ class DemandReader:
         self.layout = RolloutLayout(self.config.prefix)
         self.stats = DemandStats()
         self._seen: dict[str, _Seen] = {}
-        self._bytes: dict[str, bytes] = {}  # trainer -> SHA-256 of the record bytes read last
+        self._etag: dict[str, str] = {}  # trainer -> ETag of the record object read last
 
     def live(self, now: float | None = None) -> list[Demand]:
         """The newest record of every trainer that changed within ``ttl_s``."""
@@ -383,26 +384,28 @@ class DemandReader:
         return self.live(now)
 
     async def _read(self, source: DemandSource) -> None:
-        """Fetch, verify and observe one trainer's record; the same bytes as last time are not
-        verified or counted again (a refused or replayed record is counted once)."""
+        """One conditional GET of a trainer's record (a 304 while it is the object read last, so an
+        idle poll costs one request per trainer and a refused or replayed record is verified and
+        counted once); a changed one is verified and observed."""
         cfg = self.config
         key = self.layout.demand(source.trainer)
         try:
-            data = await source.store.get(key, max_bytes=MAX_DEMAND, timeout=cfg.timeout_s)
+            got = await source.store.get_if_changed(key, self._etag.get(source.trainer), max_bytes=MAX_DEMAND, timeout=cfg.timeout_s)
         except ObjectNotFound:
             self.stats.missing += 1
-            self._bytes.pop(source.trainer, None)
+            self._etag.pop(source.trainer, None)
             return
         except ObjectTooLarge as e:
+            self._etag.pop(source.trainer, None)
             return self._refuse(source.trainer, DocumentTooLarge(f"{key}: {e}"))
-        self.stats.reads += 1
-        digest = hashlib.sha256(data).digest()
-        if self._bytes.get(source.trainer) == digest:
+        if got is None:
+            self.stats.not_modified += 1
             return
-        self._bytes[source.trainer] = digest
+        self.stats.reads += 1
+        self._etag[source.trainer] = got.etag
         context = self.layout.demand_context(cfg.run, source.store.url, source.trainer)
         try:
-            signed = await asyncio.to_thread(verify_document, data, source.trusted, context=context)
+            signed = await asyncio.to_thread(verify_document, got.data, source.trusted, context=context)
             d = Demand.from_body(signed.body)
             if d.trainer != source.trainer or d.publisher != signed.signer:
                 raise ManifestError(f"record of {d.trainer!r} signed by {signed.signer} in the slot of {source.trainer!r}")

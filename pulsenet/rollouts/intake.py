@@ -23,6 +23,15 @@ A batch is accepted only if, in this order (the first failing check is the count
    vocabulary, lengths within the context, one prompt per group, logprobs and rewards in range) —
    ``rows.ROW_REASONS``.
 
+**Polling costs one request when nothing changed**: each node keeps a signed head
+(``layout.head``, manifest.py) rewritten after every batch. A poll asks for it with one
+conditional GET per source (a 304 with no body while unchanged) and lists the manifests only when
+it moved, is missing, refused or went backwards (each counted), or when ``relist_after_s`` passed
+since the last listing (a safety net for a head write that failed). Candidates a listing found
+but a poll could not take yet (over a budget, from a version not reached yet) are remembered, so
+they need no new listing either. Planted manifests never block: batches are still found by the
+listing and accepted on their own signed manifests, never on a head's word.
+
 A refused manifest is remembered by key and ETag and never fetched again while unchanged, so it
 never blocks or slows valid ones; every refusal is counted per reason and per node. Accepted
 batches wait in a local queue as arrays (``codec.rollout.RolloutColumns``, ~8 bytes per token),
@@ -41,6 +50,7 @@ import asyncio
 import collections
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +62,7 @@ from pulsenet.errors import (
     DocumentTooLarge,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     PulsenetError,
     RolloutError,
     RolloutRowError,
@@ -62,11 +73,11 @@ from pulsenet.errors import (
 )
 from pulsenet.rollouts.demand import Demand
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from
+from pulsenet.rollouts.manifest import MAX_HEAD, BatchManifest, batch_manifest_from, head_from
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.rows import ROW_REASONS, RowLimits, check_rows
 from pulsenet.signed import fetch_document, fetch_object
-from pulsenet.signing import MAX_DOCUMENT
+from pulsenet.signing import MAX_DOCUMENT, verify_document
 from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -124,6 +135,9 @@ class RolloutIntakeConfig:
     """Deadline of one payload download."""
     interval_s: float = 1.0
     """Time between polls in ``run()``."""
+    relist_after_s: float | None = 60.0
+    """A source whose head has not moved is listed anyway this long after its last listing (a
+    head write that failed cannot hide batches for longer); None: only when the head moves."""
     round_timeout_s: float | None = 600.0
     """Deadline of one whole poll in ``run()``."""
 
@@ -193,6 +207,31 @@ class IntakeStats:
     """What the local queue holds now (batches, tokens, decoded bytes)."""
     errors: int = 0
     """Store errors and failed polls (logged); the sources are retried next poll."""
+    lists: int = 0
+    """Listings of a source's manifests (the request class stores bill most)."""
+    head_not_modified: int = 0
+    """Source polls answered by a 304 on the head: nothing new, nothing listed."""
+    head_missing: int = 0
+    """Times a source's head was found missing (it had one, or never had): listed every poll then."""
+    head_backwards: int = 0
+    """Heads older than one already verified (replayed): listed every poll until a newer one."""
+    head_rejected: int = 0
+    """Heads refused (bad signature, another node's, malformed, too large): listed every poll."""
+
+
+@dataclass(slots=True)
+class _Head:
+    """What this intake knows of one source's head."""
+
+    etag: str | None = None
+    """ETag of the head object read last (accepted or not): a 304 on it means "the same object"."""
+    seq: int = -1
+    """Highest head seq verified."""
+    trusted: bool = False
+    """The object behind ``etag`` is a verified head not older than ``seq``: its 304 means no change."""
+    missing: bool = False
+    listed: float = -math.inf
+    """time.monotonic() of the last listing."""
 
 
 _DEFER = object()
@@ -233,6 +272,9 @@ class RolloutIntake:
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
         self._queue: list[RolloutBatch] = []  # in arrival order; ``take`` hands out the newest first
+        self._heads: dict[str, _Head] = {s.node: _Head() for s in sources}
+        self._pending: dict[str, list[tuple[ObjectInfo, BatchName]]] = {s.node: [] for s in sources}
+        """Per source: listed batches not decided yet (not reached, over a budget): no new listing needed."""
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -354,29 +396,76 @@ class RolloutIntake:
         pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]] = {}
         for source in self.sources:
             try:
-                listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+                if await self._head_moved(source):
+                    listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+                    self.stats.lists += 1
+                    self._heads[source.node].listed = time.monotonic()
+                    self._listed(source, listing)
             except (StoreError, TimeoutError) as e:
                 self._source_failed(source, e)
                 continue
-            pending[source.node] = collections.deque(self._candidates(source, listing, trainer_version))
+            pending[source.node] = collections.deque(self._candidates(source, trainer_version))
         return await self._admit(pending, trainer_version)
 
     # --- one poll ----------------------------------------------------------------------------
 
-    def _candidates(
-        self, source: RolloutSource, listing: list[ObjectInfo], trainer_version: int
-    ) -> list[tuple[ObjectInfo, BatchName]]:
-        """The listed batches this trainer may fetch now, newest first; decides (and remembers) the
-        stale ones and those another trainer owns without a GET."""
+    async def _head_moved(self, source: RolloutSource) -> bool:
+        """Whether to list ``source`` now: one conditional GET of its head decides (class docstring)."""
+        cfg, st = self.config, self._heads[source.node]
+        try:
+            got = await source.store.get_if_changed(self.layout.head, st.etag, max_bytes=MAX_HEAD, timeout=cfg.timeout_s)
+        except ObjectNotFound:
+            if not st.missing:
+                self.stats.head_missing += 1
+                log.warning("rollout source %s has no head: listing it every poll", source.node)
+            st.etag, st.trusted, st.missing = None, False, True
+            return True
+        except ObjectTooLarge as e:
+            self.stats.head_rejected += 1
+            st.etag, st.trusted = None, False
+            log.warning("rollout head of %s refused: %s", source.node, e)
+            return True
+        st.missing = False
+        if got is None:  # 304: the same object as last time
+            self.stats.head_not_modified += 1
+            stale = cfg.relist_after_s is not None and time.monotonic() - st.listed >= cfg.relist_after_s
+            return not st.trusted or stale
+        st.etag = got.etag
+        context = self.layout.head_context(cfg.run, source.store.url, source.node)
+        try:
+            signed = await asyncio.to_thread(verify_document, got.data, source.trusted, context=context)
+            head = head_from(signed, source.node)
+        except ManifestError as e:  # SignatureError included
+            self.stats.head_rejected += 1
+            st.trusted = False
+            log.warning("rollout head of %s refused: %s: %s", source.node, type(e).__name__, e)
+            return True
+        if head.seq < st.seq:
+            self.stats.head_backwards += 1
+            st.trusted = False
+            log.warning("rollout head of %s went back from seq %d to %d", source.node, st.seq, head.seq)
+            return True
+        st.seq, st.trusted = head.seq, True
+        return True
+
+    def _listed(self, source: RolloutSource, listing: list[ObjectInfo]) -> None:
+        """Remember a listing's undecided batches; forget decisions on what is no longer listed."""
         seen = self._seen[source.node]
         listed = {i.key for i in listing}
         for k in [k for k in seen if k not in listed]:
             del seen[k]  # memory stays bounded by the listing
-        out = []
-        for info in listing:
-            name = self.layout.parse_manifest(info.key)
-            if name is None or seen.get(info.key) == info.etag:
-                continue
+        names = ((i, self.layout.parse_manifest(i.key)) for i in listing)
+        self._pending[source.node] = [(i, n) for i, n in names if n is not None and seen.get(i.key) != i.etag]
+
+    def _candidates(self, source: RolloutSource, trainer_version: int) -> list[tuple[ObjectInfo, BatchName]]:
+        """The remembered batches this trainer may fetch now, newest first; decides (and remembers)
+        the stale ones and those another trainer owns without a GET."""
+        seen = self._seen[source.node]
+        keep, out = [], []
+        for info, name in self._pending[source.node]:
+            if seen.get(info.key) == info.etag:
+                continue  # decided since it was listed
+            keep.append((info, name))
             if name.version > trainer_version:
                 continue  # from a version this trainer has not reached: look again later
             if trainer_version - name.version > self.config.max_staleness:
@@ -394,6 +483,7 @@ class RolloutIntake:
                 seen[info.key] = info.etag  # queued, taken or failed before (e.g. before a restart)
                 continue
             out.append((info, name))
+        self._pending[source.node] = [(i, n) for i, n in keep if seen.get(i.key) != i.etag]
         out.sort(key=lambda c: (c[1].version, c[1].seq), reverse=True)
         return out
 

@@ -2,6 +2,7 @@
 
     {prefix}/batches/v{version:012d}-{node}-{seq:08d}-{sha256[:16]}.parquet   Parquet rows, create-only
     {prefix}/manifests/v{version:012d}-{node}-{seq:08d}.json                  signed manifest, create-only, last
+    {prefix}/head.json                                                        signed head, overwritten after each batch
 
 and inside each trainer's own store (the one its policy channel is in)::
 
@@ -65,6 +66,16 @@ class RolloutLayout:
         and prefix keep a manifest copied into another bucket (or channel) from verifying there.
         """
         return f"rollouts/{run}/{node}@{store_url.rstrip('/')}/{self.prefix}"
+
+    @property
+    def head(self) -> str:
+        """The node's signed head record (manifest.py): rewritten after each batch, so a trainer
+        polls it with one conditional GET and lists the manifests only when it moved."""
+        return f"{self.prefix}/head.json"
+
+    def head_context(self, run: str, store_url: str, node: str) -> str:
+        """What ``node``'s head is signed for (like ``context``, another kind of document)."""
+        return f"rollout-head/{run}/{node}@{store_url.rstrip('/')}/{self.prefix}"
 
     def demand(self, trainer: str) -> str:
         """A trainer's demand record (demand.py), in the trainer's own store."""

@@ -1,7 +1,9 @@
 """Inference side of the rollout channel: upload batches to the node's own store, then sign them.
 
 Per batch: Parquet encode and SHA-256 in a thread, the payload put create-only under its
-content-tagged key, then the signed manifest create-only (layout.py). Nothing is ever overwritten:
+content-tagged key, then the signed manifest create-only (layout.py), then the signed head
+overwritten (manifest.py: trainers poll it with one conditional GET and list only when it moved;
+a failed head write is logged, counted and redone with the next batch, never fails the batch). Nothing is ever overwritten:
 if either key is taken (a restarted node racing its old self, a planted object) the batch moves to
 the next sequence number. ``start()`` continues the sequence from the listing, so a restarted node
 neither reuses a number nor overwrites a batch.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,11 +28,25 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
-from pulsenet.errors import ConditionFailed, RolloutError
+from pulsenet.errors import (
+    ConditionFailed,
+    DocumentTooLarge,
+    ManifestError,
+    ObjectNotFound,
+    RolloutError,
+    StoreError,
+)
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
-from pulsenet.signed import ObjectRef
-from pulsenet.signing import key_id
+from pulsenet.rollouts.manifest import (
+    MAX_HEAD,
+    BatchManifest,
+    RolloutHead,
+    head_from,
+    now_iso,
+    sign_batch_manifest,
+)
+from pulsenet.signed import ObjectRef, fetch_document
+from pulsenet.signing import key_id, sign_document
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -65,6 +82,9 @@ class WriterStats:
     """Sequence numbers skipped because a key already existed."""
     deleted: int = 0
     """Objects removed by retention."""
+    head_writes: int = 0
+    head_errors: int = 0
+    """Head writes that failed (logged; the head is rewritten with the next batch)."""
 
 
 class RolloutWriter:
@@ -88,6 +108,8 @@ class RolloutWriter:
         self.next_seq: int | None = None
         """Sequence number of the next batch (None before ``start``)."""
         self._produced: dict[int, BatchName] = {}  # seq -> this node's batches whose manifest is in the store
+        self.head: RolloutHead | None = None
+        """The head written last (or found at ``start``)."""
 
     @property
     def produced(self) -> list[BatchName]:
@@ -109,6 +131,21 @@ class RolloutWriter:
                     if prefix == self.layout.manifests:
                         self._produced[name.seq] = name
         self.next_seq = max(seqs) + 1
+        try:  # our own head: its seq goes on from there, whatever this machine's clock says
+            signed = await fetch_document(
+                self.store,
+                self.layout.head,
+                {self.key_id: self.key.public_key()},
+                context=self.layout.head_context(self.config.run, self.store.url, self.node),
+                max_bytes=MAX_HEAD,
+                timeout=self.config.timeout_s,
+            )
+            self.head = head_from(signed, self.node)
+        except ObjectNotFound:
+            pass
+        except (ManifestError, DocumentTooLarge) as e:  # planted or of another key: overwritten below
+            log.warning("rollout head in %s is not %s's: %s", self.store.url, self.node, e)
+        await self.write_head()
         log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
 
     async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
@@ -162,10 +199,34 @@ class RolloutWriter:
             self.stats.batches += 1
             self.stats.rows += len(rows)
             self.stats.bytes_uploaded += len(data) + len(signed)
+            await self.write_head()
             return manifest
         raise ConditionFailed(
             f"{self.config.taken_retries} sequence numbers in a row were taken in {self.store.url}"
         )
+
+    async def write_head(self) -> bool:
+        """Overwrite the signed head with what this node has written; False (logged, counted) if
+        the put failed: the next batch writes it again, and trainers list anyway now and then."""
+        seq = max(time.time_ns() // 1000, self.head.seq + 1 if self.head else 0)
+        head = RolloutHead(
+            node=self.node,
+            seq=seq,
+            next_seq=self.next_seq or 0,
+            newest_version=max((n.version for n in self._produced.values()), default=0),
+            publisher=self.key_id,
+            created=now_iso(),
+        )
+        data = sign_document(head.to_body(), self.key, context=self.layout.head_context(self.config.run, self.store.url, self.node))
+        try:
+            await self.store.put(self.layout.head, data, timeout=self.config.timeout_s)
+        except (StoreError, TimeoutError) as e:
+            self.stats.head_errors += 1
+            log.warning("rollout head of %s not written: %s: %s", self.node, type(e).__name__, e)
+            return False
+        self.head = head
+        self.stats.head_writes += 1
+        return True
 
     async def retain(self, newest_version: int) -> int:
         """Delete this node's batches no trainer may accept any more (version below
