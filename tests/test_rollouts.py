@@ -524,3 +524,41 @@ async def test_restart_continues_the_sequence_and_never_overwrites(sites: list[S
     assert await ti.poll(1) == 6
     by_seq = {b.manifest.seq: b.columns.to_rows() for b in ti.take(1)}
     assert by_seq[6] == make_rows(a.node, 1, seed=4) and by_seq[7] == make_rows(a.node, 1, seed=5)
+
+
+async def test_a_writer_removes_payloads_whose_manifest_was_never_written(sites: list[Site]) -> None:
+    """Issue 24 item 3: a writer killed between its payload and manifest puts leaves a payload no
+    manifest names. The node's next writer deletes it at start once older than ``orphan_grace_s``
+    (kept before: a racing instance may still write its manifest), and retention deletes it once
+    it is below the floor; never another node's object, never a payload a manifest names."""
+    a, b = sites
+    layout = RolloutLayout()
+    w = a.writer()
+    kept = [await w.write(make_rows(a.node, 1, seed=i)) for i in range(2)]
+    orphan = layout.batch(1, a.node, 2, "0" * 64)  # killed between the two puts
+    await a.own.put(orphan, b"payload of a batch whose manifest was never written", timeout=10)
+    theirs = layout.batch(1, b.node, 0, "1" * 64)  # not this node's: never touched
+    await a.own.put(theirs, b"x", timeout=10)
+
+    async def batch_keys() -> set[str]:
+        return {i.key for i in await a.own.list(layout.batches, timeout=10)}
+
+    patient = a.writer()  # default grace: the orphan is seconds old and may still get its manifest
+    await patient.start()
+    assert orphan in await batch_keys() and patient.stats.orphans_deleted == 0
+    restarted = a.writer(orphan_grace_s=0.0)
+    await restarted.start()
+    assert restarted.next_seq == 3  # past the orphan's number: never reused
+    assert await batch_keys() == {m.payload.key for m in kept} | {theirs}
+    assert restarted.stats.orphans_deleted == 1 == restarted.stats.deleted
+    # retention deletes an orphan below the floor whatever its age
+    late = layout.batch(2, a.node, 9, "2" * 64)
+    await a.own.put(late, b"y", timeout=10)
+    await patient.retain(2)  # floor 0: nothing below it; the orphan is young
+    assert late in await batch_keys()
+    assert await patient.retain(5) == 2 * 2 + 1  # v1's two batches (manifest + payload) and the v2 orphan
+    assert await batch_keys() == {theirs}
+    assert await patient.retain(5) == 0  # the floor did not move: nothing listed
+    ti = intake(sites)
+    await ti.poll(3)
+    assert ti.stats.rejected == {}  # no manifest was left naming a missing payload
