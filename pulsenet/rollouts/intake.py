@@ -36,7 +36,7 @@ A refused manifest is remembered by key and ETag and never fetched again while u
 never blocks or slows valid ones; every refusal is counted per reason and per node. Accepted
 batches wait in a local queue as arrays (``codec.rollout.RolloutColumns``, ~8 bytes per token),
 bounded in batches, tokens and bytes: what does not fit stays in the store for a later poll. Each
-poll serves the sources round-robin (from a rotating start), newest batch first within a source,
+poll serves the sources round-robin (from a rotating start), newest version first within a source,
 so a node that keeps many batches listed cannot starve the others. ``take()`` hands out the newest
 fresh batches first and drops those that went stale while queued (counted apart from those stale
 in flight). Several trainers share one pool by a deterministic partition (partition.py): each
@@ -458,7 +458,8 @@ class RolloutIntake:
         self._pending[source.node] = [(i, n) for i, n in names if n is not None and seen.get(i.key) != i.etag]
 
     def _candidates(self, source: RolloutSource, trainer_version: int) -> list[tuple[ObjectInfo, BatchName]]:
-        """The remembered batches this trainer may fetch now, newest first; decides (and remembers)
+        """The remembered batches this trainer may fetch now, newest version first (sequence order
+        within a version); decides (and remembers)
         the stale ones and those another trainer owns without a GET."""
         seen = self._seen[source.node]
         keep, out = [], []
@@ -484,7 +485,7 @@ class RolloutIntake:
                 continue
             out.append((info, name))
         self._pending[source.node] = [(i, n) for i, n in keep if seen.get(i.key) != i.etag]
-        out.sort(key=lambda c: (c[1].version, c[1].seq), reverse=True)
+        out.sort(key=lambda c: (-c[1].version, c[1].seq))  # newest version first, in order within one
         return out
 
     async def _admit(
