@@ -121,6 +121,15 @@ class RolloutError(PulsenetError, ValueError):
     """A rollout batch (Parquet payload or its manifest) is malformed, inconsistent or over a limit."""
 
 
+class RolloutRowError(RolloutError):
+    """A well-formed rollout batch breaks the trainer's row limits (``rollouts.rows.RowLimits``);
+    ``reason`` names which, as the intake counts it."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 # --- engines ---------------------------------------------------------------
 
 
