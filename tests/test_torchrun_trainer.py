@@ -238,7 +238,7 @@ def _bf16_digest(grpo: GRPOTrainer) -> str:
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
+async def test_torchrun_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
     # max staleness 4: phase 1's batches (served by v0) are still fresh at v3, so only the record of
@@ -288,7 +288,7 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
+async def test_torchrun_trainer_runs_pulseloco_rounds_like_one_process(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
     rounds, inner = 2, 2
