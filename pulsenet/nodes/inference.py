@@ -41,8 +41,9 @@ from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.tasks import RewardTask, assign_problems
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
+from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, batches_to_generate
 from pulsenet.settings import inherit
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import REQUEST_KINDS, ObjectStore
 from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class InferenceConfig:
     key: Path = Path("keys/i0.key")
     """This site's Ed25519 signing key (its public half goes to the trainers)."""
     policy: list[str] = field(default_factory=list)
-    """Trainer channels to follow, as store URLs (read-only credentials are enough)."""
+    """Trainer channels to follow, as ID=STORE_URL (or a bare STORE_URL; read-only credentials are
+    enough). With the trainer's id the node also reads its demand record there and generates what
+    the trainers will take."""
     trust: list[Path] = field(default_factory=list)
     """Public keys of the trainers whose PULSESync versions this node accepts."""
     model: str = "tiny"
@@ -127,6 +130,7 @@ class InferenceNode:
         store: ObjectStore,
         policy_stores: list[ObjectStore],
         trusted: dict,
+        trainers: list[str | None] | None = None,
         key: object,
         task: RewardTask,
         text: TextCodec,
@@ -156,6 +160,18 @@ class InferenceNode:
         self._newer = asyncio.Event()
         """Set by each update: a generation loop waiting for a newer version wakes up."""
         self._batches_at: dict[int, int] = {}
+        ids = trainers or [None] * len(policy_stores)
+        self.demand = DemandReader(
+            [DemandSource(t, st, trusted) for t, st in zip(ids, policy_stores, strict=True) if t is not None],
+            DemandConfig(run=c.run),
+        )
+        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
+        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
+        self.time = {"generating": 0.0, "waiting_first": 0.0, "waiting_version": 0.0, "waiting_demand": 0.0}
+        """Seconds the engine spent generating, waiting for its first version, for a newer one, or
+        for demand (``engine_busy`` in a run's efficiency: generating over all but the first wait)."""
+        self._active = 0
+        """The channel followed now (``_follow``)."""
 
     # --- policy ---------------------------------------------------------------------------------
 
@@ -193,6 +209,8 @@ class InferenceNode:
                 "batches_produced": self.writer.stats.batches,
                 "rollout_bytes": self.writer.stats.bytes_uploaded,
                 "pulsesync_bytes": downloaded,
+                **{f"{k}_s": round(v, 3) for k, v in self.time.items()},
+                **{f"requests:{k}": sum(getattr(st.requests, k) for st in self.stores.values()) for k in REQUEST_KINDS},
             },
             **fields,
         )
@@ -231,7 +249,7 @@ class InferenceNode:
         while not stop.is_set():
             task = asyncio.create_task(self.subscribers[active].run(stop))
             try:
-                active = await self._watch(active, task, stop)
+                active = self._active = await self._watch(active, task, stop)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -270,11 +288,17 @@ class InferenceNode:
             await _wait_any(stop, timeout=self.config.status_every_s)
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
+        """Generate what the trainers will take: a batch whenever their demand records say they are
+        short (``rollouts.demand``), never more than ``batches_per_version`` per version; with no
+        demand record naming this node, up to ``batches_per_version`` per version."""
         while not stop.is_set():
-            if not self._first.is_set() or self._batches_at.get(self.engine.version, 0) >= self.config.batches_per_version:  # type: ignore[union-attr]
-                self._newer.clear()
-                await _wait_any(self._newer, stop, timeout=1.0)
-                self.state.beat()  # waiting for a (first or newer) version is progress of a kind
+            t0 = time.monotonic()
+            wait = await self._wait_reason()
+            if wait is not None:
+                self._newer.clear()  # a newer version (or the next demand poll) wakes the loop
+                await _wait_any(self._newer, stop, timeout=self.demand.config.interval_s if wait == "waiting_demand" else 1.0)
+                self.time[wait] += time.monotonic() - t0
+                self.state.beat()  # waiting for a version or for demand is progress of a kind
                 continue
             try:
                 await self.generate_batch()
@@ -282,7 +306,26 @@ class InferenceNode:
                 self.state.error(e)
                 log.error("%s: batch failed: %s", self.config.id, e)
                 await _wait_any(stop, timeout=1.0)
+            self.time["generating"] += time.monotonic() - t0
         await self._log_final()
+
+    async def _wait_reason(self) -> str | None:
+        """None to generate a batch now, else what the engine waits for."""
+        engine = self.engine
+        if not self._first.is_set() or engine is None or engine.version is None:
+            return "waiting_first"
+        if self._batches_at.get(engine.version, 0) >= self.config.batches_per_version:
+            return "waiting_version"
+        if not self.demand.sources:
+            return None
+        wanted = batches_to_generate(
+            await self.demand.poll(),
+            node=self.config.id,
+            version=engine.version,
+            produced=self.writer.produced,
+            rows_per_batch=self.config.prompts * self.config.group_size,
+        )
+        return "waiting_demand" if wanted == 0 else None
 
     async def _log_final(self) -> None:
         """On the way out: the bits this node ends with, hashed again from the engine's own weights,
@@ -293,7 +336,23 @@ class InferenceNode:
                 return
             own = await asyncio.to_thread(engine.weights_digest)
             assert engine.digest is not None
-            self._emit("stopped", engine.version, engine.digest, weights_digest=own)
+            idle = await self._idle_poll()
+            self._emit("stopped", engine.version, engine.digest, weights_digest=own, counts=idle)
+
+    async def _idle_poll(self) -> dict[str, int]:
+        """What one poll of the followed channel costs when nothing changed (measured on the way out,
+        when the trainers are done): requests by kind, as ``idle_poll:<kind>``; {} if it moved."""
+        sub, store = self.subscribers[self._active], self.stores[f"policy-{self._active}"]
+        before, version = store.requests.snapshot(), sub.version
+        try:
+            await sub.sync_once()
+        except PulsenetError as e:
+            log.info("%s: no idle poll measured: %s", self.config.id, e)
+            return {}
+        if sub.version != version:
+            return {}
+        spent = (store.requests - before).as_dict()
+        return {f"idle_poll:{k}": spent[k] for k in REQUEST_KINDS}
 
     async def generate_batch(self) -> int:
         """One batch at the engine's current version; returns the version it was generated with."""

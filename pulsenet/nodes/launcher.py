@@ -50,7 +50,7 @@ from typing import Any
 from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.events import EVENTS_FILE, VersionEvent, read_events
 from pulsenet.nodes.plan import NetworkSettings, Site, inference_ids, plan_network, trainer_ids
-from pulsenet.nodes.summary import summarize
+from pulsenet.nodes.summary import efficiency, requests, summarize
 from pulsenet.runtime import signal_group, spawn_tied
 
 log = logging.getLogger(__name__)
@@ -503,10 +503,14 @@ def last_error(path: Path) -> str:
 
 def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
     """Rounds, nodes and checks from the nodes' version events (``nodes/summary.py``), plus the run."""
-    s = summarize(o.events, {n.name: n.role for n in o.nodes}, max_staleness=c.max_staleness)
+    roles = {n.name: n.role for n in o.nodes}
+    s = summarize(o.events, roles, max_staleness=c.max_staleness)
     for n in o.nodes:
         s["nodes"][n.name]["pid"] = n.pid
+    s["efficiency"], s["requests"] = efficiency(o.events, roles), requests(o.events, roles)
     s["extra"] = {
+        "efficiency": s["efficiency"],
+        "requests": s["requests"],
         "run": {
             "model": c.model,
             "rounds": c.rounds,
@@ -555,6 +559,14 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 f"({_ratio(total['ddp'], total['pulseloco'])})"
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
+        e = s["efficiency"]
+        out.print(
+            f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "
+            f"{_pct(e['dropped_fraction'])} dropped stale, mean staleness {_fmt(e['staleness_mean'], '{:.2f}')}; "
+            f"engines busy {_pct(e['engine_busy'])}, trainers busy {_pct(e['trainer_busy'])}; "
+            f"update latency p95 {_fmt(e['update_latency_s']['p95'], '{:.2f}')} s of a "
+            f"{_fmt(e['round_s'], '{:.1f}')} s round"
+        )
     t = Table(title="verified versions and digests")
     for col in ("node", "role", "version", "digest", "checks"):
         t.add_column(col)
@@ -570,6 +582,10 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
     out.print(t)
     checks = s["checks"]
     out.print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _ratio(a: int, b: int) -> str:

@@ -147,7 +147,7 @@ def plan_network(
         c = copy.deepcopy(base_i)
         c.id, c.run, c.model, c.seed = i, run, n.model, n.seed
         c.store, c.key, c.state_dir = sites[i].store, sites[i].key, sites[i].state_dir
-        c.policy = [sites[t].store for t in trainers]
+        c.policy = [f"{t}={sites[t].store}" for t in trainers]
         c.trust = [public_keys / f"{t}.key.pub" for t in trainers]
         if n.task:  # the user's task: no stop text a preset meant for its own task
             c.task, c.stop = n.task, ""

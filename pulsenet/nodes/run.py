@@ -128,10 +128,12 @@ def build_inference(c: InferenceConfig, *, open_store: Callable[[str], ObjectSto
         raise ConfigError(
             "inference: set store (this site's bucket), policy (trainer store URLs) and trust (trainer public keys)"
         )
+    channels = [entry.partition("=") for entry in c.policy]
     return InferenceNode(
         c,
         store=open_store(c.store),
-        policy_stores=[open_store(url) for url in c.policy],
+        policy_stores=[open_store(url if sep else ident) for ident, sep, url in channels],
+        trainers=[ident if sep else None for ident, sep, _ in channels],
         trusted=trusted_keys(c.trust),
         key=load_private_key(c.key),
         task=make_task(c.task, c.seed),

@@ -58,6 +58,9 @@ class NodeState:
     started: float = field(default_factory=time.time)
     last_beat: float = field(default_factory=time.monotonic)
 
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Trainer: rollout batches refused (or dropped by a failed step), per inference node and reason
+    (the intake's live counters: ``IntakeStats.rejected_by_node``)."""
     degraded: str | None = None
     """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
@@ -131,6 +134,13 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
         errors.add_metric(ids, s.errors)
         yield errors
+        rejected = CounterMetricFamily(
+            "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason", labels=[*labels, "source", "reason"]
+        )
+        for node, reasons in s.rejected.items():
+            for why, n in reasons.items():
+                rejected.add_metric([*ids, node, why], n)
+        yield rejected
         yield from _store_metrics(self.stores, labels, ids)
 
 

@@ -50,6 +50,8 @@ from pulsenet.nodes.status import NodeState
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
+from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
+from pulsenet.rollouts.rows import RowLimits
 from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
@@ -141,7 +143,11 @@ class _Round:
     staleness: list[int] = field(default_factory=list)
     batches: int = 0
     wait_s: float = 0.0
+    """Waiting for rollouts."""
     train_s: float = 0.0
+    """In GRPO steps."""
+    exchange_s: float = 0.0
+    """Closing the round: with PULSELoCo the exchange with the peers, alone a checkpoint."""
 
 
 class TrainerNode:
@@ -168,8 +174,15 @@ class TrainerNode:
         """Published model digest per version: what a rollout batch must have been served with."""
         peers = self._peer_keys() if loco_store is not None else {}
         self.intake = RolloutIntake(
-            sources, self.digests.get, c.intake, trainer_id=c.id, participants=tuple(sorted(peers)) or None
+            sources,
+            self.digests.get,
+            replace(c.intake, limits=row_limits(policy.grpo.local.model, c.intake.limits)),
+            trainer_id=c.id,
+            participants=tuple(sorted(peers)) or None,
         )
+        self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
+        self.demand = DemandWriter(store, key, c.id, DemandConfig(run=c.run, prefix=c.intake.prefix))
+        """This trainer's signed demand record: what the inference nodes should generate for it."""
         self.rounds: Rounds
         if loco_store is not None:
             loco = LocoTrainer(c.id, loco_store, key, peers, policy, c.loco, state_dir=Path(c.state_dir) / "loco")
@@ -201,8 +214,10 @@ class TrainerNode:
         done = asyncio.Event()  # the intake and the consumers stop with training, however it ends
         try:
             await self.start()
+            await self.demand.start()
             async with self.rounds.session(), asyncio.TaskGroup() as tg:
                 tg.create_task(self.intake.run(lambda: self.version, done))
+                tg.create_task(self.demand.run(self._demand, done))
                 tg.create_task(self._follow_consumers(done))
                 try:
                     await self._train(stop)
@@ -238,15 +253,15 @@ class TrainerNode:
     async def _train(self, stop: asyncio.Event) -> None:
         """Rounds until ``steps`` versions are out; a stop abandons the round in hand."""
         while self.version < self.config.steps and not stop.is_set():
-            self._round = _Round()
+            self._round = rnd = _Round()
             t0 = time.perf_counter()
             report = await _unless_stopped(self.rounds.next_round(self._inner_phase), stop)
             if report is None:  # stopped, or the round failed (logged by the round; retried)
                 continue
             if report.round <= self.version:  # caught up through a round already published
                 continue
-            self._round.train_s = time.perf_counter() - t0 - self._round.wait_s
-            await self.publish_version(report, self._round)
+            rnd.exchange_s = time.perf_counter() - t0 - rnd.wait_s - rnd.train_s
+            await self.publish_version(report, rnd)
 
     async def _inner_phase(self, r: int) -> list[float]:
         """Round r's H GRPO steps, each on rows this loop takes from the intake; their losses."""
@@ -258,11 +273,14 @@ class TrainerNode:
             if not batches:
                 break  # gave up waiting: the round goes on with the steps it made
             rows = [row for b in batches for row in b.rows]
+            t0 = time.perf_counter()
             try:
                 metrics = await asyncio.to_thread(self.policy.step, rows)
             except Exception as e:  # rows the intake let through but the step cannot take: drop them
                 self._step_failed(batches, e)
                 continue
+            finally:
+                rnd.train_s += time.perf_counter() - t0
             rnd.steps.append(metrics)
             rnd.batches += len(batches)
             rnd.staleness += [self.version - b.version for b in batches]
@@ -271,13 +289,22 @@ class TrainerNode:
 
     def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
         """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
-        restart does not take them again), counted and logged; the node goes on. (Under torchrun
-        the other ranks fail the same step and the job ends: the intake's checks are what stand
-        between a hostile batch and a rank group.)"""
+        restart does not take them again), counted per node (``step_failed``) and logged; the node
+        goes on. (Under torchrun the other ranks fail the same step and the job ends: the intake's
+        checks are what stand between a hostile batch and a rank group.)"""
         self.failed_steps += 1
         self.state.error(e)
-        names = [f"{b.manifest.node}/v{b.version}/{b.manifest.seq}" for b in batches]
-        log.error("%s: a GRPO step failed on %s: %s: %s; dropped", self.config.id, names, type(e).__name__, e)
+        self.intake.failed(batches, f"{type(e).__name__}: {e}")
+        log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
+
+    def _demand(self) -> Demand:
+        """What this trainer will take next: a step's rows outstanding (a lone trainer publishes after
+        each), two steps' under PULSELoCo (H steps per version, refilled as they are taken); shared
+        among the inference nodes that are live (their signed status objects), all of them until
+        one has been seen."""
+        live = {c.node for c in self.consumers.live()} or None
+        rows = self.config.rows_per_step * (1 if self.rounds.inner_steps == 1 else 2)
+        return self.intake.demand(self.version, rows, live=live)
 
     async def _take_rows(self, give_up_s: float | None) -> list[RolloutBatch]:
         """Fresh batches until a step's worth of rows (whole batches, no more than needed); what
@@ -326,7 +353,12 @@ class TrainerNode:
             digest=record.digest,
             round=report.round,
             patch=record.kind,
-            phases={"wait_rollouts": rnd.wait_s, "train": rnd.train_s, "publish": time.perf_counter() - t0},
+            phases={
+                "wait_rollouts": rnd.wait_s,
+                "train": rnd.train_s,
+                "exchange": rnd.exchange_s,
+                "publish": time.perf_counter() - t0,
+            },
             bytes={
                 "pulsesync": sum(record.payload_bytes.values()),
                 "full": record.full_bytes,
@@ -358,6 +390,7 @@ class TrainerNode:
             "stale_queued": s.stale_queued,
             "rollout_bytes": s.bytes_downloaded,
             "failed_steps": self.failed_steps,
+            **{f"rejected:{node}:{why}": n for node, reasons in s.rejected_by_node.items() for why, n in reasons.items()},
         }
 
     async def _follow_consumers(self, done: asyncio.Event) -> None:
@@ -385,6 +418,20 @@ async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return task.result() if not task.cancelled() else None
+
+
+def row_limits(model: torch.nn.Module, given: RowLimits) -> RowLimits:
+    """``given`` (the configured limits) with what this trainer's model fixes: its vocabulary
+    (embedding rows) and context (``max_position_embeddings``), never more than configured."""
+    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
+    return replace(
+        given,
+        vocab_size=min(given.vocab_size, vocab),
+        max_row_tokens=context if given.max_row_tokens is None else min(given.max_row_tokens, context),
+        max_prompt_tokens=min(given.max_prompt_tokens, (context or given.max_prompt_tokens + 1) - 1),
+        max_completion_tokens=min(given.max_completion_tokens, (context or given.max_completion_tokens + 1) - 1),
+    )
 
 
 def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:
