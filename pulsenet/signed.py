@@ -10,7 +10,9 @@ PULSESync manifests, PULSELoCo round documents and rollout batch manifests all f
 3. A reader fetches the document with :func:`fetch_document` (a size cap checked against the
    listing before any read and enforced by the store during it, then the signature verified in a
    thread), and each payload with :func:`fetch_object` or :func:`fetch_file` (never read past the
-   signed size, then size and SHA-256 checked, hashing in a thread).
+   signed size, then size and SHA-256 checked, hashing in a thread). A poller watching one
+   overwritable document (a head, a demand record) uses :func:`fetch_document_if_changed`: one
+   conditional GET, a 304 with no body while it is unchanged.
 
 What a document's body means (and which keys may sign it) is each channel's business: its body is
 a small dataclass on top (``sync/manifest.py``, ``loco/documents.py``, ``rollouts/manifest.py``),
@@ -34,7 +36,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet.errors import DocumentTooLarge, ManifestError, ObjectTooLarge, SizeMismatch, VerificationError
 from pulsenet.signing import Signed, parse_envelope, verify_document
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ObjectStore, check_key
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_KEY = 1024
@@ -103,6 +105,43 @@ async def fetch_document(
     """
     data = await _get_document(store, key, max_bytes=max_bytes, timeout=timeout, listed_size=listed_size)
     return await asyncio.to_thread(verify_document, data, trusted, context=context)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedDocument:
+    """A verified document and the ETag of the object it came from (:func:`fetch_document_if_changed`)."""
+
+    signed: Signed
+    etag: str
+
+
+async def fetch_document_if_changed(
+    store: ObjectStore,
+    key: str,
+    trusted: Mapping[str, Ed25519PublicKey],
+    *,
+    etag: str | None,
+    context: str,
+    max_bytes: int,
+    timeout: float | None,
+) -> FetchedDocument | None:
+    """:func:`fetch_document` for pollers: None while the object's ETag is still ``etag``.
+
+    One request either way (``ObjectStore.get_if_changed``): a 304 with no body when unchanged, else
+    the document, read under ``max_bytes`` and verified like :func:`fetch_document`, with its new
+    ETag. Keep the ETag only of a document you accepted: a refused one raises (ManifestError,
+    SignatureError, DocumentTooLarge) and, its ETag not kept, is fetched and refused again on the
+    next poll, so a planted object costs each poll one GET and never passes for "unchanged".
+    """
+    check_key(key)
+    try:
+        got = await store.get_if_changed(key, etag, max_bytes=max_bytes, timeout=timeout)
+    except ObjectTooLarge as e:
+        raise DocumentTooLarge(f"{key}: {e}") from None
+    if got is None:
+        return None
+    signed = await asyncio.to_thread(verify_document, got.data, trusted, context=context)
+    return FetchedDocument(signed, got.etag)
 
 
 async def fetch_unverified(

@@ -40,6 +40,7 @@ from conftest import TEST_BUCKET, StoreFactory, unique_prefix
 
 from pulsenet.errors import AccessDenied, ConditionFailed, StoreUnavailable
 from pulsenet.store import S3Store
+from pulsenet.store import seaweed as seaweed_module
 from pulsenet.store.seaweed import (
     IDENTITIES_FILE,
     LOG_FILE,
@@ -360,6 +361,9 @@ def test_seaweedfs_conditional_writes(seaweed: SeaweedServer, request: pytest.Fi
     assert (
         _status(lambda: s3.get_object(Bucket=TEST_BUCKET, Key=key, Range="bytes=0-0", IfMatch='"00"')) == 412
     )
+    # If-None-Match on GET (what pollers use): 304 with no body while unchanged, the object otherwise.
+    assert _status(lambda: s3.get_object(Bucket=TEST_BUCKET, Key=key, IfNoneMatch=etag)) == 304
+    assert s3.get_object(Bucket=TEST_BUCKET, Key=key, IfNoneMatch='"00"')["Body"].read() == b"1"
     s3.close()
 
 
@@ -441,7 +445,7 @@ async def test_lost_response_to_create_only_write_is_success(
             assert (await store.head("manifest")).size == src.stat().st_size
 
 
-async def test_put_survives_server_restart(tmp_path: Path) -> None:
+async def test_put_survives_server_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with SeaweedServer(tmp_path / "data") as server:
         server.create_buckets("restart")
         async with S3Store("restart", "run", server.config(max_retries=10)) as store:
@@ -459,13 +463,80 @@ async def test_put_survives_server_restart(tmp_path: Path) -> None:
             assert time.monotonic() - t0 >= 1.0
             assert await store.get("before") == b"1"
             assert await store.get("after") == b"2"  # same directory and port after the restart
-        # A hung server ignores SIGTERM (a stopped process cannot act on it): stop falls back to SIGKILL.
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
-        server.stop_grace_s = 0.5
+        # A paused server is continued after the SIGTERM, so it stops at once...
+        server.pause()
         t0 = time.monotonic()
         server.stop()
         assert time.monotonic() - t0 < 5 and not server.running
+        # ...and one that does not act on SIGTERM (here: never continued) is SIGKILLed after the grace.
+        server.start()
+        real = seaweed_module.signal_group
+
+        def no_cont(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+            if sig != signal.SIGCONT:
+                real(proc, sig)
+
+        monkeypatch.setattr(seaweed_module, "signal_group", no_cont)
+        server.pause()
+        server.stop_grace_s = 0.5
+        t0 = time.monotonic()
+        server.stop()
+        assert 0.5 <= time.monotonic() - t0 < 5 and not server.running
+
+
+async def test_store_rides_out_a_paused_and_a_killed_server(tmp_path: Path) -> None:
+    """SIGSTOP/SIGCONT, then SIGKILL and restart on the same directory, port and keys: calls in
+    flight are retried through the outage and succeed after it; ``health`` shows the outage while
+    it lasts and clears with the first answer; no call waits on a wall clock."""
+    with SeaweedServer(tmp_path / "data") as server:
+        server.create_buckets("outage")
+        port, keys = server.port, server.config("admin")
+        cfg = server.config(
+            read_timeout_s=0.5, connect_timeout_s=0.5, max_retries=40, backoff_base_s=0.05, backoff_cap_s=0.5, timeout_s=120
+        )
+        async with S3Store("outage", "run", cfg) as store:
+            await store.put("before", b"1")
+            assert store.health.degraded() is None
+
+            # 1. Paused: requests hang until their read timeout; retried until the server continues.
+            server.pause()
+            call = asyncio.create_task(store.get("before"))
+            await asyncio.wait_for(outage_seen_in(store, 2), 60)
+            reason = store.health.degraded()
+            assert reason is not None and "unreachable" in reason and not call.done()
+            server.resume()
+            assert await asyncio.wait_for(call, 60) == b"1"
+            assert store.health.degraded() is None and store.health.failures >= 2
+            # 2. Killed: connections are refused until the restart on the same directory and port.
+            server.kill()
+            assert not server.running and server.exit_code == -signal.SIGKILL
+            failures = store.health.failures
+            call = asyncio.create_task(store.put("during", b"2"))
+            await asyncio.wait_for(outage_seen_in(store, 2), 60)
+            assert "Connect" in (store.health.last_error or "")
+            await asyncio.to_thread(server.restart)
+            await asyncio.wait_for(call, 90)
+            assert server.port == port and server.config("admin") == keys  # same endpoint and identities
+            assert await store.get("before") == b"1" and await store.get("during") == b"2"
+            assert store.health.degraded() is None and store.health.failures > failures
+        # 3. Past its retries a call raises a typed error, and a cancellation is never retried.
+        server.kill()
+        quick = dataclasses.replace(cfg, max_retries=2, backoff_cap_s=0.05)
+        async with S3Store("outage", "run", quick) as store:
+            with pytest.raises(StoreUnavailable, match="3 attempts"):
+                await store.get("before")
+            assert store.requests.get == 3 and store.health.consecutive_failures == 3
+        async with S3Store("outage", "run", dataclasses.replace(cfg, backoff_base_s=5, backoff_cap_s=5)) as store:
+            call = asyncio.create_task(store.get("before"))
+            await asyncio.wait_for(outage_seen_in(store, 1), 30)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(call, 5)  # out of its backoff sleep at once
+
+
+async def outage_seen_in(store: S3Store, n: int) -> None:
+    while store.health.consecutive_failures < n:
+        await asyncio.sleep(0.02)
 
 
 def test_startup_failure_reports_the_log(tmp_path: Path) -> None:

@@ -16,7 +16,14 @@ from pulsenet.errors import (
     SizeMismatch,
     VerificationError,
 )
-from pulsenet.signed import ObjectRef, fetch_document, fetch_file, fetch_object, fetch_unverified
+from pulsenet.signed import (
+    ObjectRef,
+    fetch_document,
+    fetch_document_if_changed,
+    fetch_file,
+    fetch_object,
+    fetch_unverified,
+)
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store import LocalStore
 
@@ -71,6 +78,31 @@ async def test_fetch_document_checks_size_first_then_signature(tmp_path: Path) -
         await fetch_document(store, "doc", {}, context="ctx", max_bytes=1 << 20, timeout=5)
     with pytest.raises(ObjectNotFound):
         await fetch_document(store, "gone", trusted, context="ctx", max_bytes=1 << 20, timeout=5)
+
+
+async def test_fetch_document_if_changed_polls_for_a_304(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path)
+    key = Ed25519PrivateKey.generate()
+    trusted = {key_id(key.public_key()): key.public_key()}
+    opts = {"context": "ctx", "max_bytes": 1 << 16, "timeout": 5}
+    await store.put("head", sign_document({"v": 1}, key, context="ctx"))
+    got = await fetch_document_if_changed(store, "head", trusted, etag=None, **opts)
+    assert got is not None and got.signed.body == {"v": 1}
+    before = store.requests.snapshot()
+    assert await fetch_document_if_changed(store, "head", trusted, etag=got.etag, **opts) is None
+    assert (store.requests - before).get_not_modified == 1 and (store.requests - before).get == 0
+    await store.put("head", sign_document({"v": 2}, key, context="ctx"))
+    moved = await fetch_document_if_changed(store, "head", trusted, etag=got.etag, **opts)
+    assert moved is not None and moved.signed.body == {"v": 2} and moved.etag != got.etag
+    # A planted document is refused on every poll: it never passes for "unchanged".
+    await store.put("head", sign_document({"v": 3}, Ed25519PrivateKey.generate(), context="ctx"))
+    for _ in range(2):
+        with pytest.raises(SignatureError):
+            await fetch_document_if_changed(store, "head", trusted, etag=moved.etag, **opts)
+    with pytest.raises(DocumentTooLarge):
+        await fetch_document_if_changed(store, "head", trusted, etag=None, context="ctx", max_bytes=10, timeout=5)
+    with pytest.raises(ObjectNotFound):
+        await fetch_document_if_changed(store, "gone", trusted, etag=moved.etag, **opts)
 
 
 async def test_fetch_object_and_file_check_size_and_sha256(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import datetime as dt
 import hashlib
 import os
+import random
 import socket
 import time
 from pathlib import Path
@@ -22,7 +23,16 @@ from pulsenet.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from pulsenet.store import LocalStore, ObjectStore, RateLimiter, S3Config, S3Store, open_store
+from pulsenet.store import (
+    LocalStore,
+    ObjectStore,
+    RateLimiter,
+    RequestCounts,
+    S3Config,
+    S3Store,
+    backoff_delay,
+    open_store,
+)
 from pulsenet.store import s3 as s3_module
 from pulsenet.store.local import TMP_PREFIX
 
@@ -225,6 +235,57 @@ async def test_put_file_missing_source_is_callers_error(store: ObjectStore, tmp_
         await store.put_file("x", tmp_path / "no-such-file")
 
 
+# --- conditional GET and request counters ------------------------------------------------
+
+
+async def test_get_if_changed_costs_a_304_when_unchanged(store: ObjectStore) -> None:
+    await store.put("head.json", b"v1")
+    first = await store.get_if_changed("head.json", None)
+    assert first is not None and first.data == b"v1" and first.etag == (await store.head("head.json")).etag
+    before = store.requests.snapshot()
+    assert await store.get_if_changed("head.json", first.etag) is None
+    assert await store.get_if_changed("head.json", f'"{first.etag}"') is None  # quoted as HTTP sends it
+    delta = store.requests - before
+    assert (delta.get_not_modified, delta.get, delta.bytes_down) == (2, 0, 0)
+    await store.put("head.json", b"v2, longer")
+    second = await store.get_if_changed("head.json", first.etag)
+    assert second is not None and second.data == b"v2, longer" and second.etag != first.etag
+    assert (store.requests - before).get == 1
+    with pytest.raises(ObjectTooLarge):
+        await store.get_if_changed("head.json", first.etag, max_bytes=4)
+    with pytest.raises(ObjectNotFound):
+        await store.get_if_changed("missing.json", first.etag)
+
+
+async def test_requests_are_counted_by_kind(store_factory: StoreFactory) -> None:
+    store = store_factory(list_page_size=2)
+    s3 = isinstance(store, S3Store)
+    for i in range(5):
+        await store.put(f"c/{i}", b"x" * 10)
+    await store.get("c/0")
+    await store.head("c/1")
+    assert not await store.exists("c/none")  # a HEAD answered 404 is a request too
+    await store.list("c/")
+    await store.delete([f"c/{i}" for i in range(5)])
+    with pytest.raises(ObjectNotFound):
+        await store.get("c/0")
+    counts = store.requests.as_dict()
+    assert counts == {
+        "get": 2,
+        "get_not_modified": 0,
+        "head": 2,
+        "list": 3 if s3 else 1,  # S3: 5 keys in pages of 2
+        "put": 5,
+        "delete": 1,
+        "bytes_down": 10,
+        "bytes_up": 50,
+    }
+    assert store.requests.requests == sum(counts[k] for k in ("get", "get_not_modified", "head", "list", "put", "delete"))
+    assert isinstance(store.requests.snapshot(), RequestCounts) and store.requests.snapshot() is not store.requests
+    assert store.health.consecutive_failures == 0 and store.health.last_ok is not None
+    assert store.health.degraded() is None
+
+
 # --- deadlines, failures and the link emulation --------------------------------------------
 
 
@@ -292,6 +353,14 @@ async def test_s3_hung_server_times_out() -> None:
                 await store.head("x")
 
 
+def test_backoff_is_exponential_with_full_jitter() -> None:
+    rng = random.Random(0)
+    for attempt, bound in ((0, 0.1), (1, 0.2), (3, 0.8), (6, 5.0), (60, 5.0), (10_000, 5.0)):
+        draws = [backoff_delay(attempt, 0.1, 5.0, rng) for _ in range(2000)]
+        assert min(draws) >= 0 and max(draws) <= bound
+        assert min(draws) < bound * 0.05 and max(draws) > bound * 0.95  # the whole range, not half of it
+
+
 async def test_s3_unreachable_is_unavailable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -302,6 +371,10 @@ async def test_s3_unreachable_is_unavailable() -> None:
     async with S3Store("bucket", "p", cfg) as store:
         with pytest.raises(StoreUnavailable):
             await store.put("x", b"1")
+        assert store.requests.put == 3  # every attempt is a request
+        h = store.health
+        assert (h.consecutive_failures, h.failures, h.last_ok) == (3, 3, None)
+        assert "3 failed requests in a row" in (h.degraded() or "") and "Connect" in (h.last_error or "")
 
 
 # --- URLs and config -----------------------------------------------------------------------

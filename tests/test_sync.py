@@ -307,6 +307,10 @@ async def test_tampered_untrusted_and_replayed_are_refused(s3_factory: StoreFact
             created=now_iso(),
         )
         await store.put(pub.layout.manifest(9), sign_manifest(forged, forger, context=pub.layout.context), if_none_match=True)
+        # A following subscriber does not even list while the signed head still names its v8.
+        assert await sub.sync_once() is None and sub.stats.manifests_rejected == 0
+        # One that lists (here: the head is gone, an alarm) refuses the forgery.
+        await store.delete([pub.layout.head])
         with pytest.raises(SignatureError):
             await sub.sync_once()
         assert sub.version == 8 and sub.stats.manifests_rejected == 1
@@ -316,7 +320,9 @@ async def test_tampered_untrusted_and_replayed_are_refused(s3_factory: StoreFact
         assert rec10.version == 10
         assert await sub.sync_once() == 10 and same_bits(sub.state, states[9])
 
-        # 3. A replay: v3's genuine signed manifest copied to a newer version number.
+        # 3. A replay: v3's genuine signed manifest copied to a newer version number (and the head
+        # deleted, so that the subscriber lists at every poll).
+        await store.delete([pub.layout.head])
         old = await store.get(pub.layout.manifest(3))
         await store.put(pub.layout.manifest(11), old, if_none_match=True)
         with pytest.raises(ReplayError):

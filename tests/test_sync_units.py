@@ -6,15 +6,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from sync_support import keypair, perturbed_states, same_bits, train_states
+from sync_support import keypair, perturbed_states, same_bits, train_states, wait_until
 
 from pulsenet.checkpoint import save_state
 from pulsenet.codec.digest import model_digest
-from pulsenet.errors import ManifestError, ReplayError, SignatureError, VerificationError
+from pulsenet.errors import ManifestError, ReplayError, SignatureError, StoreUnavailable, VerificationError
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store import LocalStore
@@ -28,7 +29,7 @@ from pulsenet.sync import (
     localstate,
 )
 from pulsenet.sync.chain import PayloadCache
-from pulsenet.sync.manifest import sign_manifest, verify_manifest
+from pulsenet.sync.manifest import Head, sign_head, sign_manifest, verify_manifest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -472,6 +473,204 @@ async def test_head_record_alarms_on_deleted_stale_and_replayed_heads(tmp_path: 
     async with Subscriber(store, trusted) as late:
         assert await late.sync_once() == 0
         assert late.stats.head_missing_version == 2 and late.stats.head_alarms == 1
+
+
+# --- conditional polling (issue 23), verified announcements (issue 21), changed tensors (issue 22) ----
+
+
+def _requests(store: LocalStore, before) -> dict[str, int]:
+    d = (store.requests - before).as_dict()
+    return {k: v for k, v in d.items() if v and not k.startswith("bytes")}
+
+
+async def test_idle_poll_is_one_conditional_get_and_no_list(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub, Subscriber(store, trusted) as sub:
+        for s in states[:3]:
+            await pub.publish_now(s)
+        assert await sub.sync_once() == 2
+        before = store.requests.snapshot()
+        for _ in range(5):  # nothing changed: one 304 each, no listing, no byte downloaded
+            assert await sub.sync_once() is None
+        assert _requests(store, before) == {"get_not_modified": 5}
+        assert (store.requests - before).bytes_down == 0
+        assert (sub.stats.idle_polls, sub.stats.listings) == (5, 1)
+        # One version: the head (changed), the listing, the manifest, the patch.
+        await pub.publish_now(states[3])
+        before = store.requests.snapshot()
+        assert await sub.sync_once() == 3
+        assert _requests(store, before) == {"get": 3, "list": 1}
+        # A head refreshed without a new version is read (its ETag moved) but not followed by a listing.
+        await pub.write_head()
+        before = store.requests.snapshot()
+        assert await sub.sync_once() is None
+        assert _requests(store, before) == {"get": 1}
+
+
+async def test_planted_and_stale_heads_are_still_caught_under_conditional_polling(
+    tmp_path: Path, states: list[dict]
+) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    kid = key_id(key.public_key())
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        for s in states[:3]:
+            await pub.publish_now(s)
+        # A head signed an hour ago for the current version: accepted (it is the publisher's), but stale.
+        old = Head(version=2, model_digest=pub.digest, publisher=kid, time_ms=int(time.time() * 1000) - 3_600_000)
+        await store.put(layout.head, sign_head(old, key, context=layout.context))
+        async with Subscriber(store, trusted, SubscriberConfig(head_max_age_s=60)) as sub:
+            assert await sub.sync_once() == 2 and sub.stats.head_stale and sub.stats.head_alarms == 1
+            before = store.requests.snapshot()
+            assert await sub.sync_once() is None  # unchanged (a 304), yet stale: alarm again, and list
+            assert _requests(store, before) == {"get_not_modified": 1, "list": 1}
+            assert sub.stats.head_alarms == 2 and sub.stats.idle_polls == 0
+            await pub.write_head()  # fresh again: idle polls resume
+            await sub.sync_once()
+            before = store.requests.snapshot()
+            assert await sub.sync_once() is None and not sub.stats.head_stale
+            assert _requests(store, before) == {"get_not_modified": 1}
+            alarms = sub.stats.head_alarms
+            # Planted: an unsigned head, then one signed by another key. Refused on every poll (its ETag
+            # is never kept as "unchanged"), each poll then lists; v2 keeps serving.
+            for planted in (b'{"body": {}}', sign_head(dataclasses.replace(old, publisher=key_id((other := keypair()[0]).public_key())), other, context=layout.context)):
+                await store.put(layout.head, planted)
+                for _ in range(2):
+                    before = store.requests.snapshot()
+                    assert await sub.sync_once() is None
+                    assert _requests(store, before) == {"get": 1, "list": 1}
+            assert sub.stats.heads_rejected == 4 and sub.stats.head_alarms == alarms + 4 and sub.version == 2
+            # Planted manifest names cost an idle subscriber nothing and never block the next version.
+            await pub.write_head()
+            await sub.sync_once()
+            await store.put(layout.manifest(999_999_999_999), b"{" * 1000)
+            before = store.requests.snapshot()
+            assert await sub.sync_once() is None and _requests(store, before) == {"get_not_modified": 1}
+            await pub.publish_now(states[3])
+            assert await sub.sync_once() == 3  # the head's version first, the planted name refused
+            await store.delete([layout.manifest(999_999_999_999)])
+            # Deleted head: alarm and list, every poll, until it is back.
+            await store.delete([layout.head])
+            for _ in range(2):
+                before = store.requests.snapshot()
+                await sub.sync_once()
+                assert _requests(store, before) == {"get": 1, "list": 1} and sub.stats.head_stale
+        # A head naming a version whose manifest was deleted is found although the head never changes.
+        await pub.publish_now(states[4])
+        await store.delete([layout.manifest(4)])
+        async with Subscriber(store, trusted) as late:
+            for _ in range(2):
+                assert await late.sync_once() == 3 or late.version == 3
+                assert late.stats.head_missing_version == 4
+            assert late.stats.head_alarms == 2
+
+
+async def test_announced_reports_only_versions_a_verified_manifest_backs(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    kid = key_id(key.public_key())
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        for s in states[:3]:
+            await pub.publish_now(s)
+    async with Subscriber(store, trusted) as sub:
+        assert await sub.announced() == 2 and sub.stats.announced_version == 2 and sub.version is None
+        before = store.requests.snapshot()
+        assert await sub.announced() == 2 and _requests(store, before) == {"get_not_modified": 1}
+        # The trusted trainer's key signs a head for v999999999999 without a manifest behind it.
+        now = int(time.time() * 1000)
+        huge = Head(version=999_999_999_999, model_digest=pub.digest, publisher=kid, time_ms=now)
+        await store.put(layout.head, sign_head(huge, key, context=layout.context))
+        assert await sub.announced() == 2
+        assert sub.stats.announced_unverified == 1
+        # ...then a manifest for it, but the head names another digest than the manifest: still not.
+        m = dataclasses.replace(_manifest(key, 999_999_999_999), model_digest="1" * 64)
+        await store.put(layout.manifest(999_999_999_999), sign_manifest(m, key, context=layout.context))
+        assert await sub.announced() == 2 and sub.stats.announced_unverified == 2
+        # A manifest signed by an untrusted key does not back it either.
+        other, _ = keypair()
+        await store.put(layout.manifest(999_999_999_999), sign_manifest(_manifest(other, 999_999_999_999), other, context=layout.context))
+        assert await sub.announced() == 2 and sub.stats.announced_unverified == 3
+        # The head itself moves on in the polls (alarms), but what the subscriber serves is v2.
+        assert await sub.sync_once() == 2
+        assert sub.stats.head_version == 999_999_999_999 and sub.version == 2
+        assert await sub.announced() == 2  # never below what it serves and verified
+
+
+async def test_update_callback_gets_the_names_of_changed_tensors(tmp_path: Path, states: list[dict]) -> None:
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    base = states[0]
+    names = sorted(base)
+    one, two = names[0], names[-1]
+
+    def bump(state: dict, name: str) -> dict:
+        out = dict(state)
+        out[name] = (state[name].view(torch.int16) + 1).view(torch.bfloat16)
+        return out
+
+    s1 = bump(base, one)
+    s2 = bump(s1, two)
+    s3 = bump(s2, one)
+    seen: list[tuple[int, frozenset[str]]] = []
+
+    async def on_update(version: int, state, digest: str, *, changed: frozenset[str]) -> None:
+        assert model_digest(state) == digest
+        seen.append((version, changed))
+
+    cfg = SubscriberConfig(state_dir=tmp_path / "sub")
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        await pub.publish_now(base)
+        async with Subscriber(store, trusted, cfg, on_update=on_update) as sub:
+            assert await sub.sync_once() == 0  # an anchor: every name
+            await pub.publish_now(s1)
+            assert await sub.sync_once() == 1
+            await pub.publish_now(s2)
+            await pub.publish_now(s3)
+            assert await sub.sync_once() == 3  # two patches at once: the union
+            assert sub.stats.last_changed == 2
+        assert seen == [(0, frozenset(names)), (1, frozenset({one})), (3, frozenset({one, two}))]
+        seen.clear()
+        async with Subscriber(store, trusted, cfg, on_update=on_update):  # resumed from disk: every name
+            assert seen == [(3, frozenset(names))]
+    plain: list[int] = []
+    async with Subscriber(store, trusted, on_update=lambda v, state, digest: plain.append(v)) as old_style:
+        assert await old_style.sync_once() == 3 and plain == [3]  # a callback without ``changed``
+
+
+async def test_publisher_rewrites_a_head_whose_write_failed(tmp_path: Path, states: list[dict]) -> None:
+    store = FlakyHeadStore(tmp_path / "store")
+    key, trusted = keypair()
+    layout = Layout("policy", store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=100, retry_backoff_s=0.05)) as pub:
+        await pub.publish_now(states[0])
+        store.fail_head = 2
+        await pub.publish_now(states[1])  # the manifest lands, its head write fails
+        async with Subscriber(store, trusted) as sub:
+            await wait_until(lambda: store.fail_head == 0, 10, "two failed head writes")
+            await wait_until(lambda: not pub._head_due, 10, "the worker to rewrite the head")
+            assert verify_head_version(await store.get(layout.head), trusted, layout) == 1
+            assert await sub.sync_once() == 1
+
+
+class FlakyHeadStore(LocalStore):
+    """A LocalStore whose next ``fail_head`` writes of a head record fail as an outage would."""
+
+    fail_head = 0
+
+    async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
+        if key.endswith("head.json") and self.fail_head > 0:
+            self.fail_head -= 1
+            raise StoreUnavailable("injected outage")
+        await super()._put(key, data, if_none_match)
+
+
+def verify_head_version(data: bytes, trusted, layout: Layout) -> int:
+    from pulsenet.sync.manifest import verify_head
+
+    return verify_head(data, trusted, context=layout.context).version
 
 
 async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, states: list[dict]) -> None:

@@ -10,19 +10,34 @@ import re
 import urllib.parse
 
 from pulsenet.errors import ConfigError
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key
+from pulsenet.store.base import (
+    REQUEST_KINDS,
+    ByteRange,
+    Fetched,
+    ObjectInfo,
+    ObjectStore,
+    RequestCounts,
+    StoreHealth,
+    backoff_delay,
+    check_key,
+)
 from pulsenet.store.local import LocalStore
 from pulsenet.store.ratelimit import RateLimiter
 from pulsenet.store.s3 import S3Config, S3Store
 
 __all__ = [
+    "REQUEST_KINDS",
     "ByteRange",
+    "Fetched",
     "LocalStore",
     "ObjectInfo",
     "ObjectStore",
     "RateLimiter",
+    "RequestCounts",
     "S3Config",
     "S3Store",
+    "StoreHealth",
+    "backoff_delay",
     "open_store",
 ]
 

@@ -6,6 +6,10 @@ implement the underscored methods and never deal with deadlines themselves.
 
 Keys are ``/``-separated, relative to the store URL's prefix, and never contain empty, ``.`` or ``..``
 segments, so the same key names the same object on S3 and in a local directory.
+
+Every store counts what it sends (``requests``: :class:`RequestCounts`, by billing class) and how
+reachable the server is (``health``: :class:`StoreHealth`); both are plain dataclasses a node reads
+for ``/metrics`` and ``/healthz``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import contextlib
 import dataclasses
 import datetime as dt
 import os
+import random
+import time
 from collections.abc import AsyncIterator, Iterable
 from types import TracebackType
 from typing import Self
@@ -38,6 +44,116 @@ class ObjectInfo:
     """Opaque change marker, without quotes. On S3 the server's ETag; locally mtime and size."""
     last_modified: dt.datetime
     """Timezone-aware (UTC)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fetched:
+    """An object's bytes and the ETag they came with (``get_if_changed``)."""
+
+    data: bytes
+    etag: str
+    """Without quotes; pass it back to ``get_if_changed`` to ask "has it changed since?"."""
+
+
+@dataclasses.dataclass(slots=True)
+class RequestCounts:
+    """Requests a store sent, by the class an object store bills them in, and the bytes moved.
+
+    S3: one count per HTTP request, so every retry, listing page, multipart part and ``get_file``
+    range counts (what the bill and the per-prefix rate limits see). ``file://``: one per call (a
+    delete of more than 1000 keys counts one per 1000, as on S3). Mutated in place by the store on
+    its event loop; read it with :meth:`snapshot` / :meth:`as_dict`, subtract snapshots for a delta.
+    """
+
+    get: int = 0
+    """GETs that returned a body (whole objects, ranges, conditional GETs that found a change)."""
+    get_not_modified: int = 0
+    """Conditional GETs answered 304 Not Modified: no body (``get_if_changed`` on an unchanged ETag)."""
+    head: int = 0
+    list: int = 0
+    """ListObjectsV2 pages."""
+    put: int = 0
+    """PutObject, and each CreateMultipartUpload, UploadPart and CompleteMultipartUpload."""
+    delete: int = 0
+    """DeleteObjects requests (up to 1000 keys each)."""
+    bytes_down: int = 0
+    """Body bytes received (the store's egress, what S3 bills per GB out)."""
+    bytes_up: int = 0
+    """Body bytes sent (retries included)."""
+
+    def snapshot(self) -> RequestCounts:
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @property
+    def requests(self) -> int:
+        """All requests, of every kind."""
+        return self.get + self.get_not_modified + self.head + self.list + self.put + self.delete
+
+    def __sub__(self, other: RequestCounts) -> RequestCounts:
+        return RequestCounts(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self)})
+
+
+REQUEST_KINDS = ("get", "get_not_modified", "head", "list", "put", "delete")
+"""The request kinds of :class:`RequestCounts`, in the order ``/metrics`` lists them."""
+
+
+@dataclasses.dataclass(slots=True)
+class StoreHealth:
+    """Whether the server answers: updated by the store after every request, read by the node.
+
+    A request *answered* is any response from the server, a 404 or 403 included; a *failure* is one
+    that got no usable answer (connection refused or reset, timeout, 5xx, throttling) or a call whose
+    deadline passed. Times are ``time.time()``.
+    """
+
+    last_ok: float | None = None
+    """When the server last answered."""
+    last_failure: float | None = None
+    consecutive_failures: int = 0
+    """Failed requests since the last answer (0: reachable)."""
+    failures: int = 0
+    """Failed requests in all."""
+    last_error: str | None = None
+    """The last failure, ``Type: message`` (bounded)."""
+
+    def ok(self) -> None:
+        self.last_ok = time.time()
+        self.consecutive_failures = 0
+
+    def failed(self, e: BaseException) -> None:
+        self.last_failure = time.time()
+        self.consecutive_failures += 1
+        self.failures += 1
+        self.last_error = f"{type(e).__name__}: {e}"[:500]
+
+    def degraded(self, now: float | None = None) -> str | None:
+        """None while the last request was answered, else why (for ``/healthz``)."""
+        if self.consecutive_failures == 0:
+            return None
+        now = time.time() if now is None else now
+        since = f"{now - self.last_ok:.1f} s ago" if self.last_ok is not None else "never"
+        return (
+            f"store unreachable: {self.consecutive_failures} failed requests in a row, last answer {since}; "
+            f"last error {self.last_error}"
+        )
+
+    def snapshot(self) -> StoreHealth:
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float, rng: random.Random | None = None) -> float:
+    """Seconds to wait before retry ``attempt + 1`` (0-based): "full jitter", uniform in
+    ``[0, min(cap_s, base_s * 2**attempt)]`` (AWS Architecture Blog, "Exponential Backoff And
+    Jitter"), so clients that lost the store at the same moment do not come back in lockstep. The one
+    backoff rule of the store and of the retry loops above it."""
+    bound = min(cap_s, base_s * 2 ** min(attempt, 62))
+    return (rng or random).uniform(0, bound)
 
 
 def check_key(key: str) -> str:
@@ -82,6 +198,12 @@ class ObjectStore(abc.ABC):
     """Deadline for small calls (put, get, head, list, delete) when ``timeout`` is None."""
     transfer_timeout: float | None = None
     """Deadline for ``put_file``/``get_file`` when ``timeout`` is None; None: bounded per request only."""
+
+    def __init__(self) -> None:
+        self.requests = RequestCounts()
+        """What this store sent, by kind (see :class:`RequestCounts`)."""
+        self.health = StoreHealth()
+        """Whether its server answers (see :class:`StoreHealth`)."""
 
     @property
     @abc.abstractmethod
@@ -146,6 +268,24 @@ class ObjectStore(abc.ABC):
         if limit is not None and len(data) > limit:  # the backends stop early; this is the contract
             raise ObjectTooLarge(f"{key!r} in {self.url} is over the {limit}-byte limit")
         return data
+
+    async def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None, timeout: float | None = None
+    ) -> Fetched | None:
+        """The object and its ETag, or None if its ETag still equals ``etag`` (nothing is read).
+
+        On S3 this is one GET with ``If-None-Match``: an unchanged object costs a 304 with no body
+        (counted as ``get_not_modified``). ``etag=None`` is a plain GET that also returns the ETag.
+        A missing key raises :class:`~pulsenet.errors.ObjectNotFound`; ``max_bytes`` as in :meth:`get`.
+        This is how pollers watch one small object (a signed head) for the price of a 304.
+        """
+        check_key(key)
+        limit = _check_limit(max_bytes)
+        async with self._deadline("get", key, timeout):
+            got = await self._get_if_changed(key, etag.strip('"') if etag else None, limit)
+        if got is not None and limit is not None and len(got.data) > limit:
+            raise ObjectTooLarge(f"{key!r} in {self.url} is over the {limit}-byte limit")
+        return got
 
     async def get_file(
         self,
@@ -222,6 +362,10 @@ class ObjectStore(abc.ABC):
         """May return up to ``max_bytes + 1`` bytes (the caller raises) or raise ObjectTooLarge itself."""
 
     @abc.abstractmethod
+    async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
+        """None when the object's ETag is ``etag``; may return ``max_bytes + 1`` bytes, like ``_get``."""
+
+    @abc.abstractmethod
     async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
         """Must raise ObjectTooLarge before writing ``path`` when the object exceeds ``max_bytes``."""
 
@@ -250,4 +394,6 @@ class ObjectStore(abc.ABC):
         except TimeoutError as e:
             if not deadline.expired() or isinstance(e, StoreTimeout):
                 raise
-            raise StoreTimeout(f"{op} {key!r} on {self.url} did not finish within {timeout:g} s") from e
+            err = StoreTimeout(f"{op} {key!r} on {self.url} did not finish within {timeout:g} s")
+            self.health.failed(err)  # a hung server answers nothing: no request of ours records it
+            raise err from e

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import errno
+import math
 import os
 import secrets
 import stat
@@ -27,7 +28,7 @@ from typing import TypeVar
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ConditionFailed, ObjectNotFound, ObjectTooLarge, StoreError
 from pulsenet.fsutil import fsync_path
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, check_key, too_large
+from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, check_key, too_large
 from pulsenet.store.ratelimit import RateLimiter, charge
 
 T = TypeVar("T")
@@ -49,6 +50,7 @@ class LocalStore(ObjectStore):
         default_timeout: float | None = SMALL_CALL_S,
         transfer_timeout: float | None = None,
     ) -> None:
+        super().__init__()
         self.root = Path(root).absolute()
         self.root.mkdir(parents=True, exist_ok=True)
         self.default_timeout = default_timeout
@@ -67,29 +69,48 @@ class LocalStore(ObjectStore):
 
     async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
         dest = self._path(key)
+        self.requests.put += 1
         await charge(self._up, len(data))
+        self.requests.bytes_up += len(data)
         await self._io("put", key, self._write_whole, dest, data, if_none_match)
 
     async def _put_file(self, key: str, path: str, if_none_match: bool) -> int:
         dest = self._path(key)
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)  # a missing source is the caller's OSError
-        return await self._copy("put_file", key, fd, dest, self._up, if_none_match)
+        self.requests.put += 1
+        return await self._copy("put_file", key, fd, dest, False, if_none_match)
 
     async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
+        self.requests.get += 1
         data = await self._io("get", key, _read, self._path(key), byte_range, max_bytes, reading=True)
-        await charge(self._down, len(data))
+        await self._received(len(data))
         return data
 
+    async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
+        try:
+            got = await self._io("get", key, _read_if_changed, self._path(key), etag, max_bytes, reading=True)
+        except BaseException:
+            self.requests.get += 1  # answered with an error (a missing key) or not at all
+            raise
+        if got is None:
+            self.requests.get_not_modified += 1
+            return None
+        self.requests.get += 1
+        await self._received(len(got.data))
+        return got
+
     async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
+        self.requests.get += 1
         fd = await self._io("get_file", key, _open_file, self._path(key), reading=True)
         try:
             too_large(key, os.fstat(fd).st_size, max_bytes, self.url)
         except ObjectTooLarge:
             os.close(fd)
             raise
-        return await self._copy("get_file", key, fd, Path(path).absolute(), self._down, False, max_bytes)
+        return await self._copy("get_file", key, fd, Path(path).absolute(), True, False, max_bytes)
 
     async def _head(self, key: str) -> ObjectInfo:
+        self.requests.head += 1
         st = await self._io("head", key, os.stat, self._path(key), reading=True)
         if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFound(f"{key!r} not found in {self.url}")
@@ -99,10 +120,12 @@ class LocalStore(ObjectStore):
         directory = prefix.rpartition("/")[0]
         if directory:
             check_key(directory)  # keeps ".." from walking out of the root
+        self.requests.list += 1
         return await self._io("list", prefix, self._walk, self.root / directory, prefix)
 
     async def _delete(self, keys: list[str]) -> None:
         paths = [self._path(k) for k in keys]
+        self.requests.delete += math.ceil(len(keys) / 1000)  # as S3's DeleteObjects batches
         await self._io("delete", f"{len(keys)} keys", _unlink_all, paths)
 
     # --- helpers ----------------------------------------------------------------------------
@@ -112,19 +135,34 @@ class LocalStore(ObjectStore):
             raise ValueError(f"object key {key!r} uses the reserved name prefix {TMP_PREFIX!r}")
         return self.root.joinpath(*key.split("/"))
 
+    async def _received(self, nbytes: int) -> None:
+        await charge(self._down, nbytes)
+        self.requests.bytes_down += nbytes
+
     async def _io(self, op: str, key: str, fn: Callable[..., T], *args: object, reading: bool = False) -> T:
         """Run blocking file I/O in a thread and turn OS errors into the store's typed errors.
 
         ``reading``: the call opens the object itself, so a missing path means a missing key.
+        A missing key is an answer (health stays ok); any other OS error is a failure.
         """
         try:
-            return await asyncio.to_thread(fn, *args)
+            result = await asyncio.to_thread(fn, *args)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as e:
             if reading:
+                self.health.ok()
                 raise ObjectNotFound(f"{key!r} not found in {self.url}") from e
-            raise StoreError(f"{op} {key!r} in {self.url}: {e}") from e
+            err: StoreError = StoreError(f"{op} {key!r} in {self.url}: {e}")
+            self.health.failed(err)
+            raise err from e
+        except StoreError:  # ConditionFailed, ObjectTooLarge: answers, not faults
+            self.health.ok()
+            raise
         except OSError as e:
-            raise StoreError(f"{op} {key!r} in {self.url}: {e}") from e
+            err = StoreError(f"{op} {key!r} in {self.url}: {e}")
+            self.health.failed(err)
+            raise err from e
+        self.health.ok()
+        return result
 
     @staticmethod
     def _write_whole(dest: Path, data: bytes, if_none_match: bool) -> None:
@@ -143,7 +181,7 @@ class LocalStore(ObjectStore):
         key: str,
         fd: int,
         dest: Path,
-        limiter: RateLimiter | None,
+        download: bool,
         if_none_match: bool,
         max_bytes: int | None = None,
     ) -> int:
@@ -159,7 +197,11 @@ class LocalStore(ObjectStore):
             tmp = await self._io(op, key, new_tmp_file, dest.parent)
             offset = 0
             while chunk := await self._io(op, key, os.pread, fd, CHUNK, offset):
-                await charge(limiter, len(chunk))
+                if download:
+                    await self._received(len(chunk))
+                else:
+                    await charge(self._up, len(chunk))
+                    self.requests.bytes_up += len(chunk)
                 await self._io(op, key, write_at, tmp, offset, chunk)
                 offset += len(chunk)
                 too_large(key, offset, max_bytes, self.url)  # the source grew after the check
@@ -220,6 +262,19 @@ def _read(path: Path, byte_range: ByteRange | None, max_bytes: int | None) -> by
         if byte_range is None and max_bytes is None:
             return f.read()
         return os.pread(f.fileno(), length if max_bytes is None else min(length, max_bytes + 1), start)
+
+
+def _read_if_changed(path: Path, etag: str | None, max_bytes: int | None) -> Fetched | None:
+    """The file and its ETag (from the same open descriptor, so they match), or None if unchanged."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "not an object", str(path))
+        tag = _info("", st).etag
+        if tag == etag:
+            return None
+        too_large(str(path), st.st_size, max_bytes, "a local store")
+        return Fetched(f.read(st.st_size if max_bytes is None else min(st.st_size, max_bytes + 1)), tag)
 
 
 def new_tmp_file(directory: Path) -> Path:

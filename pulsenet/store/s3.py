@@ -2,9 +2,12 @@
 
 boto3 is synchronous, so every call runs in this store's own thread pool (sized to its transfer
 concurrency, unlike the loop's default executor) and the event loop never blocks. botocore's own
-retries are off: one retry loop here, with exponential backoff and jitter, retries transient failures
-(5xx, throttling, dropped connections, timeouts) and never a 4xx or a cancellation. The whole call,
-backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``).
+retries are off: one retry loop here, with exponential backoff and full jitter, retries transient
+failures (5xx, throttling, dropped connections, timeouts) and never a 4xx that means "no" or a
+cancellation; when they are exhausted the call raises StoreUnavailable or StoreTimeout. The whole
+call, backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``). Every request is
+counted (``requests``) and its outcome recorded (``health``), so a node sees an outage as it
+happens, not only when a call gives up.
 
 Multipart uploads and ranged parallel downloads are done here rather than by boto3's TransferManager:
 s3transfer cannot send ``If-None-Match`` with CompleteMultipartUpload, and its worker threads ignore
@@ -26,7 +29,6 @@ import hashlib
 import logging
 import math
 import os
-import random
 import re
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -48,7 +50,7 @@ from pulsenet.errors import (
     StoreTimeout,
     StoreUnavailable,
 )
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore, too_large
+from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, backoff_delay, too_large
 from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
 from pulsenet.store.ratelimit import RateLimiter, charge
 
@@ -96,8 +98,9 @@ class S3Config:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
     """Per request: how long a socket may stay silent."""
-    max_retries: int = 6
-    """Retries after the first attempt; with the default backoff they span about 3-6 s."""
+    max_retries: int = 8
+    """Retries after the first attempt; with the default backoff they wait 8 s on average (16 s at
+    most) before StoreUnavailable, and the call's deadline (``timeout_s``) caps them anyway."""
     backoff_base_s: float = 0.1
     backoff_cap_s: float = 5.0
     multipart_threshold: int = 16 * MiB
@@ -150,6 +153,7 @@ class S3Store(ObjectStore):
     """Objects under ``s3://bucket/prefix``; keys are relative to the prefix."""
 
     def __init__(self, bucket: str, prefix: str = "", config: S3Config | None = None) -> None:
+        super().__init__()
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.config = config = config or S3Config()
@@ -204,13 +208,13 @@ class S3Store(ObjectStore):
         async def once() -> None:
             nonlocal attempts
             attempts += 1
-            await charge(self._up, len(data))
+            await self._sent(len(data))
             await self._run(
                 self._client.put_object, Bucket=self.bucket, Key=self._full(key), Body=data, **extra
             )
 
         try:
-            await self._call("put", key, once, conditional=if_none_match)
+            await self._call("put", key, once, kind="put", conditional=if_none_match)
         except ConditionFailed:
             if attempts > 1 and await self._is_ours(
                 key, hashlib.md5(data, usedforsecurity=False).hexdigest()
@@ -228,9 +232,26 @@ class S3Store(ObjectStore):
 
     async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
         async def once() -> bytes:
-            data = await self._run(self._get_body, self._full(key), byte_range, None, max_bytes)
-            await charge(self._down, len(data))
-            return data
+            got = await self._run(self._get_body, self._full(key), byte_range, max_bytes=max_bytes)
+            assert got is not None  # only a conditional GET answers 304
+            await self._received(len(got.data))
+            return got.data
+
+        return await self._call("get", key, once, kind="get")
+
+    async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
+        async def once() -> Fetched | None:
+            try:
+                got = await self._run(self._get_body, self._full(key), None, max_bytes=max_bytes, if_none_match=etag)
+            except BaseException:
+                self.requests.get += 1  # sent, answered with an error or not at all
+                raise
+            if got is None:
+                self.requests.get_not_modified += 1
+                return None
+            self.requests.get += 1
+            await self._received(len(got.data))
+            return got
 
         return await self._call("get", key, once)
 
@@ -250,11 +271,12 @@ class S3Store(ObjectStore):
                     # If-Match pins every range to the version we HEADed: a concurrent overwrite fails
                     # the download (ConditionFailed) instead of stitching two versions together.
                     async def once() -> bytes:
-                        data = await self._run(self._get_body, self._full(key), byte_range, info.etag or None)
-                        await charge(self._down, len(data))
-                        return data
+                        got = await self._run(self._get_body, self._full(key), byte_range, if_match=info.etag or None)
+                        assert got is not None
+                        await self._received(len(got.data))
+                        return got.data
 
-                    data = await self._call("get_file", key, once)
+                    data = await self._call("get_file", key, once, kind="get")
                     if len(data) != byte_range[1] - byte_range[0]:
                         raise StoreError(f"get_file {key!r}: range {byte_range} returned {len(data)} bytes")
                     # By path, not a shared descriptor: see LocalStore._copy for why.
@@ -272,7 +294,7 @@ class S3Store(ObjectStore):
         async def once() -> dict[str, Any]:
             return await self._run(self._client.head_object, Bucket=self.bucket, Key=self._full(key))
 
-        resp = await self._call("head", key, once)
+        resp = await self._call("head", key, once, kind="head")
         return ObjectInfo(
             key=key,
             size=resp["ContentLength"],
@@ -292,7 +314,7 @@ class S3Store(ObjectStore):
             async def once(kwargs: dict[str, Any] = kwargs) -> dict[str, Any]:
                 return await self._run(self._client.list_objects_v2, **kwargs)
 
-            page = await self._call("list", prefix, once)
+            page = await self._call("list", prefix, once, kind="list")
             for obj in page.get("Contents", []):
                 infos.append(
                     ObjectInfo(
@@ -316,7 +338,7 @@ class S3Store(ObjectStore):
                     self._client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
 
-            resp = await self._call("delete", f"{len(batch)} keys", once)
+            resp = await self._call("delete", f"{len(batch)} keys", once, kind="delete")
             # DeleteObjects answers 200 even when keys fail; missing keys are not failures.
             errors = [e for e in resp.get("Errors", []) if e.get("Code") != "NoSuchKey"]
             if errors:
@@ -339,7 +361,7 @@ class S3Store(ObjectStore):
                 self._client.create_multipart_upload, Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"
             )
 
-        upload_id = (await self._call("put_file", key, create))["UploadId"]
+        upload_id = (await self._call("put_file", key, create, kind="put"))["UploadId"]
         parts: list[dict[str, str | int]] = [{} for _ in range(n_parts)]
         gate = asyncio.Semaphore(self.config.max_concurrency)
         fd = await asyncio.to_thread(os.open, path, os.O_RDONLY)
@@ -350,7 +372,7 @@ class S3Store(ObjectStore):
                     data = await asyncio.to_thread(os.pread, fd, chunk, i * chunk)
 
                     async def once() -> dict[str, Any]:
-                        await charge(self._up, len(data))
+                        await self._sent(len(data))
                         return await self._run(
                             self._client.upload_part,
                             Bucket=self.bucket,
@@ -361,7 +383,7 @@ class S3Store(ObjectStore):
                             ChecksumAlgorithm="CRC32",
                         )
 
-                    resp = await self._call("put_file", key, once)
+                    resp = await self._call("put_file", key, once, kind="put")
                     parts[i] = {"PartNumber": i + 1, "ETag": resp["ETag"]}
                     if "ChecksumCRC32" in resp:
                         parts[i]["ChecksumCRC32"] = resp["ChecksumCRC32"]
@@ -384,7 +406,7 @@ class S3Store(ObjectStore):
                 )
 
             try:
-                await self._call("put_file", key, complete, conditional=if_none_match)
+                await self._call("put_file", key, complete, kind="put", conditional=if_none_match)
             except (ConditionFailed, ObjectNotFound):
                 # A completion that landed but whose response was lost is retried, and the retry is
                 # told NoSuchUpload (404: the upload id was consumed) or, create-only, that the key
@@ -429,45 +451,84 @@ class S3Store(ObjectStore):
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
     def _get_body(
-        self, full_key: str, byte_range: ByteRange | None, etag: str | None, max_bytes: int | None = None
-    ) -> bytes:
+        self,
+        full_key: str,
+        byte_range: ByteRange | None,
+        *,
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+        max_bytes: int | None = None,
+    ) -> Fetched | None:
         """GET and read the body in the worker thread (reading is blocking I/O too).
 
-        With ``max_bytes`` an over-long body is refused from its Content-Length and never read past
-        ``max_bytes + 1`` bytes (a server may lie about the length)."""
+        ``if_match`` pins the object's ETag (412 otherwise); ``if_none_match`` makes an unchanged
+        object answer 304, returned as None. With ``max_bytes`` an over-long body is refused from its
+        Content-Length and never read past ``max_bytes + 1`` bytes (a server may lie about the length)."""
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": full_key}
         if byte_range is not None:
             kwargs["Range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
-        if etag is not None:
-            kwargs["IfMatch"] = f'"{etag}"'
+        if if_match is not None:
+            kwargs["IfMatch"] = f'"{if_match}"'
+        if if_none_match is not None:
+            kwargs["IfNoneMatch"] = f'"{if_none_match}"'
         try:
             resp = self._client.get_object(**kwargs)
         except bex.ClientError as e:
+            if if_none_match is not None and _status(e) == 304:
+                return None  # botocore raises on 304 Not Modified: the object is unchanged
             if byte_range is not None and _status(e) == 416:
-                return b""  # start at or past the end: slice semantics, like LocalStore
+                return Fetched(b"", "")  # start at or past the end: slice semantics, like LocalStore
             raise
+        etag = str(resp.get("ETag", "")).strip('"')
         with resp["Body"] as body:
             if max_bytes is None:
-                return body.read()
+                return Fetched(body.read(), etag)
             too_large(full_key, int(resp.get("ContentLength") or 0), max_bytes, f"bucket {self.bucket}")
-            return body.read(max_bytes + 1)
+            return Fetched(body.read(max_bytes + 1), etag)
+
+    async def _sent(self, nbytes: int) -> None:
+        await charge(self._up, nbytes)
+        self.requests.bytes_up += nbytes
+
+    async def _received(self, nbytes: int) -> None:
+        await charge(self._down, nbytes)
+        self.requests.bytes_down += nbytes
 
     async def _call(
-        self, op: str, key: str, once: Callable[[], Awaitable[T]], *, conditional: bool = False
+        self,
+        op: str,
+        key: str,
+        once: Callable[[], Awaitable[T]],
+        *,
+        kind: str | None = None,
+        conditional: bool = False,
     ) -> T:
-        """Run ``once`` until it succeeds, retrying transient failures with backoff and jitter."""
+        """Run ``once`` until it succeeds, retrying transient failures with backoff and jitter.
+
+        Each attempt is one request: counted under ``kind`` (None: ``once`` counts itself) and
+        recorded in ``health`` (any answer from the server is ok, a transient failure is not)."""
         attempt = 0
         while True:
+            if kind is not None:
+                setattr(self.requests, kind, getattr(self.requests, kind) + 1)
             try:
-                return await once()
+                result = await once()
             except (bex.ClientError, bex.BotoCoreError) as e:
-                if not _is_transient(e) or attempt >= self.config.max_retries:
+                transient = _is_transient(e)
+                if transient:
+                    self.health.failed(e)
+                else:
+                    self.health.ok()  # a 4xx is an answer
+                if not transient or attempt >= self.config.max_retries:
                     raise self._typed(e, op, key, conditional, attempt + 1) from e
-                # "Equal jitter": at least half the exponential delay, so a restarting server gets
-                # time to come back, and the rest random, so clients don't retry in lockstep.
-                delay = min(self.config.backoff_cap_s, self.config.backoff_base_s * 2**attempt)
-                delay = delay / 2 + random.uniform(0, delay / 2)
+                # "Full jitter" (AWS Architecture Blog, "Exponential Backoff And Jitter"): a uniform
+                # draw below the exponential bound, so a thousand nodes that lost the store at the
+                # same moment do not come back in lockstep. The bound doubles to backoff_cap_s.
+                delay = backoff_delay(attempt, self.config.backoff_base_s, self.config.backoff_cap_s)
                 log.debug("%s %s: %s; retry %d in %.2f s", op, key, e, attempt + 1, delay)
+            else:
+                self.health.ok()
+                return result
             await asyncio.sleep(delay)
             attempt += 1
 

@@ -319,11 +319,14 @@ class SeaweedServer:
         )
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``)."""
+        """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``).
+
+        A paused server (``pause``) is continued right after the SIGTERM so it can act on it."""
         proc, self._proc = self._proc, None
         atexit.unregister(self.stop)
         if proc is not None and proc.poll() is None:
             signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGCONT)
             try:
                 proc.wait(self.stop_grace_s)
             except subprocess.TimeoutExpired:
@@ -334,9 +337,39 @@ class SeaweedServer:
             self._log = None
 
     def restart(self) -> None:
-        """Stop and start again on the same directory and ports (objects and keys survive)."""
+        """Stop (SIGTERM, SIGKILL after ``stop_grace_s``) and start again on the same directory,
+        ports and identities, waiting until S3 answers and can write (objects and keys survive).
+
+        Also what a supervisor calls after the server died on its own (``running`` is False): the
+        dead process is reaped and a new one started. Raises StoreUnavailable or StoreTimeout if
+        the new one does not come up (the log tail is in the message); the caller backs off and
+        retries."""
         self.stop()
         self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP the server: connections hang, nothing answers (a stalled store, for fault tests)."""
+        if self._proc is None or self._proc.poll() is not None:
+            raise StoreError("SeaweedServer is not running")
+        signal_group(self._proc, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server: it answers again, with what it held."""
+        if self._proc is not None:
+            signal_group(self._proc, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """SIGKILL the server and reap it, as a crash would; ``start``/``restart`` bring it back on
+        the same directory, ports and identities."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            signal_group(proc, signal.SIGKILL)
+            proc.wait()
+
+    @property
+    def exit_code(self) -> int | None:
+        """The server's exit status once it has exited on its own (or been killed), else None."""
+        return self._proc.poll() if self._proc is not None else None
 
     def close(self) -> None:
         """Stop, and delete the data directory if this server created it."""

@@ -30,7 +30,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
-from pulsenet.signed import ObjectRef, fetch_document, fetch_file, fetch_unverified
+from pulsenet.signed import ObjectRef, fetch_document, fetch_document_if_changed, fetch_file, fetch_unverified
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
 from pulsenet.sync.layout import Layout
@@ -102,12 +102,13 @@ class ManifestReader:
         return out
 
     async def get(
-        self, version: int, *, current: int | None = None, info: ObjectInfo | None = None
+        self, version: int, *, current: int | None = None, info: ObjectInfo | None = None, cache: bool = True
     ) -> Manifest:
         """The verified manifest at ``version``: ObjectNotFound, ManifestError, SignatureError, or
         ReplayError when ``current`` is given and the manifest is not newer than it.
 
         ``info``: the listing entry; an object listed over ``max_bytes`` is refused unread.
+        ``cache=False``: don't keep it (a look-ahead that must not grow the cache).
         """
         m = self._cache.get(version)
         if m is None:
@@ -121,7 +122,8 @@ class ManifestReader:
                 listed_size=info.size if info is not None else None,
             )
             m = manifest_from(signed, key_version=version, current=current)
-            self._cache[version] = m
+            if cache:
+                self._cache[version] = m
         if current is not None and m.version <= current:
             raise ReplayError(
                 f"manifest v{m.version} is not newer than the current v{current}: replay ignored"
@@ -139,6 +141,20 @@ class ManifestReader:
             timeout=self.timeout_s,
         )
         return head_from(signed)
+
+    async def head_if_changed(self, etag: str | None) -> tuple[Head, str] | None:
+        """The verified head record and its ETag, or None while its ETag is still ``etag`` (one
+        conditional GET: a 304 with no body). Errors as :meth:`head`."""
+        got = await fetch_document_if_changed(
+            self.store,
+            self.layout.head,
+            self.trusted,
+            etag=etag,
+            context=self.layout.context,
+            max_bytes=MAX_HEAD,
+            timeout=self.timeout_s,
+        )
+        return None if got is None else (head_from(got.signed), got.etag)
 
     async def peek(self, version: int, *, info: ObjectInfo | None = None) -> Manifest:
         """The manifest at ``version`` parsed but NOT verified (``pulsenet ls`` without keys): never
@@ -305,6 +321,7 @@ async def rebuild(
     parallel: int = 4,
     bad: set[str] | None = None,
     timings: dict[str, float] | None = None,
+    changed: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights.
 
@@ -313,7 +330,9 @@ async def rebuild(
     weights against the manifest's model digest. A payload found missing or wrong is added to
     ``bad`` and the error raised: ObjectNotFound or VerificationError. Transient store errors
     propagate as they are (the payload is not to blame). ``timings`` receives ``download_s`` and
-    ``apply_s`` (decode + verify).
+    ``apply_s`` (decode + verify). ``changed`` receives the names of the tensors the path may have
+    changed relative to ``base``: every name for an anchor path, else those the patches rewrite
+    (op ``full`` or ``sparse``), add or remove; a patch's ``keep`` tensors are the base's own.
     """
     bad = bad if bad is not None else set()
     gate = asyncio.Semaphore(max(1, parallel))
@@ -339,7 +358,7 @@ async def rebuild(
     for step, task in zip(path.steps, tasks, strict=True):
         m = step.manifest
         try:
-            state = await asyncio.to_thread(_apply, state, digest, step, task.result(), threads)
+            state = await asyncio.to_thread(_apply, state, digest, step, task.result(), threads, changed)
         except (PatchError, VerificationError) as e:
             bad.add(step.payload.key)
             raise VerificationError(f"v{m.version} {step.role} payload {step.payload.key}: {e}") from e
@@ -349,11 +368,17 @@ async def rebuild(
     return dict(state)
 
 
-def _apply(state: StateDict, digest: str | None, step: Step, data: bytes, threads: int) -> dict:
-    """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest."""
+def _apply(
+    state: StateDict, digest: str | None, step: Step, data: bytes, threads: int, changed: set[str] | None = None
+) -> dict:
+    """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest;
+    adds the names it rewrites to ``changed``."""
     m = step.manifest
     expect_base = EMPTY_DIGEST if step.role == "anchor" else m.base_digest
     patch = parse_patch(data)
+    if changed is not None:
+        changed.update(e.name for e in patch.tensors if e.op != "keep" or e.name not in state)
+        changed.update(patch.removed)
     if digest != expect_base or patch.base_digest != expect_base:
         raise VerificationError(
             f"base mismatch: we hold {str(digest)[:16]}…, the manifest expects {str(expect_base)[:16]}…, "

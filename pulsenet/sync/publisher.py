@@ -52,7 +52,7 @@ from pulsenet.errors import (
 )
 from pulsenet.signed import ObjectRef, fetch_document
 from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ObjectStore, backoff_delay
 from pulsenet.sync.chain import (
     EMPTY_DIGEST,
     ChainPath,
@@ -108,9 +108,10 @@ class PublisherConfig:
     spool_dir: Path | None = None
     """Where spooled payloads go; None: the system temp dir."""
     retry_backoff_s: float = 0.5
-    """First wait after a failed upload (the store was unreachable); doubles per failure."""
+    """Bound of the first wait after a failed upload (the store was unreachable); doubles per
+    failure, each wait drawn uniformly below it (``store.backoff_delay``, full jitter)."""
     retry_backoff_cap_s: float = 10.0
-    """Longest wait between upload attempts."""
+    """Largest bound of a wait between upload attempts."""
 
     def __post_init__(self) -> None:
         if (
@@ -235,6 +236,10 @@ class Publisher:
         self._busy = False
         self._error: BaseException | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._head_lock = asyncio.Lock()  # head writes in order: a late one never lands over a newer head
+        self._head_due = False
+        """The head does not name ``self.version`` yet (its write failed): ``_head_retry`` rewrites it."""
+        self._head_retry: asyncio.Task[None] | None = None
 
     @property
     def state(self) -> dict[str, torch.Tensor] | None:
@@ -250,6 +255,10 @@ class Publisher:
         digest, ManifestError if they differ); otherwise they are rebuilt from the store.
         """
         await self.resume(state)
+        if self.version is not None:
+            # A crash between a manifest and its head leaves the head behind, and following
+            # subscribers look for new versions only when the head moves.
+            await self.write_head()
         if self._worker is None:
             self._worker = asyncio.create_task(self._run(), name=f"pulsenet-publisher-{self.layout.channel}")
 
@@ -259,11 +268,7 @@ class Publisher:
             if self._worker is not None and not self._worker.done():
                 await self.flush(timeout=flush_timeout)
         finally:
-            if self._worker is not None:
-                self._worker.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._worker
-                self._worker = None
+            await self._stop_tasks()
 
     async def __aenter__(self) -> Publisher:
         await self.start()
@@ -273,11 +278,15 @@ class Publisher:
         if et is None:
             await self.close()
         else:  # don't wait on uploads when the caller is failing or being cancelled
-            if self._worker is not None:
-                self._worker.cancel()
+            await self._stop_tasks()
+
+    async def _stop_tasks(self) -> None:
+        for task in (self._worker, self._head_retry):
+            if task is not None:
+                task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await self._worker
-                self._worker = None
+                    await task
+        self._worker = self._head_retry = None
 
     async def resume(self, state: StateDict | None = None) -> None:
         """Load the newest trusted version from the store (see ``start``)."""
@@ -387,20 +396,21 @@ class Publisher:
             raise err
 
     async def _run(self) -> None:
-        backoff = self.config.retry_backoff_s
+        attempt = 0
         while True:
             item = await self._queue.get()
             self._busy = True
             try:
                 await self._publish(item)
-                backoff = self.config.retry_backoff_s
+                attempt = 0
             except (StoreTimeout, StoreUnavailable) as e:
                 # The store is unreachable: keep the state (unless a newer one waits) and retry.
                 self.failures += 1
-                log.warning("publishing failed (%s: %s); retrying in %.1f s", type(e).__name__, e, backoff)
+                delay = backoff_delay(attempt, self.config.retry_backoff_s, self.config.retry_backoff_cap_s)
+                attempt += 1
+                log.warning("publishing failed (%s: %s); retrying in %.1f s", type(e).__name__, e, delay)
                 self._queue.put_back(item)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.config.retry_backoff_cap_s)
+                await asyncio.sleep(delay)
             except Exception as e:  # the worker's top level: logged, counted, kept for flush()
                 self.failures += 1
                 self._error = e
@@ -515,24 +525,42 @@ class Publisher:
         )
         return record
 
-    async def write_head(self) -> None:
+    async def write_head(self) -> bool:
         """Sign and overwrite the head record with the last published version and the time now.
 
         Call it periodically while no new version is due if subscribers set a freshness bound
-        (``SubscriberConfig.head_max_age_s``). A failed write is logged only: the manifest is what
-        publishes a version; the head only lets readers notice deleted or withheld ones.
+        (``SubscriberConfig.head_max_age_s``). The manifest is what publishes a version; the head is
+        what tells following subscribers to look (they list versions only when it moves) and lets
+        them notice deleted or withheld ones. A failed write is logged, returns False, and is retried
+        by the worker with backoff until it lands (or the next version writes a newer head).
         """
-        if self.version is None or self.digest is None:
-            return
-        head = Head(
-            version=self.version, model_digest=self.digest, publisher=self.key_id, time_ms=int(time.time() * 1000)
-        )
-        try:
-            await self.store.put(
-                self.layout.head, sign_head(head, self.key, context=self.layout.context), timeout=self.config.timeout_s
+        async with self._head_lock:
+            if self.version is None or self.digest is None:
+                return True
+            self._head_due = True
+            head = Head(
+                version=self.version, model_digest=self.digest, publisher=self.key_id, time_ms=int(time.time() * 1000)
             )
-        except StoreError as e:
-            log.warning("head record for v%d not written: %s: %s", self.version, type(e).__name__, e)
+            try:
+                await self.store.put(
+                    self.layout.head, sign_head(head, self.key, context=self.layout.context), timeout=self.config.timeout_s
+                )
+            except StoreError as e:
+                log.warning("head record for v%d not written (retried): %s: %s", head.version, type(e).__name__, e)
+                if self._head_retry is None or self._head_retry.done():
+                    self._head_retry = asyncio.create_task(self._rewrite_head(), name="pulsenet-publisher-head")
+                return False
+            self._head_due = head.version != self.version  # a newer version arrived meanwhile
+            return True
+
+    async def _rewrite_head(self) -> None:
+        """Retry a failed head write with backoff until one lands (cancelled by ``close``)."""
+        attempt = 0
+        while self._head_due:
+            await asyncio.sleep(backoff_delay(attempt, self.config.retry_backoff_s, self.config.retry_backoff_cap_s))
+            attempt += 1
+            if self._head_due:
+                await self.write_head()
 
     async def _is_ours(self, manifest: Manifest) -> bool:
         """Whether the manifest already at ``manifest.version`` is this one, signed by us at another time."""

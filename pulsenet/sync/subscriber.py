@@ -1,11 +1,14 @@
 """PULSESync subscriber: poll a channel, rebuild the newest version off to the side, verify it,
 then swap it in.
 
-Each round lists the manifests and takes the newest version above the current one whose manifest a
-trusted key signed. It fetches payloads through a local cache, applies them in threads, and checks
-every payload's size and SHA-256 against the manifest, every rebuilt tensor's SHA-256 and the model
-digest of the result. Only then does it swap in the new weights: ``on_update(version, state,
-digest)``. Nothing unverified is ever handed out; a failure leaves the current weights serving.
+Each round whose head moved lists the manifests and takes the newest version above the current one
+whose manifest a trusted key signed. It fetches payloads through a local cache, applies them in
+threads, and checks every payload's size and SHA-256 against the manifest, every rebuilt tensor's
+SHA-256 and the model digest of the result. Only then does it swap in the new weights:
+``on_update(version, state, digest, changed=...)``, ``changed`` naming the tensors the verified
+patches rewrote. Nothing unverified is ever handed out; a failure leaves the current weights serving.
+``announced()`` says which version the channel announces *and* a verified manifest backs (what a
+node may act on: failover), never a bare head's number.
 
 - **Catch-up** (chain.py): the cheapest verified path: patches from the current version, or the
   newest anchor plus the patches after it (joined late, fell far behind, chain retired). A missing
@@ -16,9 +19,13 @@ digest)``. Nothing unverified is ever handed out; a failure leaves the current w
   (listed size), malformed, unsigned or signed for another context is rejected, remembered by key
   and ETag (not fetched again until it changes) and never stops an older valid version from being
   taken in the same round.
-- **Head** (``{channel}/head.json``): read before the listing; a head naming a version whose
-  manifest is missing, older than ``head_max_age_s``, or moving backwards is an alarm (logged,
-  counted in the stats), never a reason to stop serving.
+- **Polls that cost nothing when nothing changed**: each round starts with one conditional GET of
+  the signed head (``{channel}/head.json``, ``If-None-Match`` on the ETag of the last head accepted:
+  a 304 with no body while it is unchanged). The version listing is read only when the head moved
+  past the version serving, is missing, refused, moving backwards, stale, unreadable, or none was
+  ever accepted; otherwise the round ends there (``stats.idle_polls``). A head naming a version
+  whose manifest is missing, older than ``head_max_age_s``, or moving backwards is an alarm
+  (logged, counted in the stats), never a reason to stop serving.
 - **Persistence** (``state_dir``): after each swap the weights are written atomically with their
   version (localstate.py), so a restarted, even SIGKILLed, subscriber resumes from disk and
   fetches only the patches it missed.
@@ -58,7 +65,8 @@ from pulsenet.sync.manifest import MAX_MANIFEST, Head, Manifest
 
 log = logging.getLogger(__name__)
 
-OnUpdate = Callable[[int, Mapping[str, torch.Tensor], str], Awaitable[None] | None]
+OnUpdate = Callable[..., Awaitable[None] | None]
+"""``on_update(version, state, digest, *, changed)``, sync or async (see ``Subscriber.__init__``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,10 +126,18 @@ class SubscriberStats:
     """Fetching the payloads of the last update."""
     last_apply_s: float = 0.0
     """Decoding and verifying the last update."""
+    last_changed: int | None = None
+    """Tensors the last update changed (``changed`` handed to ``on_update``)."""
     errors: list[str] = field(default_factory=list)
     """The last few round errors, newest last."""
     head_version: int | None = None
-    """Version the newest verified head record names."""
+    """Version the newest verified head record names: the publisher's word, not verified weights
+    (a trusted key can sign any number). Alarms only; act on :meth:`Subscriber.announced`."""
+    announced_version: int | None = None
+    """The newest version :meth:`Subscriber.announced` vouched for: its signed manifest verified."""
+    announced_unverified: int = 0
+    """Heads ``announced()`` did not vouch for: their version's manifest missing, unverifiable, or
+    of another model digest than the head's (a head running ahead of every manifest)."""
     head_age_s: float | None = None
     """Age of that head record at the last poll."""
     head_stale: bool = False
@@ -133,6 +149,10 @@ class SubscriberStats:
     refused or replayed head."""
     heads_rejected: int = 0
     """Head records refused: malformed, untrusted, other context, or moving backwards."""
+    idle_polls: int = 0
+    """Polls that ended at the head: unchanged (a 304) or naming no version above the current one."""
+    listings: int = 0
+    """Polls that read the version listing (the head moved, or could not be trusted to say it did not)."""
 
 
 class Subscriber:
@@ -147,15 +167,21 @@ class Subscriber:
         on_update: OnUpdate | None = None,
         on_saved: Callable[[int, str], None] | None = None,
     ) -> None:
-        """``on_update(version, state, digest)``, sync or async, receives only verified weights, as
-        soon as they are verified. Unchanged tensors are shared with the previous state: treat them
-        as read-only. ``on_saved(version, digest)`` runs once they are persisted in ``state_dir``."""
+        """``on_update(version, state, digest, *, changed)``, sync or async, receives only verified
+        weights, as soon as they are verified. ``changed`` (a frozenset of tensor names) names the
+        tensors that may differ from the previous ``state`` handed over: those the verified patches
+        rewrote, every name after an anchor or a resume from disk; the others are the previous
+        tensors themselves (shared: treat them as read-only), so an engine updates only ``changed``
+        (``InferenceEngine.update(..., changed=...)`` takes the same keyword). A callback without a
+        ``changed`` parameter (or ``**kwargs``) is called with the first three only.
+        ``on_saved(version, digest)`` runs once they are persisted in ``state_dir``."""
         if not trusted:
             raise ManifestError("a subscriber needs at least one trusted publisher key")
         self.store = store
         self.config = config = config or SubscriberConfig()
         self.layout = Layout(config.channel, run=config.run, store_url=store.url)
         self.on_update = on_update
+        self._pass_changed = on_update is not None and _takes_keyword(on_update, "changed")
         self.on_saved = on_saved
         self.stats = SubscriberStats()
         self.version: int | None = None
@@ -166,6 +192,10 @@ class Subscriber:
         """Version loaded from ``state_dir`` at start, if any."""
         self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s, config.max_manifest_bytes)
         self._head: Head | None = None
+        self._head_etag: str | None = None
+        """ETag of the object ``_head`` came from: the next poll asks the store "changed since?"."""
+        self._head_trusted = False
+        """This poll's head read gave an accepted head (new or unchanged): it may end the poll."""
         self._head_gone = False
         self._bad_payloads: set[str] = set()
         self._rejected: dict[str, str] = {}  # manifest key -> etag of a copy we refused
@@ -210,7 +240,7 @@ class Subscriber:
         )
         self.resumed_from = local.version
         log.info("resumed v%d (%s…) from %s", local.version, local.digest[:16], state_dir)
-        await self._swap(local.version, local.state, local.digest, persist=False)
+        await self._swap(local.version, local.state, local.digest, persist=False, changed=frozenset(local.state))
 
     async def close(self) -> None:
         if self._tmp_cache is not None:
@@ -259,8 +289,20 @@ class Subscriber:
         await self.start()
         self.stats.polls += 1
         head = await self._read_head()  # before the listing: a version it names is listed by then
+        stale = self._check_head_age(head)
+        if (
+            self._head_trusted
+            and not stale
+            and head is not None
+            and self.version is not None
+            and head.version <= self.version
+        ):
+            self.stats.idle_polls += 1  # the publisher's word: nothing newer to look for
+            self.stats.head_missing_version = None
+            return None
+        self.stats.listings += 1
         listing = await self._reader.list_versions()
-        self._check_head(head, listing)
+        self._check_head_listed(head, listing)
         keys = {self.layout.manifest(v) for v in listing}
         self._rejected = {k: e for k, e in self._rejected.items() if k in keys}
         newer = sorted((v for v in listing if self.version is None or v > self.version), reverse=True)
@@ -317,6 +359,7 @@ class Subscriber:
             log.info("building %s", path.describe())
             before = len(self._bad_payloads)
             timings: dict[str, float] = {}
+            changed: set[str] = set()
             fetched = self.cache.bytes_downloaded
             try:
                 state = await rebuild(
@@ -327,6 +370,7 @@ class Subscriber:
                     parallel=self.config.parallel_downloads,
                     bad=self._bad_payloads,
                     timings=timings,
+                    changed=changed,
                 )
             except (VerificationError, ObjectNotFound) as e:
                 self.stats.payloads_rejected += len(self._bad_payloads) - before
@@ -337,7 +381,7 @@ class Subscriber:
             self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
             self.stats.anchors_applied += sum(s.role == "anchor" for s in path.steps)
             self.stats.patches_applied += sum(s.role == "patch" for s in path.steps)
-            await self._swap(target.version, state, target.model_digest, persist=True)
+            await self._swap(target.version, state, target.model_digest, persist=True, changed=frozenset(changed))
             await asyncio.to_thread(self.cache.prune, set())  # all applied: nothing left to resume
             self._reader.forget_below(target.version)
             return
@@ -346,15 +390,23 @@ class Subscriber:
         )
 
     async def _swap(
-        self, version: int, state: Mapping[str, torch.Tensor], digest: str, *, persist: bool
+        self,
+        version: int,
+        state: Mapping[str, torch.Tensor],
+        digest: str,
+        *,
+        persist: bool,
+        changed: frozenset[str],
     ) -> None:
         """Make verified weights current: callback first (serving), then disk (resume point)."""
         self.state, self.version, self.digest = state, version, digest
         if persist:
             self.stats.updates += 1
         self.stats.last_update_s = time.time()
+        self.stats.last_changed = len(changed)
         if self.on_update is not None:
-            result = self.on_update(version, state, digest)
+            extra = {"changed": changed} if self._pass_changed else {}
+            result = self.on_update(version, state, digest, **extra)
             if inspect.isawaitable(result):
                 await result
         if persist and self.config.state_dir is not None:
@@ -373,30 +425,74 @@ class Subscriber:
     # --- head record -----------------------------------------------------------------------------
 
     async def announced(self) -> int | None:
-        """The version this channel's verified head announces (one small GET, nothing downloaded):
-        how a node that follows several channels tells which one moves (nodes/inference.py)."""
+        """The newest version this channel announces *and* backs with a verified signed manifest:
+        how a node that follows several channels tells which one moves (failover), and what it may
+        act on (retention). None if none yet.
+
+        One conditional GET of the head (a 304 while it is unchanged); when the head names a version
+        above the last one vouched for, that version's manifest is fetched and verified (not cached)
+        and must carry the head's model digest. A head running ahead of every verifiable manifest (a
+        trusted key signing "v999999999999", a manifest deleted or withheld) is counted in
+        ``stats.announced_unverified`` and logged, and the last vouched-for version (or the one
+        serving, if newer) is returned instead. Store errors are logged, not raised.
+        """
+        floor = max((v for v in (self.stats.announced_version, self.version) if v is not None), default=None)
         head = await self._read_head()
-        return head.version if head is not None else None
+        if head is None or (floor is not None and head.version <= floor):
+            return floor
+        try:
+            m = await self._reader.get(head.version, cache=False)
+            if m.model_digest != head.model_digest:
+                raise ManifestError(
+                    f"its manifest's digest {m.model_digest[:16]}… is not the head's {head.model_digest[:16]}…"
+                )
+        except (ManifestError, ObjectNotFound) as e:
+            self.stats.announced_unverified += 1
+            log.warning(
+                "%s announces v%d, which no verified manifest backs (%s: %s): still v%s",
+                self.layout.head,
+                head.version,
+                type(e).__name__,
+                e,
+                floor,
+            )
+            return floor
+        except StoreError as e:
+            log.warning("announced: manifest v%d not read: %s: %s", head.version, type(e).__name__, e)
+            return floor
+        self.stats.announced_version = m.version
+        return m.version
 
     async def _read_head(self) -> Head | None:
-        """The newest verified head record seen (this one, or an earlier one if this is refused)."""
-        self._head_gone = False
+        """The newest verified head record seen (this one, or an earlier one if this is refused).
+
+        One conditional GET. Only an accepted head's ETag is kept: a refused, replayed or missing
+        one is fetched (and alarmed on) again at the next poll, never taken for "unchanged".
+        ``_head_trusted`` tells the round whether this read may end it without a listing."""
+        self._head_gone = self._head_trusted = False
         try:
-            head = await self._reader.head()
+            got = await self._reader.head_if_changed(self._head_etag)
         except ObjectNotFound:
+            self._head_etag = None
             if self._head is not None or self.config.head_max_age_s is not None:
                 self._alarm("head record %s is missing", self.layout.head)
                 self._head_gone = self.stats.head_stale = True
             return self._head
         except ManifestError as e:
+            self._head_etag = None
             self.stats.heads_rejected += 1
             self._alarm("head record %s refused: %s: %s", self.layout.head, type(e).__name__, e)
             return self._head
         except StoreError as e:  # transient: the listing will tell whether the store is reachable
             log.warning("head record %s not read: %s: %s", self.layout.head, type(e).__name__, e)
             return self._head
+        if got is None:  # 304: the head we accepted last time is still there
+            self._head_trusted = self._head is not None
+            return self._head
+        head, etag = got
         old = self._head
         if old is not None and (head.version, head.time_ms) < (old.version, old.time_ms):
+            self._head_etag = None
             self.stats.heads_rejected += 1
             self._alarm(
                 "head record moved backwards (v%d at %d ms after v%d at %d ms): replay ignored",
@@ -406,14 +502,14 @@ class Subscriber:
                 old.time_ms,
             )
             return old
-        self._head = head
+        self._head, self._head_etag, self._head_trusted = head, etag, True
         return head
 
-    def _check_head(self, head: Head | None, listing: Mapping[int, object]) -> None:
-        """Alarm on a stale head, or one naming a version whose manifest is not listed."""
+    def _check_head_age(self, head: Head | None) -> bool:
+        """Record the head's version and age; alarm and return True when it is stale or gone."""
         st = self.stats
         if head is None:
-            return
+            return self._head_gone
         st.head_version = head.version
         st.head_age_s = time.time() - head.time_ms / 1000
         max_age = self.config.head_max_age_s
@@ -421,6 +517,13 @@ class Subscriber:
         st.head_stale = too_old or self._head_gone
         if too_old:
             self._alarm("head record v%d is %.1f s old, over the %g s bound", head.version, st.head_age_s, max_age)
+        return st.head_stale
+
+    def _check_head_listed(self, head: Head | None, listing: Mapping[int, object]) -> None:
+        """Alarm on a head naming a version whose manifest is not listed."""
+        st = self.stats
+        if head is None:
+            return
         missing = head.version not in listing and (self.version is None or head.version > self.version)
         st.head_missing_version = head.version if missing else None
         if missing:
@@ -441,3 +544,16 @@ class Subscriber:
     def _count_failure(self, e: BaseException) -> None:
         self.stats.rounds_failed += 1
         self.stats.errors = [*self.stats.errors[-9:], f"{type(e).__name__}: {e}"]
+
+
+def _takes_keyword(fn: Callable[..., object], name: str) -> bool:
+    """Whether ``fn`` accepts the keyword argument ``name`` (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: call it the plain way
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == name and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
