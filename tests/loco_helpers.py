@@ -21,7 +21,7 @@ from pulsenet.loco.layout import LocoLayout
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
 from pulsenet.rl.inner import SupervisedInner
 from pulsenet.signing import generate_keypair, load_private_key
-from pulsenet.store.base import ByteRange, ObjectInfo, ObjectStore
+from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "loco_worker.py"
@@ -167,6 +167,7 @@ class FlakyStore(ObjectStore):
     the store it wraps, so documents signed through it verify through the store itself."""
 
     def __init__(self, inner: ObjectStore, fail: Callable[[str, str], bool] | None = None) -> None:
+        super().__init__()
         self.inner = inner
         self.fail: Callable[[str, str], bool] = fail or (lambda op, key: False)
         self.failed = 0
@@ -179,7 +180,9 @@ class FlakyStore(ObjectStore):
     def _check(self, op: str, key: str) -> None:
         if self.fail(op, key):
             self.failed += 1
-            raise StoreUnavailable(f"injected: {op} {key!r}: connection refused")
+            e = StoreUnavailable(f"injected: {op} {key!r}: connection refused")
+            self.health.failed(e)
+            raise e
 
     async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
         self._check("put", key)
@@ -192,6 +195,10 @@ class FlakyStore(ObjectStore):
     async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
         self._check("get", key)
         return await self.inner.get(key, byte_range=byte_range, max_bytes=max_bytes)
+
+    async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
+        self._check("get", key)
+        return await self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
 
     async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
         self._check("get", key)

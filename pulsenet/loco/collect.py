@@ -1,8 +1,11 @@
 """The collect phase of a round: who takes part, decided once, by whoever writes the record first.
 
 While its own payload uploads, a trainer polls the store. Each poll reads ``rounds/<r>/record``
-(if it exists, it decides the round: follow it), lists the members and reads the manifest of
-every member not seen yet. A verified manifest starts a task that fetches the payload, checks its
+(if it exists, it decides the round: follow it) and the manifest of every trusted trainer not seen
+yet: GETs only, never a LIST (the dearest request class), so an idle poll costs one GET for the
+record and one per missing peer, each a 404 with no body until the document is written. (A
+conditional GET would not save more: these documents are create-only, absent until written and
+never changed after.) A verified manifest starts a task that fetches the payload, checks its
 size and SHA-256, decodes it against the model's shapes and validates it. When every started
 task is done and either ``workers_expected`` payloads are in or the deadline has passed with a
 quorum of valid ones, the trainer proposes a record (create-only). Losing that race is normal:
@@ -260,7 +263,7 @@ class Collector:
         if record is not None:
             self._log_follow(r, record)
             return record
-        for tid in await self.rs.members():
+        for tid in sorted(self.rs.keys):  # every trusted trainer: no LIST of members/ per poll
             if tid not in fetches and tid not in unreadable:
                 manifest = await self._try_manifest(tid, r, unreadable, ctx.warned)
                 if manifest is not None:

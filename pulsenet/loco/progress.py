@@ -7,17 +7,17 @@ node's ``/healthz`` to say "degraded: waiting for t1's payload of round 12 for 3
 unreachable" (:meth:`Progress.describe`). ``LocoTrainer.stats`` (:class:`LocoStats`) counts what
 happened over the trainer's life: rounds, exclusions by reason, void rounds, store failures, retries.
 
-Retries (:func:`retrying`): exponential backoff with full jitter (AWS's "full jitter": a delay drawn
-uniformly from ``[0, min(cap, base·2^attempt)]``, so trainers that failed together do not come back
-together), logged at every failure, for as long as the failure is transient (:func:`transient`) and
-the caller has not cancelled the call (an abandoned round cancels its upload).
+Retries (:func:`retrying`): exponential backoff with full jitter (``store.backoff_delay``, the one
+rule: a delay drawn uniformly from ``[0, min(cap, base·2^attempt)]``, so trainers that failed
+together do not come back together), logged at every failure, for as long as the failure is
+transient (:func:`transient`) and the caller has not cancelled the call (an abandoned round cancels
+its upload).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,6 +31,7 @@ from pulsenet.errors import (
     ObjectTooLarge,
     StoreError,
 )
+from pulsenet.store.base import backoff_delay
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,11 +44,6 @@ def transient(e: BaseException) -> bool:
     """A store failure that may go away by itself: timeouts, unreachable endpoints, server errors, a
     local disk error. Answers the store gave on purpose (``PERMANENT``) are not."""
     return isinstance(e, StoreError) and not isinstance(e, PERMANENT)
-
-
-def backoff(attempt: int, base_s: float, cap_s: float) -> float:
-    """Full-jitter delay before retry number ``attempt`` (1-based)."""
-    return random.uniform(0.0, min(cap_s, base_s * 2.0 ** min(attempt - 1, 30)))
 
 
 @dataclass(slots=True)
@@ -157,7 +153,7 @@ async def retrying(
             if not transient(e):
                 raise
             attempt += 1
-            delay = backoff(attempt, base_s, cap_s)
+            delay = backoff_delay(attempt - 1, base_s, cap_s)
             log.warning("%s failed (attempt %d): %s: %s; retrying in %.1f s", what, attempt, type(e).__name__, e, delay)
             if stats is not None:
                 stats.upload_retries += 1

@@ -75,11 +75,11 @@ from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
 from pulsenet.loco.inner import InnerLoop
-from pulsenet.loco.progress import LocoStats, Progress, backoff, retrying, transient
+from pulsenet.loco.progress import LocoStats, Progress, retrying, transient
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ObjectStore, backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -227,7 +227,7 @@ class LocoTrainer:
             if isinstance(e, RoundTimeout) or transient(e):
                 self.stats.rounds_timed_out += isinstance(e, RoundTimeout)
                 self._waits += 1
-                delay = backoff(self._waits, self.config.retry_base_s, self.config.retry_cap_s)
+                delay = backoff_delay(self._waits - 1, self.config.retry_base_s, self.config.retry_cap_s)
                 log.warning(
                     "%s: round %d not done (%s: %s); trying again in %.1f s (attempt %d)",
                     *(self.id, r, type(e).__name__, e, delay, self._waits + 1),
