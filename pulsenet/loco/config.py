@@ -59,9 +59,11 @@ class LocoConfig:
     """A trainer that waits (for peers' payloads, for the store) logs why this often."""
     retry_base_s: float = 0.5
     """First backoff of a retried upload or round attempt (doubles per retry, full jitter) ..."""
-    retry_cap_s: float = 30.0
+    retry_cap_s: float = 5.0
     """... up to this. Own uploads (payload, digest, checkpoint, state) retry until they land or
-    their round is abandoned; a transient store failure is never counted as a round failure."""
+    their round is abandoned; a transient store failure is never counted as a round failure. Each
+    failed call has already spent the store's own retries, so the cap mostly bounds how long after
+    the store returns the next attempt comes (issue 24: within two polls plus one round)."""
     norm_factor: float = 10.0
     """Exclude a payload whose norm exceeds this multiple of the round's scale: the median norm
     with ``norm_min_payloads`` or more payloads, else the record writer's own payload norm (a
