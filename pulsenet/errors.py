@@ -113,6 +113,11 @@ class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
 
 
+class RoundTimeout(RoundError, TimeoutError):
+    """A PULSELoCo round formed no quorum within ``round_timeout_s`` while the store answered: peers
+    are missing, not the store's content at fault (retried without counting as a failure)."""
+
+
 class PolicyError(PulsenetError):
     """A policy the node made or received is unusable (non-finite weights): never published or applied."""
 

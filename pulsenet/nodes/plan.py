@@ -140,6 +140,8 @@ def plan_network(
             c.loco_store = loco_store
             c.peers = [f"{p}={public_keys / f'{p}.key.pub'}" for p in trainers]
             c.loco.inner_steps, c.loco.outer_lr, c.loco.outer_momentum = n.inner_steps, n.outer_lr, n.outer_momentum
+            if n.trainers == 2:  # one of two goes on alone past the deadline; the round record forbids a fork
+                c.loco.min_quorum = 1
         c.__post_init__()  # the run into every component
         out_t.append(c)
     out_i = []

@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import pickle
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,6 +52,10 @@ Published = tuple[int, Mapping[str, torch.Tensor]] | None
 class Rounds(Protocol):
     inner_steps: int
     step_wait_s: float | None
+
+    def degraded(self) -> str | None:
+        """Why closing rounds is held up (a peer or the store), for ``/healthz``; None when it is not."""
+        ...
 
     async def start(self, published: Published) -> int: ...
 
@@ -88,6 +93,9 @@ class LocalRounds:
             await asyncio.to_thread(self.policy.load_state_fp32, state)
             self.round = published[0]
         return self.round
+
+    def degraded(self) -> str | None:
+        return None  # no peers to wait for; the store's own health is the status server's
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[LocalRounds]:
@@ -154,6 +162,14 @@ class LocoRounds:
 
     def session(self) -> contextlib.AbstractAsyncContextManager[object]:
         return self.loco.session()
+
+    def degraded(self, now: float | None = None) -> str | None:
+        """The round's progress (``loco.progress``) when the store does not answer, or when an
+        exchange phase has waited longer than a round deadline for its peers."""
+        p = self.loco.progress
+        now = time.time() if now is None else now
+        stalled = p.phase in ("upload", "collect", "agree", "backoff") and now - p.since > self.loco.config.deadline_s
+        return p.describe(now) if p.store_unreachable or stalled else None
 
     async def next_round(self, train: InnerPhase) -> RoundReport | None:
         report = await self.loco.next_round(train)

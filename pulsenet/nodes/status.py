@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from aiohttp import web
@@ -61,6 +61,9 @@ class NodeState:
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)
     """Trainer: rollout batches refused (or dropped by a failed step), per inference node and reason
     (the intake's live counters: ``IntakeStats.rejected_by_node``)."""
+    loco: Any = None
+    """A PULSELoCo trainer's live counters (``loco.progress.LocoStats``: ints and ``{reason: int}``
+    dicts): in ``/status``, and ``pulsenet_loco_<field>_total`` in ``/metrics``."""
     degraded: str | None = None
     """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
@@ -134,6 +137,8 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
         errors.add_metric(ids, s.errors)
         yield errors
+        if s.loco is not None:
+            yield from _counter_metrics(s.loco, "loco_", labels, ids)
         rejected = CounterMetricFamily(
             "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason", labels=[*labels, "source", "reason"]
         )
@@ -142,6 +147,21 @@ class _StateCollector(Collector):
                 rejected.add_metric([*ids, node, why], n)
         yield rejected
         yield from _store_metrics(self.stores, labels, ids)
+
+
+def _counter_metrics(counters: Any, prefix: str, labels: list[str], ids: list[str]) -> Iterator[Any]:
+    """Every int field of ``counters`` as ``pulsenet_<prefix><field>``; a ``{reason: int}`` field
+    with a ``reason`` label."""
+    for f in fields(counters):
+        value = getattr(counters, f.name)
+        if isinstance(value, dict):
+            family = CounterMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=[*labels, "reason"])
+            for reason, n in value.items():
+                family.add_metric([*ids, reason], n)
+        else:
+            family = CounterMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=labels)
+            family.add_metric(ids, value)
+        yield family
 
 
 def _store_metrics(stores: Mapping[str, ObjectStore], labels: list[str], ids: list[str]) -> Iterator[Any]:

@@ -187,6 +187,7 @@ class TrainerNode:
         if loco_store is not None:
             loco = LocoTrainer(c.id, loco_store, key, peers, policy, c.loco, state_dir=Path(c.state_dir) / "loco")
             self.rounds = LocoRounds(loco, self.intake, c.state_dir)
+            self.state.loco = loco.stats  # live: PULSELoCo's counters in /status and /metrics
         else:
             self.rounds = LocalRounds(c.id, policy, self.intake, c.state_dir)
         self.sources = sources
@@ -219,6 +220,7 @@ class TrainerNode:
                 tg.create_task(self.intake.run(lambda: self.version, done))
                 tg.create_task(self.demand.run(self._demand, done))
                 tg.create_task(self._follow_consumers(done))
+                tg.create_task(self._watch_rounds(done))
                 try:
                     await self._train(stop)
                 finally:
@@ -403,6 +405,15 @@ class TrainerNode:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.consumer_poll_s):
                     await done.wait()
+
+    async def _watch_rounds(self, done: asyncio.Event) -> None:
+        """What ``/healthz`` reports as degraded: a peer or the store holding the round up (no I/O)."""
+        while not done.is_set():
+            self.state.degraded = self.rounds.degraded()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await done.wait()
+        self.state.degraded = None
 
 
 async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
