@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from pulsenet.nodes.events import read_events
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import verify_batch_manifest
 from pulsenet.signing import generate_keypair, trusted_keys
@@ -183,8 +184,9 @@ class Network:
                 p.wait(10)
 
     def served(self, site: str) -> list[tuple[int, str]]:
-        """(version, digest) of every version ``site`` served, from its JSON log lines."""
-        return [(r["version"], r["digest"]) for r in self.logs(site) if "serves v" in r.get("msg", "") and "digest" in r]
+        """(version, digest) of every version ``site`` served, from its version events."""
+        events = read_events(self.tmp / "state" / site / "events.jsonl")
+        return [(e.version, e.digest) for e in events if e.kind == "served"]
 
     def store(self, site: str) -> S3Store:
         return S3Store(self.server.bucket(site), self.prefix, self.server.config("admin"))

@@ -308,7 +308,7 @@ async def test_torchrun_trainer_runs_pulseloco_rounds_like_one_process(
     want = {0: v0}
 
     key = tmp_path / "keys" / "t0.key"
-    outer = {"outer_lr": _shipped()["outer-lr"], "outer_momentum": _shipped()["outer-momentum"]}  # as the site
+    outer = {"outer_lr": _shipped()["loco"]["outer-lr"], "outer_momentum": _shipped()["loco"]["outer-momentum"]}  # as the site
     config = LocoConfig(run=RUN, inner_steps=inner, workers_expected=1, min_quorum=None, deadline_s=60.0, **outer)
     policy = GroupGRPOInner(RankGroup(grpo=ref, reference_world=2))
     reference = LocoTrainer(

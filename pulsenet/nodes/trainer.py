@@ -248,7 +248,7 @@ class TrainerNode:
             if self.version != at:  # rounds already published are caught up through, not republished
                 log.warning("%s: policy v%d at round %d", self.config.id, self.version, at)
         self.state.round = at
-        log.info("%s: at v%d (round %d)", self.config.id, self.version, at)
+        log.info("%s: at v%d", self.config.id, self.version, extra={"round": at})
 
     # --- the loop ---------------------------------------------------------------------------------
 
