@@ -28,8 +28,8 @@ import pytest
 
 from pulsenet.nodes.events import read_events
 from pulsenet.rollouts.layout import RolloutLayout
-from pulsenet.rollouts.manifest import verify_batch_manifest
-from pulsenet.signing import generate_keypair, trusted_keys
+from pulsenet.rollouts.manifest import batch_manifest_from
+from pulsenet.signing import generate_keypair, trusted_keys, verify_document
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer
 from pulsenet.sync.layout import Layout
@@ -215,7 +215,8 @@ class Network:
             infos = {i.key: i.size for i in await store.list("")}
             ctx = layout.context(RUN, store.url, site)
             for key in (k for k in infos if k.startswith(layout.manifests)):
-                m = verify_batch_manifest(await store.get(key), trusted, context=ctx, layout=layout, name=layout.parse_manifest(key))
+                signed = verify_document(await store.get(key), trusted, context=ctx)
+                m = batch_manifest_from(signed, layout=layout, name=layout.parse_manifest(key))
                 assert infos.get(m.payload.key) == m.payload.size, f"{key}: payload missing or short"
                 n += 1
         return n

@@ -32,12 +32,12 @@ import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.errors import ManifestError
 from pulsenet.rollouts.layout import MAX_SEQ, MAX_VERSION, NODE, BatchName, RolloutLayout
 from pulsenet.signed import ObjectRef, is_sha256
-from pulsenet.signing import Signed, key_id, sign_document, verify_document
+from pulsenet.signing import Signed, key_id, sign_document
 
 FORMAT = "pulsenet-rollout-manifest"
 SCHEMA = 1
@@ -205,20 +205,6 @@ def sign_batch_manifest(manifest: BatchManifest, key: Ed25519PrivateKey, *, cont
     if manifest.publisher != key_id(key.public_key()):
         raise ManifestError(f"manifest publisher {manifest.publisher!r} is not the signing key")
     return sign_document(manifest.to_body(), key, context=context)
-
-
-def verify_batch_manifest(
-    data: bytes,
-    trusted: Mapping[str, Ed25519PublicKey],
-    *,
-    context: str,
-    layout: RolloutLayout,
-    name: BatchName | None = None,
-) -> BatchManifest:
-    """A manifest a key in ``trusted`` (the node's own keys) signed for ``context``, from its bytes:
-    :func:`batch_manifest_from` of the verified document. Bad or untrusted signatures: SignatureError.
-    """
-    return batch_manifest_from(verify_document(data, trusted, context=context), layout=layout, name=name)
 
 
 def batch_manifest_from(signed: Signed, *, layout: RolloutLayout, name: BatchName | None = None) -> BatchManifest:

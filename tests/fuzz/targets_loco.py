@@ -1,7 +1,7 @@
 """Fuzz targets for PULSELoCo's round documents and the trainer's state files (issue 12).
 
 ``loco.manifest``, ``loco.record``, ``loco.digest``, ``loco.state_ref``: the bytes of a signed
-document through ``RoundStore.parse_*``, exactly as a trainer reads them from the store (envelope,
+document through ``RoundStore._verify`` and its parser, exactly as a trainer reads them from the store (envelope,
 signature under the right trainer's key and the run's context, body checks). Exact: whatever
 verifies is the seed's document, so a mutant either fails typed or decodes to the same value.
 
@@ -145,19 +145,23 @@ def _state_seeds() -> list[bytes]:
 
 
 def _manifest(data: bytes) -> Manifest:
-    return _rs().parse_manifest(data, "t1", R)
+    rs, key = _rs(), _rs().layout.manifest("t1", R)
+    return rs._manifest(key, rs._verify(key, data, KIND_MANIFEST, signer="t1"), "t1", R)
 
 
 def _record(data: bytes) -> Record:
-    return _rs().parse_record(data, R)
+    rs, key = _rs(), _rs().layout.record(R)
+    return rs._record(key, rs._verify(key, data, KIND_RECORD, signer=None), R)
 
 
 def _digest(data: bytes) -> str:
-    return _rs().parse_digest(data, "t2", R)
+    rs, key = _rs(), _rs().layout.digest("t2", R)
+    return rs._digest(key, rs._verify(key, data, KIND_DIGEST, signer="t2"), R)
 
 
 def _state_ref(data: bytes) -> StateRef:
-    return _rs().parse_state_ref(data, R)
+    rs, key = _rs(), _rs().layout.state_manifest(R)
+    return rs._state_ref(key, rs._verify(key, data, KIND_STATE, signer=None), R)
 
 
 def _ref_ok(ref: ObjectRef, prefix: str) -> bool:

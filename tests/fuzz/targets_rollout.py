@@ -37,12 +37,12 @@ from pulsenet.errors import RolloutError, RolloutRowError
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,
+    batch_manifest_from,
     sign_batch_manifest,
-    verify_batch_manifest,
 )
 from pulsenet.rollouts.rows import RowLimits, check_rows
 from pulsenet.signed import ObjectRef
-from pulsenet.signing import key_id, sign_document
+from pulsenet.signing import key_id, sign_document, verify_document
 
 _DIGEST = "3f" * 32
 _LAYOUT = RolloutLayout()
@@ -165,7 +165,7 @@ def _manifest_seeds() -> list[bytes]:
 
 
 def _verify_manifest(data: bytes) -> BatchManifest:
-    return verify_batch_manifest(data, _keys()[2], context=_CONTEXT, layout=_LAYOUT)
+    return batch_manifest_from(verify_document(data, _keys()[2], context=_CONTEXT), layout=_LAYOUT)
 
 
 @functools.cache
