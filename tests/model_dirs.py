@@ -11,7 +11,13 @@ import functools
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
 from pulsenet.rl.models import load_tokenizer, smollm2_checkpoint
 

@@ -58,7 +58,7 @@ def test_bad_model_settings_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         model_config(str(odd))
     small = model_dir(tmp_path / "small", llama_config(smollm2_tokenizer(), vocab_size=1000), smollm2_tokenizer())
-    with pytest.raises(ConfigError, match="49152 tokens.*1000"):
+    with pytest.raises(ConfigError, match=r"49152 tokens.*1000"):
         text_codec(str(small))
 
 

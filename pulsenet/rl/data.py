@@ -132,13 +132,23 @@ def _load(path: Path, split: str, eval_split: str | None) -> tuple[list[dict[str
         builder = BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise ConfigError(f"{path}: task data must be {', '.join(BUILDERS)} or a save_to_disk directory")
+        if builder != "parquet" and _blank(path):  # the builders fail obscurely on an empty file
+            raise ConfigError(f"{path}: no rows")
         with tempfile.TemporaryDirectory(prefix="pulsenet-data-") as cache:
             ds = datasets.load_dataset(builder, data_files=str(path), split="train", cache_dir=cache)
             return ds.to_list(), None
     except ConfigError:
         raise
-    except (datasets.exceptions.DatasetsError, OSError, ValueError) as e:
+    except (datasets.exceptions.DatasetsError, OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         raise ConfigError(f"{path}: cannot load it with the datasets library: {str(e)[:300]}") from None
+
+
+def _blank(path: Path) -> bool:
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _columns(path: Path, table: list[dict[str, Any]], prompt: str, answer: str) -> tuple[str, str]:
