@@ -356,11 +356,14 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
     """SmolLM2 on both engines (torch only where vLLM is not installed); the only test allowed to skip."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    engines = "torch,vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    engines = "torch,vllm" if has_vllm else "torch"
     out = tmp_path / "gpu_check.json"
+    channel = tmp_path / "channel_check.json"
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_check.sh"), "--engines", engines],
-        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+        env={**os.environ, "OUT": str(out), "OUT_CHANNEL": str(channel), "PYTHON": sys.executable,
+             "ENGINE": "vllm" if has_vllm else "torch"},
         capture_output=True,
         text=True,
         timeout=1200,
@@ -368,6 +371,19 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
     report = json.loads(out.read_text())
     assert report["ok"] and len(report["updates"]) == 3 * len(engines.split(","))
+    assert json.loads(channel.read_text())["ok"]
+
+
+@pytest.mark.integration
+def test_channel_check_torch_half_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine behind a live PULSESync channel (embedded SeaweedFS): built from v0, updated with the
+    changed names only, every completion labelled with the published digest."""
+    from pulsenet.engines import channel_check
+
+    assert channel_check.main(["--engine", "torch", "--model", "tiny", "--device", "cpu", "--versions", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and [v["version"] for v in report["versions"]] == [0, 1, 2, 3]
+    assert all(0 < v["tensors_changed"] <= 13 for v in report["versions"][1:]) and report["pulsesync_bytes"] > 0
 
 
 def test_a_bad_deferred_update_never_costs_the_batch() -> None:
