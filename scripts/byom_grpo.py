@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     hf = model_config(model)
     prompter = task.prompter(codec, max_positions=getattr(hf, "max_position_embeddings", None))
     policy = initial_model(model)
-    grpo = GRPOTrainer(policy, GRPOConfig(lr=args.lr, pad_id=codec.pad_id, seed=args.seed))
+    grpo = GRPOTrainer(policy, GRPOConfig(lr=args.lr, pad_id=codec.pad_id, seed=args.seed, micro_batch_size=16))
     state = grpo.bf16_state()
     digest = model_digest(state)
     engine = make_engine("torch", model=model, state=state, digest=digest, version=0, codec=codec,
