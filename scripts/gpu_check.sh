@@ -3,7 +3,7 @@
 #  1. pulsenet/engines/gpu_check.py: the PyTorch and vLLM engines on SmolLM2-135M: same greedy tokens,
 #     logprobs within BF16 kernel tolerance, weights at the published digest before and after 3 verified
 #     patches; times each update (written to ${OUT:-gpu_check.json}).
-#  2. pulsenet/engines/channel_check.py: vLLM as an inference node serves it, behind a live PULSESync
+#  2. pulsenet/nodes/channel_check.py: vLLM as an inference node serves it, behind a live PULSESync
 #     channel on an embedded SeaweedFS: built from the first verified version (make_engine, dummy load),
 #     updated in place with the names each version changed, every completion labelled with the published
 #     digest (written to ${OUT_CHANNEL:-channel_check.json}).
@@ -20,5 +20,5 @@ if [ -z "$PY" ]; then
 fi
 "$PY" -m pulsenet.engines.gpu_check --model smollm2 --device cuda --engines torch,vllm \
     --patches 3 --json "${OUT:-gpu_check.json}" "$@"
-exec "$PY" -m pulsenet.engines.channel_check --engine "${ENGINE:-vllm}" --model smollm2 --device cuda \
+exec "$PY" -m pulsenet.nodes.channel_check --engine "${ENGINE:-vllm}" --model smollm2 --device cuda \
     --versions 3 --json "${OUT_CHANNEL:-channel_check.json}"

@@ -378,7 +378,7 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
 def test_channel_check_torch_half_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     """An engine behind a live PULSESync channel (embedded SeaweedFS): built from v0, updated with the
     changed names only, every completion labelled with the published digest."""
-    from pulsenet.engines import channel_check
+    from pulsenet.nodes import channel_check
 
     assert channel_check.main(["--engine", "torch", "--model", "tiny", "--device", "cpu", "--versions", "3"]) == 0
     report = json.loads(capsys.readouterr().out)

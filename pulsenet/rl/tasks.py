@@ -55,6 +55,9 @@ __all__ = [  # the answer helpers live in rl/rewards.py (no torch there); re-exp
 ]
 
 IGNORE_INDEX = -100
+ARITH_MAX_OPERAND = 9
+"""``arith``: operands in ``[0, 9]``, what the tiny model is warmed up on (``rl.warmup``)."""
+ARITH_OPS = "+-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -429,14 +432,12 @@ class Task:
 
 def build_task(config: TaskConfig, *, seed: int = 0) -> Task:
     """The Task of ``config``: generated problems or a dataset (ConfigError naming what is wrong)."""
-    from pulsenet.rl.warmup import tiny_task
-
     name = config.task
     if name in GENERATED:
         if config.eval_task or config.eval_fraction:
             raise ConfigError(f"task {name} is generated: its eval problems are a fixed draw, not eval_task/eval_fraction")
         if name == "arith":
-            problems: RewardTask = tiny_task(seed)
+            problems: RewardTask = ArithmeticTask(seed, max_operand=ARITH_MAX_OPERAND, ops=ARITH_OPS)  # the warm-up's
         elif name == "arith-shots":
             problems = FewShotTask(ArithmeticTask(seed, max_operand=SHOTS_MAX_OPERAND), k=SHOTS, seed=seed)
         else:

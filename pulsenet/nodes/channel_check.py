@@ -1,6 +1,6 @@
 """An engine behind a live PULSESync channel: what an inference node does, checked end to end. Prints JSON.
 
-    python -m pulsenet.engines.channel_check --engine vllm --model smollm2 --versions 4
+    python -m pulsenet.nodes.channel_check --engine vllm --model smollm2 --versions 4
 
 Starts an embedded SeaweedFS (one bucket and write identity for the trainer site ``t0``, one for
 the inference site ``i0``), publishes v0 and ``--versions`` RL-sized updates as signed PULSESync
@@ -40,7 +40,7 @@ from pulsenet.errors import PulsenetError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pulsenet.engines.channel_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pulsenet.nodes.channel_check", description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=ENGINES, default="vllm")
     p.add_argument("--model", default="smollm2", help="tiny, smollm2 or a Hugging Face directory")
     p.add_argument("--device", default="cuda", help="torch engine device")
