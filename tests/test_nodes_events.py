@@ -127,11 +127,20 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
 
     t, i = plan()  # tiny, two trainers: a round costs about one lone step of the preset's 512 rows
     assert [c.rows_per_step for c in t] == [64, 64] and t[0].grpo.lr == 5e-4 and t[0].loco.min_quorum == 1
-    assert (i[0].prompts, i[0].group_size, i[0].max_new_tokens, i[0].task) == (8, 8, 5, "arith")
+    assert (i[0].prompts, i[0].group_size, i[0].task.max_new_tokens, i[0].task.task) == (8, 8, 5, "arith")
     assert i[0].policy == ["t0=s3://b-t0", "t1=s3://b-t1"] and i[0].batches_per_version == 16
+    assert t[0].task == i[0].task and t[0].task is not i[0].task  # one task for every node, each its own copy
     t, i = plan(trainers=1, lr=1e-2, prompts=4)  # given values win over the preset
     assert t[0].rows_per_step == 512 and t[0].grpo.lr == 1e-2 and i[0].prompts == 4 and not t[0].loco_store
     t, i = plan(model="smollm2", trainers=1)
-    assert t[0].grpo.lr == 3e-6 and (i[0].task, i[0].stop, i[0].max_new_tokens) == ("arith-shots", "\n", 16)
-    t, i = plan(model="smollm2", trainers=1, task="my.jsonl")  # a user's task: no preset stop text
-    assert (i[0].task, i[0].stop) == ("my.jsonl", "")
+    assert t[0].grpo.lr == 3e-6 and (i[0].task.task, i[0].task.max_new_tokens) == ("arith-shots", 16)
+    from pulsenet.nodes.plan import TaskOptions
+
+    # a user's dataset: none of the preset's task settings, the columns and rewards given
+    t, i = plan(model="smollm2", trainers=1, task="my.jsonl", reward=["math"], max_new_tokens=32,
+                task_options=TaskOptions(prompt_column="q", eval_fraction=0.1))  # fmt: skip
+    task = i[0].task
+    assert (task.task, task.reward, task.max_new_tokens, task.prompt_column, task.eval_fraction, task.stop) == (
+        "my.jsonl", ["math"], 32, "q", 0.1, None
+    )
+    assert t[0].task == task

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -32,14 +33,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from pulsenet.engines.base import SamplingParams
-from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.engines.base import Engine
+from pulsenet.engines.factory import EngineName, make_engine
+from pulsenet.engines.torch_engine import TorchEngineConfig
+from pulsenet.engines.vllm_engine import VLLMEngineConfig
 from pulsenet.errors import PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
-from pulsenet.rl.tasks import RewardTask, assign_problems
+from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, batches_to_generate
 from pulsenet.settings import inherit
@@ -70,19 +73,12 @@ class InferenceConfig:
     trust: list[Path] = field(default_factory=list)
     """Public keys of the trainers whose PULSESync versions this node accepts."""
     model: str = "tiny"
-    """Architecture and tokenizer: tiny or smollm2 (the weights come from the channel)."""
-    task: str = "arith"
-    """arith, arith-shots (few-shot single-digit arithmetic, for pretrained models), chain, or a
-    .jsonl file of {"problem", "answer"} rows."""
-    stop: str = ""
-    """Text whose tokens also end a completion ("\\n" with arith-shots: one answer per line);
-    empty: EOS and max_new_tokens only."""
+    """Architecture and tokenizer: tiny, smollm2, or a Hugging Face model directory (the weights come
+    from the channel; they must fit it)."""
     prompts: int = 8
     """Prompts per batch."""
     group_size: int = 4
     """Completions per prompt (GRPO's G)."""
-    max_new_tokens: int = 8
-    """Tokens generated per completion at most (stops at EOS)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's GRPO temperature must match."""
     top_p: float = 1.0
@@ -108,8 +104,15 @@ class InferenceConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 600.0
     """/healthz answers 503 when the loop has made no progress for this long."""
-    engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
-    """The inference engine: device, compute dtype, batching, update verification."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task: problems (generated or a dataset), prompts, completion limits, stop strings,
+    rewards; the same as the trainers'."""
+    engine: EngineName = "torch"
+    """torch (PyTorch/transformers, any device) or vllm (GPU; the vllm extra)."""
+    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    """The PyTorch engine: device, compute dtype, batching, update verification."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """The vLLM engine (engine = vllm)."""
     subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
     """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
 
@@ -132,11 +135,13 @@ class InferenceNode:
         trusted: dict,
         trainers: list[str | None] | None = None,
         key: object,
-        task: RewardTask,
+        task: Task,
         text: TextCodec,
     ) -> None:
+        """``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
         self.config = c = config
         self.task, self.text = task, text
+        self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
         self.state = NodeState(role="inference", node_id=c.id)
         self.store, self.key = store, key
         self.writer = RolloutWriter(
@@ -144,13 +149,18 @@ class InferenceNode:
         )
         self.subscribers = [
             Subscriber(
-                s, trusted, replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"), on_update=self._on_update
+                s,
+                trusted,
+                replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"),
+                on_update=functools.partial(self._on_update, k),
             )
             for k, s in enumerate(policy_stores)
         ]
+        self._delivered: dict[int, int] = {}
+        """Channel -> the version its subscriber last delivered (``_on_update``)."""
         self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
         """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
-        self.engine: TorchEngine | None = None
+        self.engine: Engine | None = None
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
         self._downloaded = 0
@@ -176,21 +186,28 @@ class InferenceNode:
     # --- policy ---------------------------------------------------------------------------------
 
     async def _on_update(
-        self, version: int, state: dict[str, torch.Tensor], digest: str, *, changed: frozenset[str] | None = None
+        self, channel: int, version: int, state: dict[str, torch.Tensor], digest: str, *, changed: frozenset[str] | None = None
     ) -> None:
-        """Verified weights from any trainer channel: the newest version wins, once. ``changed``: the
-        tensors the verified patches rewrote (all after an anchor): the engine touches only those."""
+        """Verified weights from any trainer channel: the newest version wins, once.
+
+        ``changed``: the tensors the channel's verified patches rewrote since the version it last
+        delivered. The engine touches only those when that version is the one it serves; after a
+        switch of channel the two may differ (a tensor can change and change back), so it compares
+        all of them then."""
         async with self._update_lock:
+            since, self._delivered[channel] = self._delivered.get(channel), version
             if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
                 return
             t = time.perf_counter()
             if self.engine is None:
-                hf = model_config(self.config.model)
+                c = self.config
                 self.engine = await asyncio.to_thread(
-                    TorchEngine.from_state, hf, state, digest, version=version, config=self.config.engine
-                )
+                    make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
+                    codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
+                )  # fmt: skip
             else:
-                await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed)
+                same_base = since is not None and since == self.engine.version
+                await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
             self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
             self._first.set()
             self._newer.set()
@@ -242,6 +259,7 @@ class InferenceNode:
         finally:
             for sub in self.subscribers:
                 await sub.close()
+            await asyncio.to_thread(self.task.close)  # the reward worker process
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Run one channel's subscriber; fail over to a channel that announces a newer version."""
@@ -362,22 +380,22 @@ class InferenceNode:
         index = self._batches_at.get(version, 0)
         self._batches_at[version] = index + 1
         problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=c.prompts, batch=index)
-        prompts = [self.text.encode(p.prompt) for p in problems for _ in range(c.group_size)]
-        params = SamplingParams(
-            temperature=c.temperature,
-            top_p=c.top_p,
-            max_new_tokens=c.max_new_tokens,
-            seed=_sample_seed(c.seed, c.id, version, index),
-            stop_token_ids=tuple(self.text.encode(c.stop)) if c.stop else (),
+        asked = [(k, p, ids) for k, p in enumerate(problems) if (ids := self.prompter.encode(p.prompt)) is not None]
+        if not asked:  # every prompt over the limits: counted by the prompter (prompts_dropped), nothing to send
+            log.warning("%s: v%d batch %d: every prompt is over the limits", c.id, version, index)
+            return version
+        prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
+        params = self.prompter.sampling_params(
+            temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)
         )
         gens = await asyncio.to_thread(engine.generate, prompts, params)
-        rows, rewards = [], []
-        for i, g in enumerate(gens):
-            problem = problems[i // c.group_size]
-            text = self.text.decode([t for t in g.completion_ids if t != self.text.eos_id])
-            reward = self.task.score(text, problem)
-            rewards.append(reward)
-            rows.append(g.to_rollout(group=f"{c.id}-v{g.version}-b{index}-p{i // c.group_size}", reward=reward, node=c.id))
+        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
+        texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
+        scores = await asyncio.to_thread(
+            self.task.score_texts, [p for _, p, _ in asked for _ in range(c.group_size)], texts, groups
+        )
+        rewards = list(scores.total)
+        rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
         if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
             raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
         manifest = await self.writer.write(rows)

@@ -153,7 +153,7 @@ def run_up(c: UpConfig) -> int:
     if c.report is not None:
         from pulsenet.nodes.report import write_report
 
-        write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"])
+        write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"])
         out.print(f"report: {c.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
     return outcome.code
 
@@ -175,6 +175,9 @@ def _warm_up_once(cache: Path, seed: int, console: Any) -> None:
 def _check(c: UpConfig) -> None:
     if c.trainers < 1 or c.inference < 1 or c.rounds < 1:
         raise ConfigError("pulsenet up: --trainers, --inference and --rounds must be >= 1")
+    from pulsenet.rl.models import resolve_model
+
+    resolve_model(c.model)  # a model that is not there stops here, with how to get it
     if c.max_staleness < 0:
         raise ConfigError("pulsenet up: --max-staleness must be >= 0")
 
@@ -559,6 +562,8 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 f"({_ratio(total['ddp'], total['pulseloco'])})"
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
+        if s["eval"]:
+            out.print("greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in s["eval"]))
         e = s["efficiency"]
         out.print(
             f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "

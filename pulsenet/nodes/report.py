@@ -21,8 +21,11 @@ def write_report(
     rounds: Sequence[Mapping[str, Any]],
     nodes: Mapping[str, Mapping[str, Any]],
     extra: Mapping[str, Any] | None = None,
+    evals: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Write ``summary.json``, ``reward.png``, ``bytes.png`` and ``sparsity.png``; returns the summary.
+    ``evals``: ``{version, reward, n}`` of the trainers' greedy evals (``summary.json`` ``eval``; a
+    second curve in ``reward.png``).
 
     ``rounds``: one mapping per round with ``round``, ``reward``, ``bytes`` (channel -> bytes that
     round) and optionally ``sparsity`` (fraction of BF16 weights unchanged by that round's update).
@@ -42,10 +45,11 @@ def write_report(
         },
         "sparsity": [r.get("sparsity") for r in rounds],
         "rounds": list(rounds),
+        "eval": list(evals),
         **(extra or {}),
     }
     atomic_write_bytes(directory / "summary.json", (json.dumps(summary, indent=1, default=str) + "\n").encode())
-    _plots(directory, rounds)
+    _plots(directory, rounds, evals)
     return summary
 
 
@@ -53,7 +57,7 @@ def _ratio(a: int, b: int) -> float | None:
     return round(a / b, 2) if b else None
 
 
-def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
+def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,6 +72,10 @@ def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(xs, [r.get("reward") for r in rounds], marker="o")
+    if evals:
+        ax.plot([e["version"] for e in evals], [e["reward"] for e in evals], marker="s", label="greedy eval (held out)")
+        ax.lines[0].set_label("sampled (trained on)")
+        ax.legend(fontsize=8)
     ax.set(xlabel="round", ylabel="mean reward", title="Reward per round")
     ax.grid(alpha=0.3)
     save(fig, "reward.png")

@@ -61,6 +61,9 @@ class NodeState:
     rejected: dict[str, dict[str, int]] = field(default_factory=dict)
     """Trainer: rollout batches refused (or dropped by a failed step), per inference node and reason
     (the intake's live counters: ``IntakeStats.rejected_by_node``)."""
+    rescored: dict[str, Any] = field(default_factory=dict)
+    """Trainer: per inference node, the rows it re-scored, the rewards that disagreed with the
+    node's column and the rows it dropped (``rl.rescore``): a node whose rewards lie shows at once."""
     loco: Any = None
     """A PULSELoCo trainer's live counters (``loco.progress.LocoStats``: ints and ``{reason: int}``
     dicts): in ``/status``, and ``pulsenet_loco_<field>_total`` in ``/metrics``."""
@@ -137,6 +140,12 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
         errors.add_metric(ids, s.errors)
         yield errors
+        disagree = CounterMetricFamily(
+            "pulsenet_reward_disagreements", "Rewards a node claimed that the trainer's own differ from", labels=[*labels, "source"]
+        )
+        for node, stats in s.rescored.items():
+            disagree.add_metric([*ids, node], stats.disagreements)
+        yield disagree
         if s.loco is not None:
             yield from _counter_metrics(s.loco, "loco_", labels, ids)
         rejected = CounterMetricFamily(

@@ -89,7 +89,8 @@ def summarize(
         "trainers_agree": all(len({e.digest for e in all_}) == 1 for all_ in every.values()),
         "staleness_within_bound": all((r["staleness"] or 0) <= max_staleness for r in rounds),
     }
-    return {"rounds": rounds, "nodes": nodes, "checks": checks}
+    evals = [published[v].eval for v in sorted(published) if published[v].eval is not None]
+    return {"rounds": rounds, "nodes": nodes, "checks": checks, "eval": evals}
 
 
 def _get(event: VersionEvent | None, name: str) -> Any:

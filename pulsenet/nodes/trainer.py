@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ConfigError, PolicyError
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
 from pulsenet.loco.documents import trainer_keys
@@ -47,14 +48,20 @@ from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
+from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
+from pulsenet.rl.models import check_layout_matches
+from pulsenet.rl.prompts import TextCodec
+from pulsenet.rl.rescore import Rescorer
+from pulsenet.rl.tasks import Task, TaskConfig
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
 from pulsenet.rollouts.rows import RowLimits
 from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
+from pulsenet.tracking import NoTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +120,14 @@ class TrainerConfig:
     that publishes after every optimizer step."""
     peers: list[str] = field(default_factory=list)
     """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
+    eval_every: int = 0
+    """Score the policy greedily on the task's held-out problems every this many versions (0: never)."""
+    tracker: str = "none"
+    """Log every version's event to an experiment tracker: none, wandb or trackio (offline unless
+    the tracker's own settings say otherwise)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task, the same as the inference nodes': the trainer re-scores every completion with its
+    rewards (the nodes' reward column is advisory) and evaluates on its held-out problems."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
     loco: LocoConfig = field(default_factory=lambda: LocoConfig(deadline_s=120.0))
@@ -161,12 +176,23 @@ class TrainerNode:
         key: Any,
         sources: list[RolloutSource],
         policy: GRPOInner,
+        task: Task,
+        text: TextCodec,
         loco_store: ObjectStore | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         """``policy``: the GRPO model this node trains; under torchrun, rank 0's
-        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks."""
+        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks.
+        ``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
         self.config = c = config
         self.policy = policy
+        self.task = task
+        model = policy.grpo.local.model
+        prompter = task.prompter(text, max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None))
+        self.rescorer = Rescorer(task, prompter, seed=c.seed)
+        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
+        self.evaluator = Evaluator(task, prompter, model.config) if c.eval_every else None
+        self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         self.publisher = Publisher(store, key, c.publish)
@@ -176,11 +202,12 @@ class TrainerNode:
         self.intake = RolloutIntake(
             sources,
             self.digests.get,
-            replace(c.intake, limits=row_limits(policy.grpo.local.model, c.intake.limits)),
+            replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
             trainer_id=c.id,
             participants=tuple(sorted(peers)) or None,
         )
         self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
+        self.state.rescored = self.rescorer.stats.nodes  # live: reward disagreements per node
         self.demand = DemandWriter(store, key, c.id, DemandConfig(run=c.run, prefix=c.intake.prefix))
         """This trainer's signed demand record: what the inference nodes should generate for it."""
         self.rounds: Rounds
@@ -227,6 +254,8 @@ class TrainerNode:
                     done.set()
         finally:
             await self.publisher.close(flush_timeout=60)
+            await asyncio.to_thread(self.task.close)  # the reward worker process
+            self.tracker.close()
 
     async def start(self) -> None:
         """Resume (the round's resume point, what this key published) and publish what is not out
@@ -235,6 +264,8 @@ class TrainerNode:
         published: Published = None
         if self.publisher.version is not None:
             assert self.publisher.state is not None
+            # a model that does not fit its own channel (another config since) stops here, named
+            check_layout_matches(self.policy.grpo.local.model.config, self.publisher.state, what="this trainer's channel")
             published = (self.publisher.version, self.publisher.state)
         at = await self.rounds.start(published)
         # rollouts served by the versions still within the staleness bound stay acceptable
@@ -274,7 +305,9 @@ class TrainerNode:
             rnd.wait_s += time.perf_counter() - t0
             if not batches:
                 break  # gave up waiting: the round goes on with the steps it made
-            rows = [row for b in batches for row in b.rows]
+            rows = await asyncio.to_thread(self._rescore, batches)
+            if not rows:
+                continue
             t0 = time.perf_counter()
             try:
                 metrics = await asyncio.to_thread(self.policy.step, rows)
@@ -288,6 +321,16 @@ class TrainerNode:
             rnd.staleness += [self.version - b.version for b in batches]
         await asyncio.to_thread(self.policy.end_phase)
         return [m.loss for m in rnd.steps]
+
+    def _rescore(self, batches: list[RolloutBatch]) -> list[Rollout]:
+        """The batches' rows with this trainer's own rewards (``rl.rescore``: a row whose group or
+        prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
+        and counted per node), each group id then qualified with its node and batch."""
+        rows: list[Rollout] = []
+        for b in batches:
+            out = self.rescorer.rescore(b.columns.to_rows())
+            rows += [replace(r, group=b.group_prefix + r.group) for r in out.rows]
+        return rows
 
     def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
         """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
@@ -340,6 +383,7 @@ class TrainerNode:
         previous = self.publisher.state
         sparsity = None if previous is None else await asyncio.to_thread(unchanged_fraction, previous, state)
         record = await self.publisher.publish_now(state, step=self.version + 1)
+        published_at = time.time()
         self.version = record.version
         self.digests[record.version] = record.digest
         for v in [v for v in self.digests if v < record.version - self.config.intake.max_staleness - 1]:
@@ -376,9 +420,15 @@ class TrainerNode:
             sparsity=sparsity,
             steps=[m.as_dict() for m in rnd.steps],
             participants=list(report.participants),
+            at=published_at,
         )
+        if self.evaluator is not None and record.version % self.config.eval_every == 0:
+            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
+            event.eval = result.as_dict()
+            event.phases["eval"] = result.wall_s
         self._rollout_bytes = downloaded
         self.state.record(self.events.emit(event))
+        self.tracker.log(event.as_dict(), step=event.version)
         return event
 
     def _totals(self) -> dict[str, float]:
@@ -431,9 +481,10 @@ async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
     return task.result() if not task.cancelled() else None
 
 
-def row_limits(model: torch.nn.Module, given: RowLimits) -> RowLimits:
-    """``given`` (the configured limits) with what this trainer's model fixes: its vocabulary
-    (embedding rows) and context (``max_position_embeddings``), never more than configured."""
+def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
+    """``given`` (the configured limits) with what this trainer's model and task fix: its vocabulary
+    (embedding rows), context (``max_position_embeddings``) and rewards (the task's declared range),
+    never more than configured."""
     vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
     return replace(
@@ -442,6 +493,8 @@ def row_limits(model: torch.nn.Module, given: RowLimits) -> RowLimits:
         max_row_tokens=context if given.max_row_tokens is None else min(given.max_row_tokens, context),
         max_prompt_tokens=min(given.max_prompt_tokens, (context or given.max_prompt_tokens + 1) - 1),
         max_completion_tokens=min(given.max_completion_tokens, (context or given.max_completion_tokens + 1) - 1),
+        reward_min=max(given.reward_min, reward_range[0]),
+        reward_max=min(given.reward_max, reward_range[1]),
     )
 
 

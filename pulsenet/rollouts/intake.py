@@ -170,12 +170,16 @@ class RolloutBatch:
         return self.columns.tokens
 
     @property
+    def group_prefix(self) -> str:
+        """``{node}/{seq}/``, put before every group id of the batch for a GRPO step: groups never
+        span batches, so no node's ids (reused, or chosen to match another node's) can join or
+        change another batch's groups and advantages."""
+        return f"{self.manifest.node}/{self.manifest.seq}/"
+
+    @property
     def rows(self) -> list[Rollout]:
-        """The rows as ``Rollout`` objects for a GRPO step, each group id qualified as
-        ``{node}/{seq}/{group}``: groups never span batches, so no node's ids (reused, or chosen to
-        match another node's) can join or change another batch's groups and advantages."""
-        m = self.manifest
-        return self.columns.to_rows(group_prefix=f"{m.node}/{m.seq}/")
+        """The rows as ``Rollout`` objects for a GRPO step, each group id qualified (``group_prefix``)."""
+        return self.columns.to_rows(group_prefix=self.group_prefix)
 
 
 @dataclass(slots=True)
