@@ -37,7 +37,7 @@ from pulsenet.engines.base import Engine
 from pulsenet.engines.factory import EngineName, make_engine
 from pulsenet.engines.torch_engine import TorchEngineConfig
 from pulsenet.engines.vllm_engine import VLLMEngineConfig
-from pulsenet.errors import PulsenetError
+from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
@@ -156,6 +156,8 @@ class InferenceNode:
             )
             for k, s in enumerate(policy_stores)
         ]
+        self._fatal: ConfigError | None = None
+        """A channel whose weights do not fit this node's model: the node stops with it."""
         self._delivered: dict[int, int] = {}
         """Channel -> the version its subscriber last delivered (``_on_update``)."""
         self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
@@ -201,10 +203,15 @@ class InferenceNode:
             t = time.perf_counter()
             if self.engine is None:
                 c = self.config
-                self.engine = await asyncio.to_thread(
-                    make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
-                    codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
-                )  # fmt: skip
+                try:
+                    self.engine = await asyncio.to_thread(
+                        make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
+                        codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
+                    )  # fmt: skip
+                except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
+                    self._fatal = e
+                    self._newer.set()
+                    raise
             else:
                 same_base = since is not None and since == self.engine.version
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
@@ -310,6 +317,8 @@ class InferenceNode:
         short (``rollouts.demand``), never more than ``batches_per_version`` per version; with no
         demand record naming this node, up to ``batches_per_version`` per version."""
         while not stop.is_set():
+            if self._fatal is not None:
+                raise self._fatal
             t0 = time.monotonic()
             wait = await self._wait_reason()
             if wait is not None:
