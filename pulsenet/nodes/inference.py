@@ -356,14 +356,17 @@ class InferenceNode:
 
     async def _log_final(self) -> None:
         """On the way out: the bits this node ends with, hashed again from the engine's own weights,
-        as one JSON log line (what an operator, or ``pulsenet up``, compares with the trainer's digest)."""
+        as the ``stopped`` event (what an operator, or ``pulsenet up``, compares with the trainer's
+        digest), with what one idle poll of the channel cost."""
+        if self.engine is None:
+            return
+        idle = await self._idle_poll()  # not under the update lock: a poll may still bring a version
         async with self._update_lock:  # no swap between the hash and the version it is logged with
             engine = self.engine
-            if engine is None or engine.version is None:
+            if engine.version is None:
                 return
             own = await asyncio.to_thread(engine.weights_digest)
             assert engine.digest is not None
-            idle = await self._idle_poll()
             self._emit("stopped", engine.version, engine.digest, weights_digest=own, counts=idle)
 
     async def _idle_poll(self) -> dict[str, int]:
