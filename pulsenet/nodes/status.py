@@ -199,8 +199,90 @@ def _store_metrics(stores: Mapping[str, ObjectStore], labels: list[str], ids: li
     yield from (requests, moved, failing, last_ok)
 
 
+@dataclass(kw_only=True, slots=True)
+class StatusLimits:
+    """What clients may hold of a node's status port. Its users are a health probe and a metrics
+    scraper; without limits, 1,100 idle connections exhausted the node's file descriptors (its own
+    file opens failed and ``/healthz`` timed out)."""
+
+    max_connections: int = 64
+    """Open connections at most. Past it, a new connection closes the oldest one not inside a handler
+    (idle, or its request head not complete yet); if every one is inside a handler, the new one is
+    answered 503 and closed. Either way the node holds at most this many sockets for the port."""
+    header_timeout_s: float = 10.0
+    """A connection that has not sent a complete request head this long after connecting (or after
+    its last response: the keep-alive idle time) is closed. A slow, byte-a-second head is no excuse."""
+    handler_timeout_s: float = 10.0
+    """A request whose answer takes longer is answered 504."""
+    max_line_size: int = 4096
+    """Longest request line or header line in bytes; longer is a 400."""
+    max_headers: int = 32
+    """Most header fields in one request; more is a 400."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.header_timeout_s <= 0 or self.handler_timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and the timeouts > 0")
+
+
+@dataclass(slots=True)
+class ConnectionStats:
+    """What the status port's limits did (``StatusServer.connections``)."""
+
+    accepted: int = 0
+    evicted: int = 0
+    """Idle connections closed to make room for a new one (``max_connections`` reached)."""
+    refused: int = 0
+    """New connections answered 503 and closed: every open one was inside a handler."""
+    open: int = 0
+
+
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _CappedServer(web.Server):
+    """aiohttp's low-level server with a cap on open connections (aiohttp has none).
+
+    ``RequestHandler.connection_made`` reports every new connection here before it reads a byte; a
+    connection past the cap frees a slot (the oldest idle one) or is closed at once, so sockets
+    never pile up and a fresh probe always gets in. Which connections are idle is known from the
+    dispatcher (``busy``): one inside a handler is never evicted."""
+
+    def __init__(self, handler: Any, *, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(handler, **kwargs)
+        self.max_connections = max_connections
+        self.open: dict[Any, asyncio.Transport] = {}
+        """Open connections, oldest first (dicts keep insertion order)."""
+        self.busy: set[Any] = set()
+        self.stats = ConnectionStats()
+
+    def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.stats.accepted += 1
+        if len(self.open) >= self.max_connections:
+            victim = next((h for h in self.open if h not in self.busy), None)
+            if victim is None:
+                self.stats.refused += 1
+                transport.write(_BUSY)
+                transport.close()  # the 503 is a few bytes into an empty buffer: gone at once
+                return
+            self.stats.evicted += 1
+            self.open.pop(victim).abort()  # idle: nothing in flight to lose; its fd goes now
+        self.open[handler] = transport
+        self.stats.open = len(self.open)
+
+    def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.open.pop(handler, None)
+        self.busy.discard(handler)
+        self.stats.open = len(self.open)
+
+
 class StatusServer:
-    """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one)."""
+    """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one).
+
+    The default host is 127.0.0.1: the endpoints are unauthenticated, so a node shows them beyond its
+    machine only when told to (``status_host``; the compose file binds 0.0.0.0 inside the container
+    and publishes the port on the host's 127.0.0.1). ``limits`` bound what clients can hold."""
 
     def __init__(
         self,
@@ -210,6 +292,7 @@ class StatusServer:
         port: int = 0,
         stuck_after_s: float = 300.0,
         stores: Mapping[str, ObjectStore] | None = None,
+        limits: StatusLimits | None = None,
     ) -> None:
         """``stores``: the node's stores by a name of its choosing (``own``, a peer's id): their
         request counters go to ``/metrics``, their health to ``/healthz`` and ``/status``."""
@@ -217,19 +300,53 @@ class StatusServer:
         self.host, self.port = host, port
         self.stuck_after_s = stuck_after_s
         self.stores = dict(stores or {})
+        self.limits = limits or StatusLimits()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StateCollector(state, self.stores))
-        self._runner: web.AppRunner | None = None
+        self._routes = {"/healthz": self._healthz, "/status": self._status, "/metrics": self._metrics}
+        self._server: _CappedServer | None = None
+        self._runner: web.ServerRunner | None = None
+
+    @property
+    def connections(self) -> ConnectionStats:
+        """Connections accepted, evicted, refused and open (zeros before ``start``)."""
+        return self._server.stats if self._server is not None else ConnectionStats()
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/status", self._status)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
+        lim = self.limits
+        self._server = _CappedServer(
+            self._dispatch,
+            max_connections=lim.max_connections,
+            handler_cancellation=True,  # a client that hangs up ends its handler
+            keepalive_timeout=lim.header_timeout_s,  # aiohttp arms it at connect and after each response
+            max_line_size=lim.max_line_size,
+            max_field_size=lim.max_line_size,
+            max_headers=lim.max_headers,
+            lingering_time=0,  # an unread request body is not waited for: the connection closes
+            access_log=None,
+        )
+        self._runner = web.ServerRunner(self._server)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = self._runner.addresses[0][1]
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Route a request (GET only, no body) to its handler, within ``handler_timeout_s``
+        (aiohttp answers the TimeoutError with a 504)."""
+        handler = self._routes.get(request.path)
+        if handler is None:
+            raise web.HTTPNotFound()
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        if request.body_exists:  # nothing here reads a body: none is accepted (client_max_size 0)
+            raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length or 0)
+        assert self._server is not None
+        self._server.busy.add(request.protocol)
+        try:
+            async with asyncio.timeout(self.limits.handler_timeout_s):
+                return await handler(request)  # type: ignore[arg-type]
+        finally:
+            self._server.busy.discard(request.protocol)
 
     async def close(self) -> None:
         if self._runner is not None:
