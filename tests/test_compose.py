@@ -230,7 +230,8 @@ def test_probe_fails_on_503() -> None:
     state = NodeState(role="trainer", node_id="t0")
     loop = asyncio.new_event_loop()
     server = StatusServer(state, stuck_after_s=1.0)
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
     try:
         probe = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-t0"]["healthcheck"]["test"]
@@ -241,3 +242,5 @@ def test_probe_fails_on_503() -> None:
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

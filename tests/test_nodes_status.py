@@ -165,6 +165,7 @@ async def test_slow_and_silent_request_heads_are_dropped_after_the_header_timeou
         finally:
             sender.cancel()
         assert all(w >= 0.4 for w in waited), waited  # not before the timeout
+        assert server.connections.header_timeouts == 2
         async with http.get(f"{server.url}/healthz") as r:  # the server itself is fine
             assert r.status == 200
         for _, w in (silent, slow):

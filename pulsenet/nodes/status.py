@@ -233,6 +233,8 @@ class ConnectionStats:
     """Idle connections closed to make room for a new one (``max_connections`` reached)."""
     refused: int = 0
     """New connections answered 503 and closed: every open one was inside a handler."""
+    header_timeouts: int = 0
+    """Connections closed for sending no complete request head within ``header_timeout_s``."""
     open: int = 0
 
 
@@ -240,20 +242,26 @@ _BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: c
 
 
 class _CappedServer(web.Server):
-    """aiohttp's low-level server with a cap on open connections (aiohttp has none).
+    """aiohttp's low-level server with a cap on open connections (aiohttp has none) and a deadline
+    for the first request head.
 
     ``RequestHandler.connection_made`` reports every new connection here before it reads a byte; a
     connection past the cap frees a slot (the oldest idle one) or is closed at once, so sockets
-    never pile up and a fresh probe always gets in. Which connections are idle is known from the
-    dispatcher (``busy``): one inside a handler is never evicted."""
+    never pile up and a fresh probe always gets in. The dispatcher says which connections have sent
+    a request (``requested``) and which are inside a handler (``busy``, never evicted). Heads after
+    the first are bounded by aiohttp's keep-alive timer (``keepalive_timeout``, armed after each
+    response); recent aiohttp also arms it at connect, older did not: the deadline here holds either
+    way, and is counted."""
 
-    def __init__(self, handler: Any, *, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(handler, **kwargs)
-        self.max_connections = max_connections
+    def __init__(self, handler: Any, *, max_connections: int, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(handler, keepalive_timeout=header_timeout_s, **kwargs)
+        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
         self.open: dict[Any, asyncio.Transport] = {}
         """Open connections, oldest first (dicts keep insertion order)."""
+        self.requested: set[Any] = set()
         self.busy: set[Any] = set()
         self.stats = ConnectionStats()
+        self._deadlines: dict[Any, asyncio.TimerHandle] = {}
 
     def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
@@ -269,11 +277,23 @@ class _CappedServer(web.Server):
             self.open.pop(victim).abort()  # idle: nothing in flight to lose; its fd goes now
         self.open[handler] = transport
         self.stats.open = len(self.open)
+        loop = asyncio.get_running_loop()
+        self._deadlines[handler] = loop.call_later(self.header_timeout_s, self._head_deadline, handler)
+
+    def _head_deadline(self, handler: Any) -> None:
+        self._deadlines.pop(handler, None)
+        if handler not in self.requested and (transport := self.open.pop(handler, None)) is not None:
+            self.stats.header_timeouts += 1
+            self.stats.open = len(self.open)
+            transport.abort()
 
     def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
         self.open.pop(handler, None)
+        self.requested.discard(handler)
         self.busy.discard(handler)
+        if (deadline := self._deadlines.pop(handler, None)) is not None:
+            deadline.cancel()
         self.stats.open = len(self.open)
 
 
@@ -317,8 +337,8 @@ class StatusServer:
         self._server = _CappedServer(
             self._dispatch,
             max_connections=lim.max_connections,
+            header_timeout_s=lim.header_timeout_s,
             handler_cancellation=True,  # a client that hangs up ends its handler
-            keepalive_timeout=lim.header_timeout_s,  # aiohttp arms it at connect and after each response
             max_line_size=lim.max_line_size,
             max_field_size=lim.max_line_size,
             max_headers=lim.max_headers,
@@ -333,6 +353,8 @@ class StatusServer:
     async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
         """Route a request (GET only, no body) to its handler, within ``handler_timeout_s``
         (aiohttp answers the TimeoutError with a 504)."""
+        assert self._server is not None
+        self._server.requested.add(request.protocol)
         handler = self._routes.get(request.path)
         if handler is None:
             raise web.HTTPNotFound()
@@ -340,7 +362,6 @@ class StatusServer:
             raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
         if request.body_exists:  # nothing here reads a body: none is accepted (client_max_size 0)
             raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length or 0)
-        assert self._server is not None
         self._server.busy.add(request.protocol)
         try:
             async with asyncio.timeout(self.limits.handler_timeout_s):
