@@ -36,6 +36,8 @@ class LocoTrainSettings:
     """This trainer's id: lowercase letters, digits, '-', '_' (required)."""
     key: Path | None = None
     """This trainer's Ed25519 private key (pulsenet keygen) (required)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     trust: list[str] = field(default_factory=list)
     """Every trainer's public key: ID=PATH, or PATH whose file name up to the first '.' is the id
     (required)."""
@@ -90,7 +92,7 @@ async def run_trainer(s: LocoTrainSettings, factory: Any = None) -> list[RoundRe
         trainer = cls(
             s.id,
             store,
-            load_private_key(s.key),
+            load_private_key(s.key, allow_open=s.allow_open_key),
             trainer_keys(s.trust),
             SupervisedInner(local, task),
             s.loco,
