@@ -1,0 +1,285 @@
+"""What a peer holding a valid key can make a node do, at the node level (issue 21): real nodes
+(``InferenceNode``, ``TrainerNode``) on a ``LocalStore`` with the tiny model, fed by a peer that
+signs what it sends with a key the node trusts.
+
+- a trusted trainer's signed head for v999999999999 (item 6): the inference node deletes none of
+  its batches and does not switch to that channel;
+- a rollout batch with a reward of 1e300 (item 2): no published version is ever non-finite;
+- a rollout batch whose token ids are past the vocabulary (item 1): the trainer keeps running, drops
+  it with a counted reason, and after a restart does not take it again.
+
+docs/security.md ("Signed peer") lists each claim with its test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pulsenet.codec.rollout import Rollout
+from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.rounds import finite
+from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+from pulsenet.rl.inner import GRPOInner
+from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
+from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
+from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
+from pulsenet.store import LocalStore
+from pulsenet.sync import Publisher, PublisherConfig, Subscriber, SubscriberConfig
+from pulsenet.sync.manifest import Head, sign_head
+
+RUN = "signed-peer"
+FAR = 999_999_999_999
+"""The largest version a manifest may carry: what a compromised key announces."""
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Site:
+    """Keys and stores of one test network (every site's bucket a LocalStore under tmp)."""
+
+    def __init__(self, tmp: Path, *sites: str) -> None:
+        self.tmp = tmp
+        self.keys, self.pubs = {}, {}
+        for s in sites:
+            generate_keypair(tmp / "keys" / f"{s}.key")
+            self.keys[s] = load_private_key(tmp / "keys" / f"{s}.key")
+            self.pubs[s] = load_public_key(tmp / "keys" / f"{s}.key.pub")
+
+    def store(self, site: str) -> LocalStore:
+        return LocalStore(self.tmp / "s3" / site)
+
+    def trusted(self, *sites: str) -> dict:
+        return {key_id(self.pubs[s]): self.pubs[s] for s in sites}
+
+
+async def _until(condition: Callable[[], bool], task: asyncio.Task[Any], timeout: float, what: str) -> None:
+    """Wait (polling the nodes' own counters) until ``condition`` holds; fail if ``task`` ends first."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            if task.done():
+                raise AssertionError(f"the node ended before {what}: {task.exception() if not task.cancelled() else 'cancelled'}")
+            await asyncio.sleep(0.05)
+
+
+async def _stop(stop: asyncio.Event, task: asyncio.Task[Any]) -> None:
+    stop.set()
+    async with asyncio.timeout(60):
+        await task  # a clean stop: anything the node raised surfaces here
+
+
+# --- item 6: a signed head far ahead -----------------------------------------------------------
+
+
+async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp_path: Path) -> None:
+    """Both trainers the inference node trusts sign a head for v999999999999 on their channels,
+    with no manifest behind it. The node keeps serving v1 (what it verified), keeps every batch it
+    writes (retention by that verified v1), reports staleness 0, and when its channel stalls does
+    not fail over to the other channel (whose head "is newer" only by the signer's word)."""
+    net = Site(tmp_path, "t0", "t1", "i0")
+    grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
+    states = [grpo.bf16_state()]
+    states.append({n: (t.float() + 0.01).to(t.dtype) if n.endswith("weight") else t for n, t in states[0].items()})
+    publishers = {}
+    for t in ("t0", "t1"):  # both publish the same honest v0 and v1 (bit-identical global weights)
+        pub = Publisher(net.store(t), net.keys[t], PublisherConfig(run=RUN))
+        await pub.start()
+        for v, state in enumerate(states):
+            await pub.publish_now(state, step=v)
+        await pub.close(flush_timeout=30)
+        publishers[t] = pub
+        # ... then the key signs a head announcing a version no manifest backs.
+        head = Head(version=FAR, model_digest=pub.digest, publisher=pub.key_id, time_ms=int(time.time() * 1000))  # type: ignore[arg-type]
+        await net.store(t).put(pub.layout.head, sign_head(head, net.keys[t], context=pub.layout.context))
+
+    node = InferenceNode(
+        InferenceConfig(
+            id="i0",
+            run=RUN,
+            prompts=2,
+            group_size=2,
+            max_new_tokens=2,
+            batches_per_version=3,
+            max_staleness=1,
+            state_dir=tmp_path / "i0",
+            subscribe=SubscriberConfig(interval_s=0.1),
+            failover_s=0.3,  # its channel brings nothing newer: it looks at the other one
+            status_every_s=0.5,
+        ),
+        store=net.store("i0"),
+        policy_stores=[net.store("t0"), net.store("t1")],
+        trusted=net.trusted("t0", "t1"),
+        key=net.keys["i0"],
+        task=make_task("arith", 0),
+        text=text_codec("tiny"),
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(node.run(stop))
+    active, other = node.subscribers
+    await _until(
+        lambda: node.writer.stats.batches >= 3 and (other.stats.announced_unverified >= 2 or other.stats.polls > 0),
+        task,
+        120,
+        "3 batches and 2 failover looks",
+    )
+    await _stop(stop, task)
+
+    assert active.stats.head_version == FAR  # the hostile head was read ...
+    assert node.engine is not None and node.engine.version == 1 and node.state.version == 1  # ... v1 served
+    # Retention went by the verified v1: nothing deleted, every batch still listed in its store.
+    assert node.writer.stats.deleted == 0
+    listed = await net.store("i0").list(node.writer.layout.manifests)
+    assert len(listed) == node.writer.stats.batches >= 3
+    assert node.state.staleness == 0
+    # No failover: the other channel was asked (and refused the head) but never followed.
+    assert other.stats.polls == 0 and other.version is None
+    assert node.served[-1] == (1, publishers["t0"].digest) and {v for v, _ in node.served} <= {0, 1}
+
+
+# --- items 1 and 2: rollout batches a trusted inference key signed -----------------------------
+
+
+def _rows(version: int, digest: str, batch: int, *, reward: Callable[[int], float] = lambda i: float(i % 2), token: int | None = None) -> list[Rollout]:
+    """One batch of 2 groups x 4 completions in the tiny model's byte vocabulary (``token``: a
+    completion id to put in the first row instead, e.g. one past the vocabulary)."""
+    g = torch.Generator().manual_seed(batch)
+    rows = []
+    for k in range(2):
+        prompt = tuple(int(x) for x in torch.randint(48, 58, (5,), generator=g))
+        for i in range(4):
+            ids = [int(x) for x in torch.randint(32, 127, (3 + i % 2,), generator=g)]
+            if token is not None and k == i == 0:
+                ids[-1] = token
+            rows.append(Rollout(
+                group=f"i0-v{version}-b{batch}-p{k}", prompt_ids=prompt, completion_ids=tuple(ids),
+                logprobs=tuple(-1.5 for _ in ids), reward=reward(4 * k + i), version=version,
+                model_digest=digest, node="i0", seed=i,
+            ))  # fmt: skip
+    return rows
+
+
+class Trainer:
+    """A lone trainer node on the tiny model with one inference source, and the peer (i0's key)
+    that writes signed batches to that source."""
+
+    def __init__(self, net: Site, state_dir: Path, steps: int) -> None:
+        self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
+        self.node = TrainerNode(
+            TrainerConfig(
+                id="t0",
+                run=RUN,
+                steps=steps,
+                rows_per_step=8,  # one batch per step
+                state_dir=state_dir,
+                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
+            ),
+            store=net.store("t0"),
+            key=net.keys["t0"],
+            sources=[RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
+            policy=GRPOInner(self.grpo),
+        )
+        self.published: list[tuple[int, bool]] = []
+        """(version, every weight finite) of each state handed to the publisher."""
+        publish = self.node.publisher.publish_now
+
+        async def spy(state: Any, *, step: int | None = None) -> Any:
+            record = await publish(state, step=step)
+            self.published.append((record.version, finite(state)))
+            return record
+
+        self.node.publisher.publish_now = spy  # type: ignore[method-assign]
+        self.writer = RolloutWriter(net.store("i0"), net.keys["i0"], "i0", RolloutWriterConfig(run=RUN, max_staleness=3))
+
+    async def run(self, body: Callable[[asyncio.Task[Any]], Awaitable[None]]) -> None:
+        """Run the node until it has published its ``steps`` versions, with ``body`` feeding it."""
+        task = asyncio.create_task(self.node.run(asyncio.Event()))
+        try:
+            await _until(lambda: 0 in self.node.digests, task, 60, "v0")
+            await body(task)
+            try:
+                async with asyncio.timeout(90):  # seconds of work on the tiny model
+                    await task
+            except TimeoutError:
+                n = self.node
+                raise AssertionError(
+                    f"the node did not finish its {n.config.steps} versions: published {self.published}, "
+                    f"failed steps {n.failed_steps}, skipped updates {self.grpo.local.skipped}, last error {n.state.last_error}"
+                ) from None
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def test_a_reward_of_1e300_never_publishes_a_non_finite_policy(tmp_path: Path) -> None:
+    """1e300 is finite as float64 and overflows in float32: the step's loss and gradient are NaN.
+    Until the intake refuses such a row, the grad-norm guard skips the update (weights and AdamW
+    moments untouched); the node goes on to train on the honest batches, and every version it
+    publishes, and the newest a subscriber verifies, is finite."""
+    net = Site(tmp_path, "t0", "i0")
+    t = Trainer(net, tmp_path / "t0", steps=3)
+
+    async def feed(_: asyncio.Task[Any]) -> None:
+        d0 = t.node.digests[0]
+        await t.writer.write(_rows(0, d0, 0, reward=lambda i: 1e300 if i == 0 else float(i % 2)))
+        for b in (1, 2, 3):
+            await t.writer.write(_rows(0, d0, b))
+
+    await t.run(feed)
+
+    assert [v for v, _ in t.published] == [0, 1, 2, 3] and all(ok for _, ok in t.published), t.published
+    refused = sum(t.node.intake.stats.rejected.values())
+    assert t.grpo.local.skipped + refused >= 1, "the hostile batch was neither refused nor skipped"
+    assert t.node.failed_steps == 0
+    assert t.grpo.local.steps >= 2  # honest batches were trained on after it
+    assert finite(dict(t.grpo.local.model.named_parameters()))
+    assert all(finite({k: v for k, v in s.items() if isinstance(v, torch.Tensor)}) for s in t.grpo.local.optimizer.state.values())
+    # What an inference node would get: the newest version, verified, finite.
+    got: dict[str, Any] = {}
+    async with Subscriber(net.store("t0"), net.trusted("t0"), SubscriberConfig(run=RUN), on_update=lambda v, s, d, **_: got.update(v=v, s=s)) as sub:
+        assert await sub.sync_once() == 3
+    assert got["v"] == 3 and finite(got["s"])
+
+
+async def test_a_token_past_the_vocabulary_is_dropped_counted_and_not_taken_after_a_restart(tmp_path: Path) -> None:
+    """A batch with a completion token id of 256 (the tiny vocabulary is 0..255) made the GRPO step
+    raise IndexError and killed the trainer, which took it again after every restart. Now the node
+    drops it with a counted reason (a refusal at intake, or a failed step) and goes on; a restarted
+    node does not take it again."""
+    net = Site(tmp_path, "t0", "i0")
+    first = Trainer(net, tmp_path / "t0", steps=2)
+
+    async def feed(_: asyncio.Task[Any]) -> None:
+        d0 = first.node.digests[0]
+        await first.writer.write(_rows(0, d0, 0, token=BYTE_VOCAB))  # the hostile batch, seq 0
+        for b in (1, 2):
+            await first.writer.write(_rows(0, d0, b))
+
+    await first.run(feed)
+    n = first.node
+    refused = sum(n.intake.stats.rejected.values())
+    assert n.failed_steps + refused == 1, (n.failed_steps, n.intake.stats.rejected)
+    if n.failed_steps:
+        assert n.state.errors >= 1 and "IndexError" in (n.state.last_error or "")
+        assert n.events.events[-1].totals["failed_steps"] == 1  # in the version events (and /status)
+    assert [v for v, _ in first.published] == [0, 1, 2] and n.intake.stats.taken == 2 + n.failed_steps
+
+    # Restart on the same state dir, one more version to make, one more honest batch to make it from.
+    second = Trainer(net, tmp_path / "t0", steps=3)
+
+    async def feed_more(_: asyncio.Task[Any]) -> None:
+        await second.writer.write(_rows(0, second.node.digests[0], 3))
+
+    await second.run(feed_more)
+    m = second.node
+    assert m.failed_steps == 0 and m.intake.stats.taken == 1, (m.failed_steps, m.intake.stats.taken)
+    assert [v for v, _ in second.published] == [3]
