@@ -4,9 +4,10 @@ signs what it sends with a key the node trusts.
 
 - a trusted trainer's signed head for v999999999999 (item 6): the inference node deletes none of
   its batches and does not switch to that channel;
-- a rollout batch with a reward of 1e300 (item 2): no published version is ever non-finite;
-- a rollout batch whose token ids are past the vocabulary (item 1): the trainer keeps running, drops
-  it with a counted reason, and after a restart does not take it again.
+- a rollout batch with a reward of 1e300 (item 2), or one the intake lets through that still
+  overflows the step: no published version is ever non-finite;
+- a rollout batch whose token ids are past the vocabulary, or one whose step raises (item 1): the
+  trainer keeps running, drops it with a counted reason, and after a restart does not take it again.
 
 docs/security.md ("Signed peer") lists each claim with its test.
 """
@@ -32,6 +33,8 @@ from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
 from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
+from pulsenet.rollouts.layout import BatchName
+from pulsenet.rollouts.rows import RowLimits
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync import Publisher, PublisherConfig, Subscriber, SubscriberConfig
@@ -72,9 +75,16 @@ async def _until(condition: Callable[[], bool], task: asyncio.Task[Any], timeout
 
 
 async def _stop(stop: asyncio.Event, task: asyncio.Task[Any]) -> None:
+    """Stop the node; anything it raised surfaces here. One that does not stop within a minute is
+    cancelled and fails the test."""
     stop.set()
-    async with asyncio.timeout(60):
-        await task  # a clean stop: anything the node raised surfaces here
+    done, _ = await asyncio.wait({task}, timeout=60)
+    if not done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise AssertionError("the node did not stop within 60 s of its stop event")
+    await task
 
 
 # --- item 6: a signed head far ahead -----------------------------------------------------------
@@ -125,13 +135,17 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
     stop = asyncio.Event()
     task = asyncio.create_task(node.run(stop))
     active, other = node.subscribers
-    await _until(
-        lambda: node.writer.stats.batches >= 3 and (other.stats.announced_unverified >= 2 or other.stats.polls > 0),
-        task,
-        120,
-        "3 batches and 2 failover looks",
-    )
-    await _stop(stop, task)
+    try:
+        await _until(
+            lambda: other.stats.polls > 0 or (node.writer.stats.batches >= 3 and other.stats.announced_unverified >= 2),
+            task,
+            120,
+            "3 batches and 2 failover looks",
+        )
+        # No failover: the other channel was asked (and refused the head) but never followed.
+        assert other.stats.polls == 0 and other.version is None
+    finally:
+        await _stop(stop, task)
 
     assert active.stats.head_version == FAR  # the hostile head was read ...
     assert node.engine is not None and node.engine.version == 1 and node.state.version == 1  # ... v1 served
@@ -140,8 +154,7 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
     listed = await net.store("i0").list(node.writer.layout.manifests)
     assert len(listed) == node.writer.stats.batches >= 3
     assert node.state.staleness == 0
-    # No failover: the other channel was asked (and refused the head) but never followed.
-    assert other.stats.polls == 0 and other.version is None
+    assert other.stats.announced_unverified >= 2
     assert node.served[-1] == (1, publishers["t0"].digest) and {v for v, _ in node.served} <= {0, 1}
 
 
@@ -169,9 +182,18 @@ def _rows(version: int, digest: str, batch: int, *, reward: Callable[[int], floa
 
 class Trainer:
     """A lone trainer node on the tiny model with one inference source, and the peer (i0's key)
-    that writes signed batches to that source."""
+    that writes signed batches to that source. ``limits``: the intake's configured row limits
+    (the node narrows them to its model); ``policy``: a ``GRPOInner`` of ``self.grpo``."""
 
-    def __init__(self, net: Site, state_dir: Path, steps: int) -> None:
+    def __init__(
+        self,
+        net: Site,
+        state_dir: Path,
+        steps: int,
+        *,
+        limits: RowLimits | None = None,
+        policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
+    ) -> None:
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
         self.node = TrainerNode(
             TrainerConfig(
@@ -180,12 +202,12 @@ class Trainer:
                 steps=steps,
                 rows_per_step=8,  # one batch per step
                 state_dir=state_dir,
-                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
+                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3, limits=limits or RowLimits()),
             ),
             store=net.store("t0"),
             key=net.keys["t0"],
             sources=[RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
-            policy=GRPOInner(self.grpo),
+            policy=policy(self.grpo),
         )
         self.published: list[tuple[int, bool]] = []
         """(version, every weight finite) of each state handed to the publisher."""
@@ -199,9 +221,19 @@ class Trainer:
         self.node.publisher.publish_now = spy  # type: ignore[method-assign]
         self.writer = RolloutWriter(net.store("i0"), net.keys["i0"], "i0", RolloutWriterConfig(run=RUN, max_staleness=3))
 
-    async def run(self, body: Callable[[asyncio.Task[Any]], Awaitable[None]]) -> None:
-        """Run the node until it has published its ``steps`` versions, with ``body`` feeding it."""
-        task = asyncio.create_task(self.node.run(asyncio.Event()))
+    def batch_id(self, seq: int) -> str:
+        """The intake's id of i0's batch ``seq`` at v0 (what the consumed record holds)."""
+        return self.node.intake.batch_id("i0", BatchName(0, "i0", seq))
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """Reason -> i0's batches the intake refused (or whose step failed: ``step_failed``)."""
+        return self.node.intake.stats.rejected_by_node.get("i0", {})
+
+    async def run(self, body: Callable[[asyncio.Task[Any]], Awaitable[None]], stop: asyncio.Event | None = None) -> None:
+        """Run the node until it has published its ``steps`` versions (or ``stop``), with ``body``
+        feeding it."""
+        task = asyncio.create_task(self.node.run(stop or asyncio.Event()))
         try:
             await _until(lambda: 0 in self.node.digests, task, 60, "v0")
             await body(task)
@@ -212,7 +244,8 @@ class Trainer:
                 n = self.node
                 raise AssertionError(
                     f"the node did not finish its {n.config.steps} versions: published {self.published}, "
-                    f"failed steps {n.failed_steps}, skipped updates {self.grpo.local.skipped}, last error {n.state.last_error}"
+                    f"failed steps {n.failed_steps}, skipped updates {self.grpo.local.skipped}, refused {self.refused}, "
+                    f"last error {n.state.last_error}"
                 ) from None
         finally:
             task.cancel()
@@ -220,41 +253,62 @@ class Trainer:
                 await task
 
 
-async def test_a_reward_of_1e300_never_publishes_a_non_finite_policy(tmp_path: Path) -> None:
-    """1e300 is finite as float64 and overflows in float32: the step's loss and gradient are NaN.
-    Until the intake refuses such a row, the grad-norm guard skips the update (weights and AdamW
-    moments untouched); the node goes on to train on the honest batches, and every version it
-    publishes, and the newest a subscriber verifies, is finite."""
+async def _subscribe_newest(net: Site) -> tuple[int, dict[str, torch.Tensor]]:
+    """The newest version of t0's channel as an inference node gets it: verified."""
+    got: dict[str, Any] = {}
+    config = SubscriberConfig(run=RUN)
+    async with Subscriber(net.store("t0"), net.trusted("t0"), config, on_update=lambda v, s, d, **_: got.update(v=v, s=s)) as sub:
+        await sub.sync_once()
+    return got["v"], got["s"]
+
+
+@pytest.mark.parametrize(
+    ("reward", "limits"),
+    [
+        pytest.param(1e300, None, id="1e300-refused-at-intake"),
+        # The widest range an operator may configure: the batch reaches the step, whose gradient
+        # norm overflows float32 (inf): the guard behind the intake.
+        pytest.param(1e30, RowLimits(reward_min=-1e30, reward_max=1e30), id="1e30-reaches-the-grad-norm-guard"),
+    ],
+)
+async def test_an_overflowing_reward_never_publishes_a_non_finite_policy(
+    tmp_path: Path, reward: float, limits: RowLimits | None
+) -> None:
+    """A reward of 1e300 is finite as float64 and inf in float32: the trainer published a version
+    whose every weight was NaN. Now the intake refuses a reward outside the task's range
+    (``reward_range``, counted for the node); one the configured range lets through but that still
+    overflows the step (1e30 under a ±1e30 range) has its update skipped by the non-finite
+    gradient-norm guard (weights and AdamW moments untouched). Either way the node trains on the
+    honest batches, and every version it publishes, and the newest a subscriber verifies, is finite."""
     net = Site(tmp_path, "t0", "i0")
-    t = Trainer(net, tmp_path / "t0", steps=3)
+    t = Trainer(net, tmp_path / "t0", steps=3, limits=limits)
 
     async def feed(_: asyncio.Task[Any]) -> None:
         d0 = t.node.digests[0]
-        await t.writer.write(_rows(0, d0, 0, reward=lambda i: 1e300 if i == 0 else float(i % 2)))
+        await t.writer.write(_rows(0, d0, 0, reward=lambda i: reward if i == 0 else float(i % 2)))
         for b in (1, 2, 3):
             await t.writer.write(_rows(0, d0, b))
 
     await t.run(feed)
 
     assert [v for v, _ in t.published] == [0, 1, 2, 3] and all(ok for _, ok in t.published), t.published
-    refused = sum(t.node.intake.stats.rejected.values())
-    assert t.grpo.local.skipped + refused >= 1, "the hostile batch was neither refused nor skipped"
-    assert t.node.failed_steps == 0
-    assert t.grpo.local.steps >= 2  # honest batches were trained on after it
+    if limits is None:
+        assert t.refused == {"reward_range": 1} and t.grpo.local.skipped == 0
+    else:
+        assert t.refused == {} and t.grpo.local.skipped == 1  # the guard, not the intake
+    assert t.node.failed_steps == 0 and t.grpo.local.steps >= 2  # it trained on the honest batches
     assert finite(dict(t.grpo.local.model.named_parameters()))
-    assert all(finite({k: v for k, v in s.items() if isinstance(v, torch.Tensor)}) for s in t.grpo.local.optimizer.state.values())
-    # What an inference node would get: the newest version, verified, finite.
-    got: dict[str, Any] = {}
-    async with Subscriber(net.store("t0"), net.trusted("t0"), SubscriberConfig(run=RUN), on_update=lambda v, s, d, **_: got.update(v=v, s=s)) as sub:
-        assert await sub.sync_once() == 3
-    assert got["v"] == 3 and finite(got["s"])
+    moments = [v for st in t.grpo.local.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    assert moments and all(bool(torch.isfinite(m).all()) for m in moments)
+    version, state = await _subscribe_newest(net)
+    assert version == 3 and finite(state)
 
 
-async def test_a_token_past_the_vocabulary_is_dropped_counted_and_not_taken_after_a_restart(tmp_path: Path) -> None:
+async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_after_a_restart(tmp_path: Path) -> None:
     """A batch with a completion token id of 256 (the tiny vocabulary is 0..255) made the GRPO step
     raise IndexError and killed the trainer, which took it again after every restart. Now the node
-    drops it with a counted reason (a refusal at intake, or a failed step) and goes on; a restarted
-    node does not take it again."""
+    refuses it (``token_range``, counted for the node: /status, /metrics) and goes on; a restarted
+    node does not take it either."""
     net = Site(tmp_path, "t0", "i0")
     first = Trainer(net, tmp_path / "t0", steps=2)
 
@@ -266,12 +320,9 @@ async def test_a_token_past_the_vocabulary_is_dropped_counted_and_not_taken_afte
 
     await first.run(feed)
     n = first.node
-    refused = sum(n.intake.stats.rejected.values())
-    assert n.failed_steps + refused == 1, (n.failed_steps, n.intake.stats.rejected)
-    if n.failed_steps:
-        assert n.state.errors >= 1 and "IndexError" in (n.state.last_error or "")
-        assert n.events.events[-1].totals["failed_steps"] == 1  # in the version events (and /status)
-    assert [v for v, _ in first.published] == [0, 1, 2] and n.intake.stats.taken == 2 + n.failed_steps
+    assert first.refused == {"token_range": 1} and n.failed_steps == 0
+    assert [v for v, _ in first.published] == [0, 1, 2] and n.intake.stats.taken == 2
+    assert n.state.rejected["i0"] == {"token_range": 1}  # what /status and /metrics show
 
     # Restart on the same state dir, one more version to make, one more honest batch to make it from.
     second = Trainer(net, tmp_path / "t0", steps=3)
@@ -282,4 +333,76 @@ async def test_a_token_past_the_vocabulary_is_dropped_counted_and_not_taken_afte
     await second.run(feed_more)
     m = second.node
     assert m.failed_steps == 0 and m.intake.stats.taken == 1, (m.failed_steps, m.intake.stats.taken)
+    assert second.refused == {"token_range": 1}  # looked at again, refused again, never queued
+    assert set(m.intake.consumed()) == {second.batch_id(b) for b in (1, 2, 3)}  # it trained on the new one
     assert [v for v, _ in second.published] == [3]
+
+
+class _FailsOnce(GRPOInner):
+    """A GRPO step that raises on the first batch it is given (a row the intake's checks let through
+    but the step cannot take; none is known, so the fault is injected)."""
+
+    def __init__(self, grpo: GRPOTrainer) -> None:
+        super().__init__(grpo)
+        self.failed = False
+
+    def step(self, batch: Any) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected: this batch breaks the step")
+        return super().step(batch)
+
+
+async def test_a_batch_whose_step_failed_is_dropped_and_not_taken_after_a_restart(tmp_path: Path) -> None:
+    """A step that raises drops its batch (``step_failed``, counted for the node) and the node goes
+    on to publish from the next batches; a restarted node does not take that batch again."""
+    net = Site(tmp_path, "t0", "i0")
+    first = Trainer(net, tmp_path / "t0", steps=2, policy=_FailsOnce)
+
+    async def feed(_: asyncio.Task[Any]) -> None:
+        for b in (0, 1, 2):
+            await first.writer.write(_rows(0, first.node.digests[0], b))
+
+    await first.run(feed)
+    n = first.node
+    assert n.failed_steps == 1 and first.refused == {"step_failed": 1}
+    assert n.state.errors >= 1 and "injected" in (n.state.last_error or "")
+    assert [v for v, _ in first.published] == [0, 1, 2]
+    assert n.events.events[-1].totals["failed_steps"] == 1  # in the version events
+    assert set(n.intake.consumed()) == {first.batch_id(b) for b in (0, 1, 2)}  # the failed one too
+
+    second = Trainer(net, tmp_path / "t0", steps=3)
+
+    async def feed_more(_: asyncio.Task[Any]) -> None:
+        await second.writer.write(_rows(0, second.node.digests[0], 3))
+
+    await second.run(feed_more)
+    # It trained on the new batch, not on the one whose step failed (taken first, in sequence order,
+    # were it not in the consumed record).
+    assert second.node.intake.stats.taken == 1
+    assert set(second.node.intake.consumed()) == {second.batch_id(b) for b in (0, 1, 2, 3)}
+    assert [v for v, _ in second.published] == [3]
+
+
+@pytest.mark.xfail(strict=True, reason="the consumed record is saved when a round closes: a batch whose step failed is taken once more by a trainer restarted before its next round closed (report to the lead)")
+async def test_a_batch_whose_step_failed_is_not_taken_by_a_trainer_restarted_at_once(tmp_path: Path) -> None:
+    net = Site(tmp_path, "t0", "i0")
+    first = Trainer(net, tmp_path / "t0", steps=2, policy=_FailsOnce)
+    stop = asyncio.Event()
+
+    async def feed(task: asyncio.Task[Any]) -> None:
+        await first.writer.write(_rows(0, first.node.digests[0], 0))
+        await _until(lambda: first.node.failed_steps == 1, task, 60, "the failed step")
+        stop.set()  # stopped before any round closes after it
+
+    await first.run(feed, stop)
+    assert first.node.failed_steps == 1 and [v for v, _ in first.published] == [0]
+    second = Trainer(net, tmp_path / "t0", steps=1)
+
+    async def feed_more(task: asyncio.Task[Any]) -> None:
+        await second.writer.write(_rows(0, second.node.digests[0], 1))
+        await _until(lambda: second.node.intake.stats.polls >= 3, task, 60, "3 polls")
+
+    await second.run(feed_more)
+    # The failed batch comes first in sequence order: taken (and trained on) unless remembered.
+    assert second.batch_id(1) in second.node.intake.consumed()
