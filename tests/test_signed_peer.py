@@ -4,8 +4,8 @@ signs what it sends with a key the node trusts.
 
 - a trusted trainer's signed head for v999999999999 (item 6): the inference node deletes none of
   its batches and does not switch to that channel;
-- a rollout batch with a reward of 1e300 (item 2), or one the intake lets through that still
-  overflows the step: no published version is ever non-finite;
+- a rollout batch with a reward of 1e300 (item 2): no published version is ever non-finite (and
+  behind the intake, the step's own guard);
 - a rollout batch whose token ids are past the vocabulary, or one whose step raises (item 1): the
   trainer keeps running, drops it with a counted reason, and after a restart does not take it again.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -32,9 +33,9 @@ from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
+from pulsenet.rl.tasks import TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.layout import BatchName
-from pulsenet.rollouts.rows import RowLimits
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync import Publisher, PublisherConfig, Subscriber, SubscriberConfig
@@ -117,7 +118,7 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
             run=RUN,
             prompts=2,
             group_size=2,
-            max_new_tokens=2,
+            task=TaskConfig(max_new_tokens=2),
             batches_per_version=3,
             max_staleness=1,
             state_dir=tmp_path / "i0",
@@ -161,29 +162,42 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
 # --- items 1 and 2: rollout batches a trusted inference key signed -----------------------------
 
 
-def _rows(version: int, digest: str, batch: int, *, reward: Callable[[int], float] = lambda i: float(i % 2), token: int | None = None) -> list[Rollout]:
-    """One batch of 2 groups x 4 completions in the tiny model's byte vocabulary (``token``: a
-    completion id to put in the first row instead, e.g. one past the vocabulary)."""
-    g = torch.Generator().manual_seed(batch)
-    rows = []
-    for k in range(2):
-        prompt = tuple(int(x) for x in torch.randint(48, 58, (5,), generator=g))
-        for i in range(4):
-            ids = [int(x) for x in torch.randint(32, 127, (3 + i % 2,), generator=g)]
-            if token is not None and k == i == 0:
-                ids[-1] = token
-            rows.append(Rollout(
-                group=f"i0-v{version}-b{batch}-p{k}", prompt_ids=prompt, completion_ids=tuple(ids),
-                logprobs=tuple(-1.5 for _ in ids), reward=reward(4 * k + i), version=version,
-                model_digest=digest, node="i0", seed=i,
-            ))  # fmt: skip
-    return rows
+TASK = "arith"
+"""The task both sides run: the trainer re-scores every row against it (``rl/rescore.py``)."""
+
+
+def _rows(version: int, digest: str, batch: int, *, reward: float | None = None, token: int | None = None) -> list[Rollout]:
+    """Batch ``batch`` of node i0 at ``version`` as an honest node makes it: 2 of the task's
+    assigned problems with their prompts and group ids, 4 completions each (2 right answers, 2
+    wrong), each claiming the reward the task gives it. ``reward``: claimed by the first row
+    instead; ``token``: a completion id put in the first row (e.g. one past the vocabulary)."""
+    task, text = make_task(TASK, 0), text_codec("tiny")
+    try:
+        prompter = task.prompter(text)
+        problems = assign_problems(task, node="i0", version=version, seed=0, n=2, batch=batch)
+        rows = []
+        for k, p in enumerate(problems):
+            prompt = prompter.encode(p.prompt)
+            assert prompt is not None
+            for i in range(4):
+                answer = f"{p.answer}\n" if i % 2 == 0 else "x\n"
+                ids = list(answer.encode())
+                if token is not None and k == i == 0:
+                    ids[0] = token
+                truth = task.score_texts([p], [prompter.completion_text(ids)]).total[0]
+                rows.append(Rollout(
+                    group=group_id("i0", version, batch, k), prompt_ids=tuple(prompt), completion_ids=tuple(ids),
+                    logprobs=tuple(-1.5 for _ in ids), reward=reward if reward is not None and k == i == 0 else truth,
+                    version=version, model_digest=digest, node="i0", seed=i,
+                ))  # fmt: skip
+        return rows
+    finally:
+        task.close()
 
 
 class Trainer:
     """A lone trainer node on the tiny model with one inference source, and the peer (i0's key)
-    that writes signed batches to that source. ``limits``: the intake's configured row limits
-    (the node narrows them to its model); ``policy``: a ``GRPOInner`` of ``self.grpo``."""
+    that writes signed batches to that source. ``policy``: a ``GRPOInner`` of ``self.grpo``."""
 
     def __init__(
         self,
@@ -191,7 +205,6 @@ class Trainer:
         state_dir: Path,
         steps: int,
         *,
-        limits: RowLimits | None = None,
         policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
     ) -> None:
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
@@ -202,12 +215,14 @@ class Trainer:
                 steps=steps,
                 rows_per_step=8,  # one batch per step
                 state_dir=state_dir,
-                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3, limits=limits or RowLimits()),
+                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
             ),
             store=net.store("t0"),
             key=net.keys["t0"],
             sources=[RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
             policy=policy(self.grpo),
+            task=make_task(TASK, 0),
+            text=text_codec("tiny"),
         )
         self.published: list[tuple[int, bool]] = []
         """(version, every weight finite) of each state handed to the publisher."""
@@ -262,46 +277,48 @@ async def _subscribe_newest(net: Site) -> tuple[int, dict[str, torch.Tensor]]:
     return got["v"], got["s"]
 
 
-@pytest.mark.parametrize(
-    ("reward", "limits"),
-    [
-        pytest.param(1e300, None, id="1e300-refused-at-intake"),
-        # The widest range an operator may configure: the batch reaches the step, whose gradient
-        # norm overflows float32 (inf): the guard behind the intake.
-        pytest.param(1e30, RowLimits(reward_min=-1e30, reward_max=1e30), id="1e30-reaches-the-grad-norm-guard"),
-    ],
-)
-async def test_an_overflowing_reward_never_publishes_a_non_finite_policy(
-    tmp_path: Path, reward: float, limits: RowLimits | None
-) -> None:
+async def test_a_reward_of_1e300_never_reaches_a_step_nor_a_published_version(tmp_path: Path) -> None:
     """A reward of 1e300 is finite as float64 and inf in float32: the trainer published a version
     whose every weight was NaN. Now the intake refuses a reward outside the task's range
-    (``reward_range``, counted for the node); one the configured range lets through but that still
-    overflows the step (1e30 under a ±1e30 range) has its update skipped by the non-finite
-    gradient-norm guard (weights and AdamW moments untouched). Either way the node trains on the
-    honest batches, and every version it publishes, and the newest a subscriber verifies, is finite."""
+    (``reward_range``, counted for the node), and the node trains on the honest batches; every
+    version it publishes, and the newest a subscriber verifies, is finite. (Behind the intake the
+    trainer re-scores every row with its own task, and behind that the step skips an update whose
+    gradient norm is not finite: ``test_behind_the_intake_a_non_finite_gradient_norm_skips_the_update``.)"""
     net = Site(tmp_path, "t0", "i0")
-    t = Trainer(net, tmp_path / "t0", steps=3, limits=limits)
+    t = Trainer(net, tmp_path / "t0", steps=3)
 
     async def feed(_: asyncio.Task[Any]) -> None:
         d0 = t.node.digests[0]
-        await t.writer.write(_rows(0, d0, 0, reward=lambda i: reward if i == 0 else float(i % 2)))
+        await t.writer.write(_rows(0, d0, 0, reward=1e300))
         for b in (1, 2, 3):
             await t.writer.write(_rows(0, d0, b))
 
     await t.run(feed)
 
     assert [v for v, _ in t.published] == [0, 1, 2, 3] and all(ok for _, ok in t.published), t.published
-    if limits is None:
-        assert t.refused == {"reward_range": 1} and t.grpo.local.skipped == 0
-    else:
-        assert t.refused == {} and t.grpo.local.skipped == 1  # the guard, not the intake
-    assert t.node.failed_steps == 0 and t.grpo.local.steps >= 2  # it trained on the honest batches
+    assert t.refused == {"reward_range": 1} and t.node.failed_steps == 0
+    assert t.grpo.local.steps == 3  # one per honest batch
     assert finite(dict(t.grpo.local.model.named_parameters()))
-    moments = [v for st in t.grpo.local.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
-    assert moments and all(bool(torch.isfinite(m).all()) for m in moments)
     version, state = await _subscribe_newest(net)
     assert version == 3 and finite(state)
+
+
+def test_behind_the_intake_a_non_finite_gradient_norm_skips_the_update() -> None:
+    """The last guard, for what the intake and the re-scoring let through: a reward of 1e30 (inside
+    the widest range an intake may be configured with) handed straight to the GRPO step makes the
+    gradient norm overflow float32 (inf); the update is skipped, the weights and AdamW moments stay
+    as they were, and the next honest step trains."""
+    grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
+    before = {n: p.detach().clone() for n, p in grpo.local.model.named_parameters()}
+    metrics = grpo.step(_rows(0, "0" * 64, 0, reward=1e30))
+    assert metrics.grad_norm is not None and not math.isfinite(metrics.grad_norm)
+    assert grpo.local.skipped == 1 and grpo.local.steps == 0
+    assert all(torch.equal(p, before[n]) for n, p in grpo.local.model.named_parameters())
+    assert not grpo.local.optimizer.state  # no AdamW moment was touched
+    grpo.step(_rows(0, "0" * 64, 1))
+    assert grpo.local.steps == 1 and finite(dict(grpo.local.model.named_parameters()))
+    moments = [v for st in grpo.local.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    assert moments and all(bool(torch.isfinite(m).all()) for m in moments)
 
 
 async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_after_a_restart(tmp_path: Path) -> None:
