@@ -66,6 +66,8 @@ class InferenceConfig:
     """This site's own store URL; rollout batches are written here (s3://bucket[/prefix])."""
     key: Path = Path("keys/i0.key")
     """This site's Ed25519 signing key (its public half goes to the trainers)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     policy: list[str] = field(default_factory=list)
     """Trainer channels to follow, as ID=STORE_URL (or a bare STORE_URL; read-only credentials are
     enough). With the trainer's id the node also reads its demand record there and generates what

@@ -120,7 +120,7 @@ def build_trainer(
     return TrainerNode(
         c,
         store=open_store(c.store),
-        key=load_private_key(c.key),
+        key=load_private_key(c.key, allow_open=c.allow_open_key),
         sources=sources,
         policy=GroupGRPOInner(RankGroup(grpo=grpo)) if ranks else GRPOInner(grpo),
         task=task,
@@ -143,7 +143,7 @@ def build_inference(c: InferenceConfig, *, open_store: Callable[[str], ObjectSto
         policy_stores=[open_store(url if sep else ident) for ident, sep, url in channels],
         trainers=[ident if sep else None for ident, sep, _ in channels],
         trusted=trusted_keys(c.trust),
-        key=load_private_key(c.key),
+        key=load_private_key(c.key, allow_open=c.allow_open_key),
         task=make_task(c.task, c.seed),
         text=text_codec(c.model),
     )

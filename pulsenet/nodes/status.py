@@ -411,6 +411,7 @@ class StatusServer:
         body = self.state.to_json() | {
             "health": self.health(),
             "stores": {n: {"requests": st.requests.as_dict(), "health": st.health.as_dict()} for n, st in self.stores.items()},
+            "connections": asdict(self.connections),
         }
         return web.Response(text=json.dumps(body, sort_keys=True, default=str), content_type="application/json")
 

@@ -81,6 +81,8 @@ class TrainerConfig:
     """This site's own store URL: its PULSESync channel is published here."""
     key: Path = Path("keys/t0.key")
     """This site's Ed25519 signing key (its public half goes to inference nodes and peers)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     inference: list[str] = field(default_factory=list)
     """Rollout sources as ID=STORE_URL, one per inference node (read-only credentials suffice)."""
     trust_inference: list[str] = field(default_factory=list)
@@ -312,7 +314,7 @@ class TrainerNode:
             try:
                 metrics = await asyncio.to_thread(self.policy.step, rows)
             except Exception as e:  # rows the intake let through but the step cannot take: drop them
-                self._step_failed(batches, e)
+                await self._step_failed(batches, e)
                 continue
             finally:
                 rnd.train_s += time.perf_counter() - t0
@@ -332,7 +334,7 @@ class TrainerNode:
             rows += [replace(r, group=b.group_prefix + r.group) for r in out.rows]
         return rows
 
-    def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
+    async def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
         """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
         restart does not take them again), counted per node (``step_failed``) and logged; the node
         goes on. (Under torchrun the other ranks fail the same step and the job ends: the intake's
@@ -340,6 +342,7 @@ class TrainerNode:
         self.failed_steps += 1
         self.state.error(e)
         self.intake.failed(batches, f"{type(e).__name__}: {e}")
+        await asyncio.to_thread(self.rounds.record_consumed)  # a restart before the round closes skips them too
         log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
 
     def _demand(self) -> Demand:
