@@ -144,3 +144,31 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
         "my.jsonl", ["math"], 32, "q", 0.1, None
     )
     assert t[0].task == task
+
+
+async def test_a_lone_trainers_non_finite_round_rolls_back_to_its_start(tmp_path: Path) -> None:
+    """Without a gradient-norm guard a step can leave NaN weights; the lone trainer's round checks
+    before writing its resume point and rolls back to the one written at start, even in round 1."""
+    import torch
+
+    from pulsenet.nodes.rounds import LocalRounds, finite
+    from pulsenet.rl import build_tiny_model
+    from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+    from pulsenet.rl.inner import GRPOInner
+    from pulsenet.rollouts import RolloutIntake, RolloutSource
+    from pulsenet.store import LocalStore
+
+    policy = GRPOInner(GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, grad_clip=None)))
+    intake = RolloutIntake([RolloutSource("i0", LocalStore(tmp_path / "i0"), {})], lambda v: None)
+    rounds = LocalRounds("t0", policy, intake, tmp_path / "state")
+    assert await rounds.start(None) == 0 and (tmp_path / "state" / "trainer.pt").is_file()
+    before = {n: t.clone() for n, t in policy.state_fp32().items()}
+
+    async def poisoned(r: int) -> list[float]:
+        with torch.no_grad():
+            next(policy.local.model.parameters()).fill_(float("nan"))
+        return [0.0]
+
+    assert await rounds.next_round(poisoned) is None and rounds.round == 0
+    after = policy.state_fp32()
+    assert finite(after) and all(torch.equal(after[n], before[n]) for n in before)
