@@ -25,12 +25,14 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from pulsenet.cli import add_settings_command, command_settings
 from pulsenet.cli.sync import StoreSettings
 from pulsenet.settings import require
+
+if TYPE_CHECKING:  # torch is imported when the command runs: `pulsenet --help` stays light
+    import torch
 
 
 @dataclass(kw_only=True)
@@ -165,6 +167,8 @@ def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: o
     from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
     from pulsenet.codec.dtypes import dtype_name
     from pulsenet.errors import VerificationError
+    import torch
+
     from pulsenet.fsutil import fsync_path
     from pulsenet.rl.models import model_tokenizer
 
