@@ -161,14 +161,13 @@ async def export_version(
 
 def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: object, hf_config: object, info: dict) -> None:
     """Write everything into a sibling temporary directory, check the weights' digest, rename into place."""
+    import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
     from pulsenet.codec.dtypes import dtype_name
     from pulsenet.errors import VerificationError
-    import torch
-
     from pulsenet.fsutil import fsync_path
     from pulsenet.rl.models import model_tokenizer
 
