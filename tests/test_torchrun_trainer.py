@@ -141,6 +141,7 @@ class Site2:
             "PULSENET_ROWS_PER_STEP": str(ROWS),
             "PULSENET_CONSUMER_POLL_S": "1",
             "PULSENET_LOCO_STORE": "",  # a lone site: the shipped config is t0 of a PULSELoCo pair
+            "PULSENET_RESCORE": "false",  # the rows are the test's own, not drawn from the task: train on them as they are
         } | self.extra
 
     def start(self) -> subprocess.Popen[bytes]:

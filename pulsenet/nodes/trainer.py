@@ -122,6 +122,10 @@ class TrainerConfig:
     that publishes after every optimizer step."""
     peers: list[str] = field(default_factory=list)
     """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
+    rescore: bool = True
+    """Re-score every rollout with this trainer's task and rewards before training (the nodes'
+    reward column is advisory). False trains on the nodes' rewards as they are: only for rewards
+    the trainer cannot compute (then a node's rewards are its word: docs/security.md)."""
     eval_every: int = 0
     """Score the policy greedily on the task's held-out problems every this many versions (0: never)."""
     tracker: str = "none"
@@ -328,6 +332,8 @@ class TrainerNode:
         """The batches' rows with this trainer's own rewards (``rl.rescore``: a row whose group or
         prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
         and counted per node), each group id then qualified with its node and batch."""
+        if not self.config.rescore:
+            return [row for b in batches for row in b.rows]
         rows: list[Rollout] = []
         for b in batches:
             out = self.rescorer.rescore(b.columns.to_rows())
