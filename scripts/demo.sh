@@ -5,7 +5,7 @@
 # asynchronous GRPO on the tiny model (8 GRPO steps per trainer per round, averaged by PULSELoCo),
 # then the reward curve, PULSESync bytes vs full checkpoints, PULSELoCo bytes vs DiLoCo and DDP,
 # sparsity and every node's verified digest; then the same network on a real model given as a
-# Hugging Face directory (SmolLM2-135M, one trainer, 3 versions at lr 3e-6), and both runs side by
+# Hugging Face directory (SmolLM2-135M, one trainer, 2 versions at lr 3e-6), and both runs side by
 # side, each labelled with its model. Reports (summary.json, reward.png, bytes.png, sparsity.png)
 # go to up-report/tiny and up-report/smollm2. Extra arguments go to the first run
 # (`scripts/demo.sh --trainers 1`); DEMO_REAL=0 skips the second. Bring your own model and data:
@@ -22,7 +22,7 @@ if [ "${DEMO_REAL:-1}" = "1" ]; then
     SMOLLM2="$(python -c 'from pulsenet.rl.models import smollm2_checkpoint; print(smollm2_checkpoint())')"
     echo ">> 2/2 pulsenet up, a real model given as a directory ($SMOLLM2): report in $REPORT/smollm2"
     pulsenet up --workdir "$ROOT/.pulsenet-up-real" --report "$REPORT/smollm2" --model "$SMOLLM2" \
-        --trainers 1 --rounds "${DEMO_REAL_ROUNDS:-3}" --prompts 4 --group-size 4 --rows-per-step 16 --max-new-tokens 8
+        --trainers 1 --rounds "${DEMO_REAL_ROUNDS:-2}" --prompts 4 --group-size 4 --rows-per-step 16 --max-new-tokens 8
     echo
     python -m pulsenet.nodes.report "$REPORT/tiny" "$REPORT/smollm2"
 fi
