@@ -113,12 +113,26 @@ class RoundError(PulsenetError):
     """A PULSELoCo round could not complete (no quorum, divergence that cannot be repaired)."""
 
 
+class RoundTimeout(RoundError, TimeoutError):
+    """A PULSELoCo round formed no quorum within ``round_timeout_s`` while the store answered: peers
+    are missing, not the store's content at fault (retried without counting as a failure)."""
+
+
 class PolicyError(PulsenetError):
     """A policy the node made or received is unusable (non-finite weights): never published or applied."""
 
 
 class RolloutError(PulsenetError, ValueError):
     """A rollout batch (Parquet payload or its manifest) is malformed, inconsistent or over a limit."""
+
+
+class RolloutRowError(RolloutError):
+    """A well-formed rollout batch breaks the trainer's row limits (``rollouts.rows.RowLimits``);
+    ``reason`` names which, as the intake counts it."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # --- engines ---------------------------------------------------------------

@@ -19,6 +19,7 @@ import base64
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,9 +75,31 @@ def generate_keypair(path: str | Path) -> str:
     return key_id(key.public_key())
 
 
-def load_private_key(path: str | Path) -> Ed25519PrivateKey:
+OPEN_KEY_BITS = 0o077
+"""Permission bits a private key file must not have: any access by group or others (what ssh refuses)."""
+
+
+def load_private_key(path: str | Path, *, allow_open: bool = False) -> Ed25519PrivateKey:
+    """The Ed25519 key in ``path`` (unencrypted PEM, as ``generate_keypair`` writes it).
+
+    A key file that group or others may read or write is refused (``ConfigError`` naming the file
+    and the fix) unless ``allow_open``: a copied or restored key that others can read is as good as
+    theirs, and loading it silently hides that. The mode is read from the open file (no window
+    between the check and the read). Not checked where the OS has no POSIX modes (Windows).
+    """
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read()
+    except OSError as e:
+        raise ConfigError(f"private key {path}: {e.strerror or e}") from None
+    if os.name == "posix" and mode & OPEN_KEY_BITS and not allow_open:
+        raise ConfigError(
+            f"private key {path} is open to group or others (mode {stat.S_IMODE(mode):04o}); "
+            f"run: chmod 600 {path}  (or accept it explicitly: --allow-open-key, PULSENET_ALLOW_OPEN_KEY=true)"
+        )
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"{path} is not an unencrypted PEM private key: {e}") from None
     if not isinstance(key, Ed25519PrivateKey):

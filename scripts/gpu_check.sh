@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Cross-check the PyTorch and vLLM engines on SmolLM2-135M on one CUDA device (pulsenet/engines/gpu_check.py):
-# same greedy tokens, logprobs within BF16 kernel tolerance, weights at the published digest, before and
-# after 3 verified patches; times each update; prints JSON (also written to ${OUT:-gpu_check.json}).
+# GPU checks of the inference engines (run on a machine with a CUDA device), each printing JSON:
+#  1. pulsenet/engines/gpu_check.py: the PyTorch and vLLM engines on SmolLM2-135M: same greedy tokens,
+#     logprobs within BF16 kernel tolerance, weights at the published digest before and after 3 verified
+#     patches; times each update (written to ${OUT:-gpu_check.json}).
+#  2. pulsenet/nodes/channel_check.py: vLLM as an inference node serves it, behind a live PULSESync
+#     channel on an embedded SeaweedFS: built from the first verified version (make_engine, dummy load),
+#     updated in place with the names each version changed, every completion labelled with the published
+#     digest (written to ${OUT_CHANNEL:-channel_check.json}).
 # Exit 2 (with the reason) when there is no CUDA device or vLLM is missing: install it with
 #   pip install -e '.[vllm]'   (a CUDA build of torch comes with it)
-# Extra arguments go to the Python script, e.g. --engines torch (no vLLM) or --max-new-tokens 64.
+# Extra arguments go to the first script, e.g. --engines torch (no vLLM) or --max-new-tokens 64;
+# ENGINE=torch runs the channel check on the PyTorch engine instead.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -12,5 +18,7 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-exec "$PY" -m pulsenet.engines.gpu_check --model smollm2 --device cuda --engines torch,vllm \
+"$PY" -m pulsenet.engines.gpu_check --model smollm2 --device cuda --engines torch,vllm \
     --patches 3 --json "${OUT:-gpu_check.json}" "$@"
+exec "$PY" -m pulsenet.nodes.channel_check --engine "${ENGINE:-vllm}" --model smollm2 --device cuda \
+    --versions 3 --json "${OUT_CHANNEL:-channel_check.json}"

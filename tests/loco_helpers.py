@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import os
 import subprocess
 import sys
@@ -11,15 +12,15 @@ from typing import Any
 
 import torch
 
-from pulsenet.cli.loco import data_seed
 from pulsenet.codec import payload as wire
+from pulsenet.errors import StoreUnavailable
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundStore
 from pulsenet.loco.documents import Manifest, trainer_keys
 from pulsenet.loco.layout import LocoLayout
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model
-from pulsenet.rl.inner import SupervisedInner
+from pulsenet.rl.inner import SupervisedInner, data_seed
 from pulsenet.signing import generate_keypair, load_private_key
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "loco_worker.py"
@@ -156,3 +157,60 @@ def spawn(
         return subprocess.Popen(
             cmd, cwd=REPO, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT
         )
+
+
+class FlakyStore(ObjectStore):
+    """A real store (LocalStore or S3Store) seen through a link that fails on demand: while
+    ``fail(op, key)`` is true a call raises StoreUnavailable (what the S3 client raises once a
+    refused or reset connection has used up its retries), without reaching the store. Same URL as
+    the store it wraps, so documents signed through it verify through the store itself."""
+
+    def __init__(self, inner: ObjectStore, fail: Callable[[str, str], bool] | None = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail: Callable[[str, str], bool] = fail or (lambda op, key: False)
+        self.failed = 0
+        """Calls refused so far."""
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def _check(self, op: str, key: str) -> None:
+        if self.fail(op, key):
+            self.failed += 1
+            e = StoreUnavailable(f"injected: {op} {key!r}: connection refused")
+            self.health.failed(e)
+            raise e
+
+    async def _put(self, key: str, data: bytes, if_none_match: bool) -> None:
+        self._check("put", key)
+        await self.inner.put(key, data, if_none_match=if_none_match)
+
+    async def _put_file(self, key: str, path: str, if_none_match: bool) -> int:
+        self._check("put", key)
+        return await self.inner.put_file(key, path, if_none_match=if_none_match)
+
+    async def _get(self, key: str, byte_range: ByteRange | None, max_bytes: int | None) -> bytes:
+        self._check("get", key)
+        return await self.inner.get(key, byte_range=byte_range, max_bytes=max_bytes)
+
+    async def _get_if_changed(self, key: str, etag: str | None, max_bytes: int | None) -> Fetched | None:
+        self._check("get", key)
+        return await self.inner.get_if_changed(key, etag, max_bytes=max_bytes)
+
+    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
+        self._check("get", key)
+        return await self.inner.get_file(key, path, max_bytes=max_bytes)
+
+    async def _head(self, key: str) -> ObjectInfo:
+        self._check("head", key)
+        return await self.inner.head(key)
+
+    async def _list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        self._check("list", prefix)
+        return await self.inner.list(prefix)
+
+    async def _delete(self, keys: builtins.list[str]) -> None:
+        self._check("delete", keys[0])
+        await self.inner.delete(keys)

@@ -26,23 +26,53 @@ from pulsenet.settings import load_settings
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"
 COMPOSE = DOCKER / "compose.yaml"
-_VAR = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+ENV_EXAMPLE = DOCKER / ".env.example"
+_VAR = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?])([^}]*))?\}")
+SECRETS = ("MINIO_ROOT_PASSWORD", "PN_SECRET_t0", "PN_SECRET_t1", "PN_SECRET_i0", "PN_SECRET_i1")
 
 
-def _interpolate(value: Any) -> Any:
-    """Compose's interpolation with nothing set: ``${VAR:-default}`` -> default, ``$$`` -> ``$``."""
+class Unset(Exception):
+    """Compose's error for ``${VAR:?message}`` with VAR unset or empty."""
+
+
+def _interpolate(value: Any, env: dict[str, str]) -> Any:
+    """Compose's interpolation: ``${VAR}``, ``${VAR:-default}``, ``${VAR:?message}`` (``:`` also
+    catches empty values; without it only unset ones), and ``$$`` -> ``$``."""
+
+    def sub(m: re.Match[str]) -> str:
+        name, colon, op, arg = m.groups()
+        given = env.get(name)
+        missing = given is None or (colon == ":" and given == "")
+        if op == "?" and missing:
+            raise Unset(f"{name}: {arg}")
+        if op == "-" and missing:
+            return arg
+        return given or ""
+
     if isinstance(value, str):
-        return _VAR.sub(lambda m: m.group(2) or "", value).replace("$$", "$")
+        return _VAR.sub(sub, value).replace("$$", "$")
     if isinstance(value, list):
-        return [_interpolate(v) for v in value]
+        return [_interpolate(v, env) for v in value]
     if isinstance(value, dict):
-        return {k: _interpolate(v) for k, v in value.items()}
+        return {k: _interpolate(v, env) for k, v in value.items()}
     return value
 
 
+def _env_file(path: Path) -> dict[str, str]:
+    """KEY=VALUE lines of a compose .env file (comments and blank lines skipped)."""
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    return dict(ln.split("=", 1) for ln in lines if ln and not ln.startswith("#"))
+
+
 @pytest.fixture(scope="module")
-def compose() -> dict[str, Any]:
-    return _interpolate(yaml.safe_load(COMPOSE.read_text()))
+def filled() -> dict[str, str]:
+    """docker/.env.example with every secret set, as an operator's docker/.env would be."""
+    return {name: f"{name.lower()}-{i}-value" for i, name in enumerate(_env_file(ENV_EXAMPLE))}
+
+
+@pytest.fixture(scope="module")
+def compose(filled: dict[str, str]) -> dict[str, Any]:
+    return _interpolate(yaml.safe_load(COMPOSE.read_text()), filled)
 
 
 def _nodes(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -105,7 +135,7 @@ def test_services_sites_and_dependencies(compose: dict[str, Any]) -> None:
     nodes = _nodes(compose)
     roles = sorted(name.split("-")[0] for name in nodes)
     assert roles == ["inference", "inference", "trainer", "trainer"]
-    sites = _interpolate(services["bootstrap"]["environment"]["SITES"]).split()
+    sites = services["bootstrap"]["environment"]["SITES"].split()
     assert sorted(sites) == sorted(n.split("-", 1)[1] for n in nodes)
     trainers = services["bootstrap"]["environment"]["TRAINERS"].split()
     assert sorted(trainers) == sorted(n.split("-", 1)[1] for n in nodes if n.startswith("trainer-"))
@@ -114,7 +144,7 @@ def test_services_sites_and_dependencies(compose: dict[str, Any]) -> None:
         deps = svc["depends_on"]
         assert deps["minio"]["condition"] == "service_healthy", name
         assert deps["bootstrap"]["condition"] == deps["keygen"]["condition"] == "service_completed_successfully"
-        assert svc["build"]["dockerfile"] == "docker/Dockerfile" and svc["restart"] == "unless-stopped"
+        assert svc["build"]["dockerfile"] == "docker/Dockerfile"
     assert "PULSELoCo" in COMPOSE.read_text() and "third trainer" in COMPOSE.read_text()
 
 
@@ -210,7 +240,7 @@ def test_healthchecks_probe_each_nodes_healthz(compose: dict[str, Any]) -> None:
         assert test[0] == "CMD"
         probe = " ".join(shlex.quote(a) for a in test[1:])
         assert f"http://127.0.0.1:{c.status_port}/healthz" in probe, (name, probe)
-        assert f"{c.status_port}:{c.status_port}" in svc["ports"]
+        assert svc["ports"] == [f"127.0.0.1:{c.status_port}:{c.status_port}"]
         hc = svc["healthcheck"]
         assert hc["retries"] >= 1 and hc["start_period"].endswith("s")
     mc = compose["services"]["minio"]["healthcheck"]["test"]
@@ -230,7 +260,8 @@ def test_probe_fails_on_503() -> None:
     state = NodeState(role="trainer", node_id="t0")
     loop = asyncio.new_event_loop()
     server = StatusServer(state, stuck_after_s=1.0)
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
     try:
         probe = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-t0"]["healthcheck"]["test"]
@@ -241,3 +272,66 @@ def test_probe_fails_on_503() -> None:
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+# --- issue 21 item 9, issue 24 item 4 ----------------------------------------------------------------
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string in a parsed YAML document (keys' values, list items), where compose interpolates."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def test_secrets_have_no_defaults_and_the_example_lists_them_all() -> None:
+    """Every secret is ``${VAR:?...}``: compose stops with a message while it is unset or empty,
+    so no password ships in the file; docker/.env.example names exactly those, with no values."""
+    raw = COMPOSE.read_text()
+    used = {m.group(1): (m.group(2), m.group(3)) for text in _strings(yaml.safe_load(raw)) for m in _VAR.finditer(text)}
+    assert set(used) == set(SECRETS), used
+    assert all(form == (":", "?") for form in used.values()), used
+    assert "change-me" not in raw and "pulsenet-admin-secret" not in raw
+    example = _env_file(ENV_EXAMPLE)
+    assert set(example) == set(SECRETS) and all(v == "" for v in example.values())
+    # As shipped (nothing set, or the example copied unedited), compose refuses to start.
+    for env in ({}, example):
+        with pytest.raises(Unset, match=r"docker/\.env\.example"):
+            _interpolate(yaml.safe_load(raw), env)
+    for name in SECRETS:  # ... and it names each secret still missing
+        env = {n: "x" * 12 for n in SECRETS if n != name}
+        with pytest.raises(Unset, match=f"^{name}: "):
+            _interpolate(yaml.safe_load(raw), env)
+    assert "docker/.env" in (DOCKER.parent / ".gitignore").read_text().splitlines()
+
+
+def test_every_published_port_is_on_the_hosts_loopback_only(compose: dict[str, Any]) -> None:
+    published = 0
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            host_ip, host_port, container_port = str(port).split(":")
+            assert host_ip == "127.0.0.1", (name, port)
+            assert host_port == container_port.split("/")[0]
+            published += 1
+    assert published == 6  # MinIO's API and console, four status ports
+    assert compose["services"]["minio"]["ports"] == ["127.0.0.1:9000:9000", "127.0.0.1:9001:9001"]
+
+
+def test_long_running_services_restart_and_are_health_checked(compose: dict[str, Any]) -> None:
+    """MinIO and every node: ``unless-stopped`` (a crash is restarted with backoff, a reboot brings
+    them back, ``docker compose stop`` is respected), each with a health check; the one-shot jobs
+    have no restart policy."""
+    services = compose["services"]
+    for name in ("minio", *_nodes(compose)):
+        assert services[name]["restart"] == "unless-stopped", name
+        assert services[name]["healthcheck"]["test"][0] == "CMD", name
+    for job in ("bootstrap", "keygen"):
+        assert services[job].get("restart", "no") == "no", job
+    text = COMPOSE.read_text()
+    assert "unless-stopped" in text and "on-failure" in text  # the choice is explained in the file

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import queue
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from loco_helpers import make_keys
 from test_grpo import _fake_rollouts
 from test_loco_grpo import WARM_STEPS, _batches
 
-from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ConfigError
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
@@ -108,15 +105,25 @@ async def _loco_round_on_cuda(tmp_path: Path) -> None:
     )  # fmt: skip
     store = LocalStore(tmp_path / "store")
     warm = warm_tiny_model(tmp_path / "warm", steps=WARM_STEPS)
-    feeds: dict[str, queue.Queue[Sequence[Rollout] | None]] = {t: queue.Queue() for t in ids}
     trainers = []
+
+    async def drive(trainer: LocoTrainer, inner: GRPOInner, batches: list) -> None:
+        async def train(r: int) -> list[float]:  # the caller's inner phase, as the trainer daemon's
+            metrics = [await asyncio.to_thread(inner.step, batches.pop(0)) for _ in range(h)]
+            inner.end_phase()
+            return [m.loss for m in metrics]
+
+        async with trainer.session():
+            while trainer.round < rounds:
+                await trainer.next_round(train)
+
+    drives = []
     for tid in ids:
-        for batch in _batches(warm, tid, h * rounds):
-            feeds[tid].put(batch)
         model = warm_tiny_model(tmp_path / "warm", steps=WARM_STEPS)
-        inner = GRPOInner(GRPOTrainer(model, GRPOConfig(lr=1e-3, device="cuda")), next_batch=feeds[tid].get)
+        inner = GRPOInner(GRPOTrainer(model, GRPOConfig(lr=1e-3, device="cuda")))
         trainers.append(LocoTrainer(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), inner, cfg))
-    await asyncio.gather(*(t.run(rounds) for t in trainers))
+        drives.append(drive(trainers[-1], inner, _batches(warm, tid, h * rounds)))
+    await asyncio.gather(*drives)
     for r in range(1, rounds + 1):
         reports = [next(rep for rep in t.reports if rep.round == r) for t in trainers]
         assert len({rep.digest for rep in reports}) == 1 and all(rep.sent > 0 for rep in reports), reports

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig, build_tiny_model, sharding
-from pulsenet.rl.distributed import GroupInner, serve_rank, task_batches
+from pulsenet.rl.distributed import BatchOf, GroupInner, serve_rank
 from pulsenet.signing import generate_keypair, load_private_key
 from pulsenet.store import LocalStore
 
@@ -30,6 +31,11 @@ WORLD = 2
 STEPS = 3
 ROUNDS = 2
 
+
+
+def task_batches(task: Any, batch_size: int, seq_len: int) -> BatchOf:
+    """The supervised data stream of the rank group: ``task.batch`` at the step counter."""
+    return lambda step: task.batch(batch_size, seq_len, step=step)
 
 def _local() -> tuple[LocalTrainer, object]:
     # grad_clip small enough to bind at every step: the clipping norm must be the same bits too

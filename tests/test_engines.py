@@ -356,11 +356,14 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
     """SmolLM2 on both engines (torch only where vLLM is not installed); the only test allowed to skip."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    engines = "torch,vllm" if importlib.util.find_spec("vllm") is not None else "torch"
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    engines = "torch,vllm" if has_vllm else "torch"
     out = tmp_path / "gpu_check.json"
+    channel = tmp_path / "channel_check.json"
     proc = subprocess.run(
         [str(ROOT / "scripts" / "gpu_check.sh"), "--engines", engines],
-        env={**os.environ, "OUT": str(out), "PYTHON": sys.executable},
+        env={**os.environ, "OUT": str(out), "OUT_CHANNEL": str(channel), "PYTHON": sys.executable,
+             "ENGINE": "vllm" if has_vllm else "torch"},
         capture_output=True,
         text=True,
         timeout=1200,
@@ -368,6 +371,19 @@ def test_gpu_check_script_on_cuda(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:] + proc.stdout[-4000:]
     report = json.loads(out.read_text())
     assert report["ok"] and len(report["updates"]) == 3 * len(engines.split(","))
+    assert json.loads(channel.read_text())["ok"]
+
+
+@pytest.mark.integration
+def test_channel_check_torch_half_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """An engine behind a live PULSESync channel (embedded SeaweedFS): built from v0, updated with the
+    changed names only, every completion labelled with the published digest."""
+    from pulsenet.nodes import channel_check
+
+    assert channel_check.main(["--engine", "torch", "--model", "tiny", "--device", "cpu", "--versions", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and [v["version"] for v in report["versions"]] == [0, 1, 2, 3]
+    assert all(0 < v["tensors_changed"] <= 13 for v in report["versions"][1:]) and report["pulsesync_bytes"] > 0
 
 
 def test_a_bad_deferred_update_never_costs_the_batch() -> None:
@@ -401,3 +417,104 @@ def test_a_bad_deferred_update_never_costs_the_batch() -> None:
     assert len(out) == len(PROMPTS) and all(g.version == 0 for g in out) and eng.stats.updates_failed == 2
     with pytest.raises(EngineError, match="refusing"):
         eng.generate(PROMPTS, params)
+
+
+# --- the engine factory and the changed-names hint ----------------------------------------------------
+
+
+def test_make_engine_builds_from_channel_weights_and_checks_the_layout() -> None:
+    from pulsenet.engines import make_engine
+    from pulsenet.rl.prompts import byte_codec
+
+    state = bf16_state_dict(build_tiny_model(1))
+    digest = model_digest(state)
+    eng = make_engine("torch", model="tiny", state=state, digest=digest, version=7, codec=byte_codec(), torch_config=CPU)
+    assert isinstance(eng, TorchEngine) and (eng.version, eng.digest) == (7, digest)
+    assert eng.weights_digest() == digest
+    out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, stop=("+",)))
+    assert out[0].version == 7
+    with pytest.raises(ConfigError, match="engine must be one of"):
+        make_engine("tensorrt", model="tiny", state=state, digest=digest)
+    narrow = {**state, "model.norm.weight": state["model.norm.weight"][:10].clone()}
+    with pytest.raises(ConfigError, match=r"tensor model\.norm\.weight is .*\(10,\) in the channel"):
+        make_engine("torch", model="tiny", state=narrow, digest=model_digest(narrow))
+
+
+def test_the_changed_hint_spares_comparing_and_hashing_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the names a verified patch changed, an update touches only those (torch and vLLM's mirror)."""
+    import pulsenet.engines.base as base
+    import pulsenet.engines.torch_engine as te
+    import pulsenet.engines.vllm_engine as ve
+
+    compared: list[int] = []
+    hashed: list[str] = []
+    real_same, real_record = base.same_bits, te.tensor_record
+
+    def counting_same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        compared.append(1)
+        return real_same(a, b)
+
+    def counting_record(name: str, *args: object) -> bytes:
+        hashed.append(name)
+        return real_record(name, *args)  # type: ignore[arg-type]
+
+    eng = engine()
+    state = eng.served_state()
+    mirror = HostMirror(state)
+    name = "model.layers.1.mlp.down_proj.weight"
+    state[name] = (state[name].float() * 1.25).to(torch.bfloat16)
+    digest = model_digest(state)
+    for module in (te, ve):
+        monkeypatch.setattr(module, "same_bits", counting_same)
+    monkeypatch.setattr(te, "tensor_record", counting_record)
+    monkeypatch.setattr(ve, "tensor_record", counting_record)
+    eng.update(1, state, digest, changed={name})
+    assert len(compared) == 1 and hashed == [name] and eng.weights_digest() == digest
+    compared.clear()
+    hashed.clear()
+    tensors, _ = mirror.stage(state, digest, changed={name})
+    assert list(tensors) == [name] and len(compared) == 1 and hashed == [name]
+    compared.clear()
+    mirror.stage(state, digest)  # no hint: every tensor is compared (bits, not hashes)
+    assert len(compared) == len(state)
+
+
+@pytest.mark.gpu
+def test_vllm_engine_from_channel_weights_with_changed_names(tmp_path: Path) -> None:
+    """vLLM from a channel's weights (dummy load, no checkpoint read), stop strings, in-place updates
+    with the changed names; the only kind of test allowed to skip (no CUDA or no vLLM here)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs a CUDA device and vLLM")
+    from model_dirs import llama_dir
+
+    from pulsenet.engines import make_engine
+    from pulsenet.engines.vllm_engine import VLLMEngineConfig
+    from pulsenet.nodes.common import text_codec
+    from pulsenet.rl.models import load_model
+
+    path = llama_dir(tmp_path / "llama")
+    state = bf16_state_dict(load_model(path))
+    digest = model_digest(state)
+    codec = text_codec(str(path))
+    eng = make_engine(
+        "vllm", model=str(path), state=state, digest=digest, version=0, codec=codec,
+        vllm_config=VLLMEngineConfig(enforce_eager=True, gpu_memory_utilization=0.2),
+    )
+    try:
+        prompts = [codec.encode("Hello there")] * 4
+        greedy = SamplingParams(temperature=0, max_new_tokens=8)
+        before = eng.generate(prompts, greedy)
+        name = "model.layers.0.mlp.up_proj.weight"
+        new = {**state, name: (state[name].float() * 4).to(torch.bfloat16)}
+        eng.update(1, new, model_digest(new), changed={name})
+        after = eng.generate(prompts, greedy)
+        assert eng.stats.tensors_copied == 1 and all(g.version == 1 for g in after)
+        assert model_digest(eng.served_state()) == model_digest(new)  # type: ignore[attr-defined]
+        assert [g.logprobs for g in after] != [g.logprobs for g in before]
+        other = "model.layers.1.self_attn.o_proj.weight"
+        lying = {**new, other: (new[other].float() * 2).to(torch.bfloat16)}
+        with pytest.raises(EngineError, match="published"):  # a hint that hides a change is refused
+            eng.update(2, lying, model_digest(lying), changed={name})
+        assert eng.version == 1
+    finally:
+        eng.close()  # type: ignore[attr-defined]

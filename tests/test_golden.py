@@ -99,19 +99,20 @@ def test_encoding_does_not_depend_on_threads() -> None:
 
 def test_golden_documents_verify_to_their_bodies() -> None:
     """Signed documents a release wrote verify in this one, under the same key and context."""
-    from pulsenet.loco.documents import RoundStore
-    from pulsenet.signing import key_id
+    from pulsenet.loco.documents import KIND_MANIFEST, RoundStore
+    from pulsenet.signing import key_id, verify_document
     from pulsenet.store import LocalStore
     from pulsenet.sync.layout import Layout
-    from pulsenet.sync.manifest import verify_head, verify_manifest
+    from pulsenet.sync.manifest import head_from, verify_manifest
 
     key = vectors.signing_key()
     trusted = {key_id(key.public_key()): key.public_key()}
     layout = Layout("policy", run="golden", store_url="s3://pulsenet-golden/run/")
     m = verify_manifest((GOLDEN / "sync-manifest.json").read_bytes(), trusted, context=layout.context, key_version=7)
     assert (m.version, m.base_version, m.patch.size, m.full_bytes, m.step) == (7, 6, 961, 269060352, 7)
-    h = verify_head((GOLDEN / "sync-head.json").read_bytes(), trusted, context=layout.context)
+    h = head_from(verify_document((GOLDEN / "sync-head.json").read_bytes(), trusted, context=layout.context))
     assert (h.version, h.time_ms) == (7, 1_795_000_000_000)
     rs = RoundStore(LocalStore("/nonexistent-golden"), "t0", key, {"t0": key.public_key()}, run="golden")
-    lm = rs.parse_manifest((GOLDEN / "loco-manifest.json").read_bytes(), "t0", 3)
+    key3 = rs.layout.manifest("t0", 3)
+    lm = rs._manifest(key3, rs._verify(key3, (GOLDEN / "loco-manifest.json").read_bytes(), KIND_MANIFEST, signer="t0"), "t0", 3)
     assert (lm.trainer, lm.round, lm.sent, lm.total, lm.payload.size) == ("t0", 3, 30, 424, 368)

@@ -34,7 +34,8 @@ def _config(**kw: object) -> LocoConfig:
 
 
 def poison(kind: str, at_round: int = 2) -> Callable[[wire.Payload], wire.Payload | None]:
-    """A bad payload in one round: NaN, an index past the tensor, or a 1000x norm."""
+    """A bad payload in one round: NaN, an index past the tensor, or a 30x norm (an honest one is
+    ~2-3% of ‖θ‖, so 30x stays under the weights' cap: the median rule catches it)."""
 
     def mutate(payload: wire.Payload) -> wire.Payload | None:
         if payload.round != at_round:
@@ -50,7 +51,7 @@ def poison(kind: str, at_round: int = 2) -> Callable[[wire.Payload], wire.Payloa
             t.indices[-1] = t.numel + 7
         else:
             for other in bad.values():
-                other.values *= np.float32(1000)
+                other.values *= np.float32(30)
         return wire.Payload(payload.round, payload.mode, bad)
 
     return mutate

@@ -7,6 +7,7 @@ Three in-process trainers over a ``LocalStore``, each fed its own rollout batche
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,28 +81,40 @@ async def test_pulseloco_rounds_with_a_grpo_inner_loop(tmp_path: Path, cache_dir
     batches = {t: _batches(warm, t, H * ROUNDS) for t in IDS}
     trainers, inners = [], []
     for tid in IDS:
-        inner = GRPOInner(
-            GRPOTrainer(warm_tiny_model(cache_dir, steps=WARM_STEPS), GRPOConfig(lr=1e-3)),
-            next_batch=feeds[tid].get,
-        )
+        inner = GRPOInner(GRPOTrainer(warm_tiny_model(cache_dir, steps=WARM_STEPS), GRPOConfig(lr=1e-3)))
         assert isinstance(inner, InnerLoop)
         inners.append(inner)
         trainers.append(LocoTrainer(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), inner, cfg))
     theta0 = {n: p.detach().clone() for n, p in warm.named_parameters()}
+    steps: dict[str, list[int]] = {t: [] for t in IDS}
 
-    async def produce() -> None:  # the node's intake: batches arrive while the inner threads wait
+    async def produce() -> None:  # the node's intake: batches arrive while the inner phases wait
         for b in range(H * ROUNDS):
             await asyncio.sleep(0.05)
             for tid in IDS:
                 feeds[tid].put(batches[tid][b])
 
-    await asyncio.gather(produce(), *(t.run(ROUNDS) for t in trainers))
+    async def drive(trainer: LocoTrainer, inner: GRPOInner) -> None:
+        async def train(r: int) -> list[float]:  # the caller's inner phase: it takes the batches
+            metrics = []
+            for _ in range(H):
+                batch = await asyncio.to_thread(feeds[trainer.id].get)
+                metrics.append(await asyncio.to_thread(inner.step, batch))
+            inner.end_phase()
+            steps[trainer.id].append(len(metrics))
+            return [m.loss for m in metrics]
+
+        async with trainer.session():
+            while trainer.round < ROUNDS:
+                await trainer.next_round(train)
+
+    await asyncio.gather(produce(), *(drive(t, i) for t, i in zip(trainers, inners, strict=True)))
     for r in range(1, ROUNDS + 1):
         reports = [next(rep for rep in t.reports if rep.round == r) for t in trainers]
         assert len({rep.digest for rep in reports}) == 1, f"round {r}: digests differ"
         assert all(rep.participants == list(IDS) and rep.sent > 0 for rep in reports), reports
         assert all(rep.loss is not None for rep in reports)
-    assert all(i.grpo.steps == H * ROUNDS and len(i.metrics) == H for i in inners)
+    assert all(i.grpo.steps == H * ROUNDS for i in inners) and all(v == [H] * ROUNDS for v in steps.values())
     theta = trainers[0].state.theta  # type: ignore[union-attr]
     assert any(not torch.equal(theta[n], theta0[n]) for n in theta0), "the outer steps changed nothing"
     for t in trainers:  # each local model was reset to the agreed θ after the round
@@ -109,14 +122,13 @@ async def test_pulseloco_rounds_with_a_grpo_inner_loop(tmp_path: Path, cache_dir
 
 
 @pytest.mark.timeout(60)
-async def test_grpo_inner_loop_stops_on_none(cache_dir: Path) -> None:
-    feed: queue.Queue[Sequence[Rollout] | None] = queue.Queue()
+async def test_grpo_inner_steps_on_what_it_is_handed_and_restores(cache_dir: Path) -> None:
     warm = warm_tiny_model(cache_dir, steps=WARM_STEPS)
-    inner = GRPOInner(GRPOTrainer(warm, GRPOConfig(lr=1e-3)), next_batch=feed.get)
-    feed.put(_batches(warm, "g0", 1)[0])
-    feed.put(None)
+    inner = GRPOInner(GRPOTrainer(warm, GRPOConfig(lr=1e-3)))
     before = inner.checkpoint()
-    losses = await asyncio.to_thread(inner.train, 5)
-    assert len(losses) == 1 and inner.grpo.steps == 1 and before["steps"] == 0
+    metrics = await asyncio.to_thread(inner.step, _batches(warm, "g0", 1)[0])
+    inner.end_phase()
+    assert math.isfinite(metrics.loss) and inner.grpo.steps == 1 and before["steps"] == 0
+    assert all(p.grad is None for p in inner.grpo.local.model.parameters())  # freed between rounds
     inner.restore(before)
     assert inner.grpo.steps == 0 and inner.checkpoint()["optimizer"]["state"] == {}

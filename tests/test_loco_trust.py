@@ -363,7 +363,8 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
 
     priv, pubs = make_keys(tmp_path / "keys", ("e", "h1", "h2"))
     cfg = _config(workers_expected=3, deadline_s=10.0)
-    evil = tiny_trainer("e", s3_factory(), priv, pubs, _config(workers_expected=3, norm_min_payloads=99))
+    screens_nothing = _config(workers_expected=3, norm_min_payloads=99, norm_weights_factor=1e30)
+    evil = tiny_trainer("e", s3_factory(), priv, pubs, screens_nothing)
     forge_payloads(evil, outsized)
     honest = [tiny_trainer(t, s3_factory(), priv, pubs, cfg) for t in ("h1", "h2")]
     for h in honest:  # let e's record win the race

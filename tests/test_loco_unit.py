@@ -236,12 +236,40 @@ def test_validate_rejects_non_finite_and_wrong_round_or_mode() -> None:
         alg.validate(ok, round=2, mode=wire.DENSE)
 
 
-def test_norm_screen_rejects_outliers_only_with_enough_payloads() -> None:
-    norms = {"a": 1.0, "b": 1.2, "c": 1000.0}
-    rejected = alg.screen_norms(norms, factor=10.0, min_payloads=3)
+SCREEN = alg.NormScreen(factor=10.0, weights_factor=1.0, min_payloads=3)
+
+
+def test_norm_screen_uses_the_median_with_enough_payloads_and_the_own_norm_below() -> None:
+    big = 1000.0
+    rejected = SCREEN.exclude({"a": 1.0, "b": 1.2, "c": big}, own="a", weights_norm=1e6)
     assert list(rejected) == ["c"] and "median" in rejected["c"]
-    assert alg.screen_norms({"a": 1.0, "c": 1000.0}, factor=10.0, min_payloads=3) == {}
-    assert alg.screen_norms({"a": 0.0, "b": 0.0, "c": 5.0}, factor=10.0, min_payloads=3) == {}
+    # Two trainers: the writer's own payload is the reference (the median of two proves nothing).
+    rejected = SCREEN.exclude({"a": 1.0, "c": big}, own="a", weights_norm=1e6)
+    assert list(rejected) == ["c"] and "own payload norm" in rejected["c"]
+    # The hostile trainer as writer keeps both (nothing is larger than its own): the honest
+    # reader then refuses that record (below) rather than average it.
+    assert SCREEN.exclude({"a": 1.0, "c": big}, own="c", weights_norm=1e6) == {}
+    assert list(SCREEN.refuse({"a": 1.0, "c": big}, own=1.0, weights_norm=1e6)) == ["c"]
+    # No usable own reference and too few for a median: only the weights' scale bounds a payload.
+    assert SCREEN.exclude({"a": 1.0, "c": big}, own=None, weights_norm=1e6) == {}
+    over = SCREEN.exclude({"a": 1.0, "c": big}, own=None, weights_norm=10.0)
+    assert list(over) == ["c"] and "weights norm" in over["c"]
+    assert SCREEN.exclude({"a": 0.0, "b": 0.0, "c": 5.0}, own="a", weights_norm=1e6) == {}  # zero median
+    # To a fixed point: dropping an outlier can leave fewer than min_payloads; the own norm takes over.
+    rejected = SCREEN.exclude({"a": 1.0, "b": 30.0, "c": 1e4}, own="a", weights_norm=1e6)
+    assert sorted(rejected) == ["b", "c"]
+
+
+def test_reader_refuses_only_what_no_honest_writer_records() -> None:
+    # An honest writer's 2-trainer record: a peer within factor of the writer, the reader's own
+    # norm a factor 3 below the writer's: still followed (factor² room).
+    assert SCREEN.refuse({"w": 3.0, "p": 25.0}, own=3.0 / 3, weights_norm=1e6) == {}
+    # A record averaging a payload factor² over the reader's own is refused, as is one over ‖θ‖.
+    assert list(SCREEN.refuse({"w": 3.0, "x": 1e30}, own=1.0, weights_norm=1e40)) == ["x"]
+    assert list(SCREEN.refuse({"w": 3.0, "x": 11.0}, own=None, weights_norm=10.0)) == ["x"]
+    # With a median: the writer's rule with a last-bit slack.
+    assert SCREEN.refuse({"a": 1.0, "b": 1.0, "c": 10.005}, own=None, weights_norm=1e6) == {}
+    assert list(SCREEN.refuse({"a": 1.0, "b": 1.0, "c": 10.02}, own=None, weights_norm=1e6)) == ["c"]
 
 
 # --- aggregation and outer step ----------------------------------------------------------------
@@ -302,6 +330,33 @@ def test_plain_averaging_recovers_the_mean_of_local_weights() -> None:
     for n in theta:
         mean = sum(loc[n] for loc in locals_) / 3
         torch.testing.assert_close(new[n], mean, rtol=1e-5, atol=1e-7)
+
+
+def test_a_non_finite_outer_step_is_void_and_changes_nothing() -> None:
+    theta, payloads = _payloads(2)
+    momentum = {n: torch.zeros_like(t) for n, t in theta.items()}
+    # Finite payloads whose mean overflows float32: 3e38 + 3e38 = inf before the division.
+    for p in payloads.values():
+        t = next(iter(p.tensors.values()))
+        t.values[0] = np.float32(3e38)
+    before = alg.global_digest(theta, momentum)
+    why = alg.apply_round(theta, momentum, payloads, lr=1.0, mu=0.0)
+    assert why is not None and "non-finite" in why
+    assert alg.global_digest(theta, momentum) == before  # nothing was applied
+    # A finite mean whose step overflows θ (lr x Δ past float32's range) is void too.
+    theta2, payloads2 = _payloads(1)
+    t = next(iter(payloads2["t0"].tensors.values()))
+    t.values[0] = np.float32(-3e38)
+    why = alg.apply_round(theta2, {n: torch.zeros_like(v) for n, v in theta2.items()}, payloads2, lr=2.0, mu=0.0)
+    assert why is not None and "weights or the momentum" in why
+    # And a sane round applies exactly what outer_step does.
+    theta3, payloads3 = _payloads(3)
+    ref = {n: v.clone() for n, v in theta3.items()}
+    m3, mref = ({n: torch.zeros_like(v) for n, v in theta3.items()} for _ in range(2))
+    assert alg.apply_round(theta3, m3, payloads3, lr=0.7, mu=0.9) is None
+    shapes = {n: tuple(v.shape) for n, v in ref.items()}
+    alg.outer_step(ref, mref, alg.aggregate(payloads3, shapes), lr=0.7, mu=0.9)
+    assert alg.global_digest(theta3, m3) == alg.global_digest(ref, mref)
 
 
 def test_digest_sees_one_bit() -> None:

@@ -17,6 +17,7 @@ from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
+from pulsenet.rl.tasks import TaskConfig
 from pulsenet.rollouts import RolloutSource
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
@@ -55,6 +56,8 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             key=keys[t][0],
             sources=[RolloutSource("i0", store("i0"), {key_id(keys["i0"][1]): keys["i0"][1]})],
             policy=GRPOInner(GRPOTrainer(initial_model("tiny", tmp_path / "cache", warmup_steps=20), GRPOConfig(lr=5e-4, pad_id=text.pad_id))),
+            task=make_task("arith", 0),
+            text=text,
             loco_store=store("loco"),
         )
         for t in TRAINERS
@@ -65,7 +68,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             run="failover",
             prompts=8,
             group_size=4,
-            max_new_tokens=4,
+            task=TaskConfig(max_new_tokens=4),
             batches_per_version=4,
             state_dir=tmp_path / "i0",
             subscribe=SubscriberConfig(interval_s=0.2),

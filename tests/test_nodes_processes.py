@@ -29,8 +29,8 @@ import pytest
 
 from pulsenet.nodes.events import EVENTS_FILE, read_events
 from pulsenet.rollouts.layout import RolloutLayout
-from pulsenet.rollouts.manifest import verify_batch_manifest
-from pulsenet.signing import generate_keypair, trusted_keys
+from pulsenet.rollouts.manifest import batch_manifest_from
+from pulsenet.signing import generate_keypair, trusted_keys, verify_document
 from pulsenet.store import S3Store
 from pulsenet.store.seaweed import SeaweedServer
 from pulsenet.sync.layout import Layout
@@ -200,8 +200,9 @@ class Network:
                 p.wait(10)
 
     def served(self, site: str) -> list[tuple[int, str]]:
-        """(version, digest) of every version ``site`` served, from its version events (every life)."""
-        return [(e.version, e.digest) for e in read_events(self.tmp / "state" / site / EVENTS_FILE) if e.kind == "served"]
+        """(version, digest) of every version ``site`` served, from its version events."""
+        events = read_events(self.tmp / "state" / site / "events.jsonl")
+        return [(e.version, e.digest) for e in events if e.kind == "served"]
 
     def store(self, site: str) -> S3Store:
         return S3Store(self.server.bucket(site), self.prefix, self.server.config("admin"))
@@ -230,7 +231,8 @@ class Network:
             infos = {i.key: i.size for i in await store.list("")}
             ctx = layout.context(RUN, store.url, site)
             for key in (k for k in infos if k.startswith(layout.manifests)):
-                m = verify_batch_manifest(await store.get(key), trusted, context=ctx, layout=layout, name=layout.parse_manifest(key))
+                signed = verify_document(await store.get(key), trusted, context=ctx)
+                m = batch_manifest_from(signed, layout=layout, name=layout.parse_manifest(key))
                 assert infos.get(m.payload.key) == m.payload.size, f"{key}: payload missing or short"
                 n += 1
         return n

@@ -50,7 +50,7 @@ def make_rows(
     for gi in range(groups):
         prompt = tuple(rng.randrange(50_000) for _ in range(rng.randrange(1, 12)))
         for _ in range(g):
-            n = rng.randrange(0, 16)
+            n = rng.randrange(1, 16)
             rows.append(
                 Rollout(
                     group=f"{node}-v{version}-s{seed}-g{gi}",
@@ -241,6 +241,11 @@ class Site:
 
 @pytest.fixture
 def sites(s3_factory, seaweed: SeaweedServer) -> list[Site]:
+    return make_sites(s3_factory, seaweed)
+
+
+def make_sites(s3_factory, seaweed: SeaweedServer) -> list[Site]:
+    """Inference nodes ``inf-a`` and ``inf-b``, each with its own bucket and key."""
     out = []
     for s in ("a", "b"):
         bucket = seaweed.bucket(s)
@@ -272,7 +277,7 @@ async def test_valid_batches_flow_from_two_nodes(sites: list[Site]) -> None:
     assert await ti.poll(5) == 4
     assert await ti.poll(5) == 0  # nothing new, nothing fetched twice
     got = ti.take(5)
-    assert {(b.manifest.node, b.manifest.seq): b.rows for b in got} == sent
+    assert {(b.manifest.node, b.manifest.seq): b.columns.to_rows() for b in got} == sent
     assert ti.stats.rejected == {} and ti.stats.taken == 4 and ti.stats.staleness == {1: 2, 0: 2}
     # the trainer's credentials cannot write into a node's bucket
     with pytest.raises(Exception, match=r"[Aa]ccess|[Dd]enied|403"):
@@ -288,14 +293,15 @@ async def test_a_restarted_intake_skips_the_batches_its_trainer_consumed(sites: 
         await w.write(make_rows(w.node, v))
     before = intake(sites)
     assert await before.poll(5) == 3
-    taken = before.take(5, max_batches=2)  # the third stays queued: never trained on
+    taken = before.take(5, max_batches=2)  # newest version first (in order within one): one v4 stays
     consumed = before.consumed()
-    assert sorted(consumed.values()) == [4, 4] and len(consumed) == 2
+    assert sorted(consumed.values()) == [4, 5] and len(consumed) == 2
 
     after = intake(sites)  # the restart: a fresh intake over the same stores
     after.skip_consumed(consumed)
     assert await after.poll(5) == 1
-    assert [b.manifest.seq for b in after.take(5)] == [2] != [b.manifest.seq for b in taken]
+    assert [b.manifest.seq for b in taken] == [2, 0]
+    assert [b.manifest.seq for b in after.take(5)] == [1]
     # a fresh intake without the record would train on all three again
     assert await intake(sites).poll(5) == 3
     # the record forgets what is past the staleness window (max_staleness 2: at v7 only v5 is kept)
@@ -346,7 +352,7 @@ async def test_forged_batch_is_rejected(sites: list[Site]) -> None:
     ti = intake(sites)
     assert await ti.poll(3) == 1
     assert ti.stats.rejected == {"signature": 2}
-    assert [b.rows for b in ti.take(3)] == [make_rows(a.node, 3, seed=3)]
+    assert [b.columns.to_rows() for b in ti.take(3)] == [make_rows(a.node, 3, seed=3)]
 
 
 async def test_tampered_payload_is_rejected(sites: list[Site]) -> None:
@@ -362,7 +368,7 @@ async def test_tampered_payload_is_rejected(sites: list[Site]) -> None:
     ti = intake(sites)
     assert await ti.poll(2) == 1
     assert ti.stats.rejected == {"hash_mismatch": 1, "size_mismatch": 1}
-    assert ti.take(2)[0].rows == make_rows(a.node, 2, seed=3)
+    assert ti.take(2)[0].columns.to_rows() == make_rows(a.node, 2, seed=3)
 
 
 async def test_stale_batches_are_dropped_in_flight_and_in_queue(sites: list[Site]) -> None:
@@ -376,7 +382,7 @@ async def test_stale_batches_are_dropped_in_flight_and_in_queue(sites: list[Site
     assert await ti.poll(5) == 1  # now v5; v1 is never fetched again
     assert ti.stats.stale_in_flight == 1
     got = ti.take(5)  # trainer moved to v5 while v2 waited: dropped as stale in the queue
-    assert [b.version for b in got] == [3, 5]
+    assert [b.version for b in got] == [5, 3]  # newest first
     assert ti.stats.stale_queued == 1 and ti.stats.staleness == {2: 1, 0: 1}
 
 
@@ -485,12 +491,12 @@ async def test_retention_keeps_storage_bounded(sites: list[Site]) -> None:
         for s in range(2):
             await w.write(make_rows(a.node, v, seed=s))
         await w.retain(v)
-        counts.append(len(await a.own.list("rollouts/", timeout=10)))
+        counts.append(len(await a.own.list("rollouts/", timeout=10)) - 1)  # less the head
     assert max(counts) <= 2 * 2 * 3  # (manifest + payload) x 2 batches x (max_staleness + 1) versions
     left = RolloutLayout()
     versions = {left.parse_manifest(i.key).version for i in await a.own.list(left.manifests, timeout=10)}
     assert versions == {9, 10, 11}
-    assert len(await b.own.list("rollouts/", timeout=10)) == 2  # another node's store is not touched
+    assert len(await b.own.list("rollouts/", timeout=10)) == 3  # another node's store is not touched (+ head)
     ti = intake(sites)
     assert await ti.poll(11) == 6  # every manifest left names a payload that is still there
     assert ti.stats.rejected == {} and ti.stats.stale_in_flight == 1  # b's v0
@@ -516,5 +522,43 @@ async def test_restart_continues_the_sequence_and_never_overwrites(sites: list[S
     assert (mx.seq, my.seq) == (6, 7) and y.stats.seq_taken == 1
     ti = intake(sites)
     assert await ti.poll(1) == 6
-    by_seq = {b.manifest.seq: b.rows for b in ti.take(1)}
+    by_seq = {b.manifest.seq: b.columns.to_rows() for b in ti.take(1)}
     assert by_seq[6] == make_rows(a.node, 1, seed=4) and by_seq[7] == make_rows(a.node, 1, seed=5)
+
+
+async def test_a_writer_removes_payloads_whose_manifest_was_never_written(sites: list[Site]) -> None:
+    """Issue 24 item 3: a writer killed between its payload and manifest puts leaves a payload no
+    manifest names. The node's next writer deletes it at start once older than ``orphan_grace_s``
+    (kept before: a racing instance may still write its manifest), and retention deletes it once
+    it is below the floor; never another node's object, never a payload a manifest names."""
+    a, b = sites
+    layout = RolloutLayout()
+    w = a.writer()
+    kept = [await w.write(make_rows(a.node, 1, seed=i)) for i in range(2)]
+    orphan = layout.batch(1, a.node, 2, "0" * 64)  # killed between the two puts
+    await a.own.put(orphan, b"payload of a batch whose manifest was never written", timeout=10)
+    theirs = layout.batch(1, b.node, 0, "1" * 64)  # not this node's: never touched
+    await a.own.put(theirs, b"x", timeout=10)
+
+    async def batch_keys() -> set[str]:
+        return {i.key for i in await a.own.list(layout.batches, timeout=10)}
+
+    patient = a.writer()  # default grace: the orphan is seconds old and may still get its manifest
+    await patient.start()
+    assert orphan in await batch_keys() and patient.stats.orphans_deleted == 0
+    restarted = a.writer(orphan_grace_s=0.0)
+    await restarted.start()
+    assert restarted.next_seq == 3  # past the orphan's number: never reused
+    assert await batch_keys() == {m.payload.key for m in kept} | {theirs}
+    assert restarted.stats.orphans_deleted == 1 == restarted.stats.deleted
+    # retention deletes an orphan below the floor whatever its age
+    late = layout.batch(2, a.node, 9, "2" * 64)
+    await a.own.put(late, b"y", timeout=10)
+    await patient.retain(2)  # floor 0: nothing below it; the orphan is young
+    assert late in await batch_keys()
+    assert await patient.retain(5) == 2 * 2 + 1  # v1's two batches (manifest + payload) and the v2 orphan
+    assert await batch_keys() == {theirs}
+    assert await patient.retain(5) == 0  # the floor did not move: nothing listed
+    ti = intake(sites)
+    await ti.poll(3)
+    assert ti.stats.rejected == {}  # no manifest was left naming a missing payload

@@ -668,9 +668,10 @@ class FlakyHeadStore(LocalStore):
 
 
 def verify_head_version(data: bytes, trusted, layout: Layout) -> int:
-    from pulsenet.sync.manifest import verify_head
+    from pulsenet.signing import verify_document
+    from pulsenet.sync.manifest import head_from
 
-    return verify_head(data, trusted, context=layout.context).version
+    return head_from(verify_document(data, trusted, context=layout.context)).version
 
 
 async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, states: list[dict]) -> None:

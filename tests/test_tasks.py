@@ -16,8 +16,8 @@ from pulsenet.rl.tasks import (
     IGNORE_INDEX,
     ArithmeticTask,
     ChainTask,
+    DatasetTask,
     FewShotTask,
-    JsonlTask,
     Problem,
     answers_match,
     assign_problems,
@@ -123,15 +123,15 @@ def test_few_shot_prefixes_solved_examples() -> None:
     assert task.score(drawn[0].answer + "\n(2+3)*4=", drawn[0]) == 1.0
 
 
-# --- JSONL -------------------------------------------------------------------
+# --- datasets (MATH / GSM8K style) ---------------------------------------------
 
 
 def _write_jsonl(path: Path, rows: list[object]) -> Path:
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
-def test_jsonl_task_loads_math_and_gsm8k_rows(tmp_path: Path) -> None:
+def test_dataset_task_loads_math_and_gsm8k_rows(tmp_path: Path) -> None:
     path = _write_jsonl(
         tmp_path / "p.jsonl",
         [
@@ -141,7 +141,7 @@ def test_jsonl_task_loads_math_and_gsm8k_rows(tmp_path: Path) -> None:
             {"problem": "Solve", "answer": "x = \\boxed{\\dfrac{1}{2}}"},
         ],
     )
-    task = JsonlTask.load(path)
+    task = DatasetTask.load(str(path))
     assert [p.answer for p in task.problems] == ["\\frac{3}{4}", "1,007", "4", "\\dfrac{1}{2}"]
     frac, gsm, four, half = task.problems
     assert task.score("so the sum is \\boxed{\\frac{3}{4}}.", frac) == 1.0
@@ -153,9 +153,9 @@ def test_jsonl_task_loads_math_and_gsm8k_rows(tmp_path: Path) -> None:
     assert task.score("4.0", four) == 1.0 and task.score("no idea", four) == 0.0
     assert task.score("$\\boxed{\\frac12}$", half) == 0.0  # no symbolic equivalence
     assert task.score("\\boxed{\\frac{1}{2}}", half) == 1.0  # \dfrac == \frac
-    assert JsonlTask.load(path).key == task.key
+    assert DatasetTask.load(str(path)).key == task.key
     path2 = _write_jsonl(tmp_path / "q.jsonl", [{"problem": "2+2?", "answer": 4}])
-    assert JsonlTask.load(path2).key != task.key
+    assert DatasetTask.load(str(path2)).key != task.key
     drawn = assign_problems(task, node="n", version=0, seed=0, n=20)
     assert set(drawn) <= set(task.problems) and len(set(drawn)) > 1
 
@@ -170,17 +170,17 @@ def test_answer_extraction_and_matching() -> None:
     assert not answers_match(None, "1") and not answers_match("2", "1")
 
 
-def test_jsonl_task_rejects_malformed_rows(tmp_path: Path) -> None:
+def test_dataset_task_rejects_malformed_rows(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "ok", "answer": "1"}\n{"problem": "no answer"}\n')
-    with pytest.raises(ConfigError, match=r"bad.jsonl:2"):
-        JsonlTask.load(bad)
+    with pytest.raises(ConfigError, match=r"bad.jsonl row 2: 'answer' must be"):
+        DatasetTask.load(str(bad))
     bad.write_text("not json\n")
-    with pytest.raises(ConfigError, match=r":1"):
-        JsonlTask.load(bad)
+    with pytest.raises(ConfigError, match=r"bad.jsonl: cannot load it"):
+        DatasetTask.load(str(bad))
     bad.write_text("\n")
-    with pytest.raises(ConfigError):
-        JsonlTask.load(bad)
+    with pytest.raises(ConfigError, match=r"bad.jsonl"):
+        DatasetTask.load(str(bad))
 
 
 # --- warm-up cache -----------------------------------------------------------

@@ -141,6 +141,7 @@ class Site2:
             "PULSENET_ROWS_PER_STEP": str(ROWS),
             "PULSENET_CONSUMER_POLL_S": "1",
             "PULSENET_LOCO_STORE": "",  # a lone site: the shipped config is t0 of a PULSELoCo pair
+            "PULSENET_RESCORE": "false",  # the rows are the test's own, not drawn from the task: train on them as they are
         } | self.extra
 
     def start(self) -> subprocess.Popen[bytes]:
@@ -238,7 +239,7 @@ def _bf16_digest(grpo: GRPOTrainer) -> str:
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
+async def test_torchrun_trainer_publishes_the_reference_versions_survives_sigterm_and_resumes(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
     # max staleness 4: phase 1's batches (served by v0) are still fresh at v3, so only the record of
@@ -288,7 +289,7 @@ async def test_site_trainer_publishes_the_reference_versions_survives_sigterm_an
 
 @pytest.mark.integration
 @pytest.mark.timeout(240)
-async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
+async def test_torchrun_trainer_runs_pulseloco_rounds_like_one_process(
     seaweed: SeaweedServer, tmp_path: Path, one_thread: None
 ) -> None:
     rounds, inner = 2, 2
@@ -308,7 +309,7 @@ async def test_site_trainer_runs_pulseloco_rounds_like_one_process(
     want = {0: v0}
 
     key = tmp_path / "keys" / "t0.key"
-    outer = {"outer_lr": _shipped()["outer-lr"], "outer_momentum": _shipped()["outer-momentum"]}  # as the site
+    outer = {"outer_lr": _shipped()["loco"]["outer-lr"], "outer_momentum": _shipped()["loco"]["outer-momentum"]}  # as the site
     config = LocoConfig(run=RUN, inner_steps=inner, workers_expected=1, min_quorum=None, deadline_s=60.0, **outer)
     policy = GroupGRPOInner(RankGroup(grpo=ref, reference_world=2))
     reference = LocoTrainer(

@@ -395,6 +395,7 @@ def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path
     completion ends at the newline after its answer (a bare ``3+4=`` gives it no reward signal)."""
     from pulsenet.nodes.common import SHOTS, make_task
     from pulsenet.nodes.launcher import UpConfig, _Creds, _plan
+    from pulsenet.rl.tasks import TaskConfig
 
     sites = ["t0", "t1", "i0", "i1"]
     creds = _Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
@@ -403,8 +404,10 @@ def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path
     tables = [tomllib.loads((tmp_path / "config" / f"{n.name}.toml").read_text()) for n in nodes]
     inference = [t["inference"] for t in tables if "inference" in t]
     assert len(inference) == 2
-    want = ("arith", "") if model == "tiny" else ("arith-shots", "\n")
-    assert all((t["task"], t["stop"]) == want for t in inference), inference
+    want = ("arith", []) if model == "tiny" else ("arith-shots", ["\n"])
+    for t in inference:
+        config = TaskConfig(**{k.replace("-", "_"): v for k, v in t["task"].items()})
+        assert (config.task, list(config.prompt_config().stop)) == want, t["task"]
 
     task = make_task("arith-shots", 0)
     problem = task.draw(__import__("random").Random(1))

@@ -41,9 +41,9 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from pulsenet.bench import BenchSettings, config_of
-from pulsenet.cli.loco import InnerLoop
 from pulsenet.errors import ConfigError
 from pulsenet.loco.config import LocoConfig  # torch: this module is imported when the bench runs
+from pulsenet.rl.inner import SupervisedSettings
 from pulsenet.settings import fields_of
 
 RICH_MODES = ("diloco", "pulseloco")
@@ -54,7 +54,7 @@ OuterStep = fields_of(LocoConfig, "inner_steps", "outer_lr", "outer_momentum", "
 
 
 @dataclass(kw_only=True)
-class BenchInner(InnerLoop):
+class BenchInner(SupervisedSettings):
     """``pulsenet loco train``'s inner loop, with the bench's defaults for two of its settings."""
 
     model: Literal["tiny", "smollm2"] | None = None
@@ -268,9 +268,8 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
 
 
 def _supervised_inner(args: argparse.Namespace, tid: str, lr: float, make_model: Any, tokenizer: Any) -> Any:
-    from pulsenet.cli.loco import data_seed
     from pulsenet.rl import ArithmeticTask, LocalTrainer, LocalTrainerConfig
-    from pulsenet.rl.inner import SupervisedInner
+    from pulsenet.rl.inner import SupervisedInner, data_seed
 
     local = LocalTrainer(
         make_model(),

@@ -68,8 +68,8 @@ class GRPOBench:
     # --- the workers ---------------------------------------------------------
 
     def grpo_trainer(self, tid: str, lr: float) -> Any:
-        from pulsenet.cli.loco import data_seed
         from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+        from pulsenet.rl.inner import data_seed
 
         seed = data_seed(self.args.seed, tid)
         return GRPOTrainer(self.start(), GRPOConfig(lr=lr, seed=seed, forward=self.args.forward, pad_id=self.pad_id))
@@ -77,8 +77,8 @@ class GRPOBench:
     def batches(self, tid: str, grpo: Any) -> Callable[[], list[Any]]:
         """``next_batch`` for ``tid``'s ``GRPOTrainer``: ``--prompts`` problems (assigned by worker and
         step) x ``--group`` completions sampled from its current weights, rewarded."""
-        from pulsenet.cli.loco import data_seed
         from pulsenet.codec.rollout import Rollout
+        from pulsenet.rl.inner import data_seed
         from pulsenet.rl.tasks import assign_problems
 
         args, seed = self.args, data_seed(self.args.seed, tid)
@@ -116,13 +116,14 @@ class GRPOBench:
 
         class SelfSampling(GRPOInner):
             def __init__(self) -> None:
-                super().__init__(grpo, next_batch)
+                super().__init__(grpo)
                 self.rewards: list[float] = []
 
             def train(self, steps: int) -> list[float]:
-                losses = super().train(steps)
-                self.rewards.append(statistics.mean(m.reward_mean for m in self.metrics))
-                return losses
+                metrics = [self.step(next_batch()) for _ in range(steps)]
+                self.end_phase()
+                self.rewards.append(statistics.mean(m.reward_mean for m in metrics))
+                return [m.loss for m in metrics]
 
         return SelfSampling()
 

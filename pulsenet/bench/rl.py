@@ -167,11 +167,12 @@ class _Network:
 
     def result(self, wall: float) -> dict[str, Any]:
         """The run's JSON, from the nodes' version events (``nodes/summary.py``, as ``pulsenet up``)."""
-        from pulsenet.nodes.summary import summarize
+        from pulsenet.nodes.summary import efficiency, requests, summarize
 
         nodes = [*self.trainers, *self.inference]
         events = {n.config.id: n.events.events for n in nodes}
-        s = summarize(events, {n.config.id: n.state.role for n in nodes}, max_staleness=self.args.max_staleness)
+        roles = {n.config.id: n.state.role for n in nodes}
+        s = summarize(events, roles, max_staleness=self.args.max_staleness)
         first = [e for e in events[self.trainers[0].config.id] if e.kind == "published"]
         steps = [m for e in first for m in e.steps]
         staleness: dict[int, int] = {}
@@ -208,6 +209,8 @@ class _Network:
             "digests_equal": all(checks[k] for k in ("served_verified", "own_weights_verified", "trainers_agree")),
             "pulseloco_bytes": sum(e.bytes.get("pulseloco", 0) for t in self.trainers for e in t.events.events),
             "final_version": self.trainers[0].version,
+            "efficiency": efficiency(events, roles),
+            "requests": requests(events, roles),
             "wall_s": round(wall, 2),
         }
         return {

@@ -21,6 +21,7 @@ _MODULES = (
     "pulsenet.cli.patch",
     "pulsenet.cli.keys",
     "pulsenet.cli.sync",
+    "pulsenet.cli.export",
     "pulsenet.cli.loco",
     "pulsenet.cli.s3",
     "pulsenet.cli.bench",

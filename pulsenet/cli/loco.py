@@ -11,7 +11,8 @@ up to the first dot is the id: ``keys/a.pub`` is trainer ``a``). A trainer's doc
 under its own key; every document is signed for ``pulseloco/<run>/<store url>``.
 
 Settings: one dataclass, ``LocoTrainSettings`` (``pulsenet/cli/loco_train.py``, imported when the
-command runs since it needs torch): this trainer's own fields, the ``InnerLoop`` below and the run's
+command runs since it needs torch): this trainer's own fields, the supervised inner loop's
+(``pulsenet.rl.inner.SupervisedSettings``) and the run's
 ``LocoConfig`` itself, from ``[loco.train]`` of ``--config``, ``PULSENET_<FIELD>`` and flags.
 
 S3 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT_URL``,
@@ -21,17 +22,8 @@ S3 endpoint and credentials come from the standard AWS variables (``AWS_ENDPOINT
 from __future__ import annotations
 
 import argparse
-import hashlib
-from dataclasses import dataclass
-from typing import Literal, get_args
 
 from pulsenet.cli import add_settings_command
-
-Forward = Literal["bf16-weights", "autocast-bf16", "fp32"]
-FORWARDS = get_args(Forward)
-"""``pulsenet.rl.local.FORWARDS``, spelled out so that ``pulsenet --help`` need not import torch
-(tests/test_rl_local.py checks the two agree)."""
-
 
 ALIASES = {
     "--H": "--inner-steps",
@@ -44,28 +36,6 @@ ALIASES = {
     "--transfer-timeout": "--timeouts.transfer-s",
 }
 """Flag spellings from before the schema (docs and scripts use them) -> the LocoConfig field's flag."""
-
-
-@dataclass(kw_only=True)
-class InnerLoop:
-    """The inner loop of a trainer (``pulsenet loco train``, ``pulsenet bench loco``)."""
-
-    model: Literal["tiny", "smollm2"] = "tiny"
-    """Model to train: tiny (built from the seed) or smollm2 (SmolLM2-135M)."""
-    lr: float | None = None
-    """Inner AdamW learning rate (None: 1e-3 tiny, 3e-6 smollm2)."""
-    batch: int = 4
-    """Rows per inner step."""
-    seq: int = 32
-    """Tokens per row."""
-    forward: Forward = "bf16-weights"
-    """Inner forward: bf16-weights (FP32 maths on the BF16-rounded weights, fast on any CPU),
-    autocast-bf16 (torch.autocast, for CPUs/GPUs with native BF16), fp32 (sees sub-BF16 updates the
-    PULSELoCo gate withholds)."""
-    seed: int = 0
-    """Run seed: model init (same on every trainer) and data streams."""
-    threads: int | None = None
-    """Torch threads for this process (None: torch's default)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,8 +57,3 @@ def _train(ns: argparse.Namespace) -> int:
     if last is not None:
         print(f"{s.id}: round {last.round} digest {last.digest}")
     return 0
-
-
-def data_seed(seed: int, trainer_id: str) -> int:
-    """Each trainer's own data stream, stable across restarts and machines."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{trainer_id}".encode()).digest()[:4], "little") >> 1

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 
 from pulsenet.cli import command_settings
-from pulsenet.cli.loco import InnerLoop, data_seed
 from pulsenet.loco.config import LocoConfig
+from pulsenet.rl.inner import SupervisedSettings, data_seed
 from pulsenet.settings import require
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class LocoTrainSettings:
     """This trainer's id: lowercase letters, digits, '-', '_' (required)."""
     key: Path | None = None
     """This trainer's Ed25519 private key (pulsenet keygen) (required)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     trust: list[str] = field(default_factory=list)
     """Every trainer's public key: ID=PATH, or PATH whose file name up to the first '.' is the id
     (required)."""
@@ -45,7 +47,7 @@ class LocoTrainSettings:
     """Local resume point (None: ./loco-state/ID)."""
     report: Path | None = None
     """Write the per-round reports here as JSON."""
-    inner: Annotated[InnerLoop, tyro.conf.arg(name="")] = field(default_factory=InnerLoop)
+    inner: Annotated[SupervisedSettings, tyro.conf.arg(name="")] = field(default_factory=SupervisedSettings)
     loco: Annotated[LocoConfig, tyro.conf.arg(name="")] = field(default_factory=LocoConfig)
     """The run's algorithm and protocol settings (every trainer of the run uses the same)."""
 
@@ -90,7 +92,7 @@ async def run_trainer(s: LocoTrainSettings, factory: Any = None) -> list[RoundRe
         trainer = cls(
             s.id,
             store,
-            load_private_key(s.key),
+            load_private_key(s.key, allow_open=s.allow_open_key),
             trainer_keys(s.trust),
             SupervisedInner(local, task),
             s.loco,

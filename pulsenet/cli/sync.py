@@ -47,6 +47,8 @@ class PublishSettings(StoreSettings):
     """.safetensors file or HF directory (required)."""
     key: Path | None = None
     """Ed25519 private key (pulsenet keygen) (required)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     anchor_every: int = 10
     """A full anchor every this many versions."""
     keep_anchors: int = 2
@@ -118,7 +120,7 @@ def _publish(ns: argparse.Namespace) -> int:
 
     args = command_settings(ns, PublishSettings)
     require(args, "model", "store", "key", table="publish")
-    key = load_private_key(args.key)
+    key = load_private_key(args.key, allow_open=args.allow_open_key)
     ckpt = Checkpoint(args.model)
     state = {}
     for name in ckpt:

@@ -9,9 +9,12 @@ docs/format.md, "Rollout batch")::
 with ``pulsenet.format = "pulsenet-rollouts"`` and ``pulsenet.schema = "1"`` in the file's
 key-value metadata. Logprobs travel as float32 (what engines compute); rewards as float64.
 
-``decode_batch`` treats its bytes as hostile: the footer's row count and uncompressed sizes are
+``decode_columns`` treats its bytes as hostile: the footer's row count and uncompressed sizes are
 checked against the caller's limits before any column is read, then the schema, nulls, lengths,
-ranges and finiteness; anything wrong is a ``RolloutError``, never another exception. No I/O here.
+ranges and finiteness, and that every row names the same version, digest and node (a batch is one
+node's sampling at one version); anything wrong is a ``RolloutError``, never another exception.
+It returns the batch as arrays (:class:`RolloutColumns`, ~8 bytes of memory per token), which is
+what a trainer queues; ``decode_batch`` returns the same rows as ``Rollout`` objects. No I/O here.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,6 +44,7 @@ MAX_TOKENS = 1 << 25
 """Default limit on prompt plus completion tokens of one decoded batch (32 Mi, ~400 MB decoded)."""
 MAX_GROUP_CHARS = 256
 MAX_TOKEN_ID = (1 << 31) - 1
+_GROUP_STR_BYTES = sys.getsizeof("\U0001f600" * MAX_GROUP_CHARS)
 _NODE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
@@ -117,12 +122,102 @@ def check_row(r: Rollout) -> None:
         raise RolloutError(f"{where}: reward {r.reward!r} must be a finite number")
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class RolloutColumns:
+    """A decoded batch as arrays: one per column, list columns as flat values plus row offsets.
+
+    Why: a trainer queues batches for seconds to minutes, and as ``Rollout`` objects (a tuple of
+    Python ints and floats per row) a queued token costs ~65 bytes; here it costs 4 (prompt) or 8
+    (completion: id and logprob) plus ~36 bytes per row. Rows are made only for what a step takes.
+    Every row of a batch shares ``version``, ``model_digest`` and ``node`` (the decoder checks it).
+    """
+
+    version: int
+    model_digest: str
+    node: str
+    groups: tuple[str, ...]
+    """Distinct group ids, in order of first appearance."""
+    group: np.ndarray
+    """int32 ``[rows]``: each row's index into ``groups``."""
+    prompt_offsets: np.ndarray
+    """int64 ``[rows + 1]``: row ``i``'s prompt is ``prompt_ids[prompt_offsets[i]:prompt_offsets[i+1]]``."""
+    prompt_ids: np.ndarray
+    """int32, every row's prompt tokens back to back."""
+    completion_offsets: np.ndarray
+    """int64 ``[rows + 1]``, the same for ``completion_ids`` and ``logprobs``."""
+    completion_ids: np.ndarray
+    """int32."""
+    logprobs: np.ndarray
+    """float32, one per completion token."""
+    reward: np.ndarray
+    """float64 ``[rows]``."""
+    seed: np.ndarray
+    """int64 ``[rows]``."""
+
+    def __len__(self) -> int:
+        return len(self.reward)
+
+    @property
+    def prompt_lengths(self) -> np.ndarray:
+        return np.diff(self.prompt_offsets)
+
+    @property
+    def completion_lengths(self) -> np.ndarray:
+        return np.diff(self.completion_offsets)
+
+    @property
+    def tokens(self) -> int:
+        """Prompt plus completion tokens over all rows (what a manifest's ``tokens`` counts)."""
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held: the arrays' bytes plus the group id strings."""
+        arrays = (
+            self.group, self.prompt_offsets, self.prompt_ids, self.completion_offsets,
+            self.completion_ids, self.logprobs, self.reward, self.seed,
+        )  # fmt: skip
+        return sum(a.nbytes for a in arrays) + sum(sys.getsizeof(g) for g in self.groups)
+
+    @staticmethod
+    def bound_nbytes(*, rows: int, groups: int, tokens: int) -> int:
+        """The most ``nbytes`` a batch of these counts can have (what a manifest declares, before
+        download): 8 bytes per token, 36 per row (offsets, group, reward, seed), a 256-character
+        group id in 4-byte characters per group."""
+        return 8 * tokens + 36 * rows + 16 + groups * _GROUP_STR_BYTES
+
+    def to_rows(self, group_prefix: str = "") -> list[Rollout]:
+        """The rows as ``Rollout`` objects; ``group_prefix`` is put before every group id (a trainer
+        qualifies groups with their node and batch, so no two batches can share a group)."""
+        p, po = self.prompt_ids.tolist(), self.prompt_offsets.tolist()
+        c, co = self.completion_ids.tolist(), self.completion_offsets.tolist()
+        lp, reward, seed = self.logprobs.tolist(), self.reward.tolist(), self.seed.tolist()
+        groups = [group_prefix + g for g in self.groups]
+        return [
+            Rollout(
+                group=groups[g],
+                prompt_ids=tuple(p[po[i] : po[i + 1]]),
+                completion_ids=tuple(c[co[i] : co[i + 1]]),
+                logprobs=tuple(lp[co[i] : co[i + 1]]),
+                reward=reward[i],
+                version=self.version,
+                model_digest=self.model_digest,
+                node=self.node,
+                seed=seed[i],
+            )
+            for i, g in enumerate(self.group.tolist())
+        ]
+
+
 def encode_batch(rows: Sequence[Rollout], *, zstd_level: int = ZSTD_LEVEL) -> bytes:
     """Parquet bytes of ``rows`` (at least one). Logprobs are stored as float32."""
     if not rows:
         raise RolloutError("a rollout batch needs at least one row")
     for r in rows:
         check_row(r)
+    first = rows[0]
+    if any((r.version, r.model_digest, r.node) != (first.version, first.model_digest, first.node) for r in rows):
+        raise RolloutError("every row of a rollout batch must have the same version, model_digest and node")
     columns = {
         "group": [r.group for r in rows],
         "prompt_ids": [r.prompt_ids for r in rows],
@@ -156,6 +251,11 @@ def encode_batch(rows: Sequence[Rollout], *, zstd_level: int = ZSTD_LEVEL) -> by
 
 def decode_batch(data: bytes, *, max_rows: int = MAX_ROWS, max_tokens: int = MAX_TOKENS) -> list[Rollout]:
     """The rows of a Parquet rollout batch, fully validated; RolloutError for anything else."""
+    return decode_columns(data, max_rows=max_rows, max_tokens=max_tokens).to_rows()
+
+
+def decode_columns(data: bytes, *, max_rows: int = MAX_ROWS, max_tokens: int = MAX_TOKENS) -> RolloutColumns:
+    """:func:`decode_batch` as arrays (:class:`RolloutColumns`); RolloutError for anything else."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise RolloutError(f"rollout batch must be bytes, got {type(data).__name__}")
     try:
@@ -168,7 +268,7 @@ def decode_batch(data: bytes, *, max_rows: int = MAX_ROWS, max_tokens: int = MAX
         raise RolloutError(f"not a valid rollout batch: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _decode(data: bytes, max_rows: int, max_tokens: int) -> list[Rollout]:
+def _decode(data: bytes, max_rows: int, max_tokens: int) -> RolloutColumns:
     # Our own walk of the footer and page headers first: pyarrow aborts the whole process on some
     # malformed footers (a C++ exception it does not translate), and trusts page headers' sizes.
     _check_footer(data, max_rows, max_tokens)
@@ -199,31 +299,57 @@ def _decode(data: bytes, max_rows: int, max_tokens: int) -> list[Rollout]:
     tokens = int(lens["prompt_ids"].sum()) + int(lens["completion_ids"].sum())
     if tokens > max_tokens:
         raise RolloutError(f"rollout batch holds {tokens} tokens, over the {max_tokens}-token limit")
+    # Owned copies (np.array copies): nothing keeps the decoded Arrow table alive afterwards.
+    flat = {
+        "prompt_ids": np.array(cols["prompt_ids"].flatten().to_numpy(zero_copy_only=False), dtype=np.int32),
+        "completion_ids": np.array(cols["completion_ids"].flatten().to_numpy(zero_copy_only=False), dtype=np.int32),
+        "logprobs": np.array(cols["logprobs"].flatten().to_numpy(zero_copy_only=False), dtype=np.float32),
+        "reward": np.array(cols["reward"].to_numpy(zero_copy_only=False), dtype=np.float64),
+    }
     for name in ("prompt_ids", "completion_ids"):
-        ids = cols[name].flatten().to_numpy(zero_copy_only=False)
-        if ids.size and int(ids.min()) < 0:
+        if flat[name].size and int(flat[name].min()) < 0:
             raise RolloutError(f"rollout batch column {name!r} has a negative token id")
     for name in ("logprobs", "reward"):
-        col = cols[name].flatten() if name == "logprobs" else cols[name]
-        if not np.isfinite(col.to_numpy(zero_copy_only=False)).all():
+        if not np.isfinite(flat[name]).all():
             raise RolloutError(f"rollout batch column {name!r} has a non-finite value")
-    py = {name: cols[name].to_pylist() for name in COLUMNS}
-    rows = []
-    for i in range(n):
-        row = Rollout(
-            group=py["group"][i],
-            prompt_ids=tuple(py["prompt_ids"][i]),
-            completion_ids=tuple(py["completion_ids"][i]),
-            logprobs=tuple(py["logprobs"][i]),
-            reward=py["reward"][i],
-            version=py["version"][i],
-            model_digest=py["model_digest"][i],
-            node=py["node"][i],
-            seed=py["seed"][i],
-        )
-        _check_scalars(row)
-        rows.append(row)
-    return rows
+    version, digest, node = (_uniform(cols[name], name) for name in ("version", "model_digest", "node"))
+    if not isinstance(version, int) or version < 0:
+        raise RolloutError(f"rollout batch version {version} is negative")
+    if not _HEX64.fullmatch(digest):
+        raise RolloutError("rollout batch model_digest is not 64 lowercase hex digits")
+    if not _NODE.fullmatch(node):
+        raise RolloutError(f"rollout batch node {node[:80]!r} does not match {_NODE.pattern}")
+    encoded = cols["group"].dictionary_encode()
+    groups = tuple(encoded.dictionary.to_pylist())
+    if not all(0 < len(g) <= MAX_GROUP_CHARS for g in groups):
+        raise RolloutError(f"a rollout batch group id is not 1..{MAX_GROUP_CHARS} characters")
+    return RolloutColumns(
+        version=version,
+        model_digest=digest,
+        node=node,
+        groups=groups,
+        group=np.array(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int32),
+        prompt_offsets=_offsets(lens["prompt_ids"]),
+        prompt_ids=flat["prompt_ids"],
+        completion_offsets=_offsets(lens["completion_ids"]),
+        completion_ids=flat["completion_ids"],
+        logprobs=flat["logprobs"],
+        reward=flat["reward"],
+        seed=np.array(cols["seed"].to_numpy(zero_copy_only=False), dtype=np.int64),
+    )
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _uniform(col: pa.Array, name: str) -> object:
+    """The one value every row has in ``col``; RolloutError if rows differ."""
+    if pc.count_distinct(col).as_py() != 1:
+        raise RolloutError(f"rollout batch rows differ in {name!r}: a batch is one node, version and digest")
+    return col[0].as_py()
 
 
 # Thrift ids of the Parquet footer (parquet.thrift) that this format reads or tolerates.
@@ -535,15 +661,3 @@ def _check_strings(table: pa.Table) -> None:
             lengths = pc.binary_length(chunk.dictionary).to_numpy(zero_copy_only=False)
             if lengths.size and int(lengths.max()) > 4 * most:
                 raise RolloutError(f"rollout batch column {name!r} has a string over {4 * most} bytes")
-
-
-def _check_scalars(r: Rollout) -> None:
-    """The per-row rules numpy did not already check (strings, version range)."""
-    if not 0 < len(r.group) <= MAX_GROUP_CHARS:
-        raise RolloutError(f"rollout row group id is {len(r.group)} characters; allowed 1..{MAX_GROUP_CHARS}")
-    if not _NODE.fullmatch(r.node):
-        raise RolloutError(f"rollout row node {r.node[:80]!r} does not match {_NODE.pattern}")
-    if not _HEX64.fullmatch(r.model_digest):
-        raise RolloutError("rollout row model_digest is not 64 lowercase hex digits")
-    if r.version < 0:
-        raise RolloutError(f"rollout row version {r.version} is negative")

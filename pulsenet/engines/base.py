@@ -37,6 +37,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """More token ids that end a completion. The stop token is kept as the last completion token,
     so a trainer can learn to emit it."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a completion once its decoded text contains one (needs the engine's
+    tokenizer); the tokens that completed it are kept, as with stop tokens."""
     seed: int = 0
     """Completion ``i`` of a call samples from its own generator seeded with ``seed + i``: the same
     prompts, seed and weights give the same samples, whatever else runs."""
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if any(not isinstance(x, str) or not x for x in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,7 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,9 +80,12 @@ class TorchEngine(Engine):
         config: TorchEngineConfig | None = None,
         *,
         version: int | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
-        """``model`` (any dtype) is rounded to BF16 and served as ``version``; its digest is computed."""
+        """``model`` (any dtype) is rounded to BF16 and served as ``version``; its digest is computed.
+        ``decode``: ids to text (``TextCodec.decode``), needed for ``SamplingParams.stop`` strings."""
         self.config = config = config or TorchEngineConfig()
+        self.decode = decode
         device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         )
@@ -129,20 +132,26 @@ class TorchEngine(Engine):
         *,
         version: int | None = None,
         config: TorchEngineConfig | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> TorchEngine:
         """An engine serving a verified BF16 state dict (e.g. a Subscriber's first ``on_update``)."""
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        engine = cls(model, config)
+        engine = cls(model, config, decode=decode)
         engine._apply(_Pending(version, state, digest, None))
         return engine
 
     @classmethod
     def from_pretrained(
-        cls, path: Path, *, version: int | None = None, config: TorchEngineConfig | None = None
+        cls,
+        path: Path,
+        *,
+        version: int | None = None,
+        config: TorchEngineConfig | None = None,
+        decode: Callable[[Sequence[int]], str] | None = None,
     ) -> TorchEngine:
         """An engine on a local HF directory (``rl/models.save_model``, ``smollm2_checkpoint``)."""
         model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32, local_files_only=True)
-        return cls(model, config, version=version)
+        return cls(model, config, version=version, decode=decode)
 
     # --- what is served ------------------------------------------------------------------------
 
@@ -284,6 +293,8 @@ class TorchEngine(Engine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         if any(len(p) == 0 for p in prompts):
             raise EngineError("every prompt needs at least one token")
+        if params.stop and self.decode is None:
+            raise EngineError("stop strings need the engine's decode (TorchEngine(..., decode=codec.decode))")
         out: list[Generation] = []
         step = self.config.max_batch or max(len(prompts), 1)
         for start in range(0, len(prompts), step):
@@ -353,12 +364,15 @@ class TorchEngine(Engine):
         lengths = torch.full((n,), params.max_new_tokens, dtype=torch.long, device=self.device)
         past = None
         steps = 0
+        texts = _StopStrings(params.stop, self.decode, n) if params.stop else None
         for t in range(params.max_new_tokens):
             logits, past = self._forward(ids, mask, positions, past)
             tok, lp = _sample(logits, params, gens)
             tokens[:, t], logps[:, t] = tok, lp
             steps = t + 1
             hit = torch.isin(tok, stop) & ~done
+            if texts is not None:
+                hit |= texts.step(tok.tolist(), done.tolist()).to(hit.device) & ~done
             lengths = torch.where(hit, t + 1, lengths)
             done |= hit
             if bool(done.all()):
@@ -387,6 +401,31 @@ class TorchEngine(Engine):
                 )
             )
         return out
+
+
+class _StopStrings:
+    """Per-row text stop: after each token, decode the row's last few tokens and look for a stop string.
+
+    A stop string of L characters is completed by the newest token and lies within the last
+    2L + 4 tokens (a token decodes to at least one character, except pieces of a multi-byte
+    character), so decoding that window each step finds it the step it appears, in O(L) per row.
+    """
+
+    def __init__(self, stop: tuple[str, ...], decode: Callable[[Sequence[int]], str], n: int) -> None:
+        self.stop, self.decode = stop, decode
+        self.window = 2 * max(len(s) for s in stop) + 4
+        self.rows: list[list[int]] = [[] for _ in range(n)]
+
+    def step(self, tokens: list[int], done: list[bool]) -> torch.Tensor:
+        hit = torch.zeros(len(tokens), dtype=torch.bool)
+        for i, (t, d) in enumerate(zip(tokens, done, strict=True)):
+            if d:
+                continue
+            row = self.rows[i]
+            row.append(t)
+            tail = self.decode(row[-self.window :])
+            hit[i] = any(s in tail for s in self.stop)
+        return hit
 
 
 def _sample(

@@ -22,6 +22,11 @@ Updates and requests (``VLLMEngineConfig.in_flight``):
   trainer's importance ratio against the recorded logprobs accounts for. They are counted in
   ``stats.mixed_version_completions``.
 
+Weights from a channel: given ``state`` (a Subscriber's verified weights), vLLM starts with
+``load_format="dummy"`` (no checkpoint read: the directory needs only config.json and, for stop
+strings, the tokenizer) and the mirror is pushed before the first request. Updates take the names
+a verified patch changed (``changed``): only those are compared, hashed and sent.
+
 Either way the prefix cache is reset after every update, so no KV computed by old weights is
 reused for a new request. Logprobs: vLLM is run with ``logprobs_mode="processed_logprobs"``,
 i.e. after temperature; vLLM applies top-p before it computes them, so the engine refuses
@@ -153,10 +158,14 @@ class VLLMEngine(Engine):
         vllm = import_vllm()
         if not torch.cuda.is_available():
             raise EngineError("the vLLM engine needs a CUDA device; none is visible")
+        from_channel = state is not None
         if state is None:
             from pulsenet.rl.models import bf16_state_dict, load_model
 
             state = bf16_state_dict(load_model(Path(model_dir)))
+        self._has_tokenizer = any(
+            (Path(model_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        )
         self.mirror = HostMirror(state)
         if digest is not None and digest != self.mirror.digest:
             raise EngineError(f"initial weights hash to {self.mirror.digest[:16]}…, not {digest[:16]}…")
@@ -170,7 +179,7 @@ class VLLMEngine(Engine):
         self._thread.start()
         self._llm: Any = None
         try:
-            self._llm = self._run(self._start(vllm, Path(model_dir)), config.update_timeout_s)
+            self._llm = self._run(self._start(vllm, Path(model_dir), from_channel), config.update_timeout_s)
             tensors = {n: t for n, t in self.mirror.tensors.items()}
             self._run(self._swap(tensors), config.update_timeout_s)
         except BaseException:
@@ -179,7 +188,7 @@ class VLLMEngine(Engine):
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def _start(self, vllm: Any, model_dir: Path) -> Any:
+    async def _start(self, vllm: Any, model_dir: Path, from_channel: bool) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -195,6 +204,9 @@ class VLLMEngine(Engine):
             worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs",
             seed=0,
+            # Weights from a channel are pushed right after start: reading the directory's would be wasted.
+            load_format="dummy" if from_channel else "auto",
+            skip_tokenizer_init=not self._has_tokenizer,
         )
         self._gate = asyncio.Event()  # set: requests may start
         self._gate.set()
@@ -330,6 +342,8 @@ class VLLMEngine(Engine):
             )
         if any(len(p) == 0 for p in prompts):
             raise EngineError("every prompt needs at least one token")
+        if params.stop and not self._has_tokenizer:
+            raise EngineError("stop strings need a tokenizer in the model directory")
         t0 = time.perf_counter()
         out = self._run(self._generate(prompts, params), self.config.generate_timeout_s)
         self.stats.generate_s += time.perf_counter() - t0
@@ -354,10 +368,12 @@ class VLLMEngine(Engine):
                 top_p=1.0,
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
+                stop=list(params.stop) or None,
+                include_stop_str_in_output=True,
                 ignore_eos=not params.stop_at_eos,
                 logprobs=0,  # the sampled token's own logprob only
                 seed=seed,
-                detokenize=False,
+                detokenize=bool(params.stop),  # stop strings are matched on text
                 output_kind=self._final_only,
             )
             final = None

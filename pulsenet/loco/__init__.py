@@ -7,6 +7,8 @@
 - ``config``: the run's settings and per-round reports.
 - ``collect``: the collect phase (fetch, judge, first-writer-wins round record).
 - ``recovery``: digest verdicts, and rebuilding the agreed state from the store.
+- ``progress``: what a trainer is doing now and what it counted (plain records for a node), and
+  the one retry rule for uploads that must land.
 - ``inner``: the inner-loop protocol the round drives (adapters: ``pulsenet.rl.inner``).
 - ``trainer``: the round itself, top to bottom (train, encode and publish, collect, apply, agree, persist).
 
@@ -18,6 +20,7 @@ from pulsenet.loco.collect import DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, Timeouts
 from pulsenet.loco.inner import InnerLoop, SelfTraining
+from pulsenet.loco.progress import LocoStats, Progress
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.loco.trainer import LocoTrainer
 
@@ -26,7 +29,9 @@ __all__ = [
     "GlobalState",
     "InnerLoop",
     "LocoConfig",
+    "LocoStats",
     "LocoTrainer",
+    "Progress",
     "Record",
     "RoundReport",
     "RoundStore",

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -130,13 +131,19 @@ def subtract_sent(error: Mapping[str, torch.Tensor], payload: Payload) -> None:
 # --- validation ---------------------------------------------------------------------------------
 
 
+def _sum_squares(v: np.ndarray, chunk: int = 1 << 20) -> float:
+    """Σ v² in float64, a chunk at a time (a float64 copy of a whole embedding would be large)."""
+    flat = v.reshape(-1)
+    total = 0.0
+    for i in range(0, flat.size, chunk):
+        c = flat[i : i + chunk].astype(np.float64)
+        total += float(np.dot(c, c))
+    return total
+
+
 def payload_norm(payload: Payload) -> float:
     """L2 norm of the values a payload carries (float64 accumulation; informational and for screening)."""
-    total = 0.0
-    for t in payload.tensors.values():
-        v = t.values.astype(np.float64)
-        total += float(np.dot(v, v))
-    return math.sqrt(total)
+    return math.sqrt(sum(_sum_squares(t.values) for t in payload.tensors.values()))
 
 
 def validate(payload: Payload, *, round: int, mode: int) -> float:
@@ -158,23 +165,73 @@ def validate(payload: Payload, *, round: int, mode: int) -> float:
     return norm
 
 
-def screen_norms(norms: Mapping[str, float], *, factor: float, min_payloads: int) -> dict[str, str]:
-    """Payloads to reject for an outsized norm: ``norm > factor * median`` once ``min_payloads`` are present.
+def weights_norm(theta: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm of the global weights (float64 accumulation, sorted names): the weights' scale that
+    bounds any payload. θ is agreed, so every trainer gets the same bound (up to the summation order
+    of another machine's BLAS, which the readers' slack covers)."""
+    return math.sqrt(sum(_sum_squares(theta[name].detach().numpy()) for name in sorted(theta)))
 
-    With fewer payloads the median says nothing about which one is wrong, so nothing is
-    rejected; a zero median (nothing sent by most trainers) disables the rule for the round.
-    Deterministic in the set of norms; the round record carries the decision anyway.
+
+@dataclass(frozen=True, slots=True)
+class NormScreen:
+    """How large a payload may be (docs/loco.md §4, "Validation"; the factors' measured
+    justification is there too).
+
+    The record's writer excludes (:meth:`exclude`) a payload whose L2 norm is over
+
+    - ``weights_factor x ‖θ‖``: an update the size of the weights themselves, whoever sends it;
+    - ``factor x`` the round's scale: the median norm once ``min_payloads`` payloads are present
+      (a minority cannot move it), else the writer's own payload norm (two trainers: each is the
+      other's only reference). No reference (the writer's own payload unusable) or a zero one:
+      only the absolute rule.
+
+    A reader of the record re-checks the set it names (:meth:`refuse`) with room for a writer that
+    judged against another reference: ``slack`` on the absolute and median rules (a norm summed in
+    another order), and ``factor²`` against its own payload norm where the writer used its own: two
+    honest trainers' norms differ by far less than ``factor`` (measured), so an honest writer's
+    set never trips it, while a writer that includes a payload ``factor²`` over the reader's is
+    refused rather than followed.
     """
-    if len(norms) < min_payloads:
-        return {}
-    median = statistics.median(norms[k] for k in sorted(norms))
-    if median <= 0.0:
-        return {}
-    return {
-        k: f"norm {norms[k]:.4g} > {factor:g} x median {median:.4g}"
-        for k in sorted(norms)
-        if norms[k] > factor * median
-    }
+
+    factor: float
+    weights_factor: float
+    min_payloads: int
+    slack: float = 1.001
+
+    def _scale(self, norms: Mapping[str, float], reference: float | None) -> tuple[float | None, str]:
+        if len(norms) >= self.min_payloads:
+            return statistics.median(norms[k] for k in sorted(norms)), "median"
+        return reference, "own payload norm"
+
+    def exclude(self, norms: Mapping[str, float], *, own: str | None, weights_norm: float) -> dict[str, str]:
+        """The writer's judgement, to a fixed point: what remains passes on its own. ``own``: the
+        writer's id among ``norms`` (its payload is the reference while it is not excluded itself).
+        Returns payload -> reason."""
+        left, out = dict(norms), {}
+        while excluded := self._over(left, left.get(own) if own else None, weights_norm, self.factor, 1.0):
+            out.update(excluded)
+            for k in excluded:
+                del left[k]
+        return out
+
+    def refuse(self, norms: Mapping[str, float], *, own: float | None, weights_norm: float) -> dict[str, str]:
+        """A reader's check of a record's set: what it must not average, whoever wrote the record."""
+        # factor x factor, not factor**2: a huge factor (screening off) gives inf, not an OverflowError
+        relative = self.factor * self.slack if len(norms) >= self.min_payloads else self.factor * self.factor
+        return self._over(norms, own, weights_norm, relative, self.slack)
+
+    def _over(
+        self, norms: Mapping[str, float], reference: float | None, weights_norm: float, factor: float, slack: float
+    ) -> dict[str, str]:
+        scale, what = self._scale(norms, reference)
+        cap = self.weights_factor * weights_norm * slack
+        out: dict[str, str] = {}
+        for k in sorted(norms):
+            if norms[k] > cap:
+                out[k] = f"outsized: norm {norms[k]:.4g} > {self.weights_factor:g} x weights norm {weights_norm:.4g}"
+            elif scale is not None and scale > 0.0 and norms[k] > factor * scale:
+                out[k] = f"outsized: norm {norms[k]:.4g} > {factor:g} x {what} {scale:.4g}"
+        return out
 
 
 # --- all trainers: aggregate and outer step ---------------------------------------------------
@@ -221,17 +278,44 @@ def outer_step(
         θ = θ - lr·(Δ + μ·m)
 
     ``lr=1, mu=0`` is plain averaging (θ = θ - Δ = mean of the local weights, for dense Δ).
-    Each line below is one correctly rounded float32 operation per element.
     """
-    lr32, mu32 = np.float32(lr), np.float32(mu)
     for name, delta in deltas:
-        th, m = theta[name].numpy(), momentum[name].numpy()  # views: updated in place
-        np.multiply(m, mu32, out=m)  # m = μ·m
-        np.add(m, delta, out=m)  # m = μ·m + Δ
-        u = np.multiply(m, mu32)  # μ·m
-        np.add(delta, u, out=u)  # Δ + μ·m
-        np.multiply(u, lr32, out=u)  # lr·(Δ + μ·m)
-        np.subtract(th, u, out=th)  # θ - lr·(Δ + μ·m)
+        _nesterov(theta[name].numpy(), momentum[name].numpy(), delta, lr, mu, commit=True)  # views
+
+
+def outer_step_finite(
+    theta: Mapping[str, torch.Tensor],
+    momentum: Mapping[str, torch.Tensor],
+    deltas: Iterable[tuple[str, np.ndarray]],
+    *,
+    lr: float,
+    mu: float,
+) -> str | None:
+    """Whether :func:`outer_step` would leave every Δ, m and θ entry finite, computed without
+    changing anything: None if so, else the first tensor where it would not."""
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is what this looks for
+        for name, delta in deltas:
+            if not np.isfinite(delta).all():
+                return f"{name}: the mean update is non-finite"
+            m, th = _nesterov(theta[name].numpy(), momentum[name].numpy(), delta, lr, mu, commit=False)
+            if not (np.isfinite(m).all() and np.isfinite(th).all()):
+                return f"{name}: the outer step makes the weights or the momentum non-finite"
+    return None
+
+
+def _nesterov(
+    th: np.ndarray, m: np.ndarray, delta: np.ndarray, lr: float, mu: float, *, commit: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """One tensor's outer step: ``(m', θ')``, in place when ``commit``, else in new arrays. Each line
+    is one correctly rounded float32 operation per element, the same bits either way."""
+    lr32, mu32 = np.float32(lr), np.float32(mu)
+    m2 = np.multiply(m, mu32, out=m if commit else None)  # m = μ·m
+    np.add(m2, delta, out=m2)  # m = μ·m + Δ
+    u = np.multiply(m2, mu32)  # μ·m
+    np.add(delta, u, out=u)  # Δ + μ·m
+    np.multiply(u, lr32, out=u)  # lr·(Δ + μ·m)
+    th2 = np.subtract(th, u, out=th if commit else u)  # θ - lr·(Δ + μ·m)
+    return m2, th2
 
 
 def apply_round(
@@ -241,10 +325,19 @@ def apply_round(
     *,
     lr: float,
     mu: float,
-) -> None:
-    """Aggregate ``payloads`` and take the outer step, in place. The same call on every trainer."""
+) -> str | None:
+    """Aggregate ``payloads`` and take the outer step, in place. The same call on every trainer.
+
+    Never applies non-finite weights: a first pass computes the step without committing it, and if
+    any entry of Δ, m or θ would be non-finite, nothing changes and the reason is returned (the
+    round is void: docs/loco.md §4). Otherwise the second pass recomputes the same bits in place
+    and None is returned. Deterministic, so every trainer (and every replay) decides alike.
+    """
     shapes = {name: tuple(t.shape) for name, t in theta.items()}
-    outer_step(theta, momentum, aggregate(payloads, shapes), lr=lr, mu=mu)
+    why = outer_step_finite(theta, momentum, aggregate(payloads, shapes), lr=lr, mu=mu)
+    if why is None:
+        outer_step(theta, momentum, aggregate(payloads, shapes), lr=lr, mu=mu)
+    return why
 
 
 def global_digest(theta: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> str:

@@ -1,13 +1,21 @@
 """The collect phase of a round: who takes part, decided once, by whoever writes the record first.
 
 While its own payload uploads, a trainer polls the store. Each poll reads ``rounds/<r>/record``
-(if it exists, it decides the round: follow it), lists the members and reads the manifest of
-every member not seen yet. A verified manifest starts a task that fetches the payload, checks its
+(if it exists, it decides the round: follow it) and the manifest of every trusted trainer not seen
+yet: GETs only, never a LIST (the dearest request class), so an idle poll costs one GET for the
+record and one per missing peer, each a 404 with no body until the document is written. (A
+conditional GET would not save more: these documents are create-only, absent until written and
+never changed after.) A verified manifest starts a task that fetches the payload, checks its
 size and SHA-256, decodes it against the model's shapes and validates it. When every started
 task is done and either ``workers_expected`` payloads are in or the deadline has passed with a
 quorum of valid ones, the trainer proposes a record (create-only). Losing that race is normal:
 it then reads and follows the winner's record. Why this is safe: docs/loco.md, "Participant-set
 agreement".
+
+Waiting is never silent: ``progress`` says whose payload is missing and since when, and a line is
+logged every ``progress_log_s``. A store that stops answering costs polls, never the round: the
+round gives up (``RoundTimeout``) only once ``round_timeout_s`` has passed *and* the store has
+answered every poll for the last ``deadline_s`` (peers' uploads retry when it comes back).
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,19 +37,18 @@ from pulsenet.errors import (
     PayloadError,
     PulsenetError,
     RoundError,
+    RoundTimeout,
     StoreError,
     VerificationError,
 )
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco.config import MODES, LocoConfig
 from pulsenet.loco.documents import Manifest, Record, RoundStore, all_of
+from pulsenet.loco.progress import LocoStats, Progress, transient
 from pulsenet.signed import ObjectRef
 
 log = logging.getLogger(__name__)
 
-SCREEN_SLACK = 1.001
-"""A reader re-applies the norm screen to a record's set with this much room (norms are sums of
-squares, computed in a different order on another machine)."""
 Entry = tuple[wire.Payload, float, ObjectRef]
 """A judged payload: decoded, validated, its L2 norm, and the object it came from."""
 
@@ -72,6 +80,12 @@ class _Context:
     round: int
     base: Base
     base_digest: str
+    weights_norm: float
+    """‖θ‖ of ``base``: the absolute bound on any payload's norm."""
+    own_reference: bool
+    """Our own payload is a reference for the others' norms (we trained this round)."""
+    warned: set[str] = field(default_factory=set)
+    """Members whose manifest the store failed to serve this round (warned once)."""
 
 
 class Collector:
@@ -83,24 +97,55 @@ class Collector:
         config: LocoConfig,
         shapes: Mapping[str, tuple[int, ...]],
         cache: DecodedPayloads | None = None,
+        *,
+        progress: Progress | None = None,
+        stats: LocoStats | None = None,
     ) -> None:
         self.rs, self.config, self.shapes, self.cache = rs, config, dict(shapes), cache
         self.id = rs.id
         self.mode = MODES[config.mode]
+        self.screen = alg.NormScreen(config.norm_factor, config.norm_weights_factor, config.norm_min_payloads)
+        self.progress = progress if progress is not None else Progress(trainer=self.id)
+        self.stats = stats if stats is not None else LocoStats()
+        self._weights_norm: tuple[str, float] = ("", 0.0)
+        """(base digest, ‖θ‖) of the last base judged against."""
+        self.last_norms: dict[str, float] = {}
+        """Norms of the payloads the last record loaded named (reports)."""
+        self.last_weights_norm = 0.0
+
+    async def weights_norm(self, base: Base, base_digest: str | None) -> float:
+        """‖θ‖ of ``base`` (in a thread; remembered by digest: a round needs it once)."""
+        if base_digest is not None and self._weights_norm[0] == base_digest:
+            return self._weights_norm[1]
+        norm = await asyncio.to_thread(alg.weights_norm, base)
+        if base_digest is not None:
+            self._weights_norm = (base_digest, norm)
+        return norm
 
     async def collect(
-        self, r: int, upload: asyncio.Task[tuple[bytes, ObjectRef]], base: Base, base_digest: str
+        self,
+        r: int,
+        upload: asyncio.Task[tuple[bytes, ObjectRef]],
+        base: Base,
+        base_digest: str,
+        *,
+        own_reference: bool = True,
     ) -> tuple[Record, dict[str, wire.Payload]]:
         """The round's record and the decoded payload of every participant it names.
 
         ``upload`` is our own publish task (returning the bytes that stand in the store and their
         reference); ``base`` the global weights we trained from (payloads are decoded against
         them) and ``base_digest`` the digest of that state (goes into a proposal).
+        ``own_reference``: our payload is a fair reference for the others' norms (we trained the
+        full H steps this round; a short round's payload is smaller, so we judge by the median and
+        ‖θ‖ alone).
         """
         cfg = self.config
         loop = asyncio.get_running_loop()
-        deadline, give_up = loop.time() + cfg.deadline_s, loop.time() + cfg.round_timeout_s
-        ctx = _Context(r, base, base_digest)
+        start = loop.time()
+        deadline, give_up, next_log = start + cfg.deadline_s, start + cfg.round_timeout_s, start + cfg.progress_log_s
+        last_failure = -math.inf
+        ctx = _Context(r, base, base_digest, await self.weights_norm(base, base_digest), own_reference)
         fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(ctx, upload))}
         unreadable: dict[
             str, str
@@ -109,15 +154,29 @@ class Collector:
             while True:
                 try:
                     record = await self._poll_once(ctx, fetches, unreadable, deadline)
-                except StoreError as e:  # a transient store failure costs a poll, not the round
+                    self.progress.store_ok()
+                except StoreError as e:  # a store failure costs a poll, not the round
                     log.warning("%s: round %d: store error while polling: %s", self.id, r, e)
-                    record = None
+                    self.progress.store_failed(e)
+                    self.stats.store_failures += 1
+                    last_failure, record = loop.time(), None
                 if record is not None:
                     break
-                if loop.time() >= give_up:
-                    raise RoundError(
+                now = loop.time()
+                missing = [t for t in sorted(self.rs.keys) if t not in fetches and t not in unreadable]
+                pending = [t for t, task in sorted(fetches.items()) if not task.done()]
+                self.progress.wait(missing + pending, self._why_waiting(missing, pending, now >= deadline))
+                if now >= next_log:
+                    next_log = now + cfg.progress_log_s
+                    log.warning(
+                        "%s: round %d: still collecting after %.0f s: %s; store %s",
+                        *(self.id, r, now - start, self.progress.describe(),
+                          "unreachable" if self.progress.store_unreachable else "answering"),
+                    )  # fmt: skip
+                if now >= give_up and now - last_failure >= cfg.deadline_s:
+                    raise RoundTimeout(
                         f"round {r}: no quorum of {cfg.quorum} valid payloads within {cfg.round_timeout_s:g} s "
-                        f"(have {sorted(fetches)})"
+                        f"(have {sorted(fetches)}, waiting for {missing + pending})"
                     )
                 await self.sleep()
             for tid, why in sorted(record.rejected.items()):
@@ -129,7 +188,8 @@ class Collector:
                     "%s: round %d: record writer %s trained from base %s, ours is %s",
                     *(self.id, r, record.writer, record.base_digest[:16], base_digest[:16]),
                 )
-            return record, await self._record_payloads(record, ctx.base, ctx.base_digest, fetches)
+            own = self._own_norm(ctx, fetches)
+            return record, await self._record_payloads(record, ctx.base, ctx.base_digest, fetches, own_norm=own)
         finally:
             for t in fetches.values():
                 t.cancel()
@@ -141,7 +201,24 @@ class Collector:
         """The payloads a record names, each fetched, bound to its owner's manifest, validated and
         decoded against ``base``, and screened as a whole (replays and repairs; base_digest None:
         no cache)."""
-        return await self._record_payloads(record, base, base_digest, {})
+        return await self._record_payloads(record, base, base_digest, {}, own_norm=None)
+
+    def _why_waiting(self, missing: list[str], pending: list[str], past_deadline: bool) -> str:
+        quorum = self.config.quorum
+        if self.id in pending:
+            return "our own payload is not in the store yet (its upload retries)"
+        if missing and not past_deadline:
+            return f"waiting for every trainer's payload until the deadline (quorum {quorum})"
+        if missing:
+            return f"past the deadline without a quorum of {quorum} valid payloads"
+        return "fetching and checking payloads"
+
+    def _own_norm(self, ctx: _Context, fetches: Mapping[str, asyncio.Task[Entry]]) -> float | None:
+        """Our own payload's norm if it is a reference this round (trained, valid), else None."""
+        task = fetches.get(self.id)
+        if not ctx.own_reference or task is None or not task.done() or task.cancelled() or task.exception():
+            return None
+        return task.result()[1]
 
     async def _load(self, ref: ObjectRef, base: Base, base_digest: str | None) -> tuple[wire.Payload, float]:
         """A payload a record names, and its norm, from the store or the cache.
@@ -186,14 +263,14 @@ class Collector:
         if record is not None:
             self._log_follow(r, record)
             return record
-        for tid in await self.rs.members():
+        for tid in sorted(self.rs.keys):  # every trusted trainer: no LIST of members/ per poll
             if tid not in fetches and tid not in unreadable:
-                manifest = await self._try_manifest(tid, r, unreadable)
+                manifest = await self._try_manifest(tid, r, unreadable, ctx.warned)
                 if manifest is not None:
                     fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
         if not all(t.done() for t in fetches.values()):
             return None
-        proposal = self._proposal(r, fetches, ctx.base_digest, unreadable)
+        proposal = self._proposal(ctx, fetches, unreadable)
         complete = len(fetches) >= self.config.expected
         if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
             return None
@@ -232,7 +309,9 @@ class Collector:
                 sorted(record.participants),
             )
 
-    async def _try_manifest(self, tid: str, r: int, unreadable: dict[str, str]) -> Manifest | None:
+    async def _try_manifest(
+        self, tid: str, r: int, unreadable: dict[str, str], warned: set[str]
+    ) -> Manifest | None:
         """``tid``'s verified manifest, or None: one member's bad or unreachable manifest never stops
         the poll from reading the others'."""
         try:
@@ -241,19 +320,21 @@ class Collector:
             # unverifiable (planted, foreign, malformed, oversized): that trainer is out this round, loudly
             log.warning("%s: round %d: ignoring %s's manifest: %s", self.id, r, tid, e)
             unreadable[tid] = f"{type(e).__name__}: {str(e)[:300]}"
-        except StoreError as e:  # transient: try this member again next poll
-            log.warning("%s: round %d: store error reading %s's manifest: %s", self.id, r, tid, e)
+        except StoreError as e:  # transient: try this member again next poll (warned once a round)
+            if tid not in warned:
+                warned.add(tid)
+                log.warning("%s: round %d: store error reading %s's manifest (retrying each poll): %s", self.id, r, tid, e)
         return None
 
     def _proposal(
         self,
-        r: int,
+        ctx: _Context,
         fetches: Mapping[str, asyncio.Task[Entry]],
-        base_digest: str,
         unreadable: Mapping[str, str] | None = None,
     ) -> Record | None:
         """The record this trainer would write now, or None if it would not reach the quorum.
         ``unreadable``: members whose manifest could not be used, and why (recorded as unavailable)."""
+        r = ctx.round
         norms: dict[str, float] = {}
         refs: dict[str, ObjectRef] = {}
         rejected: dict[str, str] = {}
@@ -268,17 +349,16 @@ class Collector:
                 unavailable[tid] = f"{type(exc).__name__}: {exc}"
             else:
                 raise exc
-        cfg = self.config
         # To a fixed point: what remains passes the screen on its own, as every reader checks.
-        while outsized := alg.screen_norms(norms, factor=cfg.norm_factor, min_payloads=cfg.norm_min_payloads):
-            for tid, why in outsized.items():
-                rejected[tid] = f"PayloadError: {why}"
-                del refs[tid], norms[tid]
-        if len(refs) < cfg.quorum:
+        own = self.id if ctx.own_reference else None
+        for tid, why in self.screen.exclude(norms, own=own, weights_norm=ctx.weights_norm).items():
+            rejected[tid] = f"PayloadError: {why}"
+            del refs[tid], norms[tid]
+        if len(refs) < self.config.quorum:
             return None
         return Record(
             round=r, writer=self.id, participants=refs, rejected=rejected, unavailable=unavailable,
-            base_digest=base_digest,
+            base_digest=ctx.base_digest,
         )  # fmt: skip
 
     # --- fetching and judging payloads ------------------------------------------------------------
@@ -313,10 +393,19 @@ class Collector:
         return payload
 
     async def _record_payloads(
-        self, record: Record, base: Base, base_digest: str | None, fetches: Mapping[str, asyncio.Task[Entry]]
+        self,
+        record: Record,
+        base: Base,
+        base_digest: str | None,
+        fetches: Mapping[str, asyncio.Task[Entry]],
+        *,
+        own_norm: float | None,
     ) -> dict[str, wire.Payload]:
         """The decoded payload of every participant the record names, reusing fetches already done;
-        RoundError if one cannot be used or the set fails the norm screen."""
+        RoundError if one cannot be used or the set fails the reader's check (``NormScreen.refuse``,
+        against ``own_norm``, our own payload's norm this round if it is a reference). A store that
+        cannot serve one right now raises its transient StoreError as itself: the round is retried,
+        not counted against the record."""
 
         async def one(tid: str) -> tuple[wire.Payload, float]:
             ref = record.participants[tid]
@@ -328,6 +417,12 @@ class Collector:
                         return payload, norm
             try:
                 return await self._load(ref, base, base_digest)
+            except StoreError as e:
+                if transient(e):
+                    raise
+                raise RoundError(
+                    f"round {record.round}: cannot use participant {tid}'s payload named by the record: {e}"
+                ) from e
             except PulsenetError as e:
                 raise RoundError(
                     f"round {record.round}: cannot use participant {tid}'s payload named by the record: {e}"
@@ -337,11 +432,10 @@ class Collector:
         judged = await all_of(one(t) for t in tids)  # one failure cancels the rest
         norms = {t: norm for t, (_, norm) in zip(tids, judged, strict=True)}
         # Writers screen to a fixed point (_proposal), so an honest record passes this with room
-        # for a last-bit difference in a norm; a record that averages an outsized payload does not.
-        cfg = self.config
-        outsized = alg.screen_norms(
-            norms, factor=cfg.norm_factor * SCREEN_SLACK, min_payloads=cfg.norm_min_payloads
-        )
+        # for a writer that judged against its own norm; a record that averages an absurd payload does not.
+        weights_norm = await self.weights_norm(base, base_digest)
+        self.last_norms, self.last_weights_norm = norms, weights_norm
+        outsized = self.screen.refuse(norms, own=own_norm, weights_norm=weights_norm)
         if outsized:
             raise RoundError(
                 f"round {record.round}: {record.writer}'s record averages payloads the norm screen rejects: {outsized}"

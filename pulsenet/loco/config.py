@@ -40,21 +40,40 @@ class LocoConfig:
     """A round closes as soon as this many payloads are in, without waiting for the deadline;
     None: every trainer whose key the run trusts (``LocoTrainer`` fills it in)."""
     min_quorum: int | None = None
-    """Fewest valid payloads a round may close with after the deadline; None: a majority of workers_expected."""
+    """Fewest valid payloads a round may close with after the deadline; None: a majority of
+    workers_expected. 1 of 2 is allowed: the create-only round record still decides one set for
+    everyone, so a partition cannot fork the policy (docs/loco.md §6)."""
     join_wait_s: float = 120.0
     """At start, wait this long for workers_expected trainers to announce themselves (start-up skew)."""
     deadline_s: float = 60.0
     """How long a trainer waits for peers after its own payload is ready before closing with a quorum."""
     round_timeout_s: float = 1800.0
-    """Give up on a round (RoundError) if no quorum has formed by then."""
+    """An attempt at a round without a quorum ends (RoundTimeout, logged, not counted as a failure)
+    once this has passed and the store has answered for the last ``deadline_s``; the next attempt
+    resumes the same round with the payload already published (docs/loco.md §6)."""
     poll_s: float = 0.5
     """Mean interval between polls of the store (jittered x0.5-1.5 so trainers do not poll in lockstep)."""
     digest_wait_s: float = 15.0
     """How long to wait for the participants' post-round digests before judging with those present."""
+    progress_log_s: float = 30.0
+    """A trainer that waits (for peers' payloads, for the store) logs why this often."""
+    retry_base_s: float = 0.5
+    """First backoff of a retried upload or round attempt (doubles per retry, full jitter) ..."""
+    retry_cap_s: float = 5.0
+    """... up to this. Own uploads (payload, digest, checkpoint, state) retry until they land or
+    their round is abandoned; a transient store failure is never counted as a round failure. Each
+    failed call has already spent the store's own retries, so the cap mostly bounds how long after
+    the store returns the next attempt comes (issue 24: within two polls plus one round)."""
     norm_factor: float = 10.0
-    """Reject a payload whose norm exceeds this multiple of the round's median norm ..."""
+    """Exclude a payload whose norm exceeds this multiple of the round's scale: the median norm
+    with ``norm_min_payloads`` or more payloads, else the record writer's own payload norm (a
+    reader refuses a record over ``norm_factor²`` x its own). Honest peers' norms measured within a
+    factor 3.2 of each other in full rounds (docs/loco.md §4, "Validation")."""
+    norm_weights_factor: float = 1.0
+    """Exclude (and refuse to follow) any payload whose norm exceeds this multiple of the global
+    weights' norm ‖θ‖, whatever the others: honest payloads measured at most 7.6% of ‖θ‖."""
     norm_min_payloads: int = 3
-    """... once at least this many valid payloads are present (with fewer, the median proves nothing)."""
+    """Valid payloads from which the median is the round's scale (with fewer, the writer's own norm)."""
     state_every: int = 10
     """Publish the agreed global state every this many rounds (repair and catch-up start from it)."""
     checkpoint_every: int = 5
@@ -74,6 +93,10 @@ class LocoConfig:
             raise ConfigError("inner_steps, workers_expected and state_every must be >= 1")
         if self.min_quorum is not None and self.min_quorum < 1:
             raise ConfigError(f"min_quorum must be >= 1 or None, got {self.min_quorum}")
+        if not (self.norm_factor > 1 and self.norm_weights_factor > 0 and self.norm_min_payloads >= 1):
+            raise ConfigError("norm_factor must be > 1, norm_weights_factor > 0 and norm_min_payloads >= 1")
+        if not (self.retry_base_s > 0 and self.retry_cap_s >= self.retry_base_s and self.progress_log_s > 0):
+            raise ConfigError("retry_base_s and progress_log_s must be > 0, retry_cap_s >= retry_base_s")
         if not self.gate_scale > 0:
             raise ConfigError(f"gate_scale must be > 0, got {self.gate_scale}")
         if self.workers_expected is not None and self.quorum > self.workers_expected:
@@ -115,6 +138,8 @@ class RoundReport:
     """Bytes of this trainer's payload as put into the store (0 if it did not train this round)."""
     loss: float | None = None
     """Mean inner training loss over the H steps."""
+    steps: int = 0
+    """Inner steps taken this round (fewer than H when the caller's inner phase ran short)."""
     overlapped: bool = False
     """The inner phase ran while the previous round was exchanged (``overlap``)."""
     digest: str = ""
@@ -124,3 +149,9 @@ class RoundReport:
     """This trainer's state diverged and was rebuilt from the store."""
     caught_up_from: int | None = None
     """Set when the round was not trained but replayed/loaded from the store (from this round)."""
+    void: str = ""
+    """Why the round's outer step was void (it would have made θ or m non-finite: nothing applied)."""
+    norms: dict[str, float] = field(default_factory=dict)
+    """L2 norm of each participant's payload, as this trainer checked them."""
+    weights_norm: float = 0.0
+    """‖θ‖ the round started from (the absolute bound on payload norms is ``norm_weights_factor`` x this)."""

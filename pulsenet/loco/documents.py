@@ -246,7 +246,7 @@ class RoundStore:
         return self._check(key, signed, kind, signer=signer)
 
     def _verify(self, key: str, data: bytes, kind: str, *, signer: str | None) -> dict[str, Any]:
-        """:meth:`_read` for a document's bytes already in hand (``parse_*``)."""
+        """:meth:`_read` for a document's bytes already in hand (the fuzz harness's entry point)."""
         signed = verify_document(data, self._trusted(key, signer), context=self.context)
         return self._check(key, signed, kind, signer=signer)
 
@@ -327,11 +327,6 @@ class RoundStore:
         body = await self._read(key, KIND_MANIFEST, signer=tid)
         return None if body is None else self._manifest(key, body, tid, round_)
 
-    def parse_manifest(self, data: bytes, tid: str, round_: int) -> Manifest:
-        """``tid``'s round-``round_`` manifest from its bytes: verified under ``tid``'s key and checked."""
-        key = self.layout.manifest(tid, round_)
-        return self._manifest(key, self._verify(key, data, KIND_MANIFEST, signer=tid), tid, round_)
-
     def _manifest(self, key: str, body: dict[str, Any], tid: str, round_: int) -> Manifest:
         m = Manifest(
             trainer=tid,
@@ -359,11 +354,6 @@ class RoundStore:
         key = self.layout.record(round_)
         body = await self._read(key, KIND_RECORD, signer=None)
         return None if body is None else self._record(key, body, round_)
-
-    def parse_record(self, data: bytes, round_: int) -> Record:
-        """Round ``round_``'s record from its bytes: verified under its writer's key and checked."""
-        key = self.layout.record(round_)
-        return self._record(key, self._verify(key, data, KIND_RECORD, signer=None), round_)
 
     def _record(self, key: str, body: dict[str, Any], round_: int) -> Record:
         participants = body.get("participants")
@@ -437,11 +427,6 @@ class RoundStore:
         body = await self._read(key, KIND_DIGEST, signer=tid)
         return None if body is None else self._digest(key, body, round_)
 
-    def parse_digest(self, data: bytes, tid: str, round_: int) -> str:
-        """``tid``'s post-round digest from its document's bytes (verified under ``tid``'s key)."""
-        key = self.layout.digest(tid, round_)
-        return self._digest(key, self._verify(key, data, KIND_DIGEST, signer=tid), round_)
-
     def _digest(self, key: str, body: dict[str, Any], round_: int) -> str:
         if _int(body, "round", key) != round_:
             raise ManifestError(f"{key}: digest document is for round {body['round']}")
@@ -481,11 +466,6 @@ class RoundStore:
         key = self.layout.state_manifest(round_)
         body = await self._read(key, KIND_STATE, signer=None)
         return None if body is None else self._state_ref(key, body, round_)
-
-    def parse_state_ref(self, data: bytes, round_: int) -> StateRef:
-        """Round ``round_``'s global-state manifest from its bytes (verified under its writer's key)."""
-        key = self.layout.state_manifest(round_)
-        return self._state_ref(key, self._verify(key, data, KIND_STATE, signer=None), round_)
 
     def _state_ref(self, key: str, body: dict[str, Any], round_: int) -> StateRef:
         ref = StateRef(

@@ -20,6 +20,7 @@ import torch
 from pulsenet.codec import payload as wire
 from pulsenet.errors import ManifestError, ObjectNotFound, PulsenetError, RoundError, VerificationError
 from pulsenet.loco.documents import Record, RoundStore, StateRef
+from pulsenet.loco.progress import transient
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
@@ -122,5 +123,7 @@ async def rebuild(
             await replay(state, target, rs, load, apply)
             return state
         except (PulsenetError, OSError) as e:
+            if transient(e):  # the store is away, not the chain broken: the caller retries later
+                raise
             log.warning("%s: cannot rebuild round %d from the state of round %d: %s", rs.id, target, c, e)
     raise RoundError(f"no published global state and payload chain in the store reaches round {target}")

@@ -26,7 +26,10 @@ training loop calls: ``await trainer.run(rounds)`` lets the round run ``SelfTrai
 benchmark, ``pulsenet loco train``); a node that owns its data (the trainer daemon) opens
 ``trainer.session()`` and calls ``await trainer.next_round(train)`` once per round, where
 ``train(r)`` is its own inner phase (H steps on batches it took, in a thread) returning the losses;
-the round never calls back into its caller for data.
+the round never calls back into its caller for data, and the caller reads how it goes from plain
+records: ``trainer.progress`` (phase, round, whom it waits for, the store's last answer) and
+``trainer.stats`` (counters), ``loco/progress.py``. Store outages are waited out, never counted as
+failures; own uploads retry until they land (docs/loco.md §6, "Outages").
 Each step's work is entered through ``on_phase(name, round)``, an optional async context manager
 factory: a benchmark shares cores and times phases with it (``pulsenet.bench.loco_phases``), a
 test injects a straggler. Phases: ``inner``, ``encode``, ``upload``, ``collect``, ``apply``,
@@ -62,6 +65,7 @@ from pulsenet.errors import (
     ManifestError,
     PulsenetError,
     RoundError,
+    RoundTimeout,
     StoreError,
     VerificationError,
 )
@@ -71,10 +75,11 @@ from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
 from pulsenet.loco.inner import InnerLoop, SelfTraining
+from pulsenet.loco.progress import LocoStats, Progress, retrying, transient
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import ObjectStore, backoff_delay
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +144,19 @@ class LocoTrainer:
         self._group: asyncio.TaskGroup | None = None
         """The lifetime of background uploads while a ``session`` is open: an unexpected failure in one fails it."""
         self._failures = 0
+        self._waits = 0
+        """Round attempts in a row that ended because the store or the peers were away (not counted
+        as failures: they set the backoff before the next attempt)."""
         self._carried: list[float] | None = None
         """``overlap``: the losses of the next round's inner phase, already trained (``next_round``)."""
+        self._pending: _Sent | None = None
+        """The published update of a round whose attempt failed: the next attempt at that round
+        collects again with it instead of training again (synchronous rounds)."""
+        self.progress = Progress(trainer=self.id)
+        """What the trainer is doing now, whom it waits for, how the store answers (read it, e.g.
+        for ``/healthz``: ``progress.describe()``, ``progress.store_unreachable``)."""
+        self.stats = LocoStats()
+        """Counters over the trainer's life (rounds, exclusions by reason, void rounds, store failures)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -163,12 +179,17 @@ class LocoTrainer:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
+                if self.state is None:
+                    await self.start()
                 try:
-                    if self.state is None:
-                        await self.start()
                     yield self
-                finally:
-                    await self.drain()
+                except BaseException:
+                    # Failing or cancelled (a node stopping): uploads that retry through an outage
+                    # must not hold the exit; what they were writing is rewritten on the next run.
+                    for task in self._background:
+                        task.cancel()
+                    raise
+                await self.drain()
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
@@ -189,23 +210,53 @@ class LocoTrainer:
             )
         else:
             await self._attempt(self.run_round(train))
-        return self.reports[-1] if len(self.reports) > before else None
+        if len(self.reports) == before:
+            return None
+        self.progress.enter("idle", self.round + 1)
+        return self.reports[-1]
 
     async def _attempt(self, round_: Awaitable[T]) -> T | None:
+        """Run one attempt at a round. An outage (a transient store failure, or no quorum in time
+        while the store answers) is waited out with a growing backoff and never counted; anything
+        the store holds that cannot be used is counted, and ``max_round_failures`` in a row re-raise."""
+        r = self.round + 1
         try:
             result = await round_
         except (RoundError, StoreError, ManifestError, VerificationError) as e:
+            self.stats.rounds_failed += 1
+            if isinstance(e, RoundTimeout) or transient(e):
+                self.stats.rounds_timed_out += isinstance(e, RoundTimeout)
+                self._waits += 1
+                delay = backoff_delay(self._waits - 1, self.config.retry_base_s, self.config.retry_cap_s)
+                log.warning(
+                    "%s: round %d not done (%s: %s); trying again in %.1f s (attempt %d)",
+                    *(self.id, r, type(e).__name__, e, delay, self._waits + 1),
+                )
+                if transient(e):
+                    self.progress.store_failed(e)
+                    self.stats.store_failures += 1
+                self.progress.enter("backoff", r, f"{type(e).__name__}: {str(e)[:300]}")
+                await asyncio.sleep(delay)
+                return None
             self._failures += 1
             log.error(
                 "%s: round %d failed (%d in a row): %s: %s",
-                *(self.id, self.round + 1, self._failures, type(e).__name__, e),
+                *(self.id, r, self._failures, type(e).__name__, e),
             )
             if self._failures >= self.config.max_round_failures:
                 raise
+            self.progress.enter("backoff", r, f"{type(e).__name__}: {str(e)[:300]}")
             await self._collector.sleep()
             return None
-        self._failures = 0
+        self._failures = self._waits = 0
         return result
+
+    async def _retry(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """A store call that must land: retried through transient failures (``progress.retrying``)."""
+        return await retrying(
+            call, f"{self.id}: {what}", base_s=self.config.retry_base_s, cap_s=self.config.retry_cap_s,
+            progress=self.progress, stats=self.stats,
+        )  # fmt: skip
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
@@ -215,13 +266,16 @@ class LocoTrainer:
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
             )
         assert self.state is not None
-        self.collector = Collector(self.rs, self.config, self.state.shapes(), self.cache)
+        self.collector = Collector(
+            self.rs, self.config, self.state.shapes(), self.cache, progress=self.progress, stats=self.stats
+        )
         self.digest = await asyncio.to_thread(self.state.digest)
-        await self.rs.join()
+        await self._retry(self.rs.join, "announcing ourselves (members/)")
         await self._wait_for_members()
         if self.round == 0:
             await self._agree_genesis()
         log.info("%s: starting at round %d, digest %s", self.id, self.round, self.digest[:16])
+        self.progress.enter("idle", self.round + 1)
 
     async def drain(self) -> None:
         """Wait for background uploads (checkpoints, global states) to finish; re-raise an
@@ -258,15 +312,27 @@ class LocoTrainer:
         r = self.round + 1
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
-        report = self._open_report(r)
-        losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
-        sent = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
+        if (sent := self._resumed(r)) is None:  # (a failed attempt already published round r)
+            report = self._open_report(r)
+            losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
+            sent = self._pending = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
+        report = sent.report
         upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
         record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
         await self._apply(sent, record, payloads, load_local=True)  # 4. outer step: θ_r
         digests = await self._agree(record, report)  # 5. digests; repair if we diverged
         await self._persist(r, digests)  # 6. resume point, checkpoint, global state
         return await self._report(report)
+
+    def _resumed(self, r: int) -> _Sent | None:
+        """Round r's update from an earlier attempt that published it, if any (its payload stands
+        in the store; training again would only spend data and be replaced by it)."""
+        sent, self._pending = self._pending, None
+        if sent is None or sent.round != r:
+            return None
+        log.info("%s: round %d: collecting again with the payload already made", self.id, r)
+        self._pending = sent
+        return sent
 
     async def run_round_overlapped(
         self, rounds: int, carried: list[float] | None, train: InnerPhase | None = None
@@ -300,7 +366,8 @@ class LocoTrainer:
             record, payloads = await self._collect(sent, upload)
             await self._apply(sent, record, payloads, load_local=ahead is None)
         except BaseException:
-            # never abandon our upload half way (a manifest may name it); a thread cannot be cancelled
+            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
+            upload.cancel()
             await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
             if ahead is not None:
                 await self._load_theta("adopt", r)
@@ -333,6 +400,7 @@ class LocoTrainer:
         """If round r was decided without us, catch up from the store and return that report."""
         existing = await self._collector.read_record(r)
         if existing is not None and self.id not in existing.participants:
+            self._pending = None  # decided without us: that update is not needed any more
             return await self.catch_up(await self.rs.latest_record_round())
         # A record that already includes us means we published this round and died before saving
         # it: redo the round (same state, RNG and data give the same payload) so that the error
@@ -364,7 +432,7 @@ class LocoTrainer:
         DiLoCo's dense payload stays raw FP32 bits under zstd (the baseline as specified).
         """
         cfg, state = self.config, self._state
-        report.loss = float(np.mean(losses)) if losses else None
+        report.loss, report.steps = (float(np.mean(losses)) if losses else None), len(losses)
         local = await asyncio.to_thread(self.inner.parameters)  # a copy or a gather on a GPU or a site
         async with self._phase("encode", r):
             own, new_error = await asyncio.to_thread(
@@ -378,11 +446,17 @@ class LocoTrainer:
         return _Sent(r, report, own, new_error, data)
 
     async def _publish(self, sent: _Sent) -> tuple[bytes, ObjectRef]:
-        """Upload payload + manifest; returns the payload bytes that stand in the store (normally ours)."""
+        """Upload payload + manifest, retried through store outages until they land (the round's
+        collect cancels this when the round is decided without us); returns the payload bytes that
+        stand in the store (normally ours)."""
         r, data, report = sent.round, sent.data, sent.report
+        base_digest = self.digest
         async with self._phase("upload", r):
-            manifest, fresh = await self.rs.publish_payload(
-                r, data, mode=self.config.mode, sent=report.sent, total=report.total, base_digest=self.digest
+            manifest, fresh = await self._retry(
+                lambda: self.rs.publish_payload(
+                    r, data, mode=self.config.mode, sent=report.sent, total=report.total, base_digest=base_digest
+                ),
+                f"round {r}: uploading our payload",
             )
         if fresh or manifest.payload.sha256 == hashlib.sha256(data).hexdigest():
             return data, manifest.payload
@@ -391,7 +465,8 @@ class LocoTrainer:
         log.warning(
             "%s: round %d was already published with a different payload; the stored one stands", self.id, r
         )
-        return await self.rs.fetch(manifest.payload), manifest.payload
+        stored = await self._retry(lambda: self.rs.fetch(manifest.payload), f"round {r}: reading our stored payload")
+        return stored, manifest.payload
 
     # --- 3. collect ---------------------------------------------------------------------------
 
@@ -403,20 +478,45 @@ class LocoTrainer:
         r, report = sent.round, sent.report
         async with self._phase("collect", r):
             try:
-                record, payloads = await self._collector.collect(r, upload, self._state.theta, self.digest)
+                # Only a full round's payload is a reference for the others' norms: one of 1 step
+                # in 8 measured up to 9x smaller than its honest peers' (docs/loco.md §4).
+                full = report.steps >= self.config.inner_steps
+                record, payloads = await self._collector.collect(
+                    r, upload, self._state.theta, self.digest, own_reference=full
+                )
             finally:
+                # Decided (or failed): an upload still retrying is abandoned. Safe mid-put: the payload
+                # key is content-addressed and the manifest create-only; a record that names our
+                # payload needed our manifest, so nothing that matters is left half done.
+                if not upload.done():
+                    log.warning("%s: round %d: abandoning our payload's upload (still retrying)", self.id, r)
+                    upload.cancel()
                 (published,) = await asyncio.gather(upload, return_exceptions=True)
         if isinstance(published, PulsenetError):
             log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
-        elif isinstance(published, BaseException):
-            raise published
-        else:
-            sent.reproduced = published[0] is sent.data  # else _settle_error accounts for the stored one
+        ours = record.participants.get(self.id)
+        if ours is not None:
+            # The record names the payload of ours that stands in the store: ours, or the one an
+            # earlier run published (_settle_error then accounts for that one).
+            sent.reproduced = ours.sha256 == await asyncio.to_thread(lambda: hashlib.sha256(sent.data).hexdigest())
+        self._count(record)
         report.participants = sorted(record.participants)
         report.rejected = dict(record.rejected)
-        report.included = self.id in record.participants
+        report.included = ours is not None
         report.record_writer = record.writer
+        report.norms = dict(self._collector.last_norms)
+        report.weights_norm = self._collector.last_weights_norm
         return record, payloads
+
+    def _count(self, record: Record) -> None:
+        """Exclusions by reason, and rounds closed without everyone (``stats``)."""
+        for why in record.rejected.values():
+            kind = "outsized" if "outsized" in why else "invalid"
+            self.stats.excluded[kind] = self.stats.excluded.get(kind, 0) + 1
+        if record.unavailable:
+            self.stats.excluded["unavailable"] = self.stats.excluded.get("unavailable", 0) + len(record.unavailable)
+        self.stats.own_excluded += self.id in record.rejected
+        self.stats.rounds_short += len(record.participants) < self.config.expected
 
     # --- 4. apply -----------------------------------------------------------------------------
 
@@ -427,17 +527,32 @@ class LocoTrainer:
         ``load_local``: also reset the local model to θ_r (not while an overlapped inner phase runs)."""
         state, cfg = self._state, self.config
         async with self._phase("apply", sent.round):
-            await asyncio.to_thread(
+            void = await asyncio.to_thread(
                 alg.apply_round, state.theta, state.momentum, payloads, lr=cfg.outer_lr, mu=cfg.outer_momentum
             )
+            if void is not None:
+                self._void(sent.round, void, record)
+                sent.report.void = void
             state.round = sent.round
+            self._pending = None
             if load_local:
                 await asyncio.to_thread(self.inner.load_state_fp32, state.theta)
             self.digest = await asyncio.to_thread(state.digest)
-        if sent.new_error is not None:
+        if sent.new_error is not None and void is None:  # a void round drops our update, like a rejection
             self.error = self._settle_error(
                 record, sent.own, sent.new_error, payloads, reproduced=sent.reproduced
             )
+
+    def _void(self, r: int, why: str, record: Record) -> None:
+        """A round whose outer step would have made θ or m non-finite: nothing was applied. Every
+        trainer (and every replay) computes the same bits from the same record, so all decide alike
+        and stay on the last good state together; one that differs has diverged, and the digest
+        check repairs it."""
+        self.stats.rounds_void += 1
+        log.error(
+            "%s: round %d: VOID: %s (record by %s, participants %s); nothing applied, θ and m stay as they were",
+            *(self.id, r, why, record.writer, sorted(record.participants)),
+        )
 
     def _settle_error(
         self,
@@ -479,12 +594,9 @@ class LocoTrainer:
 
     async def _verify(self, record: Record, report: RoundReport) -> tuple[dict[str, str], bool]:
         r = record.round
-        try:
-            stood = await self.rs.publish_digest(r, self.digest)
-            if stood != self.digest:
-                log.error("%s: round %d: an earlier run of ours published digest %s", self.id, r, stood[:16])
-        except StoreError as e:  # peers will judge without ours; we still check theirs
-            log.error("%s: round %d: could not publish our digest: %s", self.id, r, e)
+        # In the background, retried until it lands: peers judge without ours if it is late, and
+        # a published state needs its participants' digests later (recovery.vouched).
+        self._spawn(self._publish_digest(r, self.digest), f"digest of round {r}")
         digests, complete = await self._gather_digests(record)
         verdict = recovery.judge(digests, self.id)
         if verdict.unanimous:
@@ -522,6 +634,11 @@ class LocoTrainer:
         digests[self.id] = digest
         return digests, complete
 
+    async def _publish_digest(self, r: int, digest: str) -> None:
+        stood = await self._retry(lambda: self.rs.publish_digest(r, digest), f"round {r}: publishing our digest")
+        if stood != digest:
+            log.error("%s: round %d: an earlier run of ours published digest %s", self.id, r, stood[:16])
+
     async def _gather_digests(self, record: Record) -> tuple[dict[str, str], bool]:
         """Our digest and the participants' that arrive within ``digest_wait_s``; and whether all did."""
         r, loop = record.round, asyncio.get_running_loop()
@@ -529,11 +646,15 @@ class LocoTrainer:
         digests = {self.id: self.digest}
         waiting = [t for t in sorted(record.participants) if t != self.id]
         while waiting:
+            self.progress.wait(list(waiting), "waiting for the participants' digests")
             for tid in list(waiting):
                 try:
                     d = await self.rs.read_digest(tid, r)
+                    self.progress.store_ok()
                 except StoreError as e:
                     log.warning("%s: round %d: store error reading %s's digest: %s", self.id, r, tid, e)
+                    self.progress.store_failed(e)
+                    self.stats.store_failures += 1
                     continue
                 except ManifestError as e:
                     log.warning("%s: round %d: unverifiable digest from %s: %s", self.id, r, tid, e)
@@ -581,12 +702,17 @@ class LocoTrainer:
             "%s: behind: at round %d while the run has reached %d; catching up from the store",
             *(self.id, start, target),
         )
+        self.progress.enter("catch-up", target)
         state = None
         if not [c for c in await self.rs.state_rounds() if start < c <= target]:
             # No newer published state: replaying from our own (verified) state is cheapest.
-            with contextlib.suppress(RoundError, StoreError, VerificationError):
+            try:
                 state = self._state.copy()
                 await recovery.replay(state, target, self.rs, self._collector.load_record, self._replay_apply)
+            except (RoundError, StoreError, VerificationError) as e:
+                if transient(e):  # the store is away: try again later rather than rebuild
+                    raise
+                log.warning("%s: replaying to round %d from our state failed (%s); rebuilding", self.id, target, e)
         if state is None or state.round != target:
             state = await self._rebuild(target)
         await self._adopt(state, await asyncio.to_thread(state.digest))
@@ -610,12 +736,14 @@ class LocoTrainer:
         )
 
     async def _replay_apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
-        """A recorded round's outer step on ``state``, in place: the same call as step 4."""
+        """A recorded round's outer step on ``state``, in place: the same call as step 4 (void alike)."""
         async with self._phase("replay", state.round + 1):
-            await asyncio.to_thread(
+            void = await asyncio.to_thread(
                 alg.apply_round, state.theta, state.momentum, payloads,
                 lr=self.config.outer_lr, mu=self.config.outer_momentum,
             )  # fmt: skip
+        if void is not None:
+            log.error("%s: replaying round %d: VOID: %s; nothing applied", self.id, state.round + 1, void)
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
         self.state = state
@@ -629,20 +757,24 @@ class LocoTrainer:
 
     async def _agree_genesis(self) -> None:
         """Round 0: the first trainer publishes its initial state; everyone else must hold the same."""
-        ref = await self.rs.read_state_ref(0)
+        ref = await self._retry(lambda: self.rs.read_state_ref(0), "reading the genesis state")
         if ref is None:
-            ref = await self.rs.publish_state(self._state, self.digest)
+            ref = await self._retry(
+                lambda: self.rs.publish_state(self._state, self.digest), "publishing the genesis state"
+            )
         if ref.digest != self.digest:
             log.warning(
                 "%s: initial weights (digest %s) differ from the run's genesis state %s by %s; adopting it",
                 *(self.id, self.digest[:16], ref.digest[:16], ref.writer),
             )
-            await self._adopt(await self.rs.fetch_state(ref, self._state.shapes()), ref.digest)
+            genesis = await self._retry(lambda: self.rs.fetch_state(ref, self._state.shapes()), "fetching genesis")
+            await self._adopt(genesis, ref.digest)
 
     async def _wait_for_members(self) -> None:
         loop = asyncio.get_running_loop()
         until = loop.time() + self.config.join_wait_s
-        while len(members := await self.rs.members()) < self.config.expected:
+        while len(members := await self._members()) < self.config.expected:
+            self.progress.wait(sorted(set(self.rs.keys) - set(members)), "waiting for the run's trainers to join")
             if loop.time() >= until:
                 log.warning(
                     "%s: only %s joined within %g s; starting anyway",
@@ -652,6 +784,18 @@ class LocoTrainer:
                 )
                 return
             await self._collector.sleep()
+
+    async def _members(self) -> list[str]:
+        """The members announced so far; none while the store does not answer (logged)."""
+        try:
+            members = await self.rs.members()
+        except StoreError as e:
+            log.warning("%s: store error listing the run's members: %s", self.id, e)
+            self.progress.store_failed(e)
+            self.stats.store_failures += 1
+            return []
+        self.progress.store_ok()
+        return members
 
     # --- persistence ----------------------------------------------------------------------------
 
@@ -670,11 +814,11 @@ class LocoTrainer:
         shapes = {n: tuple(p.shape) for n, p in (await asyncio.to_thread(self.inner.parameters)).items()}
         if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
             candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
-        remote = await self.rs.latest_checkpoint()
+        remote = await self._retry(self.rs.latest_checkpoint, "listing our checkpoints")
         if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
             with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
                 path = Path(tmp) / STATE_FILE
-                await self.rs.fetch_checkpoint(remote[1], path)
+                await self._retry(lambda: self.rs.fetch_checkpoint(remote[1], path), "fetching our checkpoint")
                 candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
         if not candidates:
             return None
@@ -703,12 +847,14 @@ class LocoTrainer:
 
     async def _upload_checkpoint(self, r: int, snap: Path) -> None:
         try:
-            await self.rs.publish_checkpoint(r, snap)
+            await self._retry(lambda: self.rs.publish_checkpoint(r, snap), f"uploading our checkpoint of round {r}")
         finally:
             shutil.rmtree(snap.parent, ignore_errors=True)
 
     async def _publish_state(self, state: GlobalState, digest: str) -> None:
-        ref = await self.rs.publish_state(state, digest)
+        ref = await self._retry(
+            lambda: self.rs.publish_state(state, digest), f"publishing the global state of round {state.round}"
+        )
         log.info("%s: published the global state of round %d (%s)", self.id, state.round, ref.digest[:16])
 
     async def _retain(self, before: int) -> None:
@@ -719,10 +865,14 @@ class LocoTrainer:
 
     async def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
+        self.stats.rounds += 1
         return report
 
     def _phase(self, name: str, r: int) -> AbstractAsyncContextManager[object]:
-        """Entered around each phase's work (``on_phase``; see the module docstring)."""
+        """Entered around each phase's work (``on_phase``; see the module docstring); sets ``progress``
+        (the round's path only: work beside it, such as an overlapped inner phase, does not)."""
+        if name not in ("rebase", "replay") and not (name == "inner" and r > self.round + 1):
+            self.progress.enter(name, r)
         return self.on_phase(name, r) if self.on_phase is not None else contextlib.nullcontext()
 
     def _spawn(self, coro: Awaitable[None], what: str) -> None:

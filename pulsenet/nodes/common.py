@@ -5,71 +5,50 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from transformers import PretrainedConfig, PreTrainedModel
 
 from pulsenet.errors import ConfigError
 from pulsenet.rl.models import (
-    BYTE_EOS,
-    BYTE_PAD,
-    load_model,
-    load_tokenizer,
-    smollm2_checkpoint,
-    tiny_qwen2_config,
+    BUILTIN_MODELS,
+    load_initial_model,
+    model_hf_config,
+    model_tokenizer,
+    resolve_model,
 )
-from pulsenet.rl.tasks import ArithmeticTask, ChainTask, FewShotTask, JsonlTask, RewardTask
-from pulsenet.rl.warmup import WARMUP_STEPS, tiny_task, warm_tiny_model
+from pulsenet.rl.prompts import TextCodec, byte_codec, tokenizer_codec
+from pulsenet.rl.tasks import SHOTS, SHOTS_MAX_OPERAND, Task, TaskConfig, build_task
+from pulsenet.rl.warmup import WARMUP_STEPS, warm_tiny_model
 from pulsenet.signing import key_id, load_public_key
 from pulsenet.store import S3Config, open_store
 from pulsenet.store.base import ObjectStore
 
-MODELS = ("tiny", "smollm2")
-
-
-@dataclass(frozen=True, slots=True)
-class TextCodec:
-    """Text <-> token ids for a model: byte-level for the tiny model, the HF tokenizer for SmolLM2."""
-
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    eos_id: int
-    pad_id: int
+MODELS = BUILTIN_MODELS
+"""Built-in model names; ``model`` also takes a Hugging Face directory or a cached hub id."""
+__all__ = ["SHOTS", "SHOTS_MAX_OPERAND", "TextCodec"]  # re-exported: older imports name them here
 
 
 def text_codec(model: str) -> TextCodec:
-    if model == "tiny":
-        return TextCodec(
-            encode=lambda s: list(s.encode("utf-8")),
-            decode=lambda ids: bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace"),
-            eos_id=BYTE_EOS,
-            pad_id=BYTE_PAD,
-        )
-    if model == "smollm2":
-        tok = load_tokenizer(smollm2_checkpoint())
-        eos = int(tok.eos_token_id)
-        return TextCodec(
-            encode=lambda s: tok.encode(s, add_special_tokens=False),
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-            eos_id=eos,
-            pad_id=int(tok.pad_token_id) if tok.pad_token_id is not None else eos,
-        )
-    raise ConfigError(f"model must be one of {MODELS}, got {model!r}")
+    """Byte-level for ``tiny``; else the model directory's tokenizer (ConfigError if it has none, or
+    if it has more tokens than the model's embedding)."""
+    ref = resolve_model(model)
+    if ref.path is None:
+        return byte_codec()
+    config = model_hf_config(ref)
+    tok = model_tokenizer(ref)
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        raise ConfigError(f"model {model!r}: the tokenizer has {len(tok)} tokens, the model's embedding only {vocab}")
+    return tokenizer_codec(tok, config)
 
 
 def model_config(model: str) -> PretrainedConfig:
-    """The architecture an inference node builds before the first verified weights arrive."""
-    if model == "tiny":
-        return tiny_qwen2_config()
-    if model == "smollm2":
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(smollm2_checkpoint(), local_files_only=True)
-    raise ConfigError(f"model must be one of {MODELS}, got {model!r}")
+    """The architecture an inference node builds before the first verified weights arrive (no weights
+    are read); check it against the channel with ``rl.models.check_layout_matches``."""
+    return model_hf_config(resolve_model(model))
 
 
 CACHE_DIR = Path("~/.cache/pulsenet")
@@ -80,35 +59,19 @@ conversion lives in its own default directory)."""
 def initial_model(
     model: str, cache_dir: Path | None = None, seed: int = 0, warmup_steps: int = WARMUP_STEPS
 ) -> PreTrainedModel:
-    """The FP32 policy a run starts from: the warmed-up tiny model (cached), or SmolLM2-135M-Instruct."""
+    """The FP32 policy a run starts from: the warmed-up tiny model (cached), or the weights of
+    SmolLM2-135M-Instruct, a Hugging Face directory or a cached hub id."""
     if model == "tiny":
         return warm_tiny_model((cache_dir or CACHE_DIR).expanduser(), steps=warmup_steps, seed=seed)
-    if model == "smollm2":
-        return load_model(smollm2_checkpoint(), dtype=torch.float32)
-    raise ConfigError(f"model must be one of {MODELS}, got {model!r}")
+    return load_initial_model(resolve_model(model))
 
 
-SHOTS = 4
-"""Solved examples before every ``arith-shots`` prompt."""
-SHOTS_MAX_OPERAND = 9
-"""``arith-shots`` problems are ``a±b`` with single digits: SmolLM2-135M's sampled reward starts
-between 0 and 1 (docs/results/loco-grpo-smollm2-2026-12-01.md), so GRPO's groups are not flat."""
-
-
-def make_task(name: str, seed: int) -> RewardTask:
-    """``arith`` (single-digit +/-: what the tiny model is warmed up on), ``arith-shots`` (the same
-    after four solved examples, one per line: what a pretrained model answers; pair it with a
-    newline stop), ``chain`` (multi-step), or a ``.jsonl`` file of ``{"problem", "answer"}`` rows
-    (MATH/GSM8K style)."""
-    if name == "arith":
-        return tiny_task(seed)
-    if name == "arith-shots":
-        return FewShotTask(ArithmeticTask(seed, max_operand=SHOTS_MAX_OPERAND), k=SHOTS, seed=seed)
-    if name == "chain":
-        return ChainTask(seed)
-    if name.endswith(".jsonl"):
-        return JsonlTask.load(name)
-    raise ConfigError(f"task must be arith, arith-shots, chain or a .jsonl file, got {name!r}")
+def make_task(name: str | TaskConfig, seed: int) -> Task:
+    """The task of a setting: ``arith`` (single-digit +/-: what the tiny model is warmed up on),
+    ``arith-shots`` (the same after four solved examples, one per line, stopped at a newline: what a
+    pretrained model answers), ``chain`` (multi-step), or a dataset file/directory (rl/data.py); a
+    full ``TaskConfig`` sets columns, eval split, prompts and rewards. ``close()`` it when done."""
+    return build_task(name if isinstance(name, TaskConfig) else TaskConfig(task=name), seed=seed)
 
 
 def open_site_store(url: str, *, link_mbps: float | None = None) -> ObjectStore:
@@ -141,10 +104,6 @@ def site_map(entries: Iterable[str], what: str) -> dict[str, str]:
             raise ConfigError(f"{what} entries are ID=STORE_URL, got {entry!r}")
         out[ident] = url
     return out
-
-
-def merged(maps: Mapping[str, Mapping[str, Ed25519PublicKey]]) -> dict[str, Ed25519PublicKey]:
-    return {kid: k for keys in maps.values() for kid, k in keys.items()}
 
 
 @contextlib.contextmanager

@@ -74,6 +74,9 @@ class VersionEvent:
     """The GRPO metrics of each step that made this version (trainers)."""
     participants: list[str] = field(default_factory=list)
     """The trainers whose payloads the PULSELoCo round averaged."""
+    eval: dict[str, Any] | None = None
+    """Trainers, every ``eval_every`` versions: ``{version, reward, n}`` of a greedy eval on the
+    task's held-out problems."""
     weights_digest: str | None = None
     """``stopped``: the digest of the engine's own weights, hashed again at exit."""
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -32,17 +33,20 @@ from typing import Any, ClassVar
 
 import torch
 
-from pulsenet.engines.base import SamplingParams
-from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
-from pulsenet.errors import PulsenetError
+from pulsenet.engines.base import Engine
+from pulsenet.engines.factory import EngineName, make_engine
+from pulsenet.engines.torch_engine import TorchEngineConfig
+from pulsenet.engines.vllm_engine import VLLMEngineConfig
+from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
-from pulsenet.rl.tasks import RewardTask, assign_problems
+from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
+from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, batches_to_generate
 from pulsenet.settings import inherit
-from pulsenet.store.base import ObjectStore
+from pulsenet.store.base import REQUEST_KINDS, ObjectStore
 from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
 
 log = logging.getLogger(__name__)
@@ -62,24 +66,21 @@ class InferenceConfig:
     """This site's own store URL; rollout batches are written here (s3://bucket[/prefix])."""
     key: Path = Path("keys/i0.key")
     """This site's Ed25519 signing key (its public half goes to the trainers)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     policy: list[str] = field(default_factory=list)
-    """Trainer channels to follow, as store URLs (read-only credentials are enough)."""
+    """Trainer channels to follow, as ID=STORE_URL (or a bare STORE_URL; read-only credentials are
+    enough). With the trainer's id the node also reads its demand record there and generates what
+    the trainers will take."""
     trust: list[Path] = field(default_factory=list)
     """Public keys of the trainers whose PULSESync versions this node accepts."""
     model: str = "tiny"
-    """Architecture and tokenizer: tiny or smollm2 (the weights come from the channel)."""
-    task: str = "arith"
-    """arith, arith-shots (few-shot single-digit arithmetic, for pretrained models), chain, or a
-    .jsonl file of {"problem", "answer"} rows."""
-    stop: str = ""
-    """Text whose tokens also end a completion ("\\n" with arith-shots: one answer per line);
-    empty: EOS and max_new_tokens only."""
+    """Architecture and tokenizer: tiny, smollm2, or a Hugging Face model directory (the weights come
+    from the channel; they must fit it)."""
     prompts: int = 8
     """Prompts per batch."""
     group_size: int = 4
     """Completions per prompt (GRPO's G)."""
-    max_new_tokens: int = 8
-    """Tokens generated per completion at most (stops at EOS)."""
     temperature: float = 1.0
     """Sampling temperature; the trainer's GRPO temperature must match."""
     top_p: float = 1.0
@@ -105,8 +106,15 @@ class InferenceConfig:
     """Port of /healthz, /status, /metrics (0: a free one)."""
     stuck_after_s: float = 600.0
     """/healthz answers 503 when the loop has made no progress for this long."""
-    engine: TorchEngineConfig = field(default_factory=TorchEngineConfig)
-    """The inference engine: device, compute dtype, batching, update verification."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task: problems (generated or a dataset), prompts, completion limits, stop strings,
+    rewards; the same as the trainers'."""
+    engine: EngineName = "torch"
+    """torch (PyTorch/transformers, any device) or vllm (GPU; the vllm extra)."""
+    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
+    """The PyTorch engine: device, compute dtype, batching, update verification."""
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    """The vLLM engine (engine = vllm)."""
     subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
     """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
 
@@ -127,12 +135,15 @@ class InferenceNode:
         store: ObjectStore,
         policy_stores: list[ObjectStore],
         trusted: dict,
+        trainers: list[str | None] | None = None,
         key: object,
-        task: RewardTask,
+        task: Task,
         text: TextCodec,
     ) -> None:
+        """``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
         self.config = c = config
         self.task, self.text = task, text
+        self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
         self.state = NodeState(role="inference", node_id=c.id)
         self.store, self.key = store, key
         self.writer = RolloutWriter(
@@ -140,13 +151,20 @@ class InferenceNode:
         )
         self.subscribers = [
             Subscriber(
-                s, trusted, replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"), on_update=self._on_update
+                s,
+                trusted,
+                replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"),
+                on_update=functools.partial(self._on_update, k),
             )
             for k, s in enumerate(policy_stores)
         ]
+        self._fatal: ConfigError | None = None
+        """A channel whose weights do not fit this node's model: the node stops with it."""
+        self._delivered: dict[int, int] = {}
+        """Channel -> the version its subscriber last delivered (``_on_update``)."""
         self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
         """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
-        self.engine: TorchEngine | None = None
+        self.engine: Engine | None = None
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
         self._downloaded = 0
@@ -159,25 +177,49 @@ class InferenceNode:
         self._start_floor: int | None = None
         """The newest version a trusted channel announced and a verified manifest backed at start:
         generation waits until the engine serves at least this (``_floor_at_start``)."""
+        ids = trainers or [None] * len(policy_stores)
+        self.demand = DemandReader(
+            [DemandSource(t, st, trusted) for t, st in zip(ids, policy_stores, strict=True) if t is not None],
+            DemandConfig(run=c.run),
+        )
+        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
+        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
+        self.time = {"generating": 0.0, "waiting_first": 0.0, "waiting_version": 0.0, "waiting_demand": 0.0}
+        """Seconds the engine spent generating, waiting for its first version, for a newer one, or
+        for demand (``engine_busy`` in a run's efficiency: generating over all but the first wait)."""
+        self._active = 0
+        """The channel followed now (``_follow``)."""
 
     # --- policy ---------------------------------------------------------------------------------
 
     async def _on_update(
-        self, version: int, state: dict[str, torch.Tensor], digest: str, *, changed: frozenset[str] | None = None
+        self, channel: int, version: int, state: dict[str, torch.Tensor], digest: str, *, changed: frozenset[str] | None = None
     ) -> None:
-        """Verified weights from any trainer channel: the newest version wins, once. ``changed``: the
-        tensors the verified patches rewrote (all after an anchor): the engine touches only those."""
+        """Verified weights from any trainer channel: the newest version wins, once.
+
+        ``changed``: the tensors the channel's verified patches rewrote since the version it last
+        delivered. The engine touches only those when that version is the one it serves; after a
+        switch of channel the two may differ (a tensor can change and change back), so it compares
+        all of them then."""
         async with self._update_lock:
+            since, self._delivered[channel] = self._delivered.get(channel), version
             if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
                 return
             t = time.perf_counter()
             if self.engine is None:
-                hf = model_config(self.config.model)
-                self.engine = await asyncio.to_thread(
-                    TorchEngine.from_state, hf, state, digest, version=version, config=self.config.engine
-                )
+                c = self.config
+                try:
+                    self.engine = await asyncio.to_thread(
+                        make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
+                        codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
+                    )  # fmt: skip
+                except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
+                    self._fatal = e
+                    self._newer.set()
+                    raise
             else:
-                await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed)
+                same_base = since is not None and since == self.engine.version
+                await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
             self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
             if self._start_floor is None or version >= self._start_floor:
                 if self._start_floor is not None and not self._first.is_set():
@@ -200,6 +242,8 @@ class InferenceNode:
                 "batches_produced": self.writer.stats.batches,
                 "rollout_bytes": self.writer.stats.bytes_uploaded,
                 "pulsesync_bytes": downloaded,
+                **{f"{k}_s": round(v, 3) for k, v in self.time.items()},
+                **{f"requests:{k}": sum(getattr(st.requests, k) for st in self.stores.values()) for k in REQUEST_KINDS},
             },
             **fields,
         )
@@ -232,6 +276,7 @@ class InferenceNode:
         finally:
             for sub in self.subscribers:
                 await sub.close()
+            await asyncio.to_thread(self.task.close)  # the reward worker process
 
     async def _floor_at_start(self) -> None:
         """Before any subscriber resumes from its saved weights: the newest version any channel
@@ -261,7 +306,7 @@ class InferenceNode:
         while not stop.is_set():
             task = asyncio.create_task(self.subscribers[active].run(stop))
             try:
-                active = await self._watch(active, task, stop)
+                active = self._active = await self._watch(active, task, stop)
             finally:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -300,11 +345,19 @@ class InferenceNode:
             await _wait_any(stop, timeout=self.config.status_every_s)
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
+        """Generate what the trainers will take: a batch whenever their demand records say they are
+        short (``rollouts.demand``), never more than ``batches_per_version`` per version; with no
+        demand record naming this node, up to ``batches_per_version`` per version."""
         while not stop.is_set():
-            if not self._first.is_set() or self._batches_at.get(self.engine.version, 0) >= self.config.batches_per_version:  # type: ignore[union-attr]
-                self._newer.clear()
-                await _wait_any(self._newer, stop, timeout=1.0)
-                self.state.beat()  # waiting for a (first or newer) version is progress of a kind
+            if self._fatal is not None:
+                raise self._fatal
+            t0 = time.monotonic()
+            wait = await self._wait_reason()
+            if wait is not None:
+                self._newer.clear()  # a newer version (or the next demand poll) wakes the loop
+                await _wait_any(self._newer, stop, timeout=self.demand.config.interval_s if wait == "waiting_demand" else 1.0)
+                self.time[wait] += time.monotonic() - t0
+                self.state.beat()  # waiting for a version or for demand is progress of a kind
                 continue
             try:
                 await self.generate_batch()
@@ -312,18 +365,56 @@ class InferenceNode:
                 self.state.error(e)
                 log.error("%s: batch failed: %s", self.config.id, e)
                 await _wait_any(stop, timeout=1.0)
+            self.time["generating"] += time.monotonic() - t0
         await self._log_final()
+
+    async def _wait_reason(self) -> str | None:
+        """None to generate a batch now, else what the engine waits for."""
+        engine = self.engine
+        if not self._first.is_set() or engine is None or engine.version is None:
+            return "waiting_first"
+        if self._batches_at.get(engine.version, 0) >= self.config.batches_per_version:
+            return "waiting_version"
+        if not self.demand.sources:
+            return None
+        wanted = batches_to_generate(
+            await self.demand.poll(),
+            node=self.config.id,
+            version=engine.version,
+            produced=self.writer.produced,
+            rows_per_batch=self.config.prompts * self.config.group_size,
+        )
+        return "waiting_demand" if wanted == 0 else None
 
     async def _log_final(self) -> None:
         """On the way out: the bits this node ends with, hashed again from the engine's own weights,
-        as one JSON log line (what an operator, or ``pulsenet up``, compares with the trainer's digest)."""
+        as the ``stopped`` event (what an operator, or ``pulsenet up``, compares with the trainer's
+        digest), with what one idle poll of the channel cost."""
+        if self.engine is None:
+            return
+        idle = await self._idle_poll()  # not under the update lock: a poll may still bring a version
         async with self._update_lock:  # no swap between the hash and the version it is logged with
             engine = self.engine
-            if engine is None or engine.version is None:
+            if engine.version is None:
                 return
             own = await asyncio.to_thread(engine.weights_digest)
             assert engine.digest is not None
-            self._emit("stopped", engine.version, engine.digest, weights_digest=own)
+            self._emit("stopped", engine.version, engine.digest, weights_digest=own, counts=idle)
+
+    async def _idle_poll(self) -> dict[str, int]:
+        """What one poll of the followed channel costs when nothing changed (measured on the way out,
+        when the trainers are done): requests by kind, as ``idle_poll:<kind>``; {} if it moved."""
+        sub, store = self.subscribers[self._active], self.stores[f"policy-{self._active}"]
+        before, version = store.requests.snapshot(), sub.version
+        try:
+            await sub.sync_once()
+        except PulsenetError as e:
+            log.info("%s: no idle poll measured: %s", self.config.id, e)
+            return {}
+        if sub.version != version:
+            return {}
+        spent = (store.requests - before).as_dict()
+        return {f"idle_poll:{k}": spent[k] for k in REQUEST_KINDS}
 
     async def generate_batch(self) -> int:
         """One batch at the engine's current version; returns the version it was generated with."""
@@ -333,22 +424,22 @@ class InferenceNode:
         index = self._batches_at.get(version, 0)
         self._batches_at[version] = index + 1
         problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=c.prompts, batch=index)
-        prompts = [self.text.encode(p.prompt) for p in problems for _ in range(c.group_size)]
-        params = SamplingParams(
-            temperature=c.temperature,
-            top_p=c.top_p,
-            max_new_tokens=c.max_new_tokens,
-            seed=_sample_seed(c.seed, c.id, version, index),
-            stop_token_ids=tuple(self.text.encode(c.stop)) if c.stop else (),
+        asked = [(k, p, ids) for k, p in enumerate(problems) if (ids := self.prompter.encode(p.prompt)) is not None]
+        if not asked:  # every prompt over the limits: counted by the prompter (prompts_dropped), nothing to send
+            log.warning("%s: v%d batch %d: every prompt is over the limits", c.id, version, index)
+            return version
+        prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
+        params = self.prompter.sampling_params(
+            temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)
         )
         gens = await asyncio.to_thread(engine.generate, prompts, params)
-        rows, rewards = [], []
-        for i, g in enumerate(gens):
-            problem = problems[i // c.group_size]
-            text = self.text.decode([t for t in g.completion_ids if t != self.text.eos_id])
-            reward = self.task.score(text, problem)
-            rewards.append(reward)
-            rows.append(g.to_rollout(group=f"{c.id}-v{g.version}-b{index}-p{i // c.group_size}", reward=reward, node=c.id))
+        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
+        texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
+        scores = await asyncio.to_thread(
+            self.task.score_texts, [p for _, p, _ in asked for _ in range(c.group_size)], texts, groups
+        )
+        rewards = list(scores.total)
+        rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
         if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
             raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
         manifest = await self.writer.write(rows)

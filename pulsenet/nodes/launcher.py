@@ -62,7 +62,7 @@ from typing import Any, Protocol
 from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.events import EVENTS_FILE, VersionEvent, read_events
 from pulsenet.nodes.plan import NetworkSettings, Site, inference_ids, plan_network, trainer_ids
-from pulsenet.nodes.summary import summarize
+from pulsenet.nodes.summary import efficiency, requests, summarize
 from pulsenet.nodes.supervisor import (
     JOURNAL_FILE,
     EventTail,
@@ -224,7 +224,7 @@ def report_outcome(out: Any, c: UpConfig, outcome: Outcome, summary: dict[str, A
     if c.report is not None:
         from pulsenet.nodes.report import write_report
 
-        write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"])
+        write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"])
         out.print(f"report: {c.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
 
 
@@ -254,6 +254,9 @@ def _warm_up_once(cache: Path, seed: int, console: Any) -> None:
 def _check(c: UpConfig) -> None:
     if c.trainers < 1 or c.inference < 1 or c.rounds < 1:
         raise ConfigError("pulsenet up: --trainers, --inference and --rounds must be >= 1")
+    from pulsenet.rl.models import resolve_model
+
+    resolve_model(c.model)  # a model that is not there stops here, with how to get it
     if c.max_staleness < 0:
         raise ConfigError("pulsenet up: --max-staleness must be >= 0")
 
@@ -848,7 +851,8 @@ def _fmt(v: Any, spec: str = "{}") -> str:
 
 def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
     """Rounds, nodes and checks from the nodes' version events (``nodes/summary.py``), plus the run."""
-    s = summarize(o.events, {n.name: n.role for n in o.nodes}, max_staleness=c.max_staleness)
+    roles = {n.name: n.role for n in o.nodes}
+    s = summarize(o.events, roles, max_staleness=c.max_staleness)
     for n in o.nodes:
         s["nodes"][n.name] |= {
             "pid": n.pid,
@@ -856,7 +860,10 @@ def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
             "restarts": n.restarts.count,
             "exits": [dataclasses.asdict(e) for e in n.restarts.exits],
         }
+    s["efficiency"], s["requests"] = efficiency(o.events, roles), requests(o.events, roles)
     s["extra"] = {
+        "efficiency": s["efficiency"],
+        "requests": s["requests"],
         "run": {
             "model": c.model,
             "rounds": c.rounds,
@@ -906,6 +913,16 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 f"({_ratio(total['ddp'], total['pulseloco'])})"
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
+        if s["eval"]:
+            out.print("greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in s["eval"]))
+        e = s["efficiency"]
+        out.print(
+            f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "
+            f"{_pct(e['dropped_fraction'])} dropped stale, mean staleness {_fmt(e['staleness_mean'], '{:.2f}')}; "
+            f"engines busy {_pct(e['engine_busy'])}, trainers busy {_pct(e['trainer_busy'])}; "
+            f"update latency p95 {_fmt(e['update_latency_s']['p95'], '{:.2f}')} s of a "
+            f"{_fmt(e['round_s'], '{:.1f}')} s round"
+        )
     t = Table(title="verified versions and digests")
     for col in ("node", "role", "restarts", "version", "digest", "checks"):
         t.add_column(col)
@@ -923,6 +940,10 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
         out.print(f"store restarts: {o.store_restarts}")
     checks = s["checks"]
     out.print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def _ratio(a: int, b: int) -> str:

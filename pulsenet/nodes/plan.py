@@ -5,7 +5,9 @@ and ``pulsenet bench rl`` builds in one process.
 sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
 ``InferenceConfig`` per inference node. Model-specific defaults are TOML presets
 (``pulsenet/presets/<model>.toml``: the ``[trainer]`` and ``[inference]`` tables a node reads),
-applied under the network's own settings: a value given there (non-zero) wins. The rest is
+applied under the network's own settings: a value given there (non-zero) wins. A preset's
+``[task]`` table is the task every node of the network shares (trainers re-score and evaluate
+with it, inference nodes prompt and reward with it). The rest is
 derived here, in one place: with several trainers a GRPO step takes 1/H of a lone trainer's rows
 (a round then costs about one lone step), and each inference node makes enough batches per
 version for every trainer's share of a round.
@@ -14,17 +16,29 @@ version for every trainer's share of a round.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
+
+import tyro
 
 from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.trainer import TrainerConfig
-from pulsenet.settings import load_settings
+from pulsenet.rl.tasks import TaskConfig
+from pulsenet.settings import fields_of, load_settings
 
 PRESETS = ("tiny", "smollm2")
 """Models with a preset of their own; any other model (a Hugging Face directory) takes ``pretrained``."""
+
+
+TaskOptions = fields_of(
+    TaskConfig, "prompt_column", "answer_column", "split", "eval_task", "eval_fraction", "eval_problems",
+    "template", "system_prompt", "max_prompt_tokens", "stop", "reward_weights", "reward_timeout_s",
+)  # fmt: skip
+"""The rest of a task's settings (``rl.tasks.TaskConfig``), as flags of their own (``--prompt-column``)."""
 
 
 @dataclass(kw_only=True)
@@ -48,8 +62,18 @@ class NetworkSettings:
     outer_momentum: float = 0.0
     """PULSELoCo: outer Nesterov momentum of every trainer."""
     task: str = ""
-    """arith, arith-shots, chain or a .jsonl file of {"problem", "answer"} rows ("": the preset's:
-    arith for tiny; arith-shots for smollm2, whose completions then stop at a newline)."""
+    """arith, arith-shots, chain, or a dataset: a .jsonl/.json/.parquet/.csv file or a save_to_disk
+    directory ("": the preset's: arith for tiny; arith-shots for smollm2, whose completions stop at
+    a newline). Columns, prompts, eval split: the flags below (rl.tasks.TaskConfig)."""
+    reward: list[str] = field(default_factory=list)
+    """Rewards: math, exact, numeric, format or module:function (empty: the task's default)."""
+    engine: str = "torch"
+    """The inference nodes' engine: torch or vllm (GPU)."""
+    eval_every: int = 0
+    """The trainers score the policy greedily on the task's held-out problems every this many versions."""
+    tracker: str = "none"
+    """Experiment tracker of the trainers: none, wandb or trackio."""
+    task_options: Annotated[TaskOptions, tyro.conf.arg(name="")] = field(default_factory=TaskOptions)  # type: ignore[valid-type]
     max_staleness: int = 2
     """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
     rows_per_step: int = 0
@@ -111,6 +135,18 @@ def plan_network(
         raise ValueError("several trainers need the store they share (loco_store)")
     base_t = load_settings(TrainerConfig, table="trainer", config=preset(n.model), environ={})
     base_i = load_settings(InferenceConfig, table="inference", config=preset(n.model), environ={})
+    task = load_settings(TaskConfig, table="task", config=preset(n.model), environ={})
+    if n.task:  # the user's task: none of the preset's task settings
+        task = TaskConfig(task=n.task)
+    default = TaskConfig()
+    for f in dataclasses.fields(n.task_options):  # what the command sets beyond the task itself
+        value = getattr(n.task_options, f.name)
+        if value != getattr(default, f.name):
+            setattr(task, f.name, copy.deepcopy(value))
+    if n.reward:
+        task.reward = list(n.reward)
+    if n.max_new_tokens:
+        task.max_new_tokens = n.max_new_tokens
     rows_per_step = n.rows_per_step or base_t.rows_per_step
     if several and not n.rows_per_step:
         rows_per_step = max(32, rows_per_step // n.inner_steps)  # a round then costs about one lone step
@@ -134,12 +170,15 @@ def plan_network(
         c.rows_per_step = rows_per_step
         c.intake.max_staleness = n.max_staleness
         c.publish.anchor_every = max(n.rounds + 1, 10)
+        c.task, c.eval_every, c.tracker = copy.deepcopy(task), n.eval_every, n.tracker
         if n.lr:
             c.grpo.lr = n.lr
         if several:
             c.loco_store = loco_store
             c.peers = [f"{p}={public_keys / f'{p}.key.pub'}" for p in trainers]
             c.loco.inner_steps, c.loco.outer_lr, c.loco.outer_momentum = n.inner_steps, n.outer_lr, n.outer_momentum
+            if n.trainers == 2:  # one of two goes on alone past the deadline; the round record forbids a fork
+                c.loco.min_quorum = 1
         c.__post_init__()  # the run into every component
         out_t.append(c)
     out_i = []
@@ -147,12 +186,10 @@ def plan_network(
         c = copy.deepcopy(base_i)
         c.id, c.run, c.model, c.seed = i, run, n.model, n.seed
         c.store, c.key, c.state_dir = sites[i].store, sites[i].key, sites[i].state_dir
-        c.policy = [sites[t].store for t in trainers]
+        c.policy = [f"{t}={sites[t].store}" for t in trainers]
         c.trust = [public_keys / f"{t}.key.pub" for t in trainers]
-        if n.task:  # the user's task: no stop text a preset meant for its own task
-            c.task, c.stop = n.task, ""
+        c.task, c.engine = copy.deepcopy(task), n.engine  # type: ignore[assignment]
         c.prompts, c.group_size, c.batches_per_version = prompts, group_size, batches_per_version
-        c.max_new_tokens = n.max_new_tokens or c.max_new_tokens
         c.max_staleness = n.max_staleness
         c.subscribe.interval_s = 0.25
         c.__post_init__()

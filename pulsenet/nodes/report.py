@@ -21,8 +21,11 @@ def write_report(
     rounds: Sequence[Mapping[str, Any]],
     nodes: Mapping[str, Mapping[str, Any]],
     extra: Mapping[str, Any] | None = None,
+    evals: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
     """Write ``summary.json``, ``reward.png``, ``bytes.png`` and ``sparsity.png``; returns the summary.
+    ``evals``: ``{version, reward, n}`` of the trainers' greedy evals (``summary.json`` ``eval``; a
+    second curve in ``reward.png``).
 
     ``rounds``: one mapping per round with ``round``, ``reward``, ``bytes`` (channel -> bytes that
     round) and optionally ``sparsity`` (fraction of BF16 weights unchanged by that round's update).
@@ -42,10 +45,11 @@ def write_report(
         },
         "sparsity": [r.get("sparsity") for r in rounds],
         "rounds": list(rounds),
+        "eval": list(evals),
         **(extra or {}),
     }
     atomic_write_bytes(directory / "summary.json", (json.dumps(summary, indent=1, default=str) + "\n").encode())
-    _plots(directory, rounds)
+    _plots(directory, rounds, evals)
     return summary
 
 
@@ -53,7 +57,7 @@ def _ratio(a: int, b: int) -> float | None:
     return round(a / b, 2) if b else None
 
 
-def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
+def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,6 +72,10 @@ def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(xs, [r.get("reward") for r in rounds], marker="o")
+    if evals:
+        ax.plot([e["version"] for e in evals], [e["reward"] for e in evals], marker="s", label="greedy eval (held out)")
+        ax.lines[0].set_label("sampled (trained on)")
+        ax.legend(fontsize=8)
     ax.set(xlabel="round", ylabel="mean reward", title="Reward per round")
     ax.grid(alpha=0.3)
     save(fig, "reward.png")
@@ -88,3 +96,34 @@ def _plots(directory: Path, rounds: Sequence[Mapping[str, Any]]) -> None:
     ax.set(xlabel="round", ylabel="unchanged BF16 weights", title="Sparsity of each update")
     ax.grid(alpha=0.3)
     save(fig, "sparsity.png")
+
+
+def headline(directories: Sequence[Path]) -> str:
+    """The runs of ``directories`` (each a ``pulsenet up --report`` directory) side by side, each
+    labelled with its model: reward first -> last tenth, sparsity, and bytes against the dense
+    alternatives (what ``scripts/demo.sh`` ends with)."""
+    lines = [f"{'run':<34} {'reward (first->last tenth)':>27} {'sparsity':>9} {'PULSESync':>11} {'PULSELoCo':>11}"]
+    for d in directories:
+        s = json.loads((Path(d) / "summary.json").read_text())
+        run = s.get("run", {})
+        rewards = [r for r in s.get("reward", []) if r is not None]
+        n = max(1, len(rewards) // 10)
+        reward = f"{sum(rewards[:n]) / n:.3f} -> {sum(rewards[-n:]) / n:.3f}" if rewards else "-"
+        sp = [x for x in s.get("sparsity", []) if x is not None]
+        ratios = s.get("ratios", {})
+        sync = ratios.get("full_sync_over_pulsesync")
+        loco = ratios.get("diloco_over_pulseloco")
+        label = f"{Path(str(run.get('model', '?'))).name} x{run.get('rounds', '?')} ({run.get('trainers', '?')} trainer)"
+        lines.append(
+            f"{label:<34} {reward:>27} {(f'{sum(sp) / len(sp):.4f}' if sp else '-'):>9} "
+            f"{(f'{sync:.1f}x' if sync else 'n.a.'):>11} {(f'{loco:.1f}x' if loco else 'n.a.'):>11}"
+        )
+    lines.append("PULSESync: full BF16 checkpoints over patches sent; PULSELoCo: DiLoCo's dense FP32 payloads over "
+                 "PULSELoCo's, per worker per round; sparsity: BF16 weights unchanged per version.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(headline([Path(a) for a in sys.argv[1:]]))

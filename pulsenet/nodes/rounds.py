@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import pickle
+import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "trainer.pt"
 """The lone trainer's resume point: the round it closed, the whole trainer and the batches taken."""
 CONSUMED = "consumed.json"
-"""PULSELoCo: the rollout batches trained on up to the last closed round."""
+"""The rollout batches trained on (or dropped by a failed step) up to the resume point's round:
+PULSELoCo's record (written as each round closes), and a lone trainer's additions to trainer.pt."""
 
 Published = tuple[int, Mapping[str, torch.Tensor]] | None
 """The newest version this trainer's key signed and its BF16 weights, or None on a new channel."""
@@ -52,11 +54,20 @@ class Rounds(Protocol):
     inner_steps: int
     step_wait_s: float | None
 
+    def degraded(self) -> str | None:
+        """Why closing rounds is held up (a peer or the store), for ``/healthz``; None when it is not."""
+        ...
+
     async def start(self, published: Published) -> int: ...
 
     def session(self) -> contextlib.AbstractAsyncContextManager[object]: ...
 
     async def next_round(self, train: InnerPhase) -> RoundReport | None: ...
+
+    def record_consumed(self) -> None:
+        """Persist the batches taken so far (a failed step dropped some mid-round: a restart must
+        not take them again). Blocking: call it in a thread."""
+        ...
 
 
 class LocalRounds:
@@ -69,6 +80,8 @@ class LocalRounds:
     def __init__(self, trainer_id: str, policy: GRPOInner, intake: RolloutIntake, state_dir: Path) -> None:
         self.id, self.policy, self.intake = trainer_id, policy, intake
         self.path = Path(state_dir) / CHECKPOINT
+        self.consumed_path = Path(state_dir) / CONSUMED
+        """Batches dropped by failed steps since the last checkpoint (``record_consumed``)."""
         self.round = 0
 
     async def start(self, published: Published) -> int:
@@ -82,12 +95,23 @@ class LocalRounds:
         if ckpt is not None and (version is None or ckpt["version"] in (version, version + 1)):
             await asyncio.to_thread(self.policy.restore_full, ckpt["local"])
             self.round = int(ckpt["version"])
-        elif published is not None:
-            log.warning("%s: no checkpoint for v%d: continuing from the published weights", self.id, published[0])
-            state = {n: t.float() for n, t in published[1].items()}
-            await asyncio.to_thread(self.policy.load_state_fp32, state)
-            self.round = published[0]
+        else:
+            if published is not None:
+                log.warning("%s: no checkpoint for v%d: continuing from the published weights", self.id, published[0])
+                state = {n: t.float() for n, t in published[1].items()}
+                await asyncio.to_thread(self.policy.load_state_fp32, state)
+                self.round = published[0]
+            await asyncio.to_thread(self._save, self.round)  # a resume and rollback point from the start
+        later = await asyncio.to_thread(load_consumed, self.consumed_path, self.round, self.id)
+        if later is not None:  # dropped by failed steps after the checkpoint
+            self.intake.skip_consumed(later)
         return self.round
+
+    def degraded(self) -> str | None:
+        return None  # no peers to wait for; the store's own health is the status server's
+
+    def record_consumed(self) -> None:
+        save_consumed(self.consumed_path, self.round, self.intake.consumed())
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[LocalRounds]:
@@ -147,7 +171,7 @@ class LocoRounds:
     async def start(self, published: Published) -> int:
         """Join the run (resume point or genesis agreement); the agreed θ is in the inner model."""
         await self.loco.start()
-        consumed = await asyncio.to_thread(self._load_consumed, self.loco.round)
+        consumed = await asyncio.to_thread(load_consumed, self.path, self.loco.round, self.loco.id)
         if consumed is not None:
             self.intake.skip_consumed(consumed)
         return self.loco.round
@@ -155,33 +179,47 @@ class LocoRounds:
     def session(self) -> contextlib.AbstractAsyncContextManager[object]:
         return self.loco.session()
 
+    def degraded(self, now: float | None = None) -> str | None:
+        """The round's progress (``loco.progress``) when the store does not answer, or when an
+        exchange phase has waited longer than a round deadline for its peers."""
+        p = self.loco.progress
+        now = time.time() if now is None else now
+        stalled = p.phase in ("upload", "collect", "agree", "backoff") and now - p.since > self.loco.config.deadline_s
+        return p.describe(now) if p.store_unreachable or stalled else None
+
     async def next_round(self, train: InnerPhase) -> RoundReport | None:
         report = await self.loco.next_round(train)
         if report is not None:
-            await asyncio.to_thread(self._save_consumed, report.round, self.intake.consumed())
+            await asyncio.to_thread(save_consumed, self.path, report.round, self.intake.consumed())
         return report
 
-    def _save_consumed(self, round_: int, consumed: dict[str, int]) -> None:
-        with atomic_path(self.path, 0o600) as tmp:
-            tmp.write_text(json.dumps({"round": round_, "consumed": consumed}))
+    def record_consumed(self) -> None:
+        save_consumed(self.path, self.loco.round, self.intake.consumed())
 
-    def _load_consumed(self, round_: int) -> dict[str, int] | None:
-        """The batches ``_save_consumed`` kept for round ``round_``; None (logged) if it has no such
-        record: a crash between the round's resume point and this file, or a foreign file. Then the
-        batches of round ``round_`` that are still fresh may be trained on once more."""
-        try:
-            data = json.loads(self.path.read_text())
-            if data["round"] == round_:
-                return {str(k): int(v) for k, v in data["consumed"].items()}
-            why = f"it is for round {data['round']}"
-        except FileNotFoundError:
-            if round_ == 0:
-                return None
-            why = "there is none"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            why = f"unreadable: {e}"
-        log.warning("%s: no record of the batches trained on up to round %d (%s)", self.loco.id, round_, why)
-        return None
+
+def save_consumed(path: Path, round_: int, consumed: dict[str, int]) -> None:
+    """The batches trained on (or dropped) up to round ``round_`` (its resume point's), atomically."""
+    with atomic_path(path, 0o600) as tmp:
+        tmp.write_text(json.dumps({"round": round_, "consumed": consumed}))
+
+
+def load_consumed(path: Path, round_: int, trainer_id: str) -> dict[str, int] | None:
+    """The batches ``save_consumed`` kept for round ``round_``; None (logged) if it has no such
+    record: a crash between the round's resume point and this file, or a foreign file. Then the
+    batches of round ``round_`` that are still fresh may be trained on once more."""
+    try:
+        data = json.loads(path.read_text())
+        if data["round"] == round_:
+            return {str(k): int(v) for k, v in data["consumed"].items()}
+        why = f"it is for round {data['round']}"
+    except FileNotFoundError:
+        if round_ == 0:
+            return None
+        why = "there is none"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"unreadable: {e}"
+    log.info("%s: no record of the batches taken after round %d's resume point (%s)", trainer_id, round_, why)
+    return None
 
 
 def finite(state: Mapping[str, torch.Tensor]) -> bool:

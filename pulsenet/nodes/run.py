@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.common import (
@@ -28,8 +29,10 @@ from pulsenet.nodes.common import (
 from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.status import StatusServer
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.settings import to_toml_table
 from pulsenet.signing import load_private_key, trusted_keys
 from pulsenet.store.base import ObjectStore
+from pulsenet.tracking import make_tracker
 
 log = logging.getLogger(__name__)
 
@@ -110,15 +113,20 @@ def build_trainer(
     if missing:
         raise ConfigError(f"trainer: no trusted key for inference node(s) {missing} (trust_inference ID=PATH)")
     sources = [RolloutSource(n, open_store(url), keys[n]) for n, url in sources_urls.items()]
-    c.grpo.pad_id = text_codec(c.model).pad_id
+    text = text_codec(c.model)
+    c.grpo.pad_id = text.pad_id
+    task = make_task(c.task, c.seed)  # before the model: a bad task or reward fails fast
     grpo = GRPOTrainer(initial_model(c.model, c.cache_dir, seed=c.seed, warmup_steps=c.warmup_steps), c.grpo_config())
     return TrainerNode(
         c,
         store=open_store(c.store),
-        key=load_private_key(c.key),
+        key=load_private_key(c.key, allow_open=c.allow_open_key),
         sources=sources,
         policy=GroupGRPOInner(RankGroup(grpo=grpo)) if ranks else GRPOInner(grpo),
+        task=task,
+        text=text,
         loco_store=open_store(c.loco_store) if c.loco_store else None,
+        tracker=make_tracker(c.tracker, name=f"{c.run}-{c.id}", config=to_toml_table(c), directory=Path(c.state_dir) / "tracking"),
     )
 
 
@@ -128,12 +136,14 @@ def build_inference(c: InferenceConfig, *, open_store: Callable[[str], ObjectSto
         raise ConfigError(
             "inference: set store (this site's bucket), policy (trainer store URLs) and trust (trainer public keys)"
         )
+    channels = [entry.partition("=") for entry in c.policy]
     return InferenceNode(
         c,
         store=open_store(c.store),
-        policy_stores=[open_store(url) for url in c.policy],
+        policy_stores=[open_store(url if sep else ident) for ident, sep, url in channels],
+        trainers=[ident if sep else None for ident, sep, _ in channels],
         trusted=trusted_keys(c.trust),
-        key=load_private_key(c.key),
+        key=load_private_key(c.key, allow_open=c.allow_open_key),
         task=make_task(c.task, c.seed),
         text=text_codec(c.model),
     )

@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from aiohttp import web
@@ -58,6 +58,15 @@ class NodeState:
     started: float = field(default_factory=time.time)
     last_beat: float = field(default_factory=time.monotonic)
 
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Trainer: rollout batches refused (or dropped by a failed step), per inference node and reason
+    (the intake's live counters: ``IntakeStats.rejected_by_node``)."""
+    rescored: dict[str, Any] = field(default_factory=dict)
+    """Trainer: per inference node, the rows it re-scored, the rewards that disagreed with the
+    node's column and the rows it dropped (``rl.rescore``): a node whose rewards lie shows at once."""
+    loco: Any = None
+    """A PULSELoCo trainer's live counters (``loco.progress.LocoStats``: ints and ``{reason: int}``
+    dicts): in ``/status``, and ``pulsenet_loco_<field>_total`` in ``/metrics``."""
     degraded: str | None = None
     """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
@@ -131,7 +140,37 @@ class _StateCollector(Collector):
         errors = CounterMetricFamily("pulsenet_errors", "Errors logged by the node's loop", labels=labels)
         errors.add_metric(ids, s.errors)
         yield errors
+        disagree = CounterMetricFamily(
+            "pulsenet_reward_disagreements", "Rewards a node claimed that the trainer's own differ from", labels=[*labels, "source"]
+        )
+        for node, stats in s.rescored.items():
+            disagree.add_metric([*ids, node], stats.disagreements)
+        yield disagree
+        if s.loco is not None:
+            yield from _counter_metrics(s.loco, "loco_", labels, ids)
+        rejected = CounterMetricFamily(
+            "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason", labels=[*labels, "source", "reason"]
+        )
+        for node, reasons in s.rejected.items():
+            for why, n in reasons.items():
+                rejected.add_metric([*ids, node, why], n)
+        yield rejected
         yield from _store_metrics(self.stores, labels, ids)
+
+
+def _counter_metrics(counters: Any, prefix: str, labels: list[str], ids: list[str]) -> Iterator[Any]:
+    """Every int field of ``counters`` as ``pulsenet_<prefix><field>``; a ``{reason: int}`` field
+    with a ``reason`` label."""
+    for f in fields(counters):
+        value = getattr(counters, f.name)
+        if isinstance(value, dict):
+            family = CounterMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=[*labels, "reason"])
+            for reason, n in value.items():
+                family.add_metric([*ids, reason], n)
+        else:
+            family = CounterMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=labels)
+            family.add_metric(ids, value)
+        yield family
 
 
 def _store_metrics(stores: Mapping[str, ObjectStore], labels: list[str], ids: list[str]) -> Iterator[Any]:
@@ -160,8 +199,110 @@ def _store_metrics(stores: Mapping[str, ObjectStore], labels: list[str], ids: li
     yield from (requests, moved, failing, last_ok)
 
 
+@dataclass(kw_only=True, slots=True)
+class StatusLimits:
+    """What clients may hold of a node's status port. Its users are a health probe and a metrics
+    scraper; without limits, 1,100 idle connections exhausted the node's file descriptors (its own
+    file opens failed and ``/healthz`` timed out)."""
+
+    max_connections: int = 64
+    """Open connections at most. Past it, a new connection closes the oldest one not inside a handler
+    (idle, or its request head not complete yet); if every one is inside a handler, the new one is
+    answered 503 and closed. Either way the node holds at most this many sockets for the port."""
+    header_timeout_s: float = 10.0
+    """A connection that has not sent a complete request head this long after connecting (or after
+    its last response: the keep-alive idle time) is closed. A slow, byte-a-second head is no excuse."""
+    handler_timeout_s: float = 10.0
+    """A request whose answer takes longer is answered 504."""
+    max_line_size: int = 4096
+    """Longest request line or header line in bytes; longer is a 400."""
+    max_headers: int = 32
+    """Most header fields in one request; more is a 400."""
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.header_timeout_s <= 0 or self.handler_timeout_s <= 0:
+            raise ValueError("max_connections must be >= 1 and the timeouts > 0")
+
+
+@dataclass(slots=True)
+class ConnectionStats:
+    """What the status port's limits did (``StatusServer.connections``)."""
+
+    accepted: int = 0
+    evicted: int = 0
+    """Idle connections closed to make room for a new one (``max_connections`` reached)."""
+    refused: int = 0
+    """New connections answered 503 and closed: every open one was inside a handler."""
+    header_timeouts: int = 0
+    """Connections closed for sending no complete request head within ``header_timeout_s``."""
+    open: int = 0
+
+
+_BUSY = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class _CappedServer(web.Server):
+    """aiohttp's low-level server with a cap on open connections (aiohttp has none) and a deadline
+    for the first request head.
+
+    ``RequestHandler.connection_made`` reports every new connection here before it reads a byte; a
+    connection past the cap frees a slot (the oldest idle one) or is closed at once, so sockets
+    never pile up and a fresh probe always gets in. The dispatcher says which connections have sent
+    a request (``requested``) and which are inside a handler (``busy``, never evicted). Heads after
+    the first are bounded by aiohttp's keep-alive timer (``keepalive_timeout``, armed after each
+    response); recent aiohttp also arms it at connect, older did not: the deadline here holds either
+    way, and is counted."""
+
+    def __init__(self, handler: Any, *, max_connections: int, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(handler, keepalive_timeout=header_timeout_s, **kwargs)
+        self.max_connections, self.header_timeout_s = max_connections, header_timeout_s
+        self.open: dict[Any, asyncio.Transport] = {}
+        """Open connections, oldest first (dicts keep insertion order)."""
+        self.requested: set[Any] = set()
+        self.busy: set[Any] = set()
+        self.stats = ConnectionStats()
+        self._deadlines: dict[Any, asyncio.TimerHandle] = {}
+
+    def connection_made(self, handler: Any, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self.stats.accepted += 1
+        if len(self.open) >= self.max_connections:
+            victim = next((h for h in self.open if h not in self.busy), None)
+            if victim is None:
+                self.stats.refused += 1
+                transport.write(_BUSY)
+                transport.close()  # the 503 is a few bytes into an empty buffer: gone at once
+                return
+            self.stats.evicted += 1
+            self.open.pop(victim).abort()  # idle: nothing in flight to lose; its fd goes now
+        self.open[handler] = transport
+        self.stats.open = len(self.open)
+        loop = asyncio.get_running_loop()
+        self._deadlines[handler] = loop.call_later(self.header_timeout_s, self._head_deadline, handler)
+
+    def _head_deadline(self, handler: Any) -> None:
+        self._deadlines.pop(handler, None)
+        if handler not in self.requested and (transport := self.open.pop(handler, None)) is not None:
+            self.stats.header_timeouts += 1
+            self.stats.open = len(self.open)
+            transport.abort()
+
+    def connection_lost(self, handler: Any, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self.open.pop(handler, None)
+        self.requested.discard(handler)
+        self.busy.discard(handler)
+        if (deadline := self._deadlines.pop(handler, None)) is not None:
+            deadline.cancel()
+        self.stats.open = len(self.open)
+
+
 class StatusServer:
-    """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one)."""
+    """``/healthz``, ``/status``, ``/metrics`` for one node, on ``host:port`` (port 0: a free one).
+
+    The default host is 127.0.0.1: the endpoints are unauthenticated, so a node shows them beyond its
+    machine only when told to (``status_host``; the compose file binds 0.0.0.0 inside the container
+    and publishes the port on the host's 127.0.0.1). ``limits`` bound what clients can hold."""
 
     def __init__(
         self,
@@ -171,6 +312,7 @@ class StatusServer:
         port: int = 0,
         stuck_after_s: float = 300.0,
         stores: Mapping[str, ObjectStore] | None = None,
+        limits: StatusLimits | None = None,
     ) -> None:
         """``stores``: the node's stores by a name of its choosing (``own``, a peer's id): their
         request counters go to ``/metrics``, their health to ``/healthz`` and ``/status``."""
@@ -178,19 +320,54 @@ class StatusServer:
         self.host, self.port = host, port
         self.stuck_after_s = stuck_after_s
         self.stores = dict(stores or {})
+        self.limits = limits or StatusLimits()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_StateCollector(state, self.stores))
-        self._runner: web.AppRunner | None = None
+        self._routes = {"/healthz": self._healthz, "/status": self._status, "/metrics": self._metrics}
+        self._server: _CappedServer | None = None
+        self._runner: web.ServerRunner | None = None
+
+    @property
+    def connections(self) -> ConnectionStats:
+        """Connections accepted, evicted, refused and open (zeros before ``start``)."""
+        return self._server.stats if self._server is not None else ConnectionStats()
 
     async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/status", self._status)
-        app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None)
+        lim = self.limits
+        self._server = _CappedServer(
+            self._dispatch,
+            max_connections=lim.max_connections,
+            header_timeout_s=lim.header_timeout_s,
+            handler_cancellation=True,  # a client that hangs up ends its handler
+            max_line_size=lim.max_line_size,
+            max_field_size=lim.max_line_size,
+            max_headers=lim.max_headers,
+            lingering_time=0,  # an unread request body is not waited for: the connection closes
+            access_log=None,
+        )
+        self._runner = web.ServerRunner(self._server)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = self._runner.addresses[0][1]
+
+    async def _dispatch(self, request: web.BaseRequest) -> web.StreamResponse:
+        """Route a request (GET only, no body) to its handler, within ``handler_timeout_s``
+        (aiohttp answers the TimeoutError with a 504)."""
+        assert self._server is not None
+        self._server.requested.add(request.protocol)
+        handler = self._routes.get(request.path)
+        if handler is None:
+            raise web.HTTPNotFound()
+        if request.method not in ("GET", "HEAD"):
+            raise web.HTTPMethodNotAllowed(request.method, ["GET", "HEAD"])
+        if request.body_exists:  # nothing here reads a body: none is accepted (client_max_size 0)
+            raise web.HTTPRequestEntityTooLarge(max_size=0, actual_size=request.content_length or 0)
+        self._server.busy.add(request.protocol)
+        try:
+            async with asyncio.timeout(self.limits.handler_timeout_s):
+                return await handler(request)  # type: ignore[arg-type]
+        finally:
+            self._server.busy.discard(request.protocol)
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -234,6 +411,7 @@ class StatusServer:
         body = self.state.to_json() | {
             "health": self.health(),
             "stores": {n: {"requests": st.requests.as_dict(), "health": st.health.as_dict()} for n, st in self.stores.items()},
+            "connections": asdict(self.connections),
         }
         return web.Response(text=json.dumps(body, sort_keys=True, default=str), content_type="application/json")
 

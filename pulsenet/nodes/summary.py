@@ -7,6 +7,7 @@ v0, each node's last verified version and digest, and the run's checks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -88,7 +89,8 @@ def summarize(
         "trainers_agree": all(len({e.digest for e in all_}) == 1 for all_ in every.values()),
         "staleness_within_bound": all((r["staleness"] or 0) <= max_staleness for r in rounds),
     }
-    return {"rounds": rounds, "nodes": nodes, "checks": checks}
+    evals = [published[v].eval for v in sorted(published) if published[v].eval is not None]
+    return {"rounds": rounds, "nodes": nodes, "checks": checks, "eval": evals}
 
 
 def _get(event: VersionEvent | None, name: str) -> Any:
@@ -100,3 +102,95 @@ def _mean_reward(events: Sequence[VersionEvent]) -> float | None:
     rated = [(e.reward, e.counts.get("rows", 0) or 1) for e in events if e.reward is not None]
     rows = sum(n for _, n in rated)
     return sum(r * n for r, n in rated) / rows if rows else None
+
+
+def efficiency(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str, str]) -> dict[str, Any]:
+    """How much of what the network paid for it used (issue 23's figures, named the same in
+    ``pulsenet up``'s ``summary.json`` and ``bench rl``'s JSON).
+
+    - ``trained_fraction``: rows trained on over rows generated; ``dropped_fraction``: batches
+      dropped stale (in flight or queued) over batches generated; ``never_taken_fraction``: the rest
+      (still queued or in the store when the run ended, or refused);
+    - ``staleness_mean`` and ``staleness``: lag (trainer version minus rollout version) of every
+      batch trained on, mean and histogram;
+    - ``engine_busy``: generating over generating plus waiting (for a newer version or for demand),
+      after each engine's first version; ``trainer_busy``: in GRPO steps over the trainers' rounds;
+    - ``round_s``: mean time between versions; ``update_latency_s``: from a version's publication
+      (the first trainer's publish returned) to each inference node serving it, p50/p95/max, and
+      ``update_latency_fraction``: the same over ``round_s``.
+    """
+    trainers = [n for n, r in roles.items() if r == "trainer"]
+    inference = [n for n, r in roles.items() if r == "inference"]
+    published = [e for t in trainers for e in events.get(t, ()) if e.kind == "published" and e.version > 0]
+    last_t = [events[t][-1].totals for t in trainers if events.get(t)]
+    last_i = [events[n][-1].totals for n in inference if events.get(n)]
+    produced_rows = sum(t.get("rows_produced", 0) for t in last_i)
+    produced = sum(t.get("batches_produced", 0) for t in last_i)
+    trained_rows = sum(e.counts.get("rows", 0) for e in published)
+    trained = sum(e.counts.get("batches", 0) for e in published)
+    dropped = sum(t.get("stale_in_flight", 0) + t.get("stale_queued", 0) for t in last_t)
+    lags = [s for e in published for s in e.staleness]
+    generating = sum(t.get("generating_s", 0.0) for t in last_i)
+    waiting = sum(t.get("waiting_version_s", 0.0) + t.get("waiting_demand_s", 0.0) for t in last_i)
+    busy = sum(e.phases.get("train", 0.0) for e in published)
+    spent = sum(sum(e.phases.values()) for e in published)
+    first = sorted((e for e in published if e.node == min(trainers)), key=lambda e: e.version)
+    gaps = [b.at - a.at for a, b in itertools.pairwise(first)]  # from v1 on: v0 waits for the start-up
+    round_s = sum(gaps) / len(gaps) if gaps else None
+    at: dict[int, float] = {}
+    for e in (e for t in trainers for e in events.get(t, ()) if e.kind == "published"):
+        at[e.version] = min(at.get(e.version, e.at), e.at)
+    latency = sorted(
+        max(0.0, e.at - at[e.version])
+        for n in inference
+        for e in events.get(n, ())
+        if e.kind == "served" and e.version > 0 and e.version in at
+    )
+    quantiles = {"p50": _quantile(latency, 0.5), "p95": _quantile(latency, 0.95), "max": latency[-1] if latency else None}
+    return {
+        "trained_fraction": _ratio(trained_rows, produced_rows),
+        "dropped_fraction": _ratio(dropped, produced),
+        "never_taken_fraction": _ratio(max(0, produced - trained - dropped), produced),
+        "batches": {"generated": int(produced), "trained": int(trained), "dropped": int(dropped)},
+        "staleness_mean": sum(lags) / len(lags) if lags else None,
+        "staleness": {str(k): lags.count(k) for k in sorted(set(lags))},
+        "engine_busy": _ratio(generating, generating + waiting),
+        "trainer_busy": _ratio(busy, spent),
+        "round_s": round_s,
+        "update_latency_s": quantiles,
+        "update_latency_fraction": {k: _ratio(v, round_s) for k, v in quantiles.items()},
+    }
+
+
+def requests(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str, str]) -> dict[str, Any]:
+    """Store requests an inference node makes: one idle poll of its policy channel (measured on the
+    way out, when nothing changes any more) and, per version it served, every request of its stores
+    (following the channel, writing its rollouts, reading demand), averaged over the nodes."""
+    idle: dict[str, list[int]] = {}
+    per_version: dict[str, list[float]] = {}
+    for n in (n for n, r in roles.items() if r == "inference"):
+        ev = events.get(n, ())
+        stopped = next((e for e in reversed(ev) if e.kind == "stopped"), None)
+        served = len([e for e in ev if e.kind == "served"])
+        if stopped is None or not served:
+            continue
+        for k, v in stopped.counts.items():
+            if k.startswith("idle_poll:"):
+                idle.setdefault(k.split(":", 1)[1], []).append(v)
+        for k, v in stopped.totals.items():
+            if k.startswith("requests:"):
+                per_version.setdefault(k.split(":", 1)[1], []).append(v / served)
+    return {
+        "idle_poll": {k: sum(v) / len(v) for k, v in idle.items()},
+        "per_version_per_inference_node": {k: round(sum(v) / len(v), 2) for k, v in per_version.items()},
+    }
+
+
+def _ratio(a: float, b: float | None) -> float | None:
+    return round(a / b, 4) if b else None
+
+
+def _quantile(xs: Sequence[float], q: float) -> float | None:
+    if not xs:
+        return None
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ConfigError, PolicyError
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
 from pulsenet.loco.documents import trainer_keys
@@ -47,12 +48,20 @@ from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
+from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
+from pulsenet.rl.models import check_layout_matches
+from pulsenet.rl.prompts import TextCodec
+from pulsenet.rl.rescore import Rescorer
+from pulsenet.rl.tasks import Task, TaskConfig
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
+from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
+from pulsenet.rollouts.rows import RowLimits
 from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
+from pulsenet.tracking import NoTracker, Tracker
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,8 @@ class TrainerConfig:
     """This site's own store URL: its PULSESync channel is published here."""
     key: Path = Path("keys/t0.key")
     """This site's Ed25519 signing key (its public half goes to inference nodes and peers)."""
+    allow_open_key: bool = False
+    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
     inference: list[str] = field(default_factory=list)
     """Rollout sources as ID=STORE_URL, one per inference node (read-only credentials suffice)."""
     trust_inference: list[str] = field(default_factory=list)
@@ -111,6 +122,18 @@ class TrainerConfig:
     that publishes after every optimizer step."""
     peers: list[str] = field(default_factory=list)
     """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
+    rescore: bool = True
+    """Re-score every rollout with this trainer's task and rewards before training (the nodes'
+    reward column is advisory). False trains on the nodes' rewards as they are: only for rewards
+    the trainer cannot compute (then a node's rewards are its word: docs/security.md)."""
+    eval_every: int = 0
+    """Score the policy greedily on the task's held-out problems every this many versions (0: never)."""
+    tracker: str = "none"
+    """Log every version's event to an experiment tracker: none, wandb or trackio (offline unless
+    the tracker's own settings say otherwise)."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The task, the same as the inference nodes': the trainer re-scores every completion with its
+    rewards (the nodes' reward column is advisory) and evaluates on its held-out problems."""
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
     """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
     loco: LocoConfig = field(default_factory=lambda: LocoConfig(deadline_s=120.0))
@@ -141,7 +164,11 @@ class _Round:
     staleness: list[int] = field(default_factory=list)
     batches: int = 0
     wait_s: float = 0.0
+    """Waiting for rollouts."""
     train_s: float = 0.0
+    """In GRPO steps."""
+    exchange_s: float = 0.0
+    """Closing the round: with PULSELoCo the exchange with the peers, alone a checkpoint."""
 
 
 class TrainerNode:
@@ -155,12 +182,23 @@ class TrainerNode:
         key: Any,
         sources: list[RolloutSource],
         policy: GRPOInner,
+        task: Task,
+        text: TextCodec,
         loco_store: ObjectStore | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         """``policy``: the GRPO model this node trains; under torchrun, rank 0's
-        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks."""
+        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks.
+        ``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
         self.config = c = config
         self.policy = policy
+        self.task = task
+        model = policy.grpo.local.model
+        prompter = task.prompter(text, max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None))
+        self.rescorer = Rescorer(task, prompter, seed=c.seed)
+        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
+        self.evaluator = Evaluator(task, prompter, model.config) if c.eval_every else None
+        self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         self.publisher = Publisher(store, key, c.publish)
@@ -168,12 +206,21 @@ class TrainerNode:
         """Published model digest per version: what a rollout batch must have been served with."""
         peers = self._peer_keys() if loco_store is not None else {}
         self.intake = RolloutIntake(
-            sources, self.digests.get, c.intake, trainer_id=c.id, participants=tuple(sorted(peers)) or None
+            sources,
+            self.digests.get,
+            replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
+            trainer_id=c.id,
+            participants=tuple(sorted(peers)) or None,
         )
+        self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
+        self.state.rescored = self.rescorer.stats.nodes  # live: reward disagreements per node
+        self.demand = DemandWriter(store, key, c.id, DemandConfig(run=c.run, prefix=c.intake.prefix))
+        """This trainer's signed demand record: what the inference nodes should generate for it."""
         self.rounds: Rounds
         if loco_store is not None:
             loco = LocoTrainer(c.id, loco_store, key, peers, policy, c.loco, state_dir=Path(c.state_dir) / "loco")
             self.rounds = LocoRounds(loco, self.intake, c.state_dir)
+            self.state.loco = loco.stats  # live: PULSELoCo's counters in /status and /metrics
         else:
             self.rounds = LocalRounds(c.id, policy, self.intake, c.state_dir)
         self.sources = sources
@@ -201,15 +248,20 @@ class TrainerNode:
         done = asyncio.Event()  # the intake and the consumers stop with training, however it ends
         try:
             await self.start()
+            await self.demand.start()
             async with self.rounds.session(), asyncio.TaskGroup() as tg:
                 tg.create_task(self.intake.run(lambda: self.version, done))
+                tg.create_task(self.demand.run(self._demand, done))
                 tg.create_task(self._follow_consumers(done))
+                tg.create_task(self._watch_rounds(done))
                 try:
                     await self._train(stop)
                 finally:
                     done.set()
         finally:
             await self.publisher.close(flush_timeout=60)
+            await asyncio.to_thread(self.task.close)  # the reward worker process
+            self.tracker.close()
 
     async def start(self) -> None:
         """Resume (the round's resume point, what this key published) and publish what is not out
@@ -218,6 +270,8 @@ class TrainerNode:
         published: Published = None
         if self.publisher.version is not None:
             assert self.publisher.state is not None
+            # a model that does not fit its own channel (another config since) stops here, named
+            check_layout_matches(self.policy.grpo.local.model.config, self.publisher.state, what="this trainer's channel")
             published = (self.publisher.version, self.publisher.state)
         at = await self.rounds.start(published)
         # rollouts served by the versions still within the staleness bound stay acceptable
@@ -231,22 +285,22 @@ class TrainerNode:
             if self.version != at:  # rounds already published are caught up through, not republished
                 log.warning("%s: policy v%d at round %d", self.config.id, self.version, at)
         self.state.round = at
-        log.info("%s: at v%d (round %d)", self.config.id, self.version, at)
+        log.info("%s: at v%d", self.config.id, self.version, extra={"round": at})
 
     # --- the loop ---------------------------------------------------------------------------------
 
     async def _train(self, stop: asyncio.Event) -> None:
         """Rounds until ``steps`` versions are out; a stop abandons the round in hand."""
         while self.version < self.config.steps and not stop.is_set():
-            self._round = _Round()
+            self._round = rnd = _Round()
             t0 = time.perf_counter()
             report = await _unless_stopped(self.rounds.next_round(self._inner_phase), stop)
             if report is None:  # stopped, or the round failed (logged by the round; retried)
                 continue
             if report.round <= self.version:  # caught up through a round already published
                 continue
-            self._round.train_s = time.perf_counter() - t0 - self._round.wait_s
-            await self.publish_version(report, self._round)
+            rnd.exchange_s = time.perf_counter() - t0 - rnd.wait_s - rnd.train_s
+            await self.publish_version(report, rnd)
 
     async def _inner_phase(self, r: int) -> list[float]:
         """Round r's H GRPO steps, each on rows this loop takes from the intake; their losses."""
@@ -257,27 +311,54 @@ class TrainerNode:
             rnd.wait_s += time.perf_counter() - t0
             if not batches:
                 break  # gave up waiting: the round goes on with the steps it made
-            rows = [row for b in batches for row in b.rows]
+            rows = await asyncio.to_thread(self._rescore, batches)
+            if not rows:
+                continue
+            t0 = time.perf_counter()
             try:
                 metrics = await asyncio.to_thread(self.policy.step, rows)
             except Exception as e:  # rows the intake let through but the step cannot take: drop them
-                self._step_failed(batches, e)
+                await self._step_failed(batches, e)
                 continue
+            finally:
+                rnd.train_s += time.perf_counter() - t0
             rnd.steps.append(metrics)
             rnd.batches += len(batches)
             rnd.staleness += [self.version - b.version for b in batches]
         await asyncio.to_thread(self.policy.end_phase)
         return [m.loss for m in rnd.steps]
 
-    def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
+    def _rescore(self, batches: list[RolloutBatch]) -> list[Rollout]:
+        """The batches' rows with this trainer's own rewards (``rl.rescore``: a row whose group or
+        prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
+        and counted per node), each group id then qualified with its node and batch."""
+        if not self.config.rescore:
+            return [row for b in batches for row in b.rows]
+        rows: list[Rollout] = []
+        for b in batches:
+            out = self.rescorer.rescore(b.columns.to_rows())
+            rows += [replace(r, group=b.group_prefix + r.group) for r in out.rows]
+        return rows
+
+    async def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
         """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
-        restart does not take them again), counted and logged; the node goes on. (Under torchrun
-        the other ranks fail the same step and the job ends: the intake's checks are what stand
-        between a hostile batch and a rank group.)"""
+        restart does not take them again), counted per node (``step_failed``) and logged; the node
+        goes on. (Under torchrun the other ranks fail the same step and the job ends: the intake's
+        checks are what stand between a hostile batch and a rank group.)"""
         self.failed_steps += 1
         self.state.error(e)
-        names = [f"{b.manifest.node}/v{b.version}/{b.manifest.seq}" for b in batches]
-        log.error("%s: a GRPO step failed on %s: %s: %s; dropped", self.config.id, names, type(e).__name__, e)
+        self.intake.failed(batches, f"{type(e).__name__}: {e}")
+        await asyncio.to_thread(self.rounds.record_consumed)  # a restart before the round closes skips them too
+        log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
+
+    def _demand(self) -> Demand:
+        """What this trainer will take next: a step's rows outstanding (a lone trainer publishes after
+        each), two steps' under PULSELoCo (H steps per version, refilled as they are taken); shared
+        among the inference nodes that are live (their signed status objects), all of them until
+        one has been seen."""
+        live = {c.node for c in self.consumers.live()} or None
+        rows = self.config.rows_per_step * (1 if self.rounds.inner_steps == 1 else 2)
+        return self.intake.demand(self.version, rows, live=live)
 
     async def _take_rows(self, give_up_s: float | None) -> list[RolloutBatch]:
         """Fresh batches until a step's worth of rows (whole batches, no more than needed); what
@@ -311,6 +392,7 @@ class TrainerNode:
         previous = self.publisher.state
         sparsity = None if previous is None else await asyncio.to_thread(unchanged_fraction, previous, state)
         record = await self.publisher.publish_now(state, step=self.version + 1)
+        published_at = time.time()
         self.version = record.version
         self.digests[record.version] = record.digest
         for v in [v for v in self.digests if v < record.version - self.config.intake.max_staleness - 1]:
@@ -326,7 +408,12 @@ class TrainerNode:
             digest=record.digest,
             round=report.round,
             patch=record.kind,
-            phases={"wait_rollouts": rnd.wait_s, "train": rnd.train_s, "publish": time.perf_counter() - t0},
+            phases={
+                "wait_rollouts": rnd.wait_s,
+                "train": rnd.train_s,
+                "exchange": rnd.exchange_s,
+                "publish": time.perf_counter() - t0,
+            },
             bytes={
                 "pulsesync": sum(record.payload_bytes.values()),
                 "full": record.full_bytes,
@@ -342,9 +429,15 @@ class TrainerNode:
             sparsity=sparsity,
             steps=[m.as_dict() for m in rnd.steps],
             participants=list(report.participants),
+            at=published_at,
         )
+        if self.evaluator is not None and record.version % self.config.eval_every == 0:
+            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
+            event.eval = result.as_dict()
+            event.phases["eval"] = result.wall_s
         self._rollout_bytes = downloaded
         self.state.record(self.events.emit(event))
+        self.tracker.log(event.as_dict(), step=event.version)
         return event
 
     def _totals(self) -> dict[str, float]:
@@ -358,6 +451,7 @@ class TrainerNode:
             "stale_queued": s.stale_queued,
             "rollout_bytes": s.bytes_downloaded,
             "failed_steps": self.failed_steps,
+            **{f"rejected:{node}:{why}": n for node, reasons in s.rejected_by_node.items() for why, n in reasons.items()},
         }
 
     async def _follow_consumers(self, done: asyncio.Event) -> None:
@@ -370,6 +464,15 @@ class TrainerNode:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.consumer_poll_s):
                     await done.wait()
+
+    async def _watch_rounds(self, done: asyncio.Event) -> None:
+        """What ``/healthz`` reports as degraded: a peer or the store holding the round up (no I/O)."""
+        while not done.is_set():
+            self.state.degraded = self.rounds.degraded()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await done.wait()
+        self.state.degraded = None
 
 
 async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
@@ -385,6 +488,23 @@ async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return task.result() if not task.cancelled() else None
+
+
+def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
+    """``given`` (the configured limits) with what this trainer's model and task fix: its vocabulary
+    (embedding rows), context (``max_position_embeddings``) and rewards (the task's declared range),
+    never more than configured."""
+    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
+    return replace(
+        given,
+        vocab_size=min(given.vocab_size, vocab),
+        max_row_tokens=context if given.max_row_tokens is None else min(given.max_row_tokens, context),
+        max_prompt_tokens=min(given.max_prompt_tokens, (context or given.max_prompt_tokens + 1) - 1),
+        max_completion_tokens=min(given.max_completion_tokens, (context or given.max_completion_tokens + 1) - 1),
+        reward_min=max(given.reward_min, reward_range[0]),
+        reward_max=min(given.reward_max, reward_range[1]),
+    )
 
 
 def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:

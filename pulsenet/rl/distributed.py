@@ -130,11 +130,6 @@ def init_rank_group(rank: TorchrunRank) -> str:
 # --- the data-parallel step ---------------------------------------------------------------------
 
 
-def task_batches(task: Any, batch_size: int, seq_len: int) -> BatchOf:
-    """The supervised data stream of ``SupervisedInner``: ``task.batch`` at the step counter."""
-    return lambda step: task.batch(batch_size, seq_len, step=step)
-
-
 def valid_tokens(labels: torch.Tensor) -> int:
     """Tokens the causal LM loss counts in a batch (the shifted labels that are not ignored)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())

@@ -11,15 +11,44 @@ protocol existed.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.rl.grpo import GRPOMetrics, GRPOTrainer
-from pulsenet.rl.local import LocalTrainer
+from pulsenet.rl.local import Forward, LocalTrainer
 from pulsenet.rl.tasks import ArithmeticTask
+
+
+@dataclass(kw_only=True)
+class SupervisedSettings:
+    """The supervised inner loop of a trainer (``pulsenet loco train``, ``pulsenet bench loco``)."""
+
+    model: Literal["tiny", "smollm2"] = "tiny"
+    """Model to train: tiny (built from the seed) or smollm2 (SmolLM2-135M)."""
+    lr: float | None = None
+    """Inner AdamW learning rate (None: 1e-3 tiny, 3e-6 smollm2)."""
+    batch: int = 4
+    """Rows per inner step."""
+    seq: int = 32
+    """Tokens per row."""
+    forward: Forward = "bf16-weights"
+    """Inner forward: bf16-weights (FP32 maths on the BF16-rounded weights, fast on any CPU),
+    autocast-bf16 (torch.autocast, for CPUs/GPUs with native BF16), fp32 (sees sub-BF16 updates the
+    PULSELoCo gate withholds)."""
+    seed: int = 0
+    """Run seed: model init (same on every trainer) and data streams."""
+    threads: int | None = None
+    """Torch threads for this process (None: torch's default)."""
+
+
+def data_seed(seed: int, trainer_id: str) -> int:
+    """Each trainer's own data stream, stable across restarts and machines."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{trainer_id}".encode()).digest()[:4], "little") >> 1
 
 
 def _checkpoint(local: LocalTrainer) -> dict[str, Any]:

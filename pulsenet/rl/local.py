@@ -32,7 +32,7 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,8 @@ from pulsenet.rl import sharding
 from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.tasks import IGNORE_INDEX, ArithmeticTask
 
-FORWARDS = ("bf16-weights", "autocast-bf16", "fp32")
+Forward = Literal["bf16-weights", "autocast-bf16", "fp32"]
+FORWARDS: tuple[str, ...] = get_args(Forward)
 """Forward modes; see the module docstring."""
 
 _CPU = torch.device("cpu")

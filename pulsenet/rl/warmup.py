@@ -24,7 +24,7 @@ from transformers import Qwen2ForCausalLM
 from pulsenet.fsutil import atomic_path
 from pulsenet.rl.local import LocalTrainer, LocalTrainerConfig
 from pulsenet.rl.models import build_tiny_model, tiny_qwen2_config
-from pulsenet.rl.tasks import ArithmeticTask
+from pulsenet.rl.tasks import ARITH_MAX_OPERAND, ARITH_OPS, ArithmeticTask
 
 WARMUP_STEPS = 250
 """Default steps: sampled reward ~0.6 on ``tiny_task`` (greedy ~0.8), ~5-10 s on one core."""
@@ -38,9 +38,9 @@ class WarmupConfig:
     """Packed rows per step."""
     seq_len: int = 64
     """Tokens per packed row."""
-    max_operand: int = 9
+    max_operand: int = ARITH_MAX_OPERAND
     """Operands of the task in ``[0, max_operand]``: single digits are learnable in seconds."""
-    ops: str = "+-"
+    ops: str = ARITH_OPS
     """Operators of the task."""
     forward: str = "bf16-weights"
     """The forward GRPO trains with, so the warm weights are what the engines will serve."""

@@ -12,17 +12,36 @@ A batch is accepted only if, in this order (the first failing check is the count
    from the key name before any GET: a body must match its name anyway);
 4. its model digest is the one published for its version (``digest_of``) — ``unknown_version``,
    ``wrong_digest``;
-5. its declared size and rows are within limits — ``too_large``, refused before download;
+5. its declared size, rows and tokens are within limits, and could ever fit the queue's token and
+   byte budgets — ``too_large``, refused before download;
 6. the payload's size and SHA-256 equal the manifest's (``signed.fetch_object``: never read past the
    signed size) — ``size_mismatch``, ``hash_mismatch``;
 7. the Parquet decodes under the limits — ``payload_malformed``;
 8. every row's version, digest and node equal the manifest's, and the row, group and token
-   counts match — ``row_mismatch``.
+   counts match — ``row_mismatch``;
+9. every row is within the trainer's :class:`~pulsenet.rollouts.rows.RowLimits` (token ids below the
+   vocabulary, lengths within the context, one prompt per group, logprobs and rewards in range) —
+   ``rows.ROW_REASONS``.
+
+**Polling costs one request when nothing changed**: each node keeps a signed head
+(``layout.head``, manifest.py) rewritten after every batch. A poll asks for it with one
+conditional GET per source (a 304 with no body while unchanged) and lists the manifests only when
+it moved, is missing, refused or went backwards (each counted), or when ``relist_after_s`` passed
+since the last listing (a safety net for a head write that failed). Candidates a listing found
+but a poll could not take yet (over a budget, from a version not reached yet) are remembered, so
+they need no new listing either. Planted manifests never block: batches are still found by the
+listing and accepted on their own signed manifests, never on a head's word.
 
 A refused manifest is remembered by key and ETag and never fetched again while unchanged, so it
-never blocks or slows valid ones. Batches wait in a local queue; ``take()`` drops those that went
-stale while queued (counted apart from those stale in flight). Several trainers share one pool by
-a deterministic partition (partition.py): each fetches only the batches it owns.
+never blocks or slows valid ones; every refusal is counted per reason and per node. Accepted
+batches wait in a local queue as arrays (``codec.rollout.RolloutColumns``, ~8 bytes per token),
+bounded in batches, tokens and bytes: what does not fit stays in the store for a later poll. Each
+poll serves the sources round-robin (from a rotating start), newest version first within a source,
+so a node that keeps many batches listed cannot starve the others. ``take()`` hands out the newest
+fresh batches first and drops those that went stale while queued (counted apart from those stale
+in flight). Several trainers share one pool by a deterministic partition (partition.py): each
+fetches only the batches it owns. A batch whose GRPO step failed is reported back with
+``failed()``: counted, and kept in the consumed record so it is never trained on again.
 """
 
 from __future__ import annotations
@@ -30,29 +49,35 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from pulsenet.codec.rollout import MAX_ROWS, MAX_TOKENS, Rollout, decode_batch
+from pulsenet.codec.rollout import MAX_ROWS, MAX_TOKENS, Rollout, RolloutColumns, decode_columns
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import (
     DocumentTooLarge,
     ManifestError,
     ObjectNotFound,
+    ObjectTooLarge,
     PulsenetError,
     RolloutError,
+    RolloutRowError,
     SignatureError,
     SizeMismatch,
     StoreError,
     VerificationError,
 )
+from pulsenet.rollouts.demand import Demand
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from
+from pulsenet.rollouts.manifest import MAX_HEAD, BatchManifest, batch_manifest_from, head_from
 from pulsenet.rollouts.partition import owner
+from pulsenet.rollouts.rows import ROW_REASONS, RowLimits, check_rows
 from pulsenet.signed import fetch_document, fetch_object
-from pulsenet.signing import MAX_DOCUMENT
+from pulsenet.signing import MAX_DOCUMENT, verify_document
 from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -68,8 +93,10 @@ REASONS = (
     "hash_mismatch",
     "payload_malformed",
     "row_mismatch",
+    *ROW_REASONS,
+    "step_failed",
 )
-
+"""Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``."""
 
 @dataclass(frozen=True, slots=True)
 class RolloutSource:
@@ -89,36 +116,70 @@ class RolloutIntakeConfig:
     """Key prefix of the channel inside each node's store."""
     max_staleness: int = 2
     """Largest ``trainer_version - rollout_version`` trained on."""
+    limits: RowLimits = field(default_factory=RowLimits)
+    """What a row may hold: set from the trainer's model and task (``RowLimits.for_model``)."""
     max_batch_bytes: int = 256 << 20
     """Payloads declared larger are refused before download."""
     max_rows: int = MAX_ROWS
     max_tokens: int = MAX_TOKENS
+    """Rows and tokens of one batch: declared more, it is refused before download."""
     max_queued: int = 64
     """Batches held for ``take()``; a full queue leaves the rest in the store for later polls."""
+    max_queued_tokens: int = 1 << 24
+    """Tokens held for ``take()`` (16 Mi: ~140 MB as arrays); the rest waits in the store."""
+    max_queued_bytes: int = 256 << 20
+    """Decoded bytes held for ``take()``; the rest waits in the store."""
     timeout_s: float | None = SMALL_CALL_S
     """Deadline of each small store call (list, manifest get)."""
     transfer_timeout_s: float | None = ROLLOUT_TRANSFER_S
     """Deadline of one payload download."""
     interval_s: float = 1.0
     """Time between polls in ``run()``."""
+    relist_after_s: float | None = 60.0
+    """A source whose head has not moved is listed anyway this long after its last listing (a
+    head write that failed cannot hide batches for longer); None: only when the head moves."""
     round_timeout_s: float | None = 600.0
     """Deadline of one whole poll in ``run()``."""
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0 or self.max_queued < 1 or self.max_batch_bytes < 1:
-            raise ValueError("max_staleness must be >= 0, max_queued and max_batch_bytes >= 1")
+        if self.max_staleness < 0 or self.max_batch_bytes < 1:
+            raise ValueError("max_staleness must be >= 0 and max_batch_bytes >= 1")
+        if min(self.max_queued, self.max_queued_tokens, self.max_queued_bytes) < 1:
+            raise ValueError("max_queued, max_queued_tokens and max_queued_bytes must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
 class RolloutBatch:
-    """An accepted batch: its verified manifest and rows."""
+    """An accepted batch: its verified manifest and its rows as arrays."""
 
     manifest: BatchManifest
-    rows: list[Rollout]
+    columns: RolloutColumns
+    batch_id: str
+    """``node/manifest key``: names the batch in the partition and the consumed record."""
 
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    @property
+    def node(self) -> str:
+        return self.manifest.node
+
+    @property
+    def tokens(self) -> int:
+        return self.columns.tokens
+
+    @property
+    def group_prefix(self) -> str:
+        """``{node}/{seq}/``, put before every group id of the batch for a GRPO step: groups never
+        span batches, so no node's ids (reused, or chosen to match another node's) can join or
+        change another batch's groups and advantages."""
+        return f"{self.manifest.node}/{self.manifest.seq}/"
+
+    @property
+    def rows(self) -> list[Rollout]:
+        """The rows as ``Rollout`` objects for a GRPO step, each group id qualified (``group_prefix``)."""
+        return self.columns.to_rows(group_prefix=self.group_prefix)
 
 
 @dataclass(slots=True)
@@ -128,19 +189,57 @@ class IntakeStats:
     rows_accepted: int = 0
     taken: int = 0
     """Batches handed to the trainer by ``take()``."""
+    taken_by_node: dict[str, int] = field(default_factory=dict)
     bytes_downloaded: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
     """Reason (REASONS) -> batches refused for it."""
+    rejected_by_node: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Node -> reason -> batches of that node refused for it (the same counts, per source)."""
     stale_in_flight: int = 0
     """Batches already too old when first seen in the store."""
     stale_queued: int = 0
     """Accepted batches that went too old in the local queue before ``take()``."""
     other_trainer: int = 0
     """Batches left to another participant by the partition."""
+    deferred: int = 0
+    """Times a batch was left in the store for a later poll: the queue was at a budget."""
     staleness: dict[int, int] = field(default_factory=dict)
     """``trainer_version - version`` -> batches taken at that lag."""
+    queued: int = 0
+    queued_tokens: int = 0
+    queued_bytes: int = 0
+    """What the local queue holds now (batches, tokens, decoded bytes)."""
     errors: int = 0
     """Store errors and failed polls (logged); the sources are retried next poll."""
+    lists: int = 0
+    """Listings of a source's manifests (the request class stores bill most)."""
+    head_not_modified: int = 0
+    """Source polls answered by a 304 on the head: nothing new, nothing listed."""
+    head_missing: int = 0
+    """Times a source's head was found missing (it had one, or never had): listed every poll then."""
+    head_backwards: int = 0
+    """Heads older than one already verified (replayed): listed every poll until a newer one."""
+    head_rejected: int = 0
+    """Heads refused (bad signature, another node's, malformed, too large): listed every poll."""
+
+
+@dataclass(slots=True)
+class _Head:
+    """What this intake knows of one source's head."""
+
+    etag: str | None = None
+    """ETag of the head object read last (accepted or not): a 304 on it means "the same object"."""
+    seq: int = -1
+    """Highest head seq verified."""
+    trusted: bool = False
+    """The object behind ``etag`` is a verified head not older than ``seq``: its 304 means no change."""
+    missing: bool = False
+    listed: float = -math.inf
+    """time.monotonic() of the last listing."""
+
+
+_DEFER = object()
+"""``_consider``'s answer for a valid-looking batch that does not fit the queue's budgets now."""
 
 
 class RolloutIntake:
@@ -176,44 +275,96 @@ class RolloutIntake:
         self._seen: dict[str, dict[str, str]] = {s.node: {} for s in sources}  # node -> key -> etag decided
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
-        self._queue: collections.deque[RolloutBatch] = collections.deque()
+        self._queue: list[RolloutBatch] = []  # in arrival order; ``take`` hands out the newest first
+        self._heads: dict[str, _Head] = {s.node: _Head() for s in sources}
+        self._pending: dict[str, list[tuple[ObjectInfo, BatchName]]] = {s.node: [] for s in sources}
+        """Per source: listed batches not decided yet (not reached, over a budget): no new listing needed."""
 
     def __len__(self) -> int:
         return len(self._queue)
 
     def batch_id(self, node: str, name: BatchName) -> str:
-        return f"{node}/{self.layout.manifest(name.version, name.node, name.seq)}"
+        return self.layout.batch_id(node, name)
+
+    def participants(self, version: int) -> tuple[str, ...]:
+        """The trainer ids sharing the pool at ``version`` (the partition's set)."""
+        return tuple(sorted(set(self._participants(version))))
 
     # --- trainer API -------------------------------------------------------------------------
 
     def take(self, trainer_version: int, max_batches: int | None = None) -> list[RolloutBatch]:
-        """Queued batches still fresh enough for ``trainer_version``, oldest first; stale ones are
-        dropped and counted (``stale_queued``)."""
-        out: list[RolloutBatch] = []
-        while self._queue and (max_batches is None or len(out) < max_batches):
-            b = self._queue.popleft()
+        """Queued batches still fresh enough for ``trainer_version``, newest version first (arrival
+        order within a version); stale ones are dropped and counted (``stale_queued``).
+
+        Newest first: what is trained on is as fresh as the queue allows, and an older batch is
+        taken only when nothing newer waits (issue 23: oldest first trained every round on batches
+        two versions old)."""
+        fresh: list[RolloutBatch] = []
+        for b in self._queue:
             lag = trainer_version - b.version
-            if lag > self.config.max_staleness:
-                self.stats.stale_queued += 1
-                log.info(
-                    "dropped queued batch %s/v%d seq %d: %d versions stale",
-                    b.manifest.node,
-                    b.version,
-                    b.manifest.seq,
-                    lag,
-                )
+            if lag <= self.config.max_staleness:
+                fresh.append(b)
                 continue
+            self.stats.stale_queued += 1
+            self._unqueued(b)
+            log.info("dropped queued batch %s: %d versions stale", b.batch_id, lag)
+        fresh.sort(key=lambda b: -b.version)  # stable
+        n = len(fresh) if max_batches is None else max(0, max_batches)
+        out, self._queue = fresh[:n], fresh[n:]
+        for b in out:
+            lag = trainer_version - b.version
             self.stats.taken += 1
+            self.stats.taken_by_node[b.node] = self.stats.taken_by_node.get(b.node, 0) + 1
             self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
-            m = b.manifest  # accepted only from its own node's store, under its own name
-            self._taken[self.batch_id(m.node, BatchName(m.version, m.node, m.seq))] = b.version
-            out.append(b)
+            self._taken[b.batch_id] = b.version
+            self._unqueued(b)
         return out
 
+    def failed(self, batches: RolloutBatch | Iterable[RolloutBatch], why: str) -> None:
+        """The GRPO step on ``batches`` (taken earlier) raised: count each under ``step_failed`` for
+        its node, and keep it in the consumed record, so that it is never queued again, also after
+        a restart (``consumed`` / ``skip_consumed``). The caller drops the step and goes on."""
+        for b in [batches] if isinstance(batches, RolloutBatch) else list(batches):
+            self._taken[b.batch_id] = b.version
+            self._accepted[b.batch_id] = b.version
+            self._count(b.node, "step_failed")
+            log.warning("rollout batch %s dropped: its GRPO step failed: %s", b.batch_id, why)
+
+    def demand(
+        self, trainer_version: int, rows_in_flight: int, *, live: Iterable[str] | None = None
+    ) -> Demand:
+        """This trainer's demand record (demand.py) for ``DemandWriter``: ``rows_in_flight`` rows
+        wanted outstanding, split evenly over the ``live`` sources (default: all; a node known
+        dead gets 0, so the live ones cover its share), and per node the batches taken (or
+        failed) at versions this trainer still accepts, from the consumed record.
+
+        ``rows_in_flight``: what the next steps will take, e.g. ``rows_per_step`` (one version
+        per step) or ``2 * rows_per_step`` (PULSELoCo: H steps per version, refilled as taken)."""
+        if rows_in_flight < 0:
+            raise ValueError(f"rows_in_flight must be >= 0, got {rows_in_flight}")
+        floor = trainer_version - self.config.max_staleness
+        nodes = [s.node for s in self.sources]
+        known = None if live is None else set(live)
+        alive = [n for n in nodes if known is None or n in known] or nodes
+        share = math.ceil(rows_in_flight / len(alive))
+        taken = dict.fromkeys(nodes, 0)
+        for bid, v in self._taken.items():
+            node = bid.split("/", 1)[0]
+            if v >= floor and node in taken:
+                taken[node] += 1
+        return Demand(
+            trainer=self.trainer_id,
+            version=trainer_version,
+            max_staleness=self.config.max_staleness,
+            participants=self.participants(trainer_version),
+            grants={n: share if n in alive else 0 for n in nodes},
+            taken=taken,
+        )
+
     def consumed(self) -> dict[str, int]:
-        """``batch id -> version`` of the batches ``take`` handed out that are still within the
-        staleness window: part of a trainer's resume state, so that a restarted trainer does not
-        train on a batch twice (``skip_consumed``)."""
+        """``batch id -> version`` of the batches ``take`` handed out (or ``failed`` reported) that
+        are still within the staleness window: part of a trainer's resume state, so that a
+        restarted trainer does not train on a batch twice (``skip_consumed``)."""
         return dict(self._taken)
 
     def skip_consumed(self, consumed: Mapping[str, int]) -> None:
@@ -246,34 +397,80 @@ class RolloutIntake:
         floor = trainer_version - self.config.max_staleness
         self._accepted = {b: v for b, v in self._accepted.items() if v >= floor}
         self._taken = {b: v for b, v in self._taken.items() if v >= floor}
-        accepted = 0
+        pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]] = {}
         for source in self.sources:
             try:
-                accepted += await self._poll_source(source, trainer_version)
+                if await self._head_moved(source):
+                    listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+                    self.stats.lists += 1
+                    self._heads[source.node].listed = time.monotonic()
+                    self._listed(source, listing)
             except (StoreError, TimeoutError) as e:
-                self.stats.errors += 1
-                log.warning(
-                    "rollout source %s (%s) failed: %s: %s",
-                    source.node,
-                    source.store.url,
-                    type(e).__name__,
-                    e,
-                )
-        return accepted
+                self._source_failed(source, e)
+                continue
+            pending[source.node] = collections.deque(self._candidates(source, trainer_version))
+        return await self._admit(pending, trainer_version)
 
-    # --- one source --------------------------------------------------------------------------
+    # --- one poll ----------------------------------------------------------------------------
 
-    async def _poll_source(self, source: RolloutSource, trainer_version: int) -> int:
-        listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+    async def _head_moved(self, source: RolloutSource) -> bool:
+        """Whether to list ``source`` now: one conditional GET of its head decides (class docstring)."""
+        cfg, st = self.config, self._heads[source.node]
+        try:
+            got = await source.store.get_if_changed(self.layout.head, st.etag, max_bytes=MAX_HEAD, timeout=cfg.timeout_s)
+        except ObjectNotFound:
+            if not st.missing:
+                self.stats.head_missing += 1
+                log.warning("rollout source %s has no head: listing it every poll", source.node)
+            st.etag, st.trusted, st.missing = None, False, True
+            return True
+        except ObjectTooLarge as e:
+            self.stats.head_rejected += 1
+            st.etag, st.trusted = None, False
+            log.warning("rollout head of %s refused: %s", source.node, e)
+            return True
+        st.missing = False
+        if got is None:  # 304: the same object as last time
+            self.stats.head_not_modified += 1
+            stale = cfg.relist_after_s is not None and time.monotonic() - st.listed >= cfg.relist_after_s
+            return not st.trusted or stale
+        st.etag = got.etag
+        context = self.layout.head_context(cfg.run, source.store.url, source.node)
+        try:
+            signed = await asyncio.to_thread(verify_document, got.data, source.trusted, context=context)
+            head = head_from(signed, source.node)
+        except ManifestError as e:  # SignatureError included
+            self.stats.head_rejected += 1
+            st.trusted = False
+            log.warning("rollout head of %s refused: %s: %s", source.node, type(e).__name__, e)
+            return True
+        if head.seq < st.seq:
+            self.stats.head_backwards += 1
+            st.trusted = False
+            log.warning("rollout head of %s went back from seq %d to %d", source.node, st.seq, head.seq)
+            return True
+        st.seq, st.trusted = head.seq, True
+        return True
+
+    def _listed(self, source: RolloutSource, listing: list[ObjectInfo]) -> None:
+        """Remember a listing's undecided batches; forget decisions on what is no longer listed."""
         seen = self._seen[source.node]
         listed = {i.key for i in listing}
         for k in [k for k in seen if k not in listed]:
             del seen[k]  # memory stays bounded by the listing
-        accepted = 0
-        for info in listing:
-            name = self.layout.parse_manifest(info.key)
-            if name is None or seen.get(info.key) == info.etag:
-                continue
+        names = ((i, self.layout.parse_manifest(i.key)) for i in listing)
+        self._pending[source.node] = [(i, n) for i, n in names if n is not None and seen.get(i.key) != i.etag]
+
+    def _candidates(self, source: RolloutSource, trainer_version: int) -> list[tuple[ObjectInfo, BatchName]]:
+        """The remembered batches this trainer may fetch now, newest version first (sequence order
+        within a version); decides (and remembers)
+        the stale ones and those another trainer owns without a GET."""
+        seen = self._seen[source.node]
+        keep, out = [], []
+        for info, name in self._pending[source.node]:
+            if seen.get(info.key) == info.etag:
+                continue  # decided since it was listed
+            keep.append((info, name))
             if name.version > trainer_version:
                 continue  # from a version this trainer has not reached: look again later
             if trainer_version - name.version > self.config.max_staleness:
@@ -287,26 +484,63 @@ class RolloutIntake:
                 self.stats.other_trainer += 1
                 seen[info.key] = info.etag
                 continue
-            if len(self._queue) >= self.config.max_queued:
-                break
-            batch = await self._consider(source, info, name, trainer_version)
-            seen[info.key] = info.etag  # decided: accepted, rejected or stale, never fetched again
-            if batch is not None and bid not in self._accepted:
-                self._accepted[bid] = batch.version
-                self._queue.append(batch)
-                self.stats.accepted += 1
-                self.stats.rows_accepted += len(batch.rows)
-                accepted += 1
+            if bid in self._accepted:
+                seen[info.key] = info.etag  # queued, taken or failed before (e.g. before a restart)
+                continue
+            out.append((info, name))
+        self._pending[source.node] = [(i, n) for i, n in keep if seen.get(i.key) != i.etag]
+        out.sort(key=lambda c: (-c[1].version, c[1].seq))  # newest version first, in order within one
+        return out
+
+    async def _admit(
+        self, pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]], trainer_version: int
+    ) -> int:
+        """Fetch candidates one source at a time in turn (from a start that rotates every poll)
+        until the queue is at a budget: each node gets an equal share of every poll."""
+        k = self.stats.polls % len(self.sources)
+        turn = [s for s in self.sources[k:] + self.sources[:k] if pending.get(s.node)]
+        accepted = 0
+        while turn:
+            for source in list(turn):
+                queue = pending[source.node]
+                if len(self._queue) >= self.config.max_queued:
+                    self.stats.deferred += sum(len(pending[s.node]) for s in turn)
+                    return accepted
+                info, name = queue.popleft()
+                try:
+                    outcome = await self._consider(source, info, name, trainer_version)
+                except (StoreError, TimeoutError) as e:  # nothing remembered: tried again next poll
+                    self._source_failed(source, e)
+                    turn.remove(source)
+                    continue
+                if outcome is _DEFER:
+                    self.stats.deferred += 1 + len(queue)
+                    turn.remove(source)
+                    continue
+                self._seen[source.node][info.key] = info.etag  # decided: never fetched again
+                if isinstance(outcome, RolloutBatch):
+                    self._accepted[outcome.batch_id] = outcome.version
+                    self._queue.append(outcome)
+                    self.stats.accepted += 1
+                    self.stats.rows_accepted += len(outcome.columns)
+                    self.stats.queued += 1
+                    self.stats.queued_tokens += outcome.tokens
+                    self.stats.queued_bytes += outcome.columns.nbytes
+                    accepted += 1
+                if not queue:
+                    turn.remove(source)
         return accepted
 
     async def _consider(
         self, source: RolloutSource, info: ObjectInfo, name: BatchName, trainer_version: int
-    ) -> RolloutBatch | None:
-        """The batch if it passes every check, else None with the reason counted and logged.
+    ) -> RolloutBatch | object | None:
+        """The batch if it passes every check; ``_DEFER`` if it does not fit the queue now; else
+        None with the reason counted and logged.
 
         Store errors other than a missing or oversized object propagate (nothing is remembered)."""
         cfg = self.config
-        ctx = self.layout.context(cfg.run, source.store.url, source.node)
+        node = source.node
+        ctx = self.layout.context(cfg.run, source.store.url, node)
         try:  # verified under every node's keys, so that another node's signature is told apart
             signed = await fetch_document(
                 source.store,
@@ -318,18 +552,18 @@ class RolloutIntake:
                 listed_size=info.size,
             )
             if signed.signer not in source.trusted:
-                return self._reject(info.key, "wrong_node_key", f"signed by {signed.signer}, a key of another node")
+                return self._reject(node, info.key, "wrong_node_key", f"signed by {signed.signer}, a key of another node")
             m = batch_manifest_from(signed, layout=self.layout, name=name)
         except ObjectNotFound:
             return None  # deleted by its owner's retention since the listing
         except DocumentTooLarge as e:
-            return self._reject(info.key, "too_large", str(e))
+            return self._reject(node, info.key, "too_large", str(e))
         except SignatureError as e:
-            return self._reject(info.key, "signature", str(e))
+            return self._reject(node, info.key, "signature", str(e))
         except ManifestError as e:
-            return self._reject(info.key, "malformed", str(e))
-        if m.node != source.node:
-            return self._reject(info.key, "malformed", f"node {m.node!r} in the store of {source.node!r}")
+            return self._reject(node, info.key, "malformed", str(e))
+        if m.node != node:
+            return self._reject(node, info.key, "malformed", f"node {m.node!r} in the store of {node!r}")
         lag = trainer_version - m.version
         if lag > cfg.max_staleness:
             self.stats.stale_in_flight += 1
@@ -337,54 +571,75 @@ class RolloutIntake:
             return None
         published = self.digest_of(m.version)
         if published is None:
-            return self._reject(info.key, "unknown_version", f"no published digest for v{m.version}")
+            return self._reject(node, info.key, "unknown_version", f"no published digest for v{m.version}")
         if published != m.model_digest:
             return self._reject(
-                info.key, "wrong_digest", f"served {m.model_digest[:16]}…, v{m.version} is {published[:16]}…"
+                node, info.key, "wrong_digest", f"served {m.model_digest[:16]}…, v{m.version} is {published[:16]}…"
             )
-        if m.payload.size > cfg.max_batch_bytes or m.rows > cfg.max_rows or m.tokens > cfg.max_tokens:
+        estimate = RolloutColumns.bound_nbytes(rows=m.rows, groups=m.groups, tokens=m.tokens)
+        if (
+            m.payload.size > cfg.max_batch_bytes
+            or m.rows > cfg.max_rows
+            or m.tokens > min(cfg.max_tokens, cfg.max_queued_tokens)
+            or estimate > cfg.max_queued_bytes
+        ):
             return self._reject(
-                info.key, "too_large", f"{m.payload.size} bytes, {m.rows} rows, {m.tokens} tokens declared"
+                node, info.key, "too_large", f"{m.payload.size} bytes, {m.rows} rows, {m.tokens} tokens declared"
             )
+        s = self.stats
+        if s.queued_tokens + m.tokens > cfg.max_queued_tokens or s.queued_bytes + estimate > cfg.max_queued_bytes:
+            return _DEFER
         try:
             payload = await fetch_object(source.store, m.payload, timeout=cfg.transfer_timeout_s)
         except ObjectNotFound:
-            return self._reject(info.key, "size_mismatch", f"payload {m.payload.key} is missing")
+            return self._reject(node, info.key, "size_mismatch", f"payload {m.payload.key} is missing")
         except SizeMismatch as e:
-            return self._reject(info.key, "size_mismatch", str(e))
+            return self._reject(node, info.key, "size_mismatch", str(e))
         except VerificationError as e:
             self.stats.bytes_downloaded += m.payload.size
-            return self._reject(info.key, "hash_mismatch", str(e))
+            return self._reject(node, info.key, "hash_mismatch", str(e))
         self.stats.bytes_downloaded += len(payload)
         try:
-            rows, problem = await asyncio.to_thread(_decode_and_match, m, payload)
+            columns = await asyncio.to_thread(_decode_and_check, m, payload, cfg.limits)
+        except RolloutRowError as e:
+            return self._reject(node, info.key, e.reason, str(e))
         except RolloutError as e:
-            return self._reject(info.key, "payload_malformed", str(e))
-        if problem:
-            return self._reject(info.key, "row_mismatch", problem)
-        return RolloutBatch(m, rows)
+            return self._reject(node, info.key, "payload_malformed", str(e))
+        return RolloutBatch(m, columns, self.batch_id(node, name))
 
-    def _reject(self, key: str, reason: str, why: str) -> None:
-        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
-        log.warning("rejected rollout batch %s (%s): %s", key, reason, why)
+    def _reject(self, node: str, key: str, reason: str, why: str) -> None:
+        self._count(node, reason)
+        log.warning("rejected rollout batch %s of %s (%s): %s", key, node, reason, why)
         return None
 
+    def _count(self, node: str, reason: str) -> None:
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+        per = self.stats.rejected_by_node.setdefault(node, {})
+        per[reason] = per.get(reason, 0) + 1
 
-def _decode_and_match(m: BatchManifest, payload: bytes) -> tuple[list[Rollout], str | None]:
-    """The rows (decoded under the manifest's counts) and what disagrees with the manifest, if anything."""
-    rows = decode_batch(payload, max_rows=m.rows, max_tokens=m.tokens)
-    return rows, _row_mismatch(m, rows)
+    def _unqueued(self, b: RolloutBatch) -> None:
+        self.stats.queued -= 1
+        self.stats.queued_tokens -= b.tokens
+        self.stats.queued_bytes -= b.columns.nbytes
+
+    def _source_failed(self, source: RolloutSource, e: BaseException) -> None:
+        self.stats.errors += 1
+        log.warning("rollout source %s (%s) failed: %s: %s", source.node, source.store.url, type(e).__name__, e)
 
 
-def _row_mismatch(m: BatchManifest, rows: list[Rollout]) -> str | None:
-    for r in rows:
-        if r.version != m.version or r.model_digest != m.model_digest or r.node != m.node:
-            return f"a row says node {r.node!r} v{r.version}; the manifest says {m.node!r} v{m.version}"
-    if len(rows) != m.rows or len({r.group for r in rows}) != m.groups:
-        return (
-            f"{len(rows)} rows in {len({r.group for r in rows})} groups; manifest says {m.rows} in {m.groups}"
+def _decode_and_check(m: BatchManifest, payload: bytes, limits: RowLimits) -> RolloutColumns:
+    """The rows (decoded under the manifest's counts), checked against the manifest and ``limits``:
+    RolloutError (payload), RolloutRowError (``row_mismatch`` or a ROW_REASONS reason)."""
+    cols = decode_columns(payload, max_rows=m.rows, max_tokens=m.tokens)
+    if (cols.version, cols.model_digest, cols.node) != (m.version, m.model_digest, m.node):
+        raise RolloutRowError(
+            "row_mismatch", f"rows say node {cols.node!r} v{cols.version}; the manifest says {m.node!r} v{m.version}"
         )
-    tokens = sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    if tokens != m.tokens:
-        return f"{tokens} tokens; manifest says {m.tokens}"
-    return None
+    if len(cols) != m.rows or len(cols.groups) != m.groups or cols.tokens != m.tokens:
+        raise RolloutRowError(
+            "row_mismatch",
+            f"{len(cols)} rows in {len(cols.groups)} groups, {cols.tokens} tokens; manifest says "
+            f"{m.rows} in {m.groups}, {m.tokens} tokens",
+        )
+    check_rows(cols, limits)
+    return cols

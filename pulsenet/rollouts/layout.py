@@ -2,6 +2,11 @@
 
     {prefix}/batches/v{version:012d}-{node}-{seq:08d}-{sha256[:16]}.parquet   Parquet rows, create-only
     {prefix}/manifests/v{version:012d}-{node}-{seq:08d}.json                  signed manifest, create-only, last
+    {prefix}/head.json                                                        signed head, overwritten after each batch
+
+and inside each trainer's own store (the one its policy channel is in)::
+
+    {prefix}/demand/{trainer}.json                                          signed demand record, overwritten
 
 An inference node writes only under its own store, never a trainer's: trainers read it with
 read-only credentials. ``seq`` counts the node's batches (never reused, continued from the listing
@@ -61,6 +66,29 @@ class RolloutLayout:
         and prefix keep a manifest copied into another bucket (or channel) from verifying there.
         """
         return f"rollouts/{run}/{node}@{store_url.rstrip('/')}/{self.prefix}"
+
+    @property
+    def head(self) -> str:
+        """The node's signed head record (manifest.py): rewritten after each batch, so a trainer
+        polls it with one conditional GET and lists the manifests only when it moved."""
+        return f"{self.prefix}/head.json"
+
+    def head_context(self, run: str, store_url: str, node: str) -> str:
+        """What ``node``'s head is signed for (like ``context``, another kind of document)."""
+        return f"rollout-head/{run}/{node}@{store_url.rstrip('/')}/{self.prefix}"
+
+    def demand(self, trainer: str) -> str:
+        """A trainer's demand record (demand.py), in the trainer's own store."""
+        return f"{self.prefix}/demand/{check_node(trainer)}.json"
+
+    def demand_context(self, run: str, store_url: str, trainer: str) -> str:
+        """What ``trainer``'s demand record is signed for: like ``context``, for the trainer's slot,
+        so a record copied to another trainer's store, another run or prefix does not verify."""
+        return f"rollout-demand/{run}/{trainer}@{store_url.rstrip('/')}/{self.prefix}"
+
+    def batch_id(self, node: str, name: BatchName) -> str:
+        """``node/manifest key``: the name the partition hashes and the consumed record keeps."""
+        return f"{node}/{self.manifest(name.version, name.node, name.seq)}"
 
     def manifest(self, version: int, node: str, seq: int) -> str:
         return f"{self.manifests}{_stem(version, node, seq)}.json"

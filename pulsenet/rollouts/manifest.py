@@ -12,6 +12,18 @@ A manifest is a signed document (``pulsenet.signing``) whose body is::
 It is signed for the context ``RolloutLayout.context(run, store_url, node)`` (see there for why), written
 create-only after the payload. Readers accept it only if a key trusted *for that node* signed it,
 ``publisher`` is that key, and its node/version/seq are the ones its own key names.
+
+The node's **head** (``RolloutLayout.head``), signed for ``RolloutLayout.head_context``, is
+overwritten after every manifest so that a trainer can poll the channel with one conditional GET
+and list the manifests only when the head moved::
+
+    {"format": "pulsenet-rollout-head", "schema": 1, "node": "inf-0", "seq": 1767225600000000,
+     "next_seq": 18, "newest_version": 12, "publisher": "<key id>", "created": "..."}
+
+``seq`` grows with every write (the writer's clock in microseconds, or the last + 1): a head whose
+seq is below one already verified is a replayed copy. ``next_seq`` and ``newest_version`` say what
+the node had written (diagnostics; nothing is accepted on a head's word: batches still come from
+the listing and their own signed manifests).
 """
 
 from __future__ import annotations
@@ -20,12 +32,12 @@ import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.errors import ManifestError
 from pulsenet.rollouts.layout import MAX_SEQ, MAX_VERSION, NODE, BatchName, RolloutLayout
 from pulsenet.signed import ObjectRef, is_sha256
-from pulsenet.signing import Signed, key_id, sign_document, verify_document
+from pulsenet.signing import Signed, key_id, sign_document
 
 FORMAT = "pulsenet-rollout-manifest"
 SCHEMA = 1
@@ -134,6 +146,57 @@ def _int(body: Mapping, name: str, most: int) -> int:
     return v
 
 
+HEAD_FORMAT = "pulsenet-rollout-head"
+MAX_HEAD = 4096
+"""Largest head record a trainer fetches (a real one is about 330 bytes)."""
+_HEAD_FIELDS = frozenset({"format", "schema", "node", "seq", "next_seq", "newest_version", "publisher", "created"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutHead:
+    """A node's head record (module docstring)."""
+
+    node: str
+    seq: int
+    next_seq: int
+    newest_version: int
+    publisher: str
+    created: str
+
+    def to_body(self) -> dict:
+        return {
+            "format": HEAD_FORMAT,
+            "schema": SCHEMA,
+            "node": self.node,
+            "seq": self.seq,
+            "next_seq": self.next_seq,
+            "newest_version": self.newest_version,
+            "publisher": self.publisher,
+            "created": self.created,
+        }
+
+
+def head_from(signed: Signed, node: str) -> RolloutHead:
+    """The head record of ``node`` in a verified document, else ManifestError."""
+    body = signed.body
+    try:
+        if body.get("format") != HEAD_FORMAT or body.get("schema") != SCHEMA or set(body) != _HEAD_FIELDS:
+            raise ManifestError(f"not a {HEAD_FORMAT} v{SCHEMA} record")
+        head = RolloutHead(
+            node=body["node"],
+            seq=_int(body, "seq", 1 << 62),
+            next_seq=_int(body, "next_seq", MAX_SEQ + 1),
+            newest_version=_int(body, "newest_version", MAX_VERSION),
+            publisher=body["publisher"],
+            created=body["created"],
+        )
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ManifestError(f"malformed rollout head: {type(e).__name__}: {e}") from None
+    if head.node != node or head.publisher != signed.signer or not isinstance(head.created, str):
+        raise ManifestError(f"rollout head of {str(head.node)[:80]!r} by {head.publisher!r} in the slot of {node!r}")
+    return head
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
 
@@ -142,20 +205,6 @@ def sign_batch_manifest(manifest: BatchManifest, key: Ed25519PrivateKey, *, cont
     if manifest.publisher != key_id(key.public_key()):
         raise ManifestError(f"manifest publisher {manifest.publisher!r} is not the signing key")
     return sign_document(manifest.to_body(), key, context=context)
-
-
-def verify_batch_manifest(
-    data: bytes,
-    trusted: Mapping[str, Ed25519PublicKey],
-    *,
-    context: str,
-    layout: RolloutLayout,
-    name: BatchName | None = None,
-) -> BatchManifest:
-    """A manifest a key in ``trusted`` (the node's own keys) signed for ``context``, from its bytes:
-    :func:`batch_manifest_from` of the verified document. Bad or untrusted signatures: SignatureError.
-    """
-    return batch_manifest_from(verify_document(data, trusted, context=context), layout=layout, name=name)
 
 
 def batch_manifest_from(signed: Signed, *, layout: RolloutLayout, name: BatchName | None = None) -> BatchManifest:

@@ -1,10 +1,16 @@
 """Inference side of the rollout channel: upload batches to the node's own store, then sign them.
 
 Per batch: Parquet encode and SHA-256 in a thread, the payload put create-only under its
-content-tagged key, then the signed manifest create-only (layout.py). Nothing is ever overwritten:
+content-tagged key, then the signed manifest create-only (layout.py), then the signed head
+overwritten (manifest.py: trainers poll it with one conditional GET and list only when it moved;
+a failed head write is logged, counted and redone with the next batch, never fails the batch). Nothing is ever overwritten:
 if either key is taken (a restarted node racing its old self, a planted object) the batch moves to
 the next sequence number. ``start()`` continues the sequence from the listing, so a restarted node
 neither reuses a number nor overwrites a batch.
+
+Orphans: a payload whose manifest was never written (the writer killed between the two puts) is
+this node's to remove: ``start`` and ``retain`` delete it once it is older than
+``orphan_grace_s`` (or below the retention floor), so nothing half-written stays behind.
 
 Retention (``retain``): trainers cannot write here (each site writes only its own bucket), so the
 owner cannot learn which batches were consumed; it deletes what nobody may train on any more,
@@ -16,8 +22,10 @@ batches.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,12 +33,26 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
-from pulsenet.errors import ConditionFailed, RolloutError
-from pulsenet.rollouts.layout import RolloutLayout, check_node
-from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
-from pulsenet.signed import ObjectRef
-from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore
+from pulsenet.errors import (
+    ConditionFailed,
+    DocumentTooLarge,
+    ManifestError,
+    ObjectNotFound,
+    RolloutError,
+    StoreError,
+)
+from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
+from pulsenet.rollouts.manifest import (
+    MAX_HEAD,
+    BatchManifest,
+    RolloutHead,
+    head_from,
+    now_iso,
+    sign_batch_manifest,
+)
+from pulsenet.signed import ObjectRef, fetch_document
+from pulsenet.signing import key_id, sign_document
+from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +72,13 @@ class RolloutWriterConfig:
     """Deadline of one payload upload."""
     taken_retries: int = 8
     """Sequence numbers tried per batch when keys are already taken."""
+    orphan_grace_s: float = 120.0
+    """A payload no manifest names (its writer died between the two puts) is deleted at ``start``
+    and by ``retain`` once this old: longer than a manifest put may take (a racing instance)."""
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0 or self.taken_retries < 1:
-            raise ValueError("max_staleness must be >= 0 and taken_retries >= 1")
+        if self.max_staleness < 0 or self.taken_retries < 1 or self.orphan_grace_s < 0:
+            raise ValueError("max_staleness and orphan_grace_s must be >= 0, taken_retries >= 1")
 
 
 @dataclass(slots=True)
@@ -65,6 +90,11 @@ class WriterStats:
     """Sequence numbers skipped because a key already existed."""
     deleted: int = 0
     """Objects removed by retention."""
+    head_writes: int = 0
+    head_errors: int = 0
+    """Head writes that failed (logged; the head is rewritten with the next batch)."""
+    orphans_deleted: int = 0
+    """Payloads deleted because no manifest named them (also counted in ``deleted``)."""
 
 
 class RolloutWriter:
@@ -87,19 +117,55 @@ class RolloutWriter:
         self.stats = WriterStats()
         self.next_seq: int | None = None
         """Sequence number of the next batch (None before ``start``)."""
+        self._produced: dict[int, BatchName] = {}  # seq -> this node's batches whose manifest is in the store
+        self.head: RolloutHead | None = None
+        """The head written last (or found at ``start``)."""
+        self._retained_floor: int | None = None
+
+    @property
+    def produced(self) -> list[BatchName]:
+        """This node's batches in its store (manifest written, not yet deleted by ``retain``), as
+        of ``start`` plus what this writer did since: what demand pacing counts as outstanding."""
+        return [self._produced[s] for s in sorted(self._produced)]
 
     async def start(self) -> None:
-        """Continue the sequence after every batch or manifest of this node already in the store."""
+        """Continue the sequence after every batch or manifest of this node already in the store,
+        and delete this node's orphans: payloads whose manifest was never written (a writer killed
+        between the two puts), older than ``orphan_grace_s``."""
+        listings = {
+            prefix: await self.store.list(prefix, timeout=self.config.timeout_s)
+            for prefix in (self.layout.manifests, self.layout.batches)
+        }
         seqs = [-1]
         for prefix, parse in (
             (self.layout.manifests, self.layout.parse_manifest),
             (self.layout.batches, self.layout.parse_batch),
         ):
-            for info in await self.store.list(prefix, timeout=self.config.timeout_s):
+            for info in listings[prefix]:
                 name = parse(info.key)
                 if name is not None and name.node == self.node:
                     seqs.append(name.seq)
-        self.next_seq = max(seqs) + 1
+                    if prefix == self.layout.manifests:
+                        self._produced[name.seq] = name
+        self.next_seq = max(seqs) + 1  # past the orphans too: a sequence number is never reused
+        self.stats.deleted += await self._delete_orphans(
+            listings[self.layout.manifests], listings[self.layout.batches], floor=None
+        )
+        try:  # our own head: its seq goes on from there, whatever this machine's clock says
+            signed = await fetch_document(
+                self.store,
+                self.layout.head,
+                {self.key_id: self.key.public_key()},
+                context=self.layout.head_context(self.config.run, self.store.url, self.node),
+                max_bytes=MAX_HEAD,
+                timeout=self.config.timeout_s,
+            )
+            self.head = head_from(signed, self.node)
+        except ObjectNotFound:
+            pass
+        except (ManifestError, DocumentTooLarge) as e:  # planted or of another key: overwritten below
+            log.warning("rollout head in %s is not %s's: %s", self.store.url, self.node, e)
+        await self.write_head()
         log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
 
     async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
@@ -149,31 +215,87 @@ class RolloutWriter:
                 log.warning("manifest %s exists; moving to the next sequence number", mkey)
                 await self.store.delete([key], timeout=self.config.timeout_s)
                 continue
+            self._produced[seq] = manifest.name
             self.stats.batches += 1
             self.stats.rows += len(rows)
             self.stats.bytes_uploaded += len(data) + len(signed)
+            await self.write_head()
             return manifest
         raise ConditionFailed(
             f"{self.config.taken_retries} sequence numbers in a row were taken in {self.store.url}"
         )
 
+    async def write_head(self) -> bool:
+        """Overwrite the signed head with what this node has written; False (logged, counted) if
+        the put failed: the next batch writes it again, and trainers list anyway now and then."""
+        seq = max(time.time_ns() // 1000, self.head.seq + 1 if self.head else 0)
+        head = RolloutHead(
+            node=self.node,
+            seq=seq,
+            next_seq=self.next_seq or 0,
+            newest_version=max((n.version for n in self._produced.values()), default=0),
+            publisher=self.key_id,
+            created=now_iso(),
+        )
+        data = sign_document(head.to_body(), self.key, context=self.layout.head_context(self.config.run, self.store.url, self.node))
+        try:
+            await self.store.put(self.layout.head, data, timeout=self.config.timeout_s)
+        except (StoreError, TimeoutError) as e:
+            self.stats.head_errors += 1
+            log.warning("rollout head of %s not written: %s: %s", self.node, type(e).__name__, e)
+            return False
+        self.head = head
+        self.stats.head_writes += 1
+        return True
+
     async def retain(self, newest_version: int) -> int:
         """Delete this node's batches no trainer may accept any more (version below
-        ``newest_version - max_staleness``); returns how many objects went."""
+        ``newest_version - max_staleness``), and its orphans (payloads without a manifest) older
+        than ``orphan_grace_s`` or below that floor; returns how many objects went.
+
+        Lists the channel only when the floor moved since the last call (once per version, however
+        often it is called)."""
         floor = newest_version - self.config.max_staleness
-        doomed: dict[str, list[str]] = {"manifests": [], "batches": []}
-        for kind, prefix, parse in (
-            ("manifests", self.layout.manifests, self.layout.parse_manifest),
-            ("batches", self.layout.batches, self.layout.parse_batch),
-        ):
-            for info in await self.store.list(prefix, timeout=self.config.timeout_s):
-                name = parse(info.key)
-                if name is not None and name.node == self.node and name.version < floor:
-                    doomed[kind].append(info.key)
-        for kind in ("manifests", "batches"):  # manifests first: none ever names a missing payload
-            await self.store.delete(doomed[kind], timeout=self.config.timeout_s)
-        n = len(doomed["manifests"]) + len(doomed["batches"])
+        if floor == self._retained_floor:
+            return 0
+        manifests = await self.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+        batches = await self.store.list(self.layout.batches, timeout=self.config.timeout_s)
+        doomed = [
+            info.key
+            for info in manifests
+            if (name := self.layout.parse_manifest(info.key)) is not None and name.node == self.node and name.version < floor
+        ]
+        await self.store.delete(doomed, timeout=self.config.timeout_s)  # manifests first: none names a missing payload
+        gone = set(doomed)
+        n = len(doomed) + await self._delete_orphans([i for i in manifests if i.key not in gone], batches, floor=floor)
+        self._retained_floor = floor
+        self._produced = {s: n for s, n in self._produced.items() if n.version >= floor}
         self.stats.deleted += n
         if n:
             log.info("retention: deleted %d rollout objects of %s below v%d", n, self.node, floor)
         return n
+
+    async def _delete_orphans(self, manifests: list[ObjectInfo], batches: list[ObjectInfo], *, floor: int | None) -> int:
+        """Delete this node's payloads that no listed manifest names: below ``floor`` (nobody may
+        take them) or older than ``orphan_grace_s`` by the store's clock. The grace keeps the
+        payload of a racing instance of this node (a restart racing its old self) whose manifest
+        put is still on its way."""
+        named = {
+            (n.version, n.seq)
+            for i in manifests
+            if (n := self.layout.parse_manifest(i.key)) is not None and n.node == self.node
+        }
+        cutoff = dt.datetime.now(dt.UTC) - dt.timedelta(seconds=self.config.orphan_grace_s)
+        orphans = [
+            i.key
+            for i in batches
+            if (n := self.layout.parse_batch(i.key)) is not None
+            and n.node == self.node
+            and (n.version, n.seq) not in named
+            and ((floor is not None and n.version < floor) or i.last_modified <= cutoff)
+        ]
+        if orphans:
+            await self.store.delete(orphans, timeout=self.config.timeout_s)
+            self.stats.orphans_deleted += len(orphans)
+            log.info("deleted %d rollout payloads of %s that no manifest names", len(orphans), self.node)
+        return len(orphans)

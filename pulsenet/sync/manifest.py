@@ -284,11 +284,6 @@ def sign_head(head: Head, key: Ed25519PrivateKey, *, context: str) -> bytes:
     return sign_document(head.to_body(), key, context=context)
 
 
-def verify_head(data: bytes, trusted: Mapping[str, Ed25519PublicKey], *, context: str) -> Head:
-    """A head record a trusted key signed for ``context``, else ManifestError/SignatureError."""
-    return head_from(verify_document(data, trusted, context=context))
-
-
 def head_from(signed: Signed) -> Head:
     """The head record in a verified document, else ManifestError."""
     head = Head.from_body(signed.body)

@@ -1,7 +1,7 @@
 """Fuzz targets for PULSELoCo's round documents and the trainer's state files (issue 12).
 
 ``loco.manifest``, ``loco.record``, ``loco.digest``, ``loco.state_ref``: the bytes of a signed
-document through ``RoundStore.parse_*``, exactly as a trainer reads them from the store (envelope,
+document through ``RoundStore._verify`` and its parser, exactly as a trainer reads them from the store (envelope,
 signature under the right trainer's key and the run's context, body checks). Exact: whatever
 verifies is the seed's document, so a mutant either fails typed or decodes to the same value.
 
@@ -16,6 +16,16 @@ shapes. Not exact: neither file format carries a checksum (the resume point is w
 on the trainer's own disk; a global state from the store is checked against its signed SHA-256
 before it is loaded), so a flipped value bit loads; anything that loads must have the model's
 names, shapes and dtypes.
+
+``loco.aggregate`` (issue 21): a set of payloads from peers (some hostile: values scaled by 1e30,
+3e38, NaN, one huge entry, a duplicated payload, another round) through a round's screening and
+apply path, as two trainers take it: the record writer (``t0``: decode, validate, ``NormScreen.
+exclude``, quorum) and a reader following a hostile writer that screened nothing (``NormScreen.
+refuse``, then ``apply_round``); and the outer step on every valid payload unscreened (a run whose
+factors are set huge), which must apply finitely or be void. Typed rejections: a malformed or invalid set member
+(PayloadError), no quorum or a refused record (RoundError). Whatever is applied must leave θ and
+the momentum finite, a void step must leave them untouched bit for bit, an honest writer's set must
+pass a reader that shares its reference, and no payload over ``weights_factor x ‖θ‖`` is averaged.
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from pulsenet.codec import payload as wire
+from pulsenet.errors import PayloadError, RoundError
+from pulsenet.loco import algorithm as alg
 from pulsenet.loco.documents import (
     KIND_DIGEST,
     KIND_MANIFEST,
@@ -132,19 +145,23 @@ def _state_seeds() -> list[bytes]:
 
 
 def _manifest(data: bytes) -> Manifest:
-    return _rs().parse_manifest(data, "t1", R)
+    rs, key = _rs(), _rs().layout.manifest("t1", R)
+    return rs._manifest(key, rs._verify(key, data, KIND_MANIFEST, signer="t1"), "t1", R)
 
 
 def _record(data: bytes) -> Record:
-    return _rs().parse_record(data, R)
+    rs, key = _rs(), _rs().layout.record(R)
+    return rs._record(key, rs._verify(key, data, KIND_RECORD, signer=None), R)
 
 
 def _digest(data: bytes) -> str:
-    return _rs().parse_digest(data, "t2", R)
+    rs, key = _rs(), _rs().layout.digest("t2", R)
+    return rs._digest(key, rs._verify(key, data, KIND_DIGEST, signer="t2"), R)
 
 
 def _state_ref(data: bytes) -> StateRef:
-    return _rs().parse_state_ref(data, R)
+    rs, key = _rs(), _rs().layout.state_manifest(R)
+    return rs._state_ref(key, rs._verify(key, data, KIND_STATE, signer=None), R)
 
 
 def _ref_ok(ref: ObjectRef, prefix: str) -> bool:
@@ -448,3 +465,181 @@ TARGETS += [
     {"name": "loco.global_state", "seeds": _global_state_seeds, "decode": _global_state,
      "mutators": [_safetensors_header]},
 ]  # fmt: skip
+
+
+# --- aggregation: hostile payload sets through the screen and the outer step (issue 21) ------------
+
+AGG_MAGIC = b"PNAG"
+AGG_SHAPES = {"b": (17,), "e": (4, 4), "w": (32, 20)}
+AGG_SCREEN = alg.NormScreen(factor=10.0, weights_factor=1.0, min_payloads=3)
+AGG_QUORUM = 1
+
+
+@functools.cache
+def _agg_state() -> tuple[dict[str, Any], dict[str, Any]]:
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(31)
+    theta = {n: torch.from_numpy((rng.standard_normal(s) * 0.05).astype(np.float32)) for n, s in AGG_SHAPES.items()}
+    momentum = {n: torch.from_numpy((rng.standard_normal(s) * 1e-3).astype(np.float32)) for n, s in AGG_SHAPES.items()}
+    return theta, momentum
+
+
+def _agg_pack(payloads: list[bytes]) -> bytes:
+    return AGG_MAGIC + bytes([len(payloads)]) + b"".join(len(p).to_bytes(4, "little") + p for p in payloads)
+
+
+def _agg_unpack(data: bytes) -> list[bytes]:
+    if data[:4] != AGG_MAGIC or len(data) < 5:
+        raise PayloadError("not a payload set")
+    out, i = [], 5
+    for _ in range(data[4]):
+        n = int.from_bytes(data[i : i + 4], "little")
+        if i + 4 + n > len(data) or n == 0:
+            raise PayloadError("payload set truncated")
+        out.append(data[i + 4 : i + 4 + n])
+        i += 4 + n
+    if i != len(data) or not 1 <= len(out) <= 8:
+        raise PayloadError("payload set: trailing bytes or a bad count")
+    return out
+
+
+def _agg_seeds() -> list[bytes]:
+    import numpy as np
+    import torch
+
+    theta, _ = _agg_state()
+    rng = np.random.default_rng(32)
+    honest = []
+    for k in range(4):
+        local = {n: t + torch.from_numpy((rng.standard_normal(t.shape) * 4e-3 * (1 + k)).astype(np.float32)) * t.abs()
+                 for n, t in theta.items()}  # fmt: skip
+        p, _ = alg.make_update(theta, local, None, round=R, sparse=True)
+        honest.append(wire.encode(p, theta, threads=1))
+    return [_agg_pack(honest[:1]), _agg_pack(honest[:2]), _agg_pack(honest[:3]), _agg_pack(honest)]
+
+
+def _agg_decode(data: bytes) -> tuple[str, ...]:
+    """The writer's and a reader's path over one payload set; returns what happened (not exact)."""
+    theta, momentum = _agg_state()
+    ids = [f"t{k}" for k in range(8)]
+    norms, payloads = {}, {}
+    for tid, blob in zip(ids, _agg_unpack(data), strict=False):
+        try:
+            p = wire.decode(blob, AGG_SHAPES, theta)
+            norms[tid] = alg.validate(p, round=R, mode=wire.SPARSE)
+            payloads[tid] = p
+        except PayloadError:
+            continue  # the writer records it as rejected
+    # Screens or not (a run configured with huge factors), the outer step never leaves θ or m
+    # non-finite: it applies, or it is void and changes nothing.
+    outcomes = [_agg_apply(payloads, theta, momentum) if payloads else "none valid"]
+    wn = alg.weights_norm(theta)
+    excluded = AGG_SCREEN.exclude(norms, own="t0", weights_norm=wn)
+    honest = {t: n for t, n in norms.items() if t not in excluded}
+    if len(honest) < AGG_QUORUM:
+        raise RoundError("no quorum of valid payloads")
+    # An honest writer's set passes a reader that judged against the same reference.
+    if refused := AGG_SCREEN.refuse(honest, own=honest.get("t0"), weights_norm=wn):
+        raise AssertionError(f"the writer's own set fails the reader's check: {refused}")
+    outcomes.append(_agg_apply({t: payloads[t] for t in honest}, theta, momentum))
+    # A hostile writer that screened nothing: the reader (t1, if valid) must refuse or apply sanely.
+    if refused := AGG_SCREEN.refuse(norms, own=norms.get("t1"), weights_norm=wn):
+        raise RoundError(f"the reader refuses the record: {sorted(refused)}")
+    if any(n > AGG_SCREEN.weights_factor * wn * AGG_SCREEN.slack for n in norms.values()):
+        raise AssertionError("the reader follows a record averaging a payload over the weights' scale")
+    outcomes.append(_agg_apply(payloads, theta, momentum))
+    return tuple(outcomes)
+
+
+def _agg_apply(payloads: dict[str, Any], theta: dict[str, Any], momentum: dict[str, Any]) -> str:
+    import numpy as np
+
+    th = {n: t.clone() for n, t in theta.items()}
+    m = {n: t.clone() for n, t in momentum.items()}
+    void = alg.apply_round(th, m, payloads, lr=0.7, mu=0.9)
+    if void is not None:
+        if alg.global_digest(th, m) != alg.global_digest(theta, momentum):
+            raise AssertionError(f"a void step changed the state: {void}")
+        return "void"
+    if not all(np.isfinite(t.numpy()).all() for t in (*th.values(), *m.values())):
+        raise AssertionError("applied a non-finite state")
+    return "applied"
+
+
+def _agg_rewrite(data: bytes, rng: random.Random, change: Callable[[Any, random.Random], Any]) -> bytes:
+    """Decode one member of the set (raw or relative), ``change`` its payload, re-encode as raw FP32 bits."""
+    try:
+        members = _agg_unpack(data)
+        k = rng.randrange(len(members))
+        p = wire.decode(members[k], AGG_SHAPES, _agg_state()[0])
+    except PayloadError:
+        return data
+    members[k] = wire.encode(change(p, rng), threads=1)
+    return _agg_pack(members)
+
+
+HOSTILE_SCALES = (1e30, -1e30, 3e38, -3e38, 1e6, 11.0, 101.0, 0.0, -0.0, 1e-45, float("inf"), float("nan"))
+
+
+def _scale_all(p: Any, rng: random.Random) -> Any:
+    import numpy as np
+
+    f = rng.choice(HOSTILE_SCALES)
+    with np.errstate(all="ignore"):
+        ts = {n: wire.SparseTensor(t.shape, t.indices, (t.values.astype(np.float64) * f).astype(np.float32))
+              for n, t in p.tensors.items()}  # fmt: skip
+    return wire.Payload(p.round, p.mode, ts)
+
+
+def _one_entry(p: Any, rng: random.Random) -> Any:
+    import numpy as np
+
+    ts = {n: wire.SparseTensor(t.shape, t.indices, t.values.copy()) for n, t in p.tensors.items()}
+    hit = [t for t in ts.values() if t.values.size]
+    if hit:
+        t = rng.choice(hit)
+        t.values[rng.randrange(t.values.size)] = np.float32(rng.choice((3.4e38, -3.4e38, 1e20, float("nan"))))
+    return wire.Payload(p.round, p.mode, ts)
+
+
+def _other_round(p: Any, rng: random.Random) -> Any:
+    return wire.Payload(rng.choice((R - 1, R + 1, 0)), p.mode, p.tensors)
+
+
+def agg_scale(data: bytes, rng: random.Random) -> bytes:
+    """One member's values times a hostile factor (1e30, 3e38, inf, NaN, 0, 11, 101, ...)."""
+    return _agg_rewrite(data, rng, _scale_all)
+
+
+def agg_entry(data: bytes, rng: random.Random) -> bytes:
+    """One value of one member set to the float32 extreme, 1e20 or NaN."""
+    return _agg_rewrite(data, rng, _one_entry)
+
+
+def agg_round(data: bytes, rng: random.Random) -> bytes:
+    """One member claims another round."""
+    return _agg_rewrite(data, rng, _other_round)
+
+
+def agg_members(data: bytes, rng: random.Random) -> bytes:
+    """Duplicate (a Sybil sending the same payload twice), drop or reorder members."""
+    try:
+        members = _agg_unpack(data)
+    except PayloadError:
+        return data
+    op = rng.random()
+    if op < 0.4 and len(members) < 8:
+        members.insert(rng.randrange(len(members) + 1), rng.choice(members))
+    elif op < 0.7 and len(members) > 1:
+        del members[rng.randrange(len(members))]
+    else:
+        rng.shuffle(members)
+    return _agg_pack(members)
+
+
+TARGETS.append(
+    {"name": "loco.aggregate", "seeds": _agg_seeds, "decode": _agg_decode,
+     "mutators": [agg_scale, agg_scale, agg_scale, agg_entry, agg_round, agg_members, agg_members]}
+)  # fmt: skip

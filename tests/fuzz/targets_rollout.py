@@ -1,4 +1,5 @@
-"""Fuzz targets of the rollout channel: the Parquet batch decoder and the batch-manifest verify path.
+"""Fuzz targets of the rollout channel: the Parquet batch decoder, the batch-manifest verify path,
+and the trainer's row checks (intake rows).
 
 ``rollout.batch`` is not exact (the Parquet bytes carry no integrity check of their own: the
 manifest's SHA-256 does that), so a mutated batch may decode to other rows; it must never raise
@@ -6,24 +7,42 @@ anything but a ``RolloutError``. ``rollout.manifest`` is exact: the signature co
 whatever still verifies is a body the trusted key signed: one of the seeds' manifests. Not always
 the mutated seed's own: JSON objects may repeat a key (the last one wins), so splicing seed A's
 head onto seed B's tail can carry B's signed body intact, which verifies, correctly, as B.
+
+``rollout.rows`` is what the intake does with a payload that matched its manifest: decode to arrays,
+then ``rows.check_rows`` against a trainer's ``RowLimits``. Its mutators change rows the way a
+compromised node would (token ids past the vocabulary, empty or overlong rows, a group with two
+prompts, rewards and logprobs at and past their bounds) and re-encode them, besides the byte-level
+ones. Not exact, but checked against a plain per-row reference: an accepted batch must satisfy
+every limit, a refused one must break the limit its reason names (anything else is a crash).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import math
 import random
 import struct
 
-from pulsenet.codec.rollout import Rollout, decode_batch, encode_batch
+from pulsenet.codec.rollout import (
+    MAX_TOKEN_ID,
+    Rollout,
+    RolloutColumns,
+    decode_batch,
+    decode_columns,
+    encode_batch,
+)
+from pulsenet.errors import RolloutError, RolloutRowError
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,
+    batch_manifest_from,
     sign_batch_manifest,
-    verify_batch_manifest,
 )
+from pulsenet.rollouts.rows import RowLimits, check_rows
 from pulsenet.signed import ObjectRef
-from pulsenet.signing import key_id, sign_document
+from pulsenet.signing import key_id, sign_document, verify_document
 
 _DIGEST = "3f" * 32
 _LAYOUT = RolloutLayout()
@@ -146,7 +165,7 @@ def _manifest_seeds() -> list[bytes]:
 
 
 def _verify_manifest(data: bytes) -> BatchManifest:
-    return verify_batch_manifest(data, _keys()[2], context=_CONTEXT, layout=_LAYOUT)
+    return batch_manifest_from(verify_document(data, _keys()[2], context=_CONTEXT), layout=_LAYOUT)
 
 
 @functools.cache
@@ -216,6 +235,137 @@ def _mutate_envelope(data: bytes, rng: random.Random) -> bytes:
     return json.dumps(env).encode()
 
 
+# --- intake rows ---------------------------------------------------------------------------------
+
+_LIMITS = RowLimits(
+    vocab_size=1 << 17, max_prompt_tokens=48, max_completion_tokens=40, max_row_tokens=80, reward_min=-1.0, reward_max=1.0
+)
+
+
+def _valid_rows(seed: int, groups: int, g: int) -> list[Rollout]:
+    rng = random.Random(seed)
+    rows = []
+    for gi in range(groups):
+        prompt = tuple(rng.randrange(1 << 17) for _ in range(rng.randrange(1, 40)))
+        for _ in range(g):
+            n = rng.randrange(1, 40)
+            rows.append(
+                Rollout(
+                    group=f"g{seed}-{gi}",
+                    prompt_ids=prompt,
+                    completion_ids=tuple(rng.randrange(1 << 17) for _ in range(n)),
+                    logprobs=tuple(struct.unpack("f", struct.pack("f", -rng.random() * 8))[0] for _ in range(n)),
+                    reward=rng.choice([0.0, 1.0, -1.0, 0.5]),
+                    version=seed,
+                    model_digest=_DIGEST,
+                    node="inf-a",
+                    seed=rng.randrange(1 << 40),
+                )
+            )
+    rng.shuffle(rows)  # groups interleaved: the prompt check must not assume contiguous groups
+    return rows
+
+
+def _rows_seeds() -> list[bytes]:
+    return [encode_batch(_valid_rows(s, groups, g)) for s, groups, g in ((11, 1, 1), (12, 3, 4), (13, 6, 8))]
+
+
+def _reference_defect(cols: RolloutColumns, lim: RowLimits) -> str | None:
+    """The first reason ``check_rows`` must give, computed row by row in plain Python."""
+    rows = cols.to_rows()
+    if any(not r.prompt_ids or not r.completion_ids for r in rows):
+        return "empty_row"
+    if any(
+        len(r.prompt_ids) > lim.max_prompt_tokens
+        or len(r.completion_ids) > lim.max_completion_tokens
+        or (lim.max_row_tokens is not None and len(r.prompt_ids) + len(r.completion_ids) > lim.max_row_tokens)
+        for r in rows
+    ):
+        return "row_too_long"
+    if any(not 0 <= t < lim.vocab_size for r in rows for t in r.prompt_ids + r.completion_ids):
+        return "token_range"
+    prompts: dict[str, tuple[int, ...]] = {}
+    if any(prompts.setdefault(r.group, r.prompt_ids) != r.prompt_ids for r in rows):
+        return "group_prompts"
+    if any(not (math.isfinite(x) and lim.logprob_min <= x <= 0) for r in rows for x in r.logprobs):
+        return "logprob_range"
+    if any(not (math.isfinite(r.reward) and lim.reward_min <= r.reward <= lim.reward_max) for r in rows):
+        return "reward_range"
+    return None
+
+
+def _intake_rows(data: bytes) -> RolloutColumns:
+    cols = decode_columns(data, max_rows=256, max_tokens=1 << 16)
+    want = _reference_defect(cols, _LIMITS)
+    try:
+        check_rows(cols, _LIMITS)
+    except RolloutRowError as e:
+        if e.reason != want:
+            raise AssertionError(f"check_rows refused for {e.reason!r}, the reference says {want!r}") from None
+        raise
+    if want is not None:
+        raise AssertionError(f"check_rows accepted rows with a {want!r} defect")
+    return cols
+
+
+def _row_defect(rows: list[Rollout], rng: random.Random) -> list[Rollout]:
+    """One row-level change of the kinds issue 21 lists, at or past a bound (or just inside it)."""
+    i = rng.randrange(len(rows))
+    r = rows[i]
+    n = len(r.completion_ids)
+    kind = rng.randrange(10)
+    if kind == 0:  # a token id at, just below or far past the vocabulary
+        field = rng.choice(["prompt_ids", "completion_ids"])
+        ids = list(getattr(r, field)) or [0]  # (an earlier defect may have emptied it)
+        ids[rng.randrange(len(ids))] = rng.choice([_LIMITS.vocab_size, _LIMITS.vocab_size - 1, MAX_TOKEN_ID, 0])
+        change = {field: tuple(ids)}
+        if field == "completion_ids":
+            change["logprobs"] = (*r.logprobs, -1.0)[: len(ids)]
+        return _set(rows, i, **change)
+    if kind == 1:
+        return _set(rows, i, prompt_ids=()) if rng.random() < 0.5 else _set(rows, i, completion_ids=(), logprobs=())
+    if kind == 2:  # a prompt or completion at or one past its limit
+        if rng.random() < 0.5:
+            k = _LIMITS.max_prompt_tokens + rng.choice([0, 1])
+            return [dataclasses.replace(x, prompt_ids=(5,) * k) if x.group == r.group else x for x in rows]
+        k = _LIMITS.max_completion_tokens + rng.choice([-5, 0, 1])
+        return _set(rows, i, completion_ids=(5,) * k, logprobs=(-1.0,) * k)
+    if kind == 3:  # another prompt in the same group
+        other = rows[rng.randrange(len(rows))].prompt_ids
+        return _set(rows, i, prompt_ids=other if rng.random() < 0.7 else (*r.prompt_ids[:-1], 1))
+    if kind == 4:  # two groups merged under one id
+        return _set(rows, i, group=rows[rng.randrange(len(rows))].group)
+    if kind == 5:
+        return _set(rows, i, reward=rng.choice([1e300, -1e300, 1.0, -1.0, 1.0000001, -1.0000001, 3.4e38, 0.0]))
+    if kind == 6 and n:  # logprobs at and past [logprob_min, 0]
+        lp = list(r.logprobs)
+        lp[rng.randrange(n)] = rng.choice([0.0, -0.0, 1e-7, 0.5, -80.0, -80.00001, -1e30, 3e38])
+        return _set(rows, i, logprobs=tuple(lp))
+    if kind == 7:  # a row removed or duplicated
+        return rows[:i] + rows[i + 1 :] if len(rows) > 1 and rng.random() < 0.5 else [*rows, r]
+    if kind == 8:  # a group id that collides with a qualified one, or is long
+        return _set(rows, i, group=rng.choice(["inf-b/3/g0", "x" * 256, "\u00e9" * 256, "g/../g"]))
+    return _set(rows, i, seed=rng.choice([-(1 << 63), (1 << 63) - 1, 0]))
+
+
+def _set(rows: list[Rollout], i: int, **change: object) -> list[Rollout]:
+    return [dataclasses.replace(r, **change) if j == i else r for j, r in enumerate(rows)]
+
+
+def _mutate_rows(data: bytes, rng: random.Random) -> bytes:
+    """Decode, change rows (1-3 defects), re-encode with the real encoder (what a node can sign)."""
+    try:
+        rows = decode_batch(data, max_rows=256, max_tokens=1 << 16)
+    except RolloutError:
+        return data
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        rows = _row_defect(rows, rng)
+    try:
+        return encode_batch(rows)
+    except RolloutError:  # the encoder refuses what cannot travel (a non-finite float32 logprob)
+        return data
+
+
 TARGETS: list[dict] = [
     {
         "name": "rollout.batch",
@@ -231,5 +381,12 @@ TARGETS: list[dict] = [
         "exact": True,
         "equal": _is_signed_manifest,
         "mutators": [_mutate_body, _mutate_envelope],
+    },
+    {
+        "name": "rollout.rows",
+        "seeds": _rows_seeds,
+        "decode": _intake_rows,
+        "exact": False,
+        "mutators": [_mutate_rows, _mutate_rows, _mutate_footer],
     },
 ]

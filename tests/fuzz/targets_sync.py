@@ -4,7 +4,7 @@
   covers the body, so any mutation that still verifies must give the seed's manifest.
 - ``sync.manifest_body`` (not exact): a manifest body *signed by the trusted key* (what a
   compromised publisher key can send) through the body validation; mutated bodies may be valid.
-- ``sync.head`` (exact): a signed head record through ``verify_head``.
+- ``sync.head`` (exact): a signed head record through ``verify_document`` and ``head_from``.
 - ``sync.state_weights`` (exact): a subscriber's ``model.safetensors`` through ``localstate.load``;
   the values are hashed against the digest and the version against the header check.
 - ``sync.state_info`` (not exact): ``version.json`` through ``localstate.read_info``; it is
@@ -23,15 +23,15 @@ from pathlib import Path
 
 from pulsenet.errors import VerificationError
 from pulsenet.signed import ObjectRef
-from pulsenet.signing import key_id, parse_envelope, sign_document
+from pulsenet.signing import key_id, parse_envelope, sign_document, verify_document
 from pulsenet.sync import localstate
 from pulsenet.sync.layout import Layout
 from pulsenet.sync.manifest import (
     Head,
     Manifest,
+    head_from,
     sign_head,
     sign_manifest,
-    verify_head,
     verify_manifest,
 )
 
@@ -183,7 +183,7 @@ def head_seeds() -> list[bytes]:
 
 
 def decode_head(data: bytes) -> Head:
-    return verify_head(data, _trusted(), context=CONTEXT)
+    return head_from(verify_document(data, _trusted(), context=CONTEXT))
 
 
 # --- local state ---------------------------------------------------------------------------------------

@@ -1,0 +1,207 @@
+"""``pulsenet export``: a verified policy version as a Hugging Face model directory.
+
+Rebuilds version N (or the newest) of a channel through PULSESync's own reader (signed manifests
+from trusted keys, the cheapest anchor + patch path, every tensor and the model digest verified:
+``sync.chain``), checks the weights fit the model's architecture, and writes a directory that
+``AutoModelForCausalLM.from_pretrained`` and vLLM load as they are: ``config.json`` (the model's,
+dtype bfloat16), ``model.safetensors`` (the verified BF16 weights; a tied ``lm_head`` once, as
+``save_pretrained`` writes it), the tokenizer files and ``generation_config.json`` when the model has
+them, and ``pulsenet-export.json`` (store, channel, run, version, digest, signer).
+
+The written weights are read back and hashed: their model digest must be the signed one. Everything
+is written to a temporary directory next to OUT and renamed into place last, so OUT is either absent
+or complete; a wrong key, a tampered payload or a failed check writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pulsenet.cli import add_settings_command, command_settings
+from pulsenet.cli.sync import StoreSettings
+from pulsenet.settings import require
+
+if TYPE_CHECKING:  # torch is imported when the command runs: `pulsenet --help` stays light
+    import torch
+
+
+@dataclass(kw_only=True)
+class ExportSettings(StoreSettings):
+    """Rebuild a verified version (signature, payload SHA-256, model digest) and write it as a Hugging
+    Face model directory OUT (config, tokenizer, safetensors), atomically; prints 'v<version> <digest> OUT'."""
+
+    trust: list[Path] = field(default_factory=list)
+    """Trusted publisher public keys (required)."""
+    version: str = "latest"
+    """Version to export: a number or latest."""
+    out: Path | None = None
+    """The model directory to create (required; must not exist, or be empty)."""
+    model: str = "tiny"
+    """Architecture and tokenizer of the run: tiny, smollm2, a Hugging Face directory or a cached hub id."""
+    cache: Path | None = None
+    """Payload cache (None: a temporary directory)."""
+    threads: int | None = None
+    """Codec threads (None: every core)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    add_settings_command(sub, "export", "write a verified version as a Hugging Face model directory", "export", _export)
+
+
+@dataclass(frozen=True, slots=True)
+class Exported:
+    version: int
+    digest: str
+    out: Path
+
+
+def _export(ns: argparse.Namespace) -> int:
+    from pulsenet.signing import trusted_keys
+    from pulsenet.store import S3Config, open_store
+
+    args = command_settings(ns, ExportSettings)
+    require(args, "store", "trust", "out", table="export")
+    trusted = trusted_keys(args.trust)
+
+    async def go() -> Exported:
+        async with open_store(args.store, S3Config.from_env(timeout_s=args.timeout)) as store:
+            return await export_version(
+                store,
+                trusted,
+                out=args.out,  # type: ignore[arg-type]
+                model=args.model,
+                version=args.version,
+                channel=args.channel,
+                run=args.run,
+                timeout_s=args.timeout,
+                cache_dir=args.cache,
+                threads=args.threads or os.cpu_count() or 2,
+            )
+
+    done = asyncio.run(go())
+    print(f"v{done.version} {done.digest} {done.out}")
+    return 0
+
+
+async def export_version(
+    store: object,
+    trusted: Mapping[str, object],
+    *,
+    out: Path,
+    model: str,
+    version: str | int = "latest",
+    channel: str = "policy",
+    run: str = "default",
+    timeout_s: float | None = None,
+    cache_dir: Path | None = None,
+    threads: int = 2,
+) -> Exported:
+    """Rebuild ``version`` of the channel, verified, and write it as a HF directory at ``out``."""
+    import tempfile
+
+    from pulsenet.errors import ConfigError, ObjectNotFound, VerificationError
+    from pulsenet.rl.models import check_layout_matches, model_hf_config, resolve_model
+    from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
+    from pulsenet.sync.layout import Layout
+
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty directory: export writes a new one")
+    ref = resolve_model(model)
+    hf_config = model_hf_config(ref)  # a bad model setting fails before any download
+    layout = Layout(channel, run=run, store_url=store.url)  # type: ignore[attr-defined]
+    reader = ManifestReader(store, layout, trusted, timeout_s)  # type: ignore[arg-type]
+    if str(version) == "latest":
+        listed = await reader.list_versions()
+        if not listed:
+            raise ObjectNotFound(f"no published versions in {store.url} channel {channel!r}")  # type: ignore[attr-defined]
+        target_version = max(listed)
+    else:
+        try:
+            target_version = int(version)
+        except ValueError:
+            raise ConfigError(f"version must be a number or latest, got {version!r}") from None
+    manifest = await reader.get(target_version)  # signature by a trusted key, or an error
+    with contextlib.ExitStack() as stack:
+        root = cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pulsenet-export-")))
+        cache = PayloadCache(store, Path(root), timeout_s=timeout_s)  # type: ignore[arg-type]
+        bad: set[str] = set()
+        state: dict[str, torch.Tensor] | None = None
+        last: BaseException | None = None
+        for path in await candidate_paths(reader, manifest, None, bad):
+            try:
+                state = await rebuild(path, cache, None, threads=threads, bad=bad)
+                break
+            except (ObjectNotFound, VerificationError) as e:
+                last = e
+        if state is None:
+            raise last or VerificationError(f"v{target_version}: no anchor path to rebuild it from")
+    check_layout_matches(hf_config, state, what=f"v{target_version}")
+    await asyncio.to_thread(_write_dir, out, state, manifest.model_digest, ref, hf_config, {
+        "store": store.url,  # type: ignore[attr-defined]
+        "channel": channel,
+        "run": run,
+        "version": target_version,
+        "digest": manifest.model_digest,
+        "publisher": manifest.publisher,
+        "model": model,
+    })
+    return Exported(target_version, manifest.model_digest, out)
+
+
+def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: object, hf_config: object, info: dict) -> None:
+    """Write everything into a sibling temporary directory, check the weights' digest, rename into place."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
+    from pulsenet.codec.dtypes import dtype_name
+    from pulsenet.errors import VerificationError
+    from pulsenet.fsutil import fsync_path
+    from pulsenet.rl.models import model_tokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        config = hf_config.__class__.from_dict(hf_config.to_dict())  # type: ignore[attr-defined]
+        config.dtype = torch.bfloat16  # what the weights are
+        config.save_pretrained(tmp)
+        if ref.path is not None:  # type: ignore[attr-defined]
+            if ref.has_tokenizer:  # type: ignore[attr-defined]
+                model_tokenizer(ref).save_pretrained(tmp)  # type: ignore[arg-type]
+            gen = ref.path / "generation_config.json"  # type: ignore[attr-defined]
+            if gen.is_file():
+                shutil.copyfile(gen, tmp / "generation_config.json")
+        weights = tmp / "model.safetensors"
+        save_file({n: t.contiguous() for n, t in state.items()}, str(weights), metadata={"format": "pt"})
+        records = {}
+        with safe_open(str(weights), framework="pt") as f:  # read back: what a loader will see
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                t = f.get_tensor(name)
+                records[name] = tensor_record(name, dtype_name(t.dtype), t.shape, tensor_sha256(t))
+        written = model_digest_from_records(records)
+        if written != digest:
+            raise VerificationError(f"the written weights hash to {written[:16]}…, not the signed {digest[:16]}…")
+        (tmp / "pulsenet-export.json").write_text(json.dumps(info, indent=1) + "\n")
+        for p in tmp.iterdir():
+            fsync_path(p)
+        fsync_path(tmp)
+        if out.exists():  # an empty directory (checked by the caller): rename replaces it
+            out.rmdir()
+        os.replace(tmp, out)
+        fsync_path(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
