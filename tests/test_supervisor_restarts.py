@@ -16,6 +16,7 @@ from pulsenet.nodes.common import make_task, text_codec
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+from pulsenet.rl.tasks import TaskConfig
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
@@ -53,7 +54,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
                 run=RUN,
                 prompts=4,
                 group_size=2,
-                max_new_tokens=3,
+                task=TaskConfig(max_new_tokens=3),
                 batches_per_version=2,
                 state_dir=state_dir,
                 subscribe=SubscriberConfig(interval_s=0.2),
