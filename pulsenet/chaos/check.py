@@ -278,6 +278,7 @@ def _resources(samples: Sequence[Mapping[str, Any]], limits: Limits) -> dict[str
             "rss_mb_second_half": [round(half[0]["rss_mb"], 1), round(half[-1]["rss_mb"], 1)] if half else None,
             "rss_slope_mb_per_min": None if rss_slope is None else round(rss_slope * 60, 3),
             "fds": [int(ss[0]["fds"]), int(ss[-1]["fds"])],
+            "fds_max": max(int(s["fds"]) for s in ss),
             "fd_slope_per_min": None if fd_slope is None else round(fd_slope * 60, 3),
         }
         if life >= limits.min_life_s:

@@ -135,7 +135,7 @@ def print_verdict(out: Any, result: dict[str, Any]) -> None:
         f"restarts {fig['restarts']}"
     )
     res = Table(title="chaos: RSS and descriptors per node life (second half slope)")
-    for col in ("node", "pid", "life", "RSS MB start->end", "MB/min", "fds start->end", "fds/min"):
+    for col in ("node", "pid", "life", "RSS MB start->end", "MB/min", "fds start->end (max)", "fds/min"):
         res.add_column(col)
     for node, info in result["resources"].items():
         for life in info["lives"]:
@@ -145,7 +145,7 @@ def print_verdict(out: Any, result: dict[str, Any]) -> None:
                 f"{life['life_s']:.0f} s",
                 f"{life['rss_mb'][0]} -> {life['rss_mb'][1]}",
                 str(life["rss_slope_mb_per_min"]),
-                f"{life['fds'][0]} -> {life['fds'][1]}",
+                f"{life['fds'][0]} -> {life['fds'][1]} ({life['fds_max']})",
                 str(life["fd_slope_per_min"]),
             )
     out.print(res)
