@@ -313,3 +313,31 @@ async def test_losing_a_trainer_does_not_stop_the_network(tmp_path: Path) -> Non
     assert again.reports[0].caught_up_from == 2  # rejoined from the agreed state
     assert any(r.participants == ["a", "b"] for r in a.reports[3:])  # and took part again
     await _agreed([a, again], 5)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_retention_bounds_the_shared_bucket_and_a_long_absent_trainer_still_rejoins(tmp_path: Path) -> None:
+    """Retention (``retain_rounds`` 4, a state every 2 rounds): ``a`` goes on alone to round 10 while
+    ``b`` is away; old payloads and old shared states are deleted (genesis and every round record
+    stay), so ``b``, back from round 1, cannot replay and rebuilds from a retained state; both end
+    on one digest."""
+    ids = ("a", "b")
+    keys, pubs = make_keys(tmp_path / "keys", ids)
+    store = LocalStore(tmp_path / "store")
+    cfg = _config(workers_expected=2, min_quorum=1, deadline_s=1.0, state_every=2, retain_rounds=4)
+    a = tiny_trainer("a", store, keys, pubs, cfg, state_dir=tmp_path / "a")
+    b = tiny_trainer("b", store, keys, pubs, cfg, state_dir=tmp_path / "b")
+    await asyncio.gather(a.run(1), b.run(1))
+    await a.run(10)  # b is away
+    await a.drain()  # the retention task of round 10
+    keys_now = {i.key for i in await store.list("")}
+    assert a.rs.layout.record(1) in keys_now and a.rs.layout.record(10) in keys_now  # records stay
+    assert await a.rs.state_rounds() == [0, 6, 8, 10]  # genesis, and the states within 4 rounds
+    assert not any(k.startswith(("state/00000002/", "state/00000004/")) for k in keys_now)
+    own = {a.rs.layout.parse_own("a", k) for k in keys_now} - {None}
+    assert min(r for kind, r in own if kind == "round") == 6  # a's payloads of rounds 1-5 are gone
+    again = tiny_trainer("b", store, keys, pubs, cfg, state_dir=tmp_path / "b")
+    await asyncio.gather(a.run(12), again.run(12))
+    assert again.reports[0].caught_up_from == 2
+    await _agreed([a, again], 12)

@@ -179,7 +179,7 @@ class Chaos:
             if self.c.anchor_every:
                 t.publish.anchor_every = self.c.anchor_every
             if self.c.retain_rounds and t.loco_store:
-                t.loco.retain_rounds = max(self.c.retain_rounds, 2 * t.loco.state_every)
+                t.loco.retain_rounds = self.c.retain_rounds
             self.stores[t.id] = t.store
             if t.loco_store:
                 self.stores["loco"] = t.loco_store

@@ -78,8 +78,10 @@ class LocoConfig:
     """Publish the agreed global state every this many rounds (repair and catch-up start from it)."""
     checkpoint_every: int = 5
     """Upload this trainer's own resume point every this many rounds (0: never; local disk only)."""
-    retain_rounds: int | None = None
-    """Delete own round objects older than this many rounds (None keeps all). Keep it >= 2 x state_every."""
+    retain_rounds: int | None = 100
+    """Delete own round objects, and the shared global states, older than this many rounds (None keeps
+    all: a run of days would grow its buckets without bound). At least 2 x state_every rounds are
+    kept, so that replay from a retained state always finds its payloads."""
     max_round_failures: int = 3
     """Consecutive failed rounds (RoundError) before the trainer gives up."""
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -97,6 +99,8 @@ class LocoConfig:
             raise ConfigError("norm_factor must be > 1, norm_weights_factor > 0 and norm_min_payloads >= 1")
         if not (self.retry_base_s > 0 and self.retry_cap_s >= self.retry_base_s and self.progress_log_s > 0):
             raise ConfigError("retry_base_s and progress_log_s must be > 0, retry_cap_s >= retry_base_s")
+        if self.retain_rounds is not None and self.retain_rounds < 1:
+            raise ConfigError(f"retain_rounds must be >= 1 or None, got {self.retain_rounds}")
         if not self.gate_scale > 0:
             raise ConfigError(f"gate_scale must be > 0, got {self.gate_scale}")
         if self.workers_expected is not None and self.quorum > self.workers_expected:
@@ -111,6 +115,11 @@ class LocoConfig:
         if self.workers_expected is None:
             raise ConfigError("workers_expected is not set: use LocoConfig.for_trainers(n) first")
         return self.workers_expected
+
+    @property
+    def retention(self) -> int | None:
+        """Rounds of objects kept (``retain_rounds``, at least ``2 x state_every``), or None: keep all."""
+        return None if self.retain_rounds is None else max(self.retain_rounds, 2 * self.state_every)
 
     @property
     def quorum(self) -> int:

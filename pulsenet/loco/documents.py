@@ -546,3 +546,18 @@ class RoundStore:
         old = [i.key for i in infos if is_old(i.key)]
         await self.store.delete(old, timeout=self.t.small_s)
         return len(old)
+
+    async def delete_states_before(self, round_: int) -> int:
+        """Delete the shared global states of rounds 1..``round_``-1 (manifests first, so a reader
+        never finds a manifest without its object). A state older than every trainer's retained
+        payloads cannot be replayed forward, so recovery never needs it; genesis (round 0) stays as
+        the run's anchor, and round records are never deleted: they are ~1 KB each and their
+        create-only slots are what stops a returning trainer from re-deciding an old round alone."""
+        infos = await self.store.list(self.layout.states, timeout=self.t.small_s)
+        old = {r for i in infos if (r := self.layout.parse_state_manifest(i.key)) is not None and 0 < r < round_}
+        prefixes = [self.layout.state_prefix(r) for r in sorted(old)]
+        manifests = [self.layout.state_manifest(r) for r in sorted(old)]
+        objects = [i.key for i in infos if i.key.startswith(tuple(prefixes)) and i.key not in manifests]
+        await self.store.delete(manifests, timeout=self.t.small_s)
+        await self.store.delete(objects, timeout=self.t.small_s)
+        return len(manifests) + len(objects)

@@ -690,8 +690,8 @@ class LocoTrainer:
             self._spawn(self._upload_checkpoint(r, snap), f"checkpoint {r}")
         if state is not None:
             self._spawn(self._publish_state(state, self.digest), f"global state {r}")
-        if cfg.retain_rounds is not None and r % cfg.state_every == 0 and r > cfg.retain_rounds:
-            self._spawn(self._retain(r - cfg.retain_rounds), f"retention before {r - cfg.retain_rounds}")
+        if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
+            self._spawn(self._retain(r - keep), f"retention before {r - keep}")
 
     # --- catch-up and repair --------------------------------------------------------------------
 
@@ -859,7 +859,9 @@ class LocoTrainer:
 
     async def _retain(self, before: int) -> None:
         n = await self.rs.delete_own_before(before)
-        log.info("%s: retention deleted %d own objects before round %d", self.id, n, before)
+        # Every trainer prunes the shared states too (idempotent): no single writer has to survive.
+        n += await self.rs.delete_states_before(before)
+        log.info("%s: retention deleted %d objects before round %d", self.id, n, before)
 
     # --- helpers ------------------------------------------------------------------------------
 
