@@ -9,7 +9,7 @@ echo ">> pytest"
 marker="not slow"
 [ "${PULSENET_SLOW:-0}" = "1" ] && marker=""
 set +e
-python -m pytest -q -m "$marker" "$@"
+python -m pytest -q -m "$marker" --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
