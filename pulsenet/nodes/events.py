@@ -121,16 +121,27 @@ class EventLog:
         return next((e for e in reversed(self.events) if kind is None or e.kind == kind), None)
 
 
-def read_events(path: Path) -> list[VersionEvent]:
-    """The events in a node's ``events.jsonl``, in order; a torn last line (a kill mid-write) is skipped."""
-    out: list[VersionEvent] = []
+def read_jsonl(path: Path) -> list[Any]:
+    """The records of a JSON-lines file, in order (none if it is missing); a torn line (a kill
+    mid-write) is skipped."""
     try:
         text = path.read_text(errors="replace")
     except FileNotFoundError:
-        return out
+        return []
+    out = []
     for line in text.splitlines():
         try:
-            data = json.loads(line)
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def read_events(path: Path) -> list[VersionEvent]:
+    """The events in a node's ``events.jsonl``, in order."""
+    out: list[VersionEvent] = []
+    for data in read_jsonl(path):
+        try:
             out.append(VersionEvent.from_dict(data))
         except (ValueError, TypeError):
             continue

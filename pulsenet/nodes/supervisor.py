@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.events import VersionEvent
+from pulsenet.nodes.events import VersionEvent, read_jsonl
 from pulsenet.store.base import backoff_delay
 
 JOURNAL_FILE = "supervisor.jsonl"
@@ -261,17 +261,7 @@ class Journal:
 
 def read_journal(path: Path) -> list[dict[str, Any]]:
     """The records of a ``supervisor.jsonl`` (a torn last line is skipped)."""
-    out = []
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return out
-    for line in text.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue
-    return out
+    return [r for r in read_jsonl(path) if isinstance(r, dict)]
 
 
 class EventTail:
