@@ -170,3 +170,29 @@ def test_resources_judge_long_lives_by_their_second_half() -> None:
     assert "over" not in res["t1"]["lives"][0]  # too short to judge
     detail = r["checks"]["resources"]["detail"]
     assert not r["checks"]["resources"]["ok"] and len(detail) == 2 and all(d.startswith("t0 pid 8") for d in detail)
+
+
+def test_shared_pulseloco_states_are_held_to_retention_and_records_are_not() -> None:
+    stores = {"t0": "s3://b-t0/run", "loco": "s3://b-loco/run"}
+    settings = {"t0": {"steps": 100, "loco": {"retain_rounds": 20, "state_every": 10}}}
+    states = [(f"state/{r:08d}/manifest", 1) for r in (0, 80, 90, 100)]
+    records = [(f"rounds/{r:08d}/record", 1) for r in range(1, 101)]
+    r = audit(events=_good(), roles=ROLES, listing={stores["loco"]: states + records}, stores=stores, settings=settings)
+    kinds = r["store"][stores["loco"]]
+    assert kinds["global states (state/)"] == {"present": 4, "bound": (20 + 10) // 10 + 2}
+    assert kinds["round records (rounds/)"]["present"] == 100 and kinds["round records (rounds/)"]["bound"] is None
+    assert r["checks"]["store_bounded"]["ok"]
+    states = [(f"state/{r:08d}/manifest", 1) for r in range(0, 101, 10)]  # shared retention never ran
+    r = audit(events=_good(), roles=ROLES, listing={stores["loco"]: states}, stores=stores, settings=settings)
+    assert not r["checks"]["store_bounded"]["ok"] and "11 > 5" in r["checks"]["store_bounded"]["detail"][0]
+
+
+def test_a_killed_trainer_is_measured_by_what_the_others_published_meanwhile() -> None:
+    ev = {  # t1 killed at 2.5 and publishing again at 6; t0 went on with v3 (at 4) and v4 (at 5)
+        "t0": [_pub("t0", v, at=t) for v, t in ((0, 0), (1, 1), (2, 2), (3, 4), (4, 5), (5, 6))],
+        "t1": [_pub("t1", v, at=t) for v, t in ((0, 0), (1, 1), (2, 2), (5, 6.1))],
+        "i0": [_inf("stopped", 5, digest=D[5], at=7)],
+    }
+    journal = [{"kind": "fault", "fault": "kill-trainer", "target": "t1", "at": 2.5}]
+    out = audit(events=ev, roles=ROLES, journal=journal, listing={})["figures"]["trainer_outages"]
+    assert out == [{"target": "t1", "down_s": 3.6, "versions_while_down": 3, "max_gap_s": 2.0}]

@@ -33,6 +33,7 @@ Checks:
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -139,6 +140,7 @@ def audit(
             "forks": len(forks),
             "versions": max(published, default=-1),
             "restarts": dict(restarts),
+            "trainer_outages": _trainer_outages(events, journal, trainers),
         },
         "faults": list(faults),
         "store": store,
@@ -159,6 +161,34 @@ def _lives(events: Mapping[str, Sequence[VersionEvent]], journal: Sequence[Mappi
         for e in evs:
             lives[sum(1 for b in bounds if e.at >= b)].append(e)
         out[node] = lives
+    return out
+
+
+def _trainer_outages(
+    events: Mapping[str, Sequence[VersionEvent]], journal: Sequence[Mapping[str, Any]], trainers: list[str]
+) -> list[dict[str, Any]]:
+    """For each trainer killed: how long until it published again, what the others published
+    meanwhile, and the longest wait between two versions of the network across it (does losing a
+    trainer stop the network?)."""
+    out = []
+    for f in journal:
+        if f.get("kind") != "fault" or f.get("target") not in trainers or not str(f.get("fault", "")).startswith("kill-"):
+            continue
+        t, at = f["target"], float(f["at"])
+        back = next((e.at for e in events.get(t, ()) if e.kind == "published" and e.at > at), None)
+        until = back if back is not None else math.inf
+        first: dict[int, float] = {}  # each version's first publication, by any trainer
+        for e in (e for n in trainers for e in events.get(n, ()) if e.kind == "published"):
+            first[e.version] = min(first.get(e.version, math.inf), e.at)
+        firsts = sorted(first.values())
+        before = max((a for a in firsts if a <= at), default=at)
+        after = [a for a in firsts if a > at]
+        gaps = [b - a for a, b in itertools.pairwise([before, *after]) if a < until]
+        others = sorted({e.version for n in trainers if n != t for e in events.get(n, ()) if e.kind == "published" and at < e.at < until})
+        out.append({
+            "target": t, "down_s": None if back is None else round(back - at, 1),
+            "versions_while_down": len(others), "max_gap_s": round(max(gaps), 1) if gaps else None,
+        })  # fmt: skip
     return out
 
 

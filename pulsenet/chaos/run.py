@@ -134,6 +134,11 @@ def print_verdict(out: Any, result: dict[str, Any]) -> None:
         f"served {fig['served']} ({fig['unverified_served']} unverified), forks {fig['forks']}, "
         f"restarts {fig['restarts']}"
     )
+    for o in fig.get("trainer_outages", ()):
+        out.print(
+            f"  {o['target']} down {o['down_s']} s: the others published {o['versions_while_down']} versions "
+            f"meanwhile, longest wait between versions {o['max_gap_s']} s"
+        )
     res = Table(title="chaos: RSS and descriptors per node life (second half slope)")
     for col in ("node", "pid", "life", "RSS MB start->end", "MB/min", "fds start->end (max)", "fds/min"):
         res.add_column(col)
