@@ -5,7 +5,8 @@ inside functions (lazy) and under ``TYPE_CHECKING`` alike.
 Layers, lowest first (README "Architecture"; DESIGN.md):
 codec and store know nothing of each other; sync, loco and rollouts are three channels on top of
 them that share only ``signed``; rl and engines sit above the channels, one layer (engines build on
-rl's models, rl's eval samples through an engine); nodes wire everything; bench and cli are the edges, and bench never imports cli.
+rl's models, rl's eval samples through an engine); nodes wire everything; bench, chaos (``pulsenet up``'s network under faults) and cli are the edges,
+and neither bench nor chaos imports cli.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ RANK = {
     **dict.fromkeys(("sync", "loco", "rollouts"), 4),
     **dict.fromkeys(("rl", "engines"), 5),
     "nodes": 6,
-    "bench": 7,
+    **dict.fromkeys(("bench", "chaos"), 7),
     "cli": 8,
     "__main__": 9,
 }
