@@ -341,3 +341,36 @@ async def test_retention_bounds_the_shared_bucket_and_a_long_absent_trainer_stil
     await asyncio.gather(a.run(12), again.run(12))
     assert again.reports[0].caught_up_from == 2
     await _agreed([a, again], 12)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+async def test_a_trainer_that_stays_down_costs_one_deadline_and_is_waited_for_again_when_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Two trainers, min_quorum 1, a deadline of 8 s and ``absent_wait_s`` 0.2: ``b`` misses round 2
+    (``a`` waits out the deadline once, since ``b`` was in round 1); rounds 3 and 4 close without
+    waiting, ``b`` being absent and silent. Once ``b`` announces it joins round 5, ``a`` waits for it
+    to the deadline again. ``b`` comes back, catches up and takes part; both end on one digest."""
+    caplog.set_level(logging.INFO, logger="pulsenet.loco")
+    ids = ("a", "b")
+    keys, pubs = make_keys(tmp_path / "keys", ids)
+    store = LocalStore(tmp_path / "store")
+    cfg = _config(workers_expected=2, min_quorum=1, deadline_s=8.0, absent_wait_s=0.2)
+    a = tiny_trainer("a", store, keys, pubs, cfg, state_dir=tmp_path / "a")
+    b = tiny_trainer("b", store, keys, pubs, cfg, state_dir=tmp_path / "b")
+    await asyncio.gather(a.run(1), b.run(1))
+    await a.run(4)  # b is gone
+    assert [r.participants for r in a.reports] == [["a", "b"], ["a"], ["a"], ["a"]]
+    early = [m for m in caplog.messages if "closing without ['b'] (absent last round, not joining)" in m]
+    assert [m.split(":")[1].strip() for m in early] == ["round 3", "round 4"]  # round 2 waited
+    await b.rs.announce_joining(5)  # b says it trains round 5 (and then does not deliver)
+    await a.run(5)
+    assert not any("round 5: closing without" in m for m in caplog.messages)
+    assert any("round 5: b is back and joins this round" in m for m in caplog.messages)
+    assert a.reports[-1].participants == ["a"]  # closed at the deadline
+    again = tiny_trainer("b", store, keys, pubs, cfg, state_dir=tmp_path / "b")
+    await asyncio.gather(a.run(8), again.run(8))
+    assert again.reports[0].caught_up_from == 2
+    assert any(r.participants == ["a", "b"] for r in a.reports[5:]), [r.participants for r in a.reports]
+    await _agreed([a, again], 8)

@@ -84,6 +84,10 @@ class _Context:
     """‖θ‖ of ``base``: the absolute bound on any payload's norm."""
     own_reference: bool
     """Our own payload is a reference for the others' norms (we trained this round)."""
+    absent: frozenset[str] = frozenset()
+    """Trainers not in the previous round's record: waited for ``absent_wait_s`` unless joining."""
+    joining: set[str] = field(default_factory=set)
+    """Of those, the ones that announced they train this round (waited for until the deadline)."""
     warned: set[str] = field(default_factory=set)
     """Members whose manifest the store failed to serve this round (warned once)."""
 
@@ -130,8 +134,14 @@ class Collector:
         base_digest: str,
         *,
         own_reference: bool = True,
+        absent: frozenset[str] = frozenset(),
     ) -> tuple[Record, dict[str, wire.Payload]]:
         """The round's record and the decoded payload of every participant it names.
+
+        ``absent``: trainers that were not in the previous round's record. Once our payload is in,
+        the round waits ``absent_wait_s`` for them, not ``deadline_s``, unless one announces that it
+        trains this round (``RoundStore.is_joining``): a trainer that is down delays one round by the
+        deadline, not every round, and one that comes back is waited for again.
 
         ``upload`` is our own publish task (returning the bytes that stand in the store and their
         reference); ``base`` the global weights we trained from (payloads are decoded against
@@ -145,7 +155,8 @@ class Collector:
         start = loop.time()
         deadline, give_up, next_log = start + cfg.deadline_s, start + cfg.round_timeout_s, start + cfg.progress_log_s
         last_failure = -math.inf
-        ctx = _Context(r, base, base_digest, await self.weights_norm(base, base_digest), own_reference)
+        ctx = _Context(r, base, base_digest, await self.weights_norm(base, base_digest), own_reference, absent)
+        early = start + min(cfg.absent_wait_s, cfg.deadline_s)
         fetches: dict[str, asyncio.Task[Entry]] = {self.id: asyncio.create_task(self._own_entry(ctx, upload))}
         unreadable: dict[
             str, str
@@ -153,7 +164,7 @@ class Collector:
         try:
             while True:
                 try:
-                    record = await self._poll_once(ctx, fetches, unreadable, deadline)
+                    record = await self._poll_once(ctx, fetches, unreadable, deadline, early)
                     self.progress.store_ok()
                 except StoreError as e:  # a store failure costs a poll, not the round
                     log.warning("%s: round %d: store error while polling: %s", self.id, r, e)
@@ -256,8 +267,11 @@ class Collector:
         fetches: dict[str, asyncio.Task[Entry]],
         unreadable: dict[str, str],
         deadline: float,
+        early: float,
     ) -> Record | None:
-        """One look at the store: the round's record if it exists (or we just wrote it), else None."""
+        """One look at the store: the round's record if it exists (or we just wrote it), else None.
+        A round closes on a quorum once every trainer's payload is in, past the deadline, or past
+        ``early`` when every trainer still missing is absent and not joining."""
         r = ctx.round
         record = await self.read_record(r)
         if record is not None:
@@ -272,7 +286,8 @@ class Collector:
             return None
         proposal = self._proposal(ctx, fetches, unreadable)
         complete = len(fetches) >= self.config.expected
-        if proposal is None or not (complete or asyncio.get_running_loop().time() >= deadline):
+        now = asyncio.get_running_loop().time()
+        if proposal is None or not (complete or now >= deadline or (now >= early and await self._only_absent(ctx, fetches, unreadable))):
             return None
         record, won = await self.rs.propose_record(proposal)
         if won:
@@ -280,6 +295,28 @@ class Collector:
         else:
             self._log_follow(r, record)
         return record
+
+    async def _only_absent(
+        self, ctx: _Context, fetches: Mapping[str, asyncio.Task[Entry]], unreadable: Mapping[str, str]
+    ) -> bool:
+        """Whether every trainer still missing is absent and has not announced it joins (one signed
+        GET per such trainer per poll, from ``early`` on; a joining one is waited for from then on)."""
+        missing = [t for t in sorted(self.rs.keys) if t not in fetches and t not in unreadable]
+        for tid in missing:
+            if tid not in ctx.absent or tid in ctx.joining:
+                return False
+            try:
+                joining = await self.rs.is_joining(tid, ctx.round)
+            except ManifestError as e:  # planted or malformed: that trainer has not said it joins
+                log.warning("%s: round %d: ignoring %s's joining document: %s", self.id, ctx.round, tid, e)
+                joining = False
+            if joining:
+                log.info("%s: round %d: %s is back and joins this round; waiting for it", self.id, ctx.round, tid)
+                ctx.joining.add(tid)
+                return False
+        if missing:
+            log.info("%s: round %d: closing without %s (absent last round, not joining)", self.id, ctx.round, missing)
+        return True
 
     async def read_record(self, r: int) -> Record | None:
         """Round r's record, if written; RoundError if what stands there cannot be followed.

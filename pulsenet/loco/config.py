@@ -47,6 +47,10 @@ class LocoConfig:
     """At start, wait this long for workers_expected trainers to announce themselves (start-up skew)."""
     deadline_s: float = 60.0
     """How long a trainer waits for peers after its own payload is ready before closing with a quorum."""
+    absent_wait_s: float = 5.0
+    """How long a round waits (at most ``deadline_s``) for a trainer that was not in the previous
+    round's record and has not announced that it trains this one (its ``joining`` document): a
+    trainer that is down costs its peers one deadline, not one per round."""
     round_timeout_s: float = 1800.0
     """An attempt at a round without a quorum ends (RoundTimeout, logged, not counted as a failure)
     once this has passed and the store has answered for the last ``deadline_s``; the next attempt
@@ -101,6 +105,8 @@ class LocoConfig:
             raise ConfigError("retry_base_s and progress_log_s must be > 0, retry_cap_s >= retry_base_s")
         if self.retain_rounds is not None and self.retain_rounds < 1:
             raise ConfigError(f"retain_rounds must be >= 1 or None, got {self.retain_rounds}")
+        if not self.absent_wait_s >= 0:
+            raise ConfigError(f"absent_wait_s must be >= 0, got {self.absent_wait_s}")
         if not self.gate_scale > 0:
             raise ConfigError(f"gate_scale must be > 0, got {self.gate_scale}")
         if self.workers_expected is not None and self.quorum > self.workers_expected:

@@ -55,6 +55,7 @@ KIND_RECORD = "pulseloco-round"
 KIND_DIGEST = "pulseloco-digest"
 KIND_STATE = "pulseloco-state"
 KIND_CHECKPOINT = "pulseloco-checkpoint"
+KIND_JOINING = "pulseloco-joining"
 
 
 def trainer_keys(specs: Iterable[str | Path]) -> dict[str, Ed25519PublicKey]:
@@ -288,6 +289,17 @@ class RoundStore:
 
     async def join(self) -> None:
         await self._put_doc(self.layout.member(self.id), {"kind": KIND_MEMBER, "trainer": self.id}, create_only=False)
+
+    async def announce_joining(self, round_: int) -> None:
+        """Say we train round ``round_`` after missing the one before (peers wait for us again)."""
+        body = {"kind": KIND_JOINING, "trainer": self.id, "round": round_}
+        await self._put_doc(self.layout.joining(self.id, round_), body, create_only=False)
+
+    async def is_joining(self, tid: str, round_: int) -> bool:
+        """Whether ``tid`` announced, under its own key, that it trains round ``round_``."""
+        key = self.layout.joining(tid, round_)
+        body = await self._read(key, KIND_JOINING, signer=tid)
+        return body is not None and _int(body, "round", key) == round_
 
     async def members(self) -> list[str]:
         """Trainers of the run that announced themselves (ids only; their documents are verified when

@@ -6,6 +6,7 @@
     trainers/<id>/<round:08d>/<sha16>.payload        payload bytes (content-addressed, written first)
     trainers/<id>/<round:08d>/manifest               signed: key, size, SHA-256 of the payload (create-only)
     trainers/<id>/<round:08d>/digest                 signed: SHA-256 digest of (θ, m) after the round (create-only)
+    trainers/<id>/<round:08d>/joining                signed: back after missing a round, training this one
     trainers/<id>/checkpoint/<round:08d>/<sha16>.pt  the trainer's own resume point (every few rounds)
     trainers/<id>/checkpoint/<round:08d>/manifest    signed: its key, size, SHA-256
     rounds/<round:08d>/record                        signed: the round's participant set (create-only: first writer wins)
@@ -106,6 +107,9 @@ class LocoLayout:
 
     def digest(self, tid: str, round_: int) -> str:
         return self.round_prefix(tid, round_) + "digest"
+
+    def joining(self, tid: str, round_: int) -> str:
+        return self.round_prefix(tid, round_) + "joining"
 
     def record(self, round_: int) -> str:
         return f"{self.rounds}{_r(round_)}/record"

@@ -149,6 +149,9 @@ class LocoTrainer:
         as failures: they set the backoff before the next attempt)."""
         self._carried: list[float] | None = None
         """``overlap``: the losses of the next round's inner phase, already trained (``next_round``)."""
+        self._last: frozenset[str] | None = None
+        """The participants of the last round we applied or caught up to (None: not known yet): a
+        trainer not among them is absent, waited for ``absent_wait_s`` unless it says it joins."""
         self._pending: _Sent | None = None
         """The published update of a round whose attempt failed: the next attempt at that round
         collects again with it instead of training again (synchronous rounds)."""
@@ -312,6 +315,7 @@ class LocoTrainer:
         r = self.round + 1
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
+        await self._announce_joining(r)
         if (sent := self._resumed(r)) is None:  # (a failed attempt already published round r)
             report = self._open_report(r)
             losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
@@ -348,6 +352,7 @@ class LocoTrainer:
         r = self.round + 1
         if (await self._behind(r)) is not None:
             return None  # caught up: the local weights were reset to the adopted θ
+        await self._announce_joining(r)
         report = self._open_report(r)
         if carried is not None:  # trained while the previous round was exchanged
             losses, report.overlapped = carried, True
@@ -395,6 +400,17 @@ class LocoTrainer:
         return nxt
 
     # --- 0. behind? ---------------------------------------------------------------------------
+
+    async def _announce_joining(self, r: int) -> None:
+        """Back after a round decided without us (or not knowing: a start): say we train round r, so
+        that peers wait for our payload until the deadline again. Best effort: if it fails they may
+        close r without us, and we catch up and say it again for the next round."""
+        if self._last is not None and self.id in self._last:
+            return
+        try:
+            await self.rs.announce_joining(r)
+        except StoreError as e:
+            log.warning("%s: round %d: could not announce that we join: %s", self.id, r, e)
 
     async def _behind(self, r: int) -> RoundReport | None:
         """If round r was decided without us, catch up from the store and return that report."""
@@ -481,8 +497,9 @@ class LocoTrainer:
                 # Only a full round's payload is a reference for the others' norms: one of 1 step
                 # in 8 measured up to 9x smaller than its honest peers' (docs/loco.md §4).
                 full = report.steps >= self.config.inner_steps
+                absent = frozenset(self.rs.keys) - self._last - {self.id} if self._last is not None else frozenset()
                 record, payloads = await self._collector.collect(
-                    r, upload, self._state.theta, self.digest, own_reference=full
+                    r, upload, self._state.theta, self.digest, own_reference=full, absent=absent
                 )
             finally:
                 # Decided (or failed): an upload still retrying is abandoned. Safe mid-put: the payload
@@ -494,6 +511,7 @@ class LocoTrainer:
                 (published,) = await asyncio.gather(upload, return_exceptions=True)
         if isinstance(published, PulsenetError):
             log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
+        self._last = frozenset(record.participants)
         ours = record.participants.get(self.id)
         if ours is not None:
             # The record names the payload of ours that stands in the store: ours, or the one an
@@ -718,6 +736,7 @@ class LocoTrainer:
         await self._adopt(state, await asyncio.to_thread(state.digest))
         report = RoundReport(round=target, trainer=self.id, caught_up_from=start + 1)
         record = await self._collector.read_record(target)
+        self._last = frozenset(record.participants) if record is not None else None
         if record is not None:
             report.participants = sorted(record.participants)
             report.rejected = dict(record.rejected)
