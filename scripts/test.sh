@@ -9,7 +9,8 @@ echo ">> pytest"
 marker="not slow"
 [ "${PULSENET_SLOW:-0}" = "1" ] && marker=""
 set +e
-python -m pytest -q -m "$marker" --durations=25 "$@"
+# Two workers (pytest-xdist): most tests wait on processes and the store; PULSENET_TEST_WORKERS=0 runs in one.
+python -m pytest -q -m "$marker" -n "${PULSENET_TEST_WORKERS:-2}" --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

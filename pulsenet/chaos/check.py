@@ -170,6 +170,10 @@ def _trainer_outages(
     """For each trainer killed: how long until it published again, what the others published
     meanwhile, and the longest wait between two versions of the network across it (does losing a
     trainer stop the network?)."""
+    first: dict[int, float] = {}  # each version's first publication, by any trainer
+    for e in (e for n in trainers for e in events.get(n, ()) if e.kind == "published"):
+        first[e.version] = min(first.get(e.version, math.inf), e.at)
+    firsts = sorted(first.values())
     out = []
     for f in journal:
         if f.get("kind") != "fault" or f.get("target") not in trainers or not str(f.get("fault", "")).startswith("kill-"):
@@ -177,10 +181,6 @@ def _trainer_outages(
         t, at = f["target"], float(f["at"])
         back = next((e.at for e in events.get(t, ()) if e.kind == "published" and e.at > at), None)
         until = back if back is not None else math.inf
-        first: dict[int, float] = {}  # each version's first publication, by any trainer
-        for e in (e for n in trainers for e in events.get(n, ()) if e.kind == "published"):
-            first[e.version] = min(first.get(e.version, math.inf), e.at)
-        firsts = sorted(first.values())
         before = max((a for a in firsts if a <= at), default=at)
         after = [a for a in firsts if a > at]
         gaps = [b - a for a, b in itertools.pairwise([before, *after]) if a < until]

@@ -299,7 +299,12 @@ class RoundStore:
         """Whether ``tid`` announced, under its own key, that it trains round ``round_``."""
         key = self.layout.joining(tid, round_)
         body = await self._read(key, KIND_JOINING, signer=tid)
-        return body is not None and _int(body, "round", key) == round_
+        return body is not None and self._joining(key, body, round_)
+
+    def _joining(self, key: str, body: dict[str, Any], round_: int) -> bool:
+        if _int(body, "round", key) != round_:
+            raise ManifestError(f"{key}: joining document is for round {body['round']}")
+        return True
 
     async def members(self) -> list[str]:
         """Trainers of the run that announced themselves (ids only; their documents are verified when

@@ -48,6 +48,7 @@ from pulsenet.errors import PayloadError, RoundError
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco.documents import (
     KIND_DIGEST,
+    KIND_JOINING,
     KIND_MANIFEST,
     KIND_RECORD,
     KIND_STATE,
@@ -134,6 +135,10 @@ def _digest_seeds() -> list[bytes]:
     ]
 
 
+def _joining_seeds() -> list[bytes]:
+    return [_rs("t1").sign({"kind": KIND_JOINING, "trainer": "t1", "round": R})]
+
+
 def _state_seeds() -> list[bytes]:
     refs = [StateRef(R, ObjectRef(f"state/{R:08d}/{_sha(i)[:16]}.safetensors", 10**6 + i, _sha(i)), _sha(9), w)
             for i, w in enumerate(("t0", "t2"))]  # fmt: skip
@@ -157,6 +162,11 @@ def _record(data: bytes) -> Record:
 def _digest(data: bytes) -> str:
     rs, key = _rs(), _rs().layout.digest("t2", R)
     return rs._digest(key, rs._verify(key, data, KIND_DIGEST, signer="t2"), R)
+
+
+def _joining(data: bytes) -> bool:
+    rs, key = _rs(), _rs().layout.joining("t1", R)
+    return rs._joining(key, rs._verify(key, data, KIND_JOINING, signer="t1"), R)
 
 
 def _state_ref(data: bytes) -> StateRef:
@@ -451,6 +461,7 @@ for _name, _seeds, _decode, _ok in (
     ("loco.record", _record_seeds, _record, _record_ok),
     ("loco.digest", _digest_seeds, _digest, _digest_ok),
     ("loco.state_ref", _state_seeds, _state_ref, _state_ok),
+    ("loco.joining", _joining_seeds, _joining, lambda joined: joined is True),
 ):
     TARGETS.append(
         {"name": _name, "seeds": _seeds, "decode": _decode, "exact": True, "equal": _any_seed(_seeds, _decode),
