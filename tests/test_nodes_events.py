@@ -19,7 +19,7 @@ import pytest
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.events import EventLog, VersionEvent, read_events
 from pulsenet.nodes.status import NodeState
-from pulsenet.nodes.summary import efficiency, requests, summarize
+from pulsenet.nodes.summary import efficiency, requests, run_totals, summarize
 
 
 def _published(node: str, v: int, at: float, **kw: object) -> VersionEvent:
@@ -93,6 +93,24 @@ def test_summary_and_efficiency_come_from_the_events_alone() -> None:
     # a node whose digest differs, or that served an unpublished version, fails the checks
     ev["i0"][2] = VersionEvent(kind="served", node="i0", role="inference", version=2, digest="forged", at=33.0)
     assert not summarize(ev, roles, max_staleness=2)["checks"]["served_verified"]
+
+
+def test_a_restarted_node_counts_from_zero_and_its_lives_add_up() -> None:
+    """A killed and restarted node's counters start again from zero: the run's totals are the sum
+    of each life's last totals (not just the last life's: that made a run with a killed inference
+    node report 106% of its generated rollouts trained on)."""
+
+    def served(v: int, rows: int, s: float) -> VersionEvent:
+        return VersionEvent(kind="served", node="i1", role="inference", version=v, digest=f"d{v}",
+                            totals={"rows_produced": rows, "generating_s": s})  # fmt: skip
+
+    life = [served(0, 0, 0.0), served(1, 64, 1.0), served(2, 128, 2.5)]
+    again = [served(2, 0, 0.0), served(3, 32, 0.5), served(4, 96, 1.0)]
+    assert run_totals(life + again) == {"rows_produced": 224, "generating_s": 3.5}
+    assert run_totals(life) == {"rows_produced": 128, "generating_s": 2.5} and run_totals([]) == {}
+    trainer = [_published("t0", 0, 1.0), _published("t0", 1, 2.0, counts={"rows": 200, "batches": 2})]
+    e = efficiency({"t0": trainer, "i1": life + again}, {"t0": "trainer", "i1": "inference"})
+    assert e["trained_fraction"] == pytest.approx(200 / 224, abs=1e-4)  # rounded to 4 places
 
 
 def test_the_config_tree_sets_run_once(tmp_path: Path) -> None:

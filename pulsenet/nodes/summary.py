@@ -76,7 +76,7 @@ def summarize(
             "served_verified": bool(served) and all(
                 e.version in published and published[e.version].digest == e.digest for e in served
             ),
-            "pulsesync_downloaded": int(stopped.totals.get("pulsesync_bytes", 0)) if stopped else None,
+            "pulsesync_downloaded": int(run_totals(events[n]).get("pulsesync_bytes", 0)) if stopped else None,
         }
     digests = {d["digest"] for d in nodes.values()}
     checks = {
@@ -122,8 +122,8 @@ def efficiency(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str,
     trainers = [n for n, r in roles.items() if r == "trainer"]
     inference = [n for n, r in roles.items() if r == "inference"]
     published = [e for t in trainers for e in events.get(t, ()) if e.kind == "published" and e.version > 0]
-    last_t = [events[t][-1].totals for t in trainers if events.get(t)]
-    last_i = [events[n][-1].totals for n in inference if events.get(n)]
+    last_t = [run_totals(events.get(t, ())) for t in trainers]
+    last_i = [run_totals(events.get(n, ())) for n in inference]
     produced_rows = sum(t.get("rows_produced", 0) for t in last_i)
     produced = sum(t.get("batches_produced", 0) for t in last_i)
     trained_rows = sum(e.counts.get("rows", 0) for e in published)
@@ -177,13 +177,29 @@ def requests(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str, s
         for k, v in stopped.counts.items():
             if k.startswith("idle_poll:"):
                 idle.setdefault(k.split(":", 1)[1], []).append(v)
-        for k, v in stopped.totals.items():
+        for k, v in run_totals(ev).items():
             if k.startswith("requests:"):
                 per_version.setdefault(k.split(":", 1)[1], []).append(v / served)
     return {
         "idle_poll": {k: sum(v) / len(v) for k, v in idle.items()},
         "per_version_per_inference_node": {k: round(sum(v) / len(v), 2) for k, v in per_version.items()},
     }
+
+
+def run_totals(events: Sequence[VersionEvent]) -> dict[str, float]:
+    """A node's counters over the whole run. ``totals`` are cumulative within one process, and a
+    restarted node counts from zero again: a life starts where a counter goes down, and the last
+    totals of every life are summed. What a killed life did after its last event is not counted."""
+    out: dict[str, float] = {}
+    prev: dict[str, float] = {}
+    for e in events:
+        if any(e.totals.get(k, 0) < v for k, v in prev.items()):  # counters restarted: a new life
+            for k, v in prev.items():
+                out[k] = out.get(k, 0) + v
+        prev = e.totals
+    for k, v in prev.items():
+        out[k] = out.get(k, 0) + v
+    return out
 
 
 def _ratio(a: float, b: float | None) -> float | None:
