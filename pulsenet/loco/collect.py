@@ -174,7 +174,7 @@ class Collector:
                 if record is not None:
                     break
                 now = loop.time()
-                missing = [t for t in sorted(self.rs.keys) if t not in fetches and t not in unreadable]
+                missing = self._missing(fetches, unreadable)
                 pending = [t for t, task in sorted(fetches.items()) if not task.done()]
                 self.progress.wait(missing + pending, self._why_waiting(missing, pending, now >= deadline))
                 if now >= next_log:
@@ -277,11 +277,10 @@ class Collector:
         if record is not None:
             self._log_follow(r, record)
             return record
-        for tid in sorted(self.rs.keys):  # every trusted trainer: no LIST of members/ per poll
-            if tid not in fetches and tid not in unreadable:
-                manifest = await self._try_manifest(tid, r, unreadable, ctx.warned)
-                if manifest is not None:
-                    fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
+        for tid in self._missing(fetches, unreadable):  # every trusted trainer: no LIST of members/ per poll
+            manifest = await self._try_manifest(tid, r, unreadable, ctx.warned)
+            if manifest is not None:
+                fetches[tid] = asyncio.create_task(self._fetch_entry(ctx, manifest.payload))
         if not all(t.done() for t in fetches.values()):
             return None
         proposal = self._proposal(ctx, fetches, unreadable)
@@ -296,12 +295,16 @@ class Collector:
             self._log_follow(r, record)
         return record
 
+    def _missing(self, fetches: Mapping[str, object], unreadable: Mapping[str, str]) -> list[str]:
+        """Trusted trainers whose payload this round has neither arrived nor been ruled unreadable."""
+        return [t for t in sorted(self.rs.keys) if t not in fetches and t not in unreadable]
+
     async def _only_absent(
         self, ctx: _Context, fetches: Mapping[str, asyncio.Task[Entry]], unreadable: Mapping[str, str]
     ) -> bool:
         """Whether every trainer still missing is absent and has not announced it joins (one signed
         GET per such trainer per poll, from ``early`` on; a joining one is waited for from then on)."""
-        missing = [t for t in sorted(self.rs.keys) if t not in fetches and t not in unreadable]
+        missing = self._missing(fetches, unreadable)
         for tid in missing:
             if tid not in ctx.absent or tid in ctx.joining:
                 return False
