@@ -169,6 +169,27 @@ def encode(payload: Payload, base: Mapping[str, ArrayLike] | None = None, *, thr
     return b"".join([_HEADER.pack(MAGIC, VERSION, payload.mode, 0, len(names), payload.round), *sections])
 
 
+def max_size(shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """The largest payload :func:`encode` writes for a model of these shapes, in bytes: a bound on
+    every valid payload, known before a byte of one is read (a signed size is the sender's word).
+
+    Per tensor of n entries, all sent, positions and ordinals ``w = narrowest_width(n - 1)`` bytes
+    each, values 4 bytes: a raw section carries ``n (w + 4)`` bytes before zstd; a relative one at
+    most that too, or, when :func:`encode` takes it unweighed (escapes at most one in 8), its
+    positions, codes of at most 4 bytes and escapes of ``w + 4`` bytes each, plus the position
+    groups' table. zstd adds at most ``x >> 7`` plus a frame header to a frame of x bytes (its
+    ``compressBound`` is ``x + x >> 8 + 64``). Dense sections are covered by the same terms.
+    """
+    total = _HEADER.size
+    for name, shape in shapes.items():
+        numel = int(np.prod(shape, dtype=np.int64))
+        w = narrowest_width(max(numel - 1, 0))
+        content = numel * (w + 4) + (numel // 8 + 1) * (w + 4) + 2 + _GROUP.size * relative.N_CONTEXTS
+        frames = content + (content >> 7) + 3 * 512
+        total += 2 + len(name.encode("utf-8")) + 1 + 8 * len(shape) + _SECTION_TAIL.size + frames
+    return total
+
+
 def _encode_section(indices: np.ndarray | None, values: np.ndarray, base_flat: np.ndarray | None) -> _Section:
     """Relative coding when a base is given, unless escapes make raw coding the smaller section."""
     if not values.size:

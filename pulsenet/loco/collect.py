@@ -106,6 +106,9 @@ class Collector:
         stats: LocoStats | None = None,
     ) -> None:
         self.rs, self.config, self.shapes, self.cache = rs, config, dict(shapes), cache
+        self.max_payload = wire.max_size(self.shapes)
+        """The largest valid payload for this model (``payload.max_size``): a signed size above it
+        is refused before a byte is read."""
         self.id = rs.id
         self.mode = MODES[config.mode]
         self.screen = alg.NormScreen(config.norm_factor, config.norm_weights_factor, config.norm_min_payloads)
@@ -251,7 +254,7 @@ class Collector:
         payload = (
             cached
             if cached is not None
-            else await self._decode(await self.rs.fetch(ref), ref, base, base_digest)
+            else await self._decode(await self._fetch(ref), ref, base, base_digest)
         )
         return payload, await asyncio.to_thread(alg.validate, payload, round=r, mode=self.mode)
 
@@ -412,7 +415,19 @@ class Collector:
         cached = await self._cached(ref, ctx.base_digest)
         if cached is not None:
             return cached, await asyncio.to_thread(alg.validate, cached, round=ctx.round, mode=self.mode), ref
-        return await self._judge(ctx, await self.rs.fetch(ref), ref)
+        return await self._judge(ctx, await self._fetch(ref), ref)
+
+    async def _fetch(self, ref: ObjectRef) -> bytes:
+        """A payload's bytes, read only if the size its sender signed fits the model: a valid
+        payload is never larger than ``max_payload``, so a claim above it is the sender's fault
+        (a PayloadError: rejected and counted) and costs no read. The store reads at most the
+        signed size (``fetch_object``)."""
+        if ref.size > self.max_payload:
+            raise PayloadError(
+                f"{ref.key}: {ref.size} bytes claimed, more than the {self.max_payload} bytes of the "
+                f"largest valid payload for this model"
+            )
+        return await self.rs.fetch(ref)
 
     async def _judge(self, ctx: _Context, data: bytes, ref: ObjectRef) -> Entry:
         """Decode (format, shapes, index bounds) and validate (round, mode, finite values); returns the norm."""
