@@ -86,6 +86,10 @@ class LocoConfig:
     """Delete own round objects, and the shared global states, older than this many rounds (None keeps
     all: a run of days would grow its buckets without bound). At least 2 x state_every rounds are
     kept, so that replay from a retained state always finds its payloads."""
+    repair_replay_rounds: int | None = None
+    """The most rounds a repair (a digest mismatch) replays from a published state; None: ``2 x
+    state_every``. Older states are not tried: a trainer that lies about its digests costs its
+    peers at most this much replay, once (docs/loco.md §5)."""
     max_round_failures: int = 3
     """Consecutive failed rounds (RoundError) before the trainer gives up."""
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -103,6 +107,8 @@ class LocoConfig:
             raise ConfigError("norm_factor must be > 1, norm_weights_factor > 0 and norm_min_payloads >= 1")
         if not (self.retry_base_s > 0 and self.retry_cap_s >= self.retry_base_s and self.progress_log_s > 0):
             raise ConfigError("retry_base_s and progress_log_s must be > 0, retry_cap_s >= retry_base_s")
+        if self.repair_replay_rounds is not None and self.repair_replay_rounds < 1:
+            raise ConfigError(f"repair_replay_rounds must be >= 1 or None, got {self.repair_replay_rounds}")
         if self.retain_rounds is not None and self.retain_rounds < 1:
             raise ConfigError(f"retain_rounds must be >= 1 or None, got {self.retain_rounds}")
         if not self.absent_wait_s >= 0:
@@ -126,6 +132,11 @@ class LocoConfig:
     def retention(self) -> int | None:
         """Rounds of objects kept (``retain_rounds``, at least ``2 x state_every``), or None: keep all."""
         return None if self.retain_rounds is None else max(self.retain_rounds, 2 * self.state_every)
+
+    @property
+    def repair_replay(self) -> int:
+        """Rounds a repair may replay (``repair_replay_rounds``, default ``2 x state_every``)."""
+        return self.repair_replay_rounds if self.repair_replay_rounds is not None else 2 * self.state_every
 
     @property
     def quorum(self) -> int:

@@ -422,10 +422,40 @@ class RoundStore:
                 raise
             return winner, False
 
-    async def latest_record_round(self) -> int:
-        """Highest round with a record (0 if none): how far the run has got."""
+    async def latest_record_round(self, known: int = 0) -> tuple[int, int]:
+        """How far the run has got: the newest round whose record verifies, at least ``known`` (a
+        round whose record the caller has verified); and how many listed record names it ignored.
+
+        A listing is a claim anyone with write access to the bucket can make (``rounds/99999999/
+        record``), so it only narrows the search; the answer is a record that parses and verifies.
+        Rounds are decided one after another and records are never deleted, so the run's records
+        are the listed rounds contiguous from ``known`` up: names past a gap are ignored unread, and
+        the newest of the contiguous ones that verifies is found by bisection (a few GETs however
+        many names are planted). A name that is ignored or fails to verify is counted, never fatal.
+        """
         infos = await self.store.list(self.layout.rounds, timeout=self.t.small_s)
-        return max((r for i in infos if (r := self.layout.parse_record(i.key)) is not None), default=0)
+        listed = {r for i in infos if (r := self.layout.parse_record(i.key)) is not None and r > known}
+        lo = hi = known
+        while hi + 1 in listed:
+            hi += 1
+        ignored = len(listed) - (hi - known)
+        while lo < hi:  # invariant: lo's record verifies (or lo == known); none past hi does
+            mid = (lo + hi + 1) // 2
+            if await self._record_verifies(mid):
+                lo = mid
+            else:
+                ignored += hi - mid + 1
+                hi = mid - 1
+        if ignored:
+            log.warning("%s: ignored %d listed round-record names that do not verify or are out of sequence", self.id, ignored)
+        return lo, ignored
+
+    async def _record_verifies(self, round_: int) -> bool:
+        try:
+            return await self.read_record(round_) is not None
+        except ManifestError as e:  # planted, foreign or malformed: not how far the run has got
+            log.warning("%s: ignoring %s: %s", self.id, self.layout.record(round_), e)
+            return False
 
     # --- digests ------------------------------------------------------------------------------
 

@@ -65,6 +65,15 @@ class LocoStats:
     (``outsized``, ``invalid``; ``unavailable`` for announced payloads nobody could fetch)."""
     own_excluded: int = 0
     """Rounds in which this trainer's own payload was excluded (its update dropped)."""
+    digest_disagreements: dict[str, int] = field(default_factory=dict)
+    """Rounds in which a participant's published digest differed from ours while ours stood (we
+    held the majority digest, or our state is the one the store's chain gives), by trainer."""
+    digest_unverified: int = 0
+    """Rounds with no majority digest in which our state could not be checked against the store's
+    chain (no published state within ``repair_replay_rounds``): we kept our own computation."""
+    ignored_names: int = 0
+    """Listed object names ignored because no verified document backs them (planted or out of
+    sequence: a listing only narrows a search, e.g. for the newest round record)."""
     store_failures: int = 0
     """Store calls of the protocol that failed (each retry counts)."""
     upload_retries: int = 0

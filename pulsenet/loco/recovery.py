@@ -6,6 +6,11 @@ majority, rebuilds the state the store implies (:func:`rebuild`): the newest pub
 state at or before the round, then every round record after it replayed on top (:func:`replay`).
 The outer step is deterministic, so that state is by definition the agreed one. Stragglers and
 restarted trainers use the same replay to catch up. docs/loco.md, "Digests", has the argument.
+
+A digest is a trainer's word. A repair replays at most ``max_replay`` rounds, and a trainer whose
+own state is the one the store's chain gives, in a round with no majority (two trainers, one of
+them lying), keeps it and leaves the disagreeing trainers out of every later digest vote
+(``LocoTrainer.distrusted``): a liar costs its peers one bounded replay, never their run.
 """
 
 from __future__ import annotations
@@ -75,7 +80,9 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
 
 async def vouched(rs: RoundStore, ref: StateRef, quorum: int) -> bool:
     """Whether round ``ref.round``'s participants vouch for a published state: a strict majority of
-    them, and at least ``quorum``, published its digest (each under its own key).
+    them, and at least ``quorum``, published its digest (each under its own key); or it is a state
+    this trainer wrote itself, with the digest it published for that round (its own computation,
+    which a peer lying about its digest cannot outvote in a two-trainer run).
 
     Any one trusted key can write a state manifest first, so the state is taken on the word of the
     trainers that computed it, not of its writer. Genesis (round 0) has no participants: its first
@@ -86,6 +93,12 @@ async def vouched(rs: RoundStore, ref: StateRef, quorum: int) -> bool:
     record = await rs.read_record(ref.round)
     if record is None:
         return False
+    if ref.writer == rs.id:
+        try:
+            if await rs.read_digest(rs.id, ref.round) == ref.digest:
+                return True
+        except ManifestError as e:
+            log.warning("%s: round %d: unverifiable digest of our own: %s", rs.id, ref.round, e)
     votes = 0
     for tid in sorted(record.participants):
         try:
@@ -103,13 +116,16 @@ async def rebuild(
     apply: Apply,
     *,
     quorum: int = 1,
+    max_replay: int | None = None,
 ) -> GlobalState:
     """The agreed global state after round ``target``: the newest published state <= target that its
     round's participants vouch for (:func:`vouched`), replayed forward.
 
-    Older published states are tried in turn if a newer one cannot be loaded, vouched for or replayed.
+    Older published states are tried in turn if a newer one cannot be loaded, vouched for or replayed;
+    with ``max_replay``, none older than ``target - max_replay`` (RoundError if no nearer one does).
     """
-    for c in sorted((c for c in await rs.state_rounds() if c <= target), reverse=True):
+    floor = -1 if max_replay is None else target - max_replay
+    for c in sorted((c for c in await rs.state_rounds() if floor <= c <= target), reverse=True):
         try:
             ref = await rs.read_state_ref(c)
             if ref is None:
@@ -126,4 +142,5 @@ async def rebuild(
             if transient(e):  # the store is away, not the chain broken: the caller retries later
                 raise
             log.warning("%s: cannot rebuild round %d from the state of round %d: %s", rs.id, target, c, e)
-    raise RoundError(f"no published global state and payload chain in the store reaches round {target}")
+    within = "" if max_replay is None else f" within {max_replay} rounds"
+    raise RoundError(f"no published global state and payload chain in the store reaches round {target}{within}")

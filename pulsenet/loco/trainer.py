@@ -160,6 +160,12 @@ class LocoTrainer:
         for ``/healthz``: ``progress.describe()``, ``progress.store_unreachable``)."""
         self.stats = LocoStats()
         """Counters over the trainer's life (rounds, exclusions by reason, void rounds, store failures)."""
+        self.distrusted: dict[str, int] = {}
+        """Trainers left out of the digest vote, by the round that showed it: in a round with no
+        majority their digest differed from ours while the store's chain gave ours (``_verify``).
+        For the trainer's life; its payloads still count (they are judged on their own)."""
+        self._unverified: int | None = None
+        """The last round kept on our own word (no majority, no chain to check it), until one agrees."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -417,7 +423,9 @@ class LocoTrainer:
         existing = await self._collector.read_record(r)
         if existing is not None and self.id not in existing.participants:
             self._pending = None  # decided without us: that update is not needed any more
-            return await self.catch_up(await self.rs.latest_record_round())
+            target, ignored = await self.rs.latest_record_round(known=r)
+            self.stats.ignored_names += ignored
+            return await self.catch_up(target)
         # A record that already includes us means we published this round and died before saving
         # it: redo the round (same state, RNG and data give the same payload) so that the error
         # feedback and inner optimizer come out exactly as if we had never stopped.
@@ -611,13 +619,26 @@ class LocoTrainer:
         return digests if complete else {}
 
     async def _verify(self, record: Record, report: RoundReport) -> tuple[dict[str, str], bool]:
+        """The digests that count this round (ours, and the participants' not ``distrusted``) after
+        repairing if we diverged; and whether every participant's arrived.
+
+        Ours stands if it is the majority's. Outside a majority we rebuild from the store (at most
+        ``repair_replay`` rounds of replay) and adopt what it gives; if that is our own state and no
+        majority held another (two trainers, one lying), the trainers whose digest differs are left
+        out of every later vote (``distrusted``); if it cannot be rebuilt and no majority is against
+        us, we keep our own computation (counted). A liar costs one bounded replay, never the run."""
         r = record.round
         # In the background, retried until it lands: peers judge without ours if it is late, and
         # a published state needs its participants' digests later (recovery.vouched).
         self._spawn(self._publish_digest(r, self.digest), f"digest of round {r}")
-        digests, complete = await self._gather_digests(record)
+        heard, complete = await self._gather_digests(record)
+        digests = {t: d for t, d in heard.items() if t not in self.distrusted}
+        for tid in sorted(heard.keys() - digests.keys()):
+            if heard[tid] != self.digest:
+                self._disagreed(tid)
         verdict = recovery.judge(digests, self.id)
         if verdict.unanimous:
+            self._unverified = None
             return digests, complete
         report.agreed = False
         if verdict.ours_agreed:
@@ -625,25 +646,42 @@ class LocoTrainer:
                 "%s: round %d: trainers %s diverged from the majority digest %s; they must repair",
                 *(self.id, r, verdict.odd, self.digest[:16]),
             )
+            for tid in verdict.odd:
+                self._disagreed(tid)
             return digests, complete
         log.error(
             "%s: round %d: DIGEST MISMATCH: ours %s, %s; rebuilding the agreed state from the store",
             *(self.id, r, self.digest[:16], {t: d[:16] for t, d in sorted(digests.items()) if t != self.id}),
         )
-        state = await self._rebuild(r)
+        try:
+            state = await self._rebuild(r, max_replay=self.config.repair_replay)
+        except RoundError as e:
+            if verdict.agreed is not None:
+                raise
+            self.stats.digest_unverified += 1
+            self._unverified = r
+            log.error(
+                "%s: round %d: no majority digest, and our state cannot be checked against the store (%s); "
+                "keeping our own computation", self.id, r, e,
+            )  # fmt: skip
+            return digests, complete
         digest = await asyncio.to_thread(state.digest)
         if verdict.agreed is not None and digest != verdict.agreed:
             raise RoundError(
                 f"round {r}: rebuilt state {digest[:16]} still differs from the majority {verdict.agreed[:16]}"
             )
         if digest == self.digest:
+            # No majority, and the store's chain gives exactly our state: the others' digests
+            # disagree with a replay we verified. Leave them out of every later vote.
+            odd = [t for t, d in digests.items() if d != digest]
+            for tid in odd:
+                self.distrusted.setdefault(tid, r)
+                self._disagreed(tid)
             log.error(
-                "%s: round %d: the store's chain agrees with our state %s; peers must repair",
-                self.id,
-                r,
-                digest[:16],
-            )
-            return digests, complete
+                "%s: round %d: the store's chain agrees with our state %s; leaving %s out of the digest "
+                "vote from now on (their digests disagree with a replay we verified)", self.id, r, digest[:16], odd,
+            )  # fmt: skip
+            return {t: d for t, d in digests.items() if t not in odd}, complete
         await self._adopt(state, digest)
         report.repaired = True
         log.error(
@@ -651,6 +689,21 @@ class LocoTrainer:
         )
         digests[self.id] = digest
         return digests, complete
+
+    def trust_issues(self) -> str | None:
+        """Why the digest agreement is not whole, in words for ``/healthz`` (None: it is)."""
+        issues = []
+        if self.distrusted:
+            issues.append(
+                f"digests of {', '.join(sorted(self.distrusted))} left out of the vote: they disagree with "
+                "the state the store's chain gives (a trainer lying or diverged)"
+            )
+        if self._unverified is not None:
+            issues.append(f"round {self._unverified}: no majority digest, our state kept unverified")
+        return "; ".join(issues) or None
+
+    def _disagreed(self, tid: str) -> None:
+        self.stats.digest_disagreements[tid] = self.stats.digest_disagreements.get(tid, 0) + 1
 
     async def _publish_digest(self, r: int, digest: str) -> None:
         stood = await self._retry(lambda: self.rs.publish_digest(r, digest), f"round {r}: publishing our digest")
@@ -744,7 +797,7 @@ class LocoTrainer:
             await self._persist(target, await self._agree(record, report))
         return await self._report(report)
 
-    async def _rebuild(self, target: int) -> GlobalState:
+    async def _rebuild(self, target: int, *, max_replay: int | None = None) -> GlobalState:
         return await recovery.rebuild(
             target,
             self.rs,
@@ -752,6 +805,7 @@ class LocoTrainer:
             self._collector.load_record,
             self._replay_apply,
             quorum=self.config.quorum,
+            max_replay=max_replay,
         )
 
     async def _replay_apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
