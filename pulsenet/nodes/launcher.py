@@ -68,6 +68,7 @@ from pulsenet.nodes.supervisor import (
     EventTail,
     Exit,
     Journal,
+    Liveness,
     Restarts,
     SuperviseConfig,
     TrainerView,
@@ -146,7 +147,11 @@ class Node:
     done: bool = False
     """A trainer that exited after its last version."""
     stopping: str = ""
-    """Why the supervisor is stopping the current life (it reported stuck), "" otherwise."""
+    """Why the supervisor is stopping the current life (stuck, or not answering), "" otherwise."""
+    liveness: Liveness = field(default_factory=lambda: Liveness(time.monotonic()))
+    """The current life's health probes (``supervisor.Liveness``)."""
+    unresponsive: str = ""
+    """Why the current life must be restarted for not answering its probes, "" while it answers."""
     tail: EventTail = field(init=False)
     """Its ``events.jsonl``, read as it grows: every version it published or served, in every life."""
 
@@ -597,6 +602,7 @@ class Supervisor:
             n.proc = spawn_tied(n.cmd, n.name, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=n.env)
         n.pids.append(n.proc.pid)
         n.health, n.reasons, n.answered, n.stopping = "starting", [], False, ""
+        n.liveness, n.unresponsive = Liveness(time.monotonic()), ""
 
     def _handle_exits(self, now: float) -> str:
         """Exited nodes: a trainer past its last version is done; any other exit is unexpected and
@@ -630,17 +636,24 @@ class Supervisor:
                 self.journal.write("restart", node=n.name, count=n.restarts.count, pid=n.proc.pid)
 
     def _liveness(self) -> None:
-        """A node whose own /healthz says stuck is stopped (SIGTERM, then SIGKILL) and restarted."""
-        if not self.policy.restart_stuck:
-            return
+        """A node whose own /healthz says stuck, or that leaves its probes unanswered
+        (``Liveness``), is stopped (SIGTERM, then SIGKILL) and restarted."""
         for n in self.nodes:
-            if n.running and n.health == "stuck" and not n.stopping:
+            if not n.running or n.stopping:
+                continue
+            if n.unresponsive:
+                n.stopping = f"stopped as unresponsive ({n.unresponsive})"
+                self.journal.write("unresponsive_node", node=n.name, why=n.unresponsive)
+                self.say(f"{n.name}: {n.unresponsive}; restarting it")
+            elif self.policy.restart_stuck and n.health == "stuck":
                 n.stopping = f"stopped as stuck ({'; '.join(n.reasons) or 'no progress'})"
                 self.journal.write("stuck_node", node=n.name, reasons=n.reasons)
                 self.say(f"{n.name} reports stuck: {'; '.join(n.reasons)}; restarting it")
-                task = asyncio.create_task(asyncio.to_thread(self._stop_all, [n]))
-                self._stoppers.add(task)
-                task.add_done_callback(self._stoppers.discard)
+            else:
+                continue
+            task = asyncio.create_task(asyncio.to_thread(self._stop_all, [n]))
+            self._stoppers.add(task)
+            task.add_done_callback(self._stoppers.discard)
 
     async def _poll(self, http: Any, n: Node) -> None:
         import aiohttp
@@ -650,7 +663,9 @@ class Supervisor:
                 status = await r.json()
         except (aiohttp.ClientError, TimeoutError, ValueError):
             n.health = "no answer" if n.answered else "starting"
+            n.unresponsive = n.liveness.probed(False, time.monotonic(), self.policy) or n.unresponsive
             return
+        n.liveness.probed(True, time.monotonic(), self.policy)
         n.status, n.answered = status, True
         health = status.get("health") or {}
         n.health, n.reasons = str(health.get("status", "ok")), [str(x) for x in health.get("reasons", ())]

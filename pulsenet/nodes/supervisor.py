@@ -9,6 +9,10 @@ plain logic over plain records, so it is tested without starting anything:
 - ``Restarts``: one child's exits and restarts. An unexpected exit is restarted after
   ``store.backoff_delay`` (exponential, full jitter) in the number of restarts within the window;
   the ``max_restarts + 1``-th exit within ``window_s`` is a crash loop, and only that ends a run;
+- ``Liveness``: one child's health probes, as a Kubernetes liveness probe counts them: a node that
+  does not answer ``liveness_failures`` probes in a row (a timeout is a failure) is restarted,
+  whatever the reason it cannot answer (its event loop or GIL blocked in C code, a deadlock); a
+  start-up that has not answered yet is given ``liveness_grace_s`` first;
 - ``last_error``: the node's last *error* in its log since its current life began (an ERROR or
   CRITICAL record, a ``pulsenet: error`` line, an uncaught exception), never merely its last line;
 - ``holdup``: which trainer holds a stuck network up, from what the supervisor sees of each
@@ -61,6 +65,14 @@ class SuperviseConfig:
     restart_stuck: bool = True
     """Restart a node whose own /healthz says "stuck" (no progress for its stuck_after_s), as a
     Kubernetes liveness probe would; "degraded" (a store down, waiting on a peer) is left alone."""
+    liveness_failures: int = 20
+    """Restart a node that has answered before and then leaves this many health probes in a row
+    unanswered (a probe every ``poll_s``, each timing out after 2 s: 20 probes are 10-50 s), as a
+    Kubernetes liveness probe's failureThreshold does: a node frozen in C code (its event loop or
+    GIL blocked) cannot say it is stuck. 0: never."""
+    liveness_grace_s: float = 300.0
+    """A node that has not answered since it (re)started is probed only after this long (Kubernetes'
+    startupProbe): loading a model and warming up are not a frozen node."""
 
     def __post_init__(self) -> None:
         if self.max_restarts < 0 or self.window_s <= 0 or self.backoff_s < 0 or self.backoff_cap_s < self.backoff_s:
@@ -68,6 +80,38 @@ class SuperviseConfig:
                 "supervise: max_restarts >= 0, window_s > 0 and 0 <= backoff_s <= backoff_cap_s, got "
                 f"{self.max_restarts}, {self.window_s}, {self.backoff_s}, {self.backoff_cap_s}"
             )
+        if self.liveness_failures < 0 or not self.liveness_grace_s >= 0:
+            raise ConfigError(
+                "supervise: liveness_failures >= 0 and liveness_grace_s >= 0, got "
+                f"{self.liveness_failures}, {self.liveness_grace_s}"
+            )
+
+
+@dataclass
+class Liveness:
+    """One child life's health probes, counted as a Kubernetes liveness probe counts them."""
+
+    started: float
+    """Monotonic time this life started."""
+    misses: int = 0
+    """Probes in a row without an answer (counted once the grace period is over or it has answered)."""
+    answered: bool = False
+    """This life has answered a probe."""
+
+    def probed(self, answered: bool, now: float, policy: SuperviseConfig) -> str | None:
+        """Record one probe (``answered``: the node answered in time); why the node must be
+        restarted now, or None. An answer resets the count; before its first answer a node is
+        not counted until ``liveness_grace_s`` after its start."""
+        if answered:
+            self.answered, self.misses = True, 0
+            return None
+        if policy.liveness_failures == 0 or (not self.answered and now - self.started < policy.liveness_grace_s):
+            return None
+        self.misses += 1
+        if self.misses < policy.liveness_failures:
+            return None
+        since = "" if self.answered else f" since its start {now - self.started:.0f} s ago"
+        return f"no answer to {self.misses} health probes in a row{since}"
 
 
 @dataclass
