@@ -654,3 +654,269 @@ TARGETS.append(
     {"name": "loco.aggregate", "seeds": _agg_seeds, "decode": _agg_decode,
      "mutators": [agg_scale, agg_scale, agg_scale, agg_entry, agg_round, agg_members, agg_members]}
 )  # fmt: skip
+
+
+# --- issue 29: planted round names, oversized payload claims, digest lies ---------------------------
+#
+# ``loco.head``: a store's ``rounds/`` holding real records and planted names (junk bytes, foreign
+# or hostile documents, rounds far past the run's) through ``RoundStore.latest_record_round``, the
+# catch-up target: it must name a record that verifies (or the round already known), never a
+# planted one, and every round up to it must be listed. ``loco.payload_claim``: a manifest signed
+# by t1, its payload's size a hostile claim, through ``Collector._fetch``: the store is never asked
+# for more than the model's largest valid payload. ``loco.digest_votes``: the participants'
+# digests of a round (some lying), less the trainers left out of the vote, through ``judge``: a
+# strict majority is the only agreement, and a liar cannot outvote the honest majority.
+
+import asyncio  # noqa: E402
+import contextlib  # noqa: E402
+import logging  # noqa: E402
+import shutil  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+from pulsenet.errors import ManifestError  # noqa: E402
+from pulsenet.loco import recovery  # noqa: E402
+from pulsenet.loco.collect import Collector  # noqa: E402
+from pulsenet.loco.config import LocoConfig  # noqa: E402
+from pulsenet.loco.layout import MAX_ROUND  # noqa: E402
+from pulsenet.signed import is_sha256  # noqa: E402
+
+HEAD_ROUNDS = 4
+JUNK_DOCS = [b"", b"{}", b"x" * 100, b'{"body": {"kind": "pulseloco-round"}, "key_id": "00", "sig": "AA=="}']
+
+
+def _case(data: bytes) -> dict[str, Any]:
+    """A fuzz case's JSON object; a ManifestError (typed) if it no longer is one."""
+    try:
+        case = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"not a case: {str(e)[:80]}") from None
+    if not isinstance(case, dict):
+        raise ManifestError("not a case: not an object")
+    return case
+
+
+def _head_record(r: int, writer: str, run: str = "fuzz-run") -> bytes:
+    refs = {t: ObjectRef(LAYOUT.payload(t, r, _sha(r)), 100, _sha(r)) for t in ("t0", "t1")}
+    return _head_rs(writer, run).sign(_record_body(Record(r, writer, refs)))
+
+
+def _head_seeds() -> list[bytes]:
+    records = {str(r): _head_record(r, IDS[r % 2]).decode() for r in range(1, HEAD_ROUNDS + 1)}
+    return [json.dumps({"records": records}).encode(), json.dumps({"records": dict(list(records.items())[:2])}).encode()]
+
+
+@functools.cache
+def _head_rs(tid: str = "t2", run: str = "fuzz-run") -> RoundStore:
+    """Trainer ``tid`` of ``run`` on the store ``loco.head`` plants its cases in."""
+    keys = {t: _key(t).public_key() for t in IDS}
+    return RoundStore(LocalStore(_dir() / "head"), tid, _key(tid), keys, run=run)
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """The reader's warnings about what it ignores, off for a fuzz case (restored after)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _head(data: bytes) -> tuple[int, int]:
+    case = _case(data)
+    records = case.get("records")
+    if not isinstance(records, dict) or not all(
+        isinstance(k, str) and k.isdigit() and 0 < int(k) <= MAX_ROUND and isinstance(v, str) for k, v in records.items()
+    ):
+        raise ManifestError("not a case: records must map round numbers to documents")
+    rs = _head_rs()
+    shutil.rmtree(_dir() / "head", ignore_errors=True)
+
+    async def run() -> tuple[int, int, bool]:
+        for k, doc in records.items():
+            await rs.store.put(LAYOUT.record(int(k)), doc.encode("utf-8", "surrogatepass"), timeout=10)
+        head, ignored = await rs.latest_record_round(known=0)
+        ok = head == 0
+        if head:
+            try:
+                ok = await rs.read_record(head) is not None
+            except ManifestError:
+                ok = False
+        return head, ignored, ok
+
+    with _quiet("pulsenet.loco"):
+        head, ignored, verifies = asyncio.run(run())
+    if not verifies or not all(str(r) in records for r in range(1, head + 1)) or not 0 <= ignored <= len(records):
+        raise AssertionError(f"catch-up aimed at round {head}, which no verified record backs ({ignored} ignored)")
+    return head, ignored
+
+
+def _plant_name(data: bytes, rng: random.Random) -> bytes:
+    """A planted name: junk or a hostile document, at the next round, inside, or far past the run."""
+    try:
+        case = _case(data)
+    except ManifestError:
+        return data
+    records = case.get("records") if isinstance(case.get("records"), dict) else {}
+    top = max((int(k) for k in records if isinstance(k, str) and k.isdigit()), default=0)
+    r = rng.choice((top + 1, top + 2, rng.randint(1, max(top, 1)), 99_999_999, MAX_ROUND, rng.randint(1, 10**6)))
+    r = min(max(r, 1), MAX_ROUND)
+    pick = rng.random()
+    if pick < 0.4:
+        doc = rng.choice(JUNK_DOCS).decode()
+    elif pick < 0.7:  # a trusted key's hostile record (a compromised trainer): for another round
+        doc = _head_record(rng.randint(1, HEAD_ROUNDS + 3), rng.choice(IDS)).decode()
+    elif pick < 0.85:  # another run's record of this round
+        doc = _head_record(r, "t0", run="other-run").decode()
+    else:  # a valid record of this round by a trusted key: a claim it may make
+        doc = _head_record(r, rng.choice(IDS)).decode()
+    records[str(r)] = doc
+    case["records"] = records
+    return json.dumps(case).encode()
+
+
+def _drop_name(data: bytes, rng: random.Random) -> bytes:
+    try:
+        case = _case(data)
+    except ManifestError:
+        return data
+    records = case.get("records")
+    if isinstance(records, dict) and records:
+        del records[rng.choice(sorted(records))]
+    return json.dumps(case).encode()
+
+
+CLAIM_SHAPES = {"b": (17,), "w": (32, 20)}
+CLAIM_OBJECTS = {i: bytes([i]) * (100 + 900 * i) for i in range(3)}
+"""Objects at t1's round-R payload keys: the seeds name them exactly."""
+CLAIM_BIG = bytes(1 << 20)
+"""A real 1 MiB object under t1's prefix, far over the model's largest valid payload."""
+
+
+def _claim_ref(data: bytes) -> ObjectRef:
+    sha = hashlib.sha256(data).hexdigest()
+    return ObjectRef(LAYOUT.payload("t1", R, sha), len(data), sha)
+
+
+@functools.cache
+def _claim_collector() -> tuple[Collector, dict[str, int | None]]:
+    keys = {t: _key(t).public_key() for t in IDS}
+    store = LocalStore(_dir() / "claim")
+    rs = RoundStore(store, "t2", _key("t2"), keys, run="fuzz-run")
+    asked: dict[str, int | None] = {}
+    real = store.get
+
+    async def get(key: str, **kw: Any) -> bytes:
+        asked[key] = kw.get("max_bytes")
+        return await real(key, **kw)
+
+    async def plant() -> None:
+        for obj in (*CLAIM_OBJECTS.values(), CLAIM_BIG):
+            await store.put(_claim_ref(obj).key, obj, timeout=10)
+
+    asyncio.run(plant())
+    store.get = get  # type: ignore[method-assign]
+    return Collector(rs, LocoConfig(workers_expected=3), CLAIM_SHAPES), asked
+
+
+def _claim_seeds() -> list[bytes]:
+    out = []
+    for obj in CLAIM_OBJECTS.values():
+        m = Manifest("t1", R, _claim_ref(obj), "pulseloco", 17, 657, _sha(99))
+        out.append(_rs("t1").sign({"kind": KIND_MANIFEST, **asdict(m)}))
+    return out
+
+
+def _claim(data: bytes) -> str:
+    manifest = _manifest(data)
+    collector, asked = _claim_collector()
+    asked.clear()
+    try:
+        got = asyncio.run(collector._fetch(manifest.payload))
+    finally:
+        over = {k: n for k, n in asked.items() if n is None or n > collector.max_payload}
+        if over:
+            raise AssertionError(f"asked the store for more than the largest valid payload: {over}")
+    return hashlib.sha256(got).hexdigest()
+
+
+def _claim_size(data: bytes, rng: random.Random) -> bytes:
+    """t1 signs a manifest whose payload size (and object) is its own hostile claim."""
+    env = _envelope(data)
+    if env is None:
+        return data
+    body = env["body"]
+    ref = body.get("payload") if isinstance(body.get("payload"), dict) else {}
+    if rng.random() < 0.3:
+        ref.update(_claim_ref(CLAIM_BIG).to_json())  # a real object, truly that large
+    else:
+        ref["size"] = rng.choice((0, 1, 4095, 512 << 20, 2**31, 2**62, 10**12, rng.randrange(1 << 40)))
+    body["payload"] = ref
+    try:
+        return _rs("t1").sign(body)
+    except (ValueError, RecursionError):
+        return data
+
+
+def _vote_seeds() -> list[bytes]:
+    d = [_sha(i) for i in range(3)]
+    cases = [
+        {"own": "t0", "digests": {"t0": d[0], "t1": d[0]}, "distrusted": []},
+        {"own": "t0", "digests": {"t0": d[0], "t1": d[1]}, "distrusted": []},  # two trainers, one lying
+        {"own": "t0", "digests": {"t0": d[0], "t1": d[1]}, "distrusted": ["t1"]},
+        {"own": "t1", "digests": {"t0": d[0], "t1": d[0], "t2": d[2]}, "distrusted": []},
+        {"own": "t2", "digests": {"t0": d[0], "t1": d[1], "t2": d[2]}, "distrusted": ["t0"]},
+    ]
+    return [json.dumps(c).encode() for c in cases]
+
+
+def _votes(data: bytes) -> tuple[str | None, bool, tuple[str, ...]]:
+    """What ``LocoTrainer._verify`` judges: the digests heard less the distrusted (never ourselves)."""
+    case = _case(data)
+    own, digests, distrusted = case.get("own"), case.get("digests"), case.get("distrusted")
+    if (
+        not isinstance(digests, dict) or own not in IDS or own not in digests or not isinstance(distrusted, list)
+        or not set(digests) <= set(IDS) or not all(is_sha256(v) for v in digests.values())
+    ):  # fmt: skip
+        raise ManifestError("not a case: digests must be trainer -> SHA-256, ours included")
+    counted = {t: v for t, v in digests.items() if t == own or t not in distrusted}
+    v = recovery.judge(counted, own)
+    votes = sum(d == v.agreed for d in counted.values())
+    honest = sum(d == counted[own] for d in counted.values())
+    if (
+        (v.agreed is not None and 2 * votes <= len(counted))
+        or v.ours_agreed != (v.agreed == counted[own])
+        or (2 * honest > len(counted)) != v.ours_agreed  # a liar never outvotes a strict majority
+        or v.unanimous != (len(set(counted.values())) == 1)
+        or (v.ours_agreed and list(v.odd) != sorted(t for t, d in counted.items() if d != counted[own]))
+    ):
+        raise AssertionError(f"judge broke its promise: {counted} -> {v}")
+    return v.agreed, v.ours_agreed, tuple(v.odd)
+
+
+def _lie(data: bytes, rng: random.Random) -> bytes:
+    """A trainer publishes another digest, joins the vote, or is left out of it."""
+    try:
+        case = _case(data)
+    except ManifestError:
+        return data
+    digests = case.get("digests") if isinstance(case.get("digests"), dict) else {}
+    tid = rng.choice(IDS)
+    op = rng.random()
+    if op < 0.6:
+        digests[tid] = rng.choice((_sha(rng.randrange(4)), "0" * 64, "x", None))
+    elif op < 0.8 and isinstance(case.get("distrusted"), list):
+        case["distrusted"].append(tid)
+    else:
+        case["own"] = tid
+    case["digests"] = digests
+    return json.dumps(case).encode()
+
+
+TARGETS += [
+    {"name": "loco.head", "seeds": _head_seeds, "decode": _head, "mutators": [_plant_name, _plant_name, _drop_name]},
+    {"name": "loco.payload_claim", "seeds": _claim_seeds, "decode": _claim, "mutators": [_claim_size, _resign]},
+    {"name": "loco.digest_votes", "seeds": _vote_seeds, "decode": _votes, "mutators": [_lie, _lie]},
+]
