@@ -87,6 +87,27 @@ async def test_a_digest_liar_costs_its_honest_peer_one_bounded_replay_and_never_
     assert [r for name, r in seen if name == "replay"] == [9]  # from its own state of round 8
 
 
+@pytest.mark.timeout(120)
+async def test_with_nothing_to_check_against_a_two_trainer_split_keeps_our_own_state(tmp_path: Path) -> None:
+    """No published state reachable at all (say retention removed it): ``a`` cannot check its state
+    against the store, and no majority holds another, so it keeps its own computation (counted, in
+    /healthz) instead of failing rounds until it exits (7876ec8)."""
+    keys, pubs = make_keys(tmp_path / "keys", ("a", "b"))
+    a = tiny_trainer("a", LocalStore(tmp_path / "store"), keys, pubs, _config())
+    b = tiny_trainer("b", LocalStore(tmp_path / "store"), keys, pubs, _config())
+    _lies_about_digests(b)
+
+    async def none_published() -> list[int]:
+        return []
+
+    a.rs.state_rounds = none_published  # type: ignore[method-assign]
+    await asyncio.gather(a.run(3), b.run(3))
+    assert a.round == 3 and a.digest == b.digest and a.stats.rounds_failed == 0
+    assert a.stats.digest_unverified == 3 and a.distrusted == {}
+    issues = a.trust_issues()
+    assert issues is not None and "unverified" in issues
+
+
 async def test_a_repair_replays_at_most_its_cap(tmp_path: Path) -> None:
     """``rebuild(max_replay=...)`` never tries a state further back than the cap (genesis here)."""
     from pulsenet.errors import RoundError
