@@ -18,6 +18,7 @@ from loco_helpers import make_keys, tiny_trainer
 from pulsenet.codec import payload as wire
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.layout import LocoLayout
+from pulsenet.nodes.rounds import LocoRounds
 from pulsenet.store import LocalStore
 from pulsenet.store.base import ObjectStore
 
@@ -78,6 +79,8 @@ async def test_a_digest_liar_costs_its_honest_peer_one_bounded_replay_and_never_
     assert 8 in await a.rs.state_rounds()  # a, the honest majority of the ones it trusts, publishes states
     issues = a.trust_issues()
     assert issues is not None and "b" in issues
+    healthz = LocoRounds(a, None, tmp_path / "a").degraded()  # type: ignore[arg-type]  (what /healthz says)
+    assert healthz is not None and "digests of b left out of the vote" in healthz
 
     seen.clear()
     again = tiny_trainer("a", LocalStore(tmp_path / "store"), keys, pubs, cfg, state_dir=tmp_path / "a", on_phase=_phases(seen))
