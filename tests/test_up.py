@@ -307,7 +307,9 @@ def test_up_reports_a_stuck_network_and_restarts_killed_nodes_and_store(workdir:
     every node on the last version, and the report counts the restarts."""
     report = tmp_path / "report"
     small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32", "--inner-steps", "2"]
-    supervise = ["--supervise.round-deadline-s", "8", "--supervise.backoff-s", "0.5"]
+    # liveness off: t1 is frozen on purpose until the STUCK report, which a loaded machine may take
+    # longer to make than liveness takes to restart it (tests/test_supervisor_liveness.py covers that)
+    supervise = ["--supervise.round-deadline-s", "8", "--supervise.backoff-s", "0.5", "--supervise.liveness-failures", "0"]
     proc = _up(workdir, "--rounds", "12", "--report", str(report), *small, *supervise)
     try:
         _wait_for(lambda: any(e.version >= 2 for e in _events(workdir, "t0") if e.kind == "published"), 300, "v2", proc)
