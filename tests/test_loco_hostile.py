@@ -195,6 +195,36 @@ async def test_a_payload_larger_than_the_model_allows_is_refused_unread(tmp_path
     assert h.collector is not None and h.collector.max_payload < 1 << 20
 
 
+async def test_a_state_larger_than_the_model_allows_is_refused_unread(tmp_path: Path) -> None:
+    """The same bound for a published global state: a trusted key's manifest claiming 8 GiB (on
+    7876ec8 downloaded to a temporary file up to that size) is refused before any read."""
+    from pulsenet.errors import VerificationError
+    from pulsenet.loco.documents import StateRef
+    from pulsenet.loco.state import GlobalState
+    from pulsenet.signed import ObjectRef
+
+    keys, pubs = make_keys(tmp_path / "keys", ("a",))
+    store = LocalStore(tmp_path / "store")
+    a = tiny_trainer("a", store, keys, pubs, _config(workers_expected=1))
+    await a.start()
+    assert a.state is not None
+    shapes = a.state.shapes()
+    sha = "ab" * 32
+    ref = StateRef(1, ObjectRef(a.rs.layout.state(1, sha), 8 << 30, sha), a.digest, "a")
+    asked: list[str] = []
+    real = store.get_file
+
+    async def get_file(key: str, path: Any, **kw: Any) -> None:
+        asked.append(key)
+        await real(key, path, **kw)
+
+    store.get_file = get_file  # type: ignore[method-assign]
+    with pytest.raises(VerificationError, match="this model's state"):
+        await a.rs.fetch_state(ref, shapes)
+    assert asked == []
+    assert GlobalState.max_size(shapes) < 1 << 20
+
+
 # --- item 6: a planted round-record name -------------------------------------------------------------
 
 

@@ -531,7 +531,12 @@ class RoundStore:
         return sorted(r for i in infos if (r := self.layout.parse_state_manifest(i.key)) is not None)
 
     async def fetch_state(self, ref: StateRef, shapes: dict[str, tuple[int, ...]]) -> GlobalState:
-        """Download, verify (size, SHA-256, shapes, round, digest) and load a global state."""
+        """Download, verify (size, SHA-256, shapes, round, digest) and load a global state. A signed
+        size over what the model's state can take (``GlobalState.max_size``) is refused unread."""
+        if ref.state.size > (limit := GlobalState.max_size(shapes)):
+            raise VerificationError(
+                f"{ref.state.key}: {ref.state.size} bytes claimed, more than the {limit} bytes of this model's state"
+            )
         with tempfile.TemporaryDirectory(prefix="pulseloco-state-") as tmp:
             path = Path(tmp) / "state.safetensors"
             await fetch_file(self.store, ref.state, path, timeout=self.t.transfer_s)

@@ -18,6 +18,7 @@ fsync of the directory. After a crash the path holds the old file or the new one
 from __future__ import annotations
 
 import hashlib
+import math
 import pickle
 import struct
 import zipfile
@@ -63,6 +64,15 @@ class GlobalState:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(t.shape) for n, t in self.theta.items()}
+
+    @staticmethod
+    def max_size(shapes: dict[str, tuple[int, ...]]) -> int:
+        """The largest file :meth:`save` writes for these shapes: θ and m in FP32, plus safetensors'
+        8-byte length and JSON header (names, dtype, shape, offsets, padding, the metadata) with
+        room to spare. A published state's signed size is bounded by it before it is downloaded."""
+        data = sum(8 * int(math.prod(s)) for s in shapes.values())
+        header = 4096 + sum(2 * (len(n.encode("utf-8")) + 160 + 24 * len(s)) for n, s in shapes.items())
+        return 8 + header + data
 
     def save(self, path: Path) -> None:
         """Write as safetensors, atomically."""
