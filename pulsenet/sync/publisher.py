@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -43,6 +44,7 @@ from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ConditionFailed,
+    ConfigError,
     ManifestError,
     ObjectNotFound,
     StoreError,
@@ -66,6 +68,7 @@ from pulsenet.sync.layout import DEFAULT_RUN, MAX_VERSION, Layout
 from pulsenet.sync.manifest import (
     Head,
     Manifest,
+    check_model_config,
     manifest_from,
     now_iso,
     sign_head,
@@ -202,8 +205,14 @@ class Publisher:
         *,
         on_record: Callable[[PublishRecord], None] | None = None,
         trusted: Mapping[str, Ed25519PublicKey] | None = None,
+        model_config: Mapping[str, Any] | None = None,
     ) -> None:
-        """``trusted``: other keys whose manifests count when resuming (the own key always does)."""
+        """``trusted``: other keys whose manifests count when resuming (the own key always does).
+        ``model_config``: the model's HF ``config.json`` contents, signed into every anchor manifest
+        so that a reader (``pulsenet export``) rebuilds the architecture from the channel alone."""
+        if model_config is not None:
+            check_model_config(model_config, "publisher", ConfigError)
+        self.model_config = model_config
         self.store = store
         self.config = config = config or PublisherConfig()
         self.layout = Layout(config.channel, run=config.run, store_url=store.url)
@@ -450,6 +459,7 @@ class Publisher:
                     publisher=self.key_id,
                     created=now_iso(),
                     step=item.step,
+                    model_config=self.model_config if "anchor" in refs else None,
                 )
                 try:
                     await self.store.put(
