@@ -19,6 +19,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_rollouts import DIGESTS, Site, intake, make_rows, make_sites
+from test_sync_units import CountingStore
 
 from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
@@ -307,3 +308,25 @@ def test_pull_refuses_a_cache_that_is_or_holds_its_output(tmp_path: Path) -> Non
         asyncio.run(export_version(LocalStore(store), trusted_keys([f"{key}.pub"]), out=tmp_path / "e", model="tiny", cache_dir=tmp_path / "e"))
     with pytest.raises(ConfigError, match=r"cache_dir .* contains state_dir"):
         asyncio.run(Subscriber(LocalStore(store), trusted_keys([f"{key}.pub"]), SubscriberConfig(state_dir=out, cache_dir=tmp_path)).start())
+
+
+# --- other names that steered: PULSESync retention --------------------------------------------------
+
+
+async def test_publisher_retention_never_fetches_names_above_its_own_version(tmp_path: Path) -> None:
+    """Retention looked for anchors among every listed name: a planted manifest + anchor name pair
+    above the publisher's own version was fetched (and refused) at every publish. Only versions the
+    publisher itself reached are candidates now."""
+    store = CountingStore(tmp_path / "store")
+    key = Ed25519PrivateKey.generate()
+    states = _states(build_tiny_model(0), 4)
+    layout = Layout(store_url=store.url)
+    async with Publisher(store, key, PublisherConfig(anchor_every=1, keep_anchors=1)) as pub:
+        await pub.publish_now(states[0])
+        planted = layout.manifest(500_000)
+        await store.put(planted, b"junk")
+        await store.put(layout.payload(500_000, "anchor", "0" * 64), b"junk")
+        for s in states[1:]:
+            await pub.publish_now(s)
+    assert planted not in store.read_bytes
+    assert sorted(v for i in await store.list(layout.manifests) if (v := layout.parse_manifest(i.key)) is not None) == [3, 500_000]

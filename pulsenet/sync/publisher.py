@@ -650,8 +650,10 @@ class Publisher:
         if not manifests:
             return 0
         anchor_keys = {key for v, key in payloads if key in anchor_keys and v in manifests}
+        newest = self.version if self.version is not None else -1  # ours: never a listed name
         anchors = []
-        for v in sorted({v for v, key in payloads if key in anchor_keys}, reverse=True):
+        # A name above our own version is no anchor of ours (planted): not even fetched.
+        for v in sorted({v for v, key in payloads if key in anchor_keys and v <= newest}, reverse=True):
             if len(anchors) >= keep:
                 break
             with contextlib.suppress(ManifestError, ObjectNotFound):  # untrusted or vanished: not a chain we keep
@@ -661,7 +663,6 @@ class Publisher:
         cutoff = anchors[-1] if len(anchors) >= keep else 0
         if self.keep_from is not None:  # a live consumer still follows the chain from there
             cutoff = max(0, min(cutoff, self.keep_from))
-        newest = self.version if self.version is not None else -1  # ours: never a listed name
         old_manifests = [key for v, key in manifests.items() if v < cutoff]
         old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]
         # Manifests first: a manifest must never name a deleted payload.
