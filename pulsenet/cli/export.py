@@ -4,9 +4,11 @@ Rebuilds version N (or the newest) of a channel through PULSESync's own reader (
 from trusted keys, the cheapest anchor + patch path, every tensor and the model digest verified:
 ``sync.chain``), checks the weights fit the model's architecture, and writes a directory that
 ``AutoModelForCausalLM.from_pretrained`` and vLLM load as they are: ``config.json`` (the model's,
-dtype bfloat16), ``model.safetensors`` (the verified BF16 weights; a tied ``lm_head`` once, as
-``save_pretrained`` writes it), the tokenizer files and ``generation_config.json`` when the model has
-them, and ``pulsenet-export.json`` (store, channel, run, version, digest, signer).
+or without ``--model`` the one a trainer signed into the channel's anchors; dtype bfloat16),
+``model.safetensors`` (the verified BF16 weights; a tied ``lm_head`` once, as ``save_pretrained``
+writes it), the tokenizer files and ``generation_config.json`` when ``--model`` has them, and
+``pulsenet-export.json`` (store, channel, run, version, digest, signer). ``latest`` is the newest
+version whose manifest verifies: a listed name is only a claim (``newest_verified``).
 
 The written weights are read back and hashed: their model digest must be the signed one. Everything
 is written to a temporary directory next to OUT and renamed into place last, so OUT is either absent
