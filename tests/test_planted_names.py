@@ -24,8 +24,19 @@ from test_sync_units import CountingStore
 from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
-from pulsenet.rl.models import bf16_state_dict, build_tiny_model, load_model
-from pulsenet.rollouts import Demand, RolloutLayout, RolloutWriter, RolloutWriterConfig, batches_to_generate
+from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+from pulsenet.rl.inner import GRPOInner
+from pulsenet.rl.models import BYTE_PAD, bf16_state_dict, build_tiny_model, load_model
+from pulsenet.rollouts import (
+    Demand,
+    RolloutLayout,
+    RolloutSource,
+    RolloutWriter,
+    RolloutWriterConfig,
+    batches_to_generate,
+)
 from pulsenet.rollouts.layout import BatchName
 from pulsenet.rollouts.manifest import BatchManifest, now_iso, sign_batch_manifest
 from pulsenet.signed import ObjectRef
@@ -235,6 +246,35 @@ async def test_export_rebuilds_the_channels_own_architecture_without_model(tmp_p
     src = tmp_path / "src"
     model.save_pretrained(src)
     assert (await export_version(old, trusted, out=tmp_path / "with-model", model=str(src))).digest == done.digest
+
+
+async def test_a_trainer_node_signs_its_models_architecture_into_its_anchors(tmp_path: Path) -> None:
+    """What the trainer node publishes is what ``export`` needs: a non-tiny model's channel exports
+    without ``--model``, and no path of the trainer's machine (``_name_or_path``) goes out."""
+    model = build_tiny_model(0, hidden_size=32, num_layers=1)
+    model.config._name_or_path = "/home/someone/models/secret"
+    store = LocalStore(tmp_path / "store")
+    key = Ed25519PrivateKey.generate()
+    task = make_task("arith", 0)
+    try:
+        node = TrainerNode(
+            TrainerConfig(id="t0", state_dir=tmp_path / "t0"),
+            store=store,
+            key=key,
+            sources=[RolloutSource("i0", LocalStore(tmp_path / "i0"), {key_id(key.public_key()): key.public_key()})],
+            policy=GRPOInner(GRPOTrainer(model, GRPOConfig(pad_id=BYTE_PAD))),
+            task=task,
+            text=text_codec("tiny"),
+        )
+        async with node.publisher as pub:
+            await pub.publish_now(bf16_state_dict(model))
+    finally:
+        task.close()
+    signed = (await ManifestReader(store, Layout(store_url=store.url), {key_id(key.public_key()): key.public_key()}).get(0))
+    assert signed.model_config is not None and signed.model_config["hidden_size"] == 32
+    assert "secret" not in json.dumps(signed.model_config)
+    done = await export_version(store, {key_id(key.public_key()): key.public_key()}, out=tmp_path / "out")
+    assert done.digest == model_digest(bf16_state_dict(model))
 
 
 def test_the_architecture_is_optional_and_bounded_in_the_manifest() -> None:
