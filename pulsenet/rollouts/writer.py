@@ -174,6 +174,8 @@ class RolloutWriter:
         ]
         for name in await self._verified(mine):
             self._produced[name.seq] = name
+        if self.stats.junk_names:
+            log.warning("rollout writer %s: %d listed names of its own did not verify: ignored", self.node, self.stats.junk_names)
         resume = max([self.head.next_seq if self.head else 0, *(s + 1 for s in self._produced)])
         orphans = [
             name.seq
@@ -220,11 +222,15 @@ class RolloutWriter:
                     return None  # deleted since the listing (a racing instance's retention)
                 except ManifestError as e:  # planted, another key's, malformed: never steers anything
                     self.stats.junk_names += 1
-                    log.warning("rollout writer %s: ignoring %s: %s", self.node, info.key, e)
+                    if self.stats.junk_names <= 3:  # counted all; a bucket full of names is not a log full of lines
+                        log.warning("rollout writer %s: ignoring %s: %s", self.node, info.key, e)
                     return None
 
-        found = await asyncio.gather(*(check(n, i) for n, i in listed[: self.config.verify_at_start]))
-        return [n for n in found if n is not None]
+        found = await asyncio.gather(*(check(n, i) for n, i in listed[: self.config.verify_at_start]), return_exceptions=True)
+        for r in found:  # every check has ended: a store error or timeout fails the start as a listing's would
+            if isinstance(r, BaseException):
+                raise r
+        return [n for n in found if isinstance(n, BatchName)]
 
     async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
         """Upload one batch (rows of one policy version and digest, sampled by this node)."""
