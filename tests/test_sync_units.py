@@ -434,7 +434,7 @@ async def test_oversized_objects_are_never_downloaded(tmp_path: Path, states: li
         assert layout.manifest(7) not in store.read_bytes  # never even requested
         assert store.read_bytes[patch.key] == 0  # refused from its size before a byte was written
         assert sub.stats.manifests_rejected == 1 and sub.stats.payloads_rejected == 1
-        assert not any(p.stat().st_size > patch.size for p in sub.cache.root.iterdir())
+        assert not any(p.stat().st_size > patch.size for p in sub.cache.dir.iterdir())
         # A fetch that does not know the listed size (a chain walk) is capped all the same.
         with pytest.raises(ManifestError, match="limit"):
             await sub._reader.get(7)

@@ -4,9 +4,11 @@ Rebuilds version N (or the newest) of a channel through PULSESync's own reader (
 from trusted keys, the cheapest anchor + patch path, every tensor and the model digest verified:
 ``sync.chain``), checks the weights fit the model's architecture, and writes a directory that
 ``AutoModelForCausalLM.from_pretrained`` and vLLM load as they are: ``config.json`` (the model's,
-dtype bfloat16), ``model.safetensors`` (the verified BF16 weights; a tied ``lm_head`` once, as
-``save_pretrained`` writes it), the tokenizer files and ``generation_config.json`` when the model has
-them, and ``pulsenet-export.json`` (store, channel, run, version, digest, signer).
+or without ``--model`` the one a trainer signed into the channel's anchors; dtype bfloat16),
+``model.safetensors`` (the verified BF16 weights; a tied ``lm_head`` once, as ``save_pretrained``
+writes it), the tokenizer files and ``generation_config.json`` when ``--model`` has them, and
+``pulsenet-export.json`` (store, channel, run, version, digest, signer). ``latest`` is the newest
+version whose manifest verifies: a listed name is only a claim (``newest_verified``).
 
 The written weights are read back and hashed: their model digest must be the signed one. Everything
 is written to a temporary directory next to OUT and renamed into place last, so OUT is either absent
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -33,6 +36,12 @@ from pulsenet.settings import require
 
 if TYPE_CHECKING:  # torch is imported when the command runs: `pulsenet --help` stays light
     import torch
+    from transformers import PretrainedConfig
+
+    from pulsenet.sync.chain import ManifestReader
+    from pulsenet.sync.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -46,8 +55,9 @@ class ExportSettings(StoreSettings):
     """Version to export: a number or latest."""
     out: Path | None = None
     """The model directory to create (required; must not exist, or be empty)."""
-    model: str = "tiny"
-    """Architecture and tokenizer of the run: tiny, smollm2, a Hugging Face directory or a cached hub id."""
+    model: str | None = None
+    """Architecture and tokenizer of the run: tiny, smollm2, a Hugging Face directory or a cached hub id
+    (None: the architecture the channel's anchor carries, signed; tiny for a channel that carries none)."""
     cache: Path | None = None
     """Payload cache (None: a temporary directory)."""
     threads: int | None = None
@@ -98,7 +108,7 @@ async def export_version(
     trusted: Mapping[str, object],
     *,
     out: Path,
-    model: str,
+    model: str | None = None,
     version: str | int = "latest",
     channel: str = "policy",
     run: str = "default",
@@ -106,32 +116,36 @@ async def export_version(
     cache_dir: Path | None = None,
     threads: int = 2,
 ) -> Exported:
-    """Rebuild ``version`` of the channel, verified, and write it as a HF directory at ``out``."""
+    """Rebuild ``version`` of the channel, verified, and write it as a HF directory at ``out``.
+
+    ``model``: the run's model (its architecture, tokenizer and generation config are written);
+    None: the architecture signed into the anchor the version was rebuilt from (no tokenizer), or,
+    for a channel published before anchors carried it, the tiny model."""
     import tempfile
 
     from pulsenet.errors import ConfigError, ObjectNotFound, VerificationError
-    from pulsenet.rl.models import check_layout_matches, model_hf_config, resolve_model
-    from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
+    from pulsenet.rl.models import ModelRef, check_layout_matches, model_hf_config, resolve_model
+    from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, check_cache_dir, rebuild
     from pulsenet.sync.layout import Layout
 
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty directory: export writes a new one")
-    ref = resolve_model(model)
-    hf_config = model_hf_config(ref)  # a bad model setting fails before any download
+    if cache_dir is not None:
+        check_cache_dir(cache_dir, out, cache_flag="--cache", other_flag="--out", inside=False)
+    ref = resolve_model(model) if model is not None else None
+    hf_config = model_hf_config(ref) if ref is not None else None  # a bad model setting fails before any download
     layout = Layout(channel, run=run, store_url=store.url)  # type: ignore[attr-defined]
     reader = ManifestReader(store, layout, trusted, timeout_s)  # type: ignore[arg-type]
     if str(version) == "latest":
-        listed = await reader.list_versions()
-        if not listed:
-            raise ObjectNotFound(f"no published versions in {store.url} channel {channel!r}")  # type: ignore[attr-defined]
-        target_version = max(listed)
+        manifest = await newest_verified(reader)
     else:
         try:
             target_version = int(version)
         except ValueError:
             raise ConfigError(f"version must be a number or latest, got {version!r}") from None
-    manifest = await reader.get(target_version)  # signature by a trusted key, or an error
+        manifest = await reader.get(target_version)  # signature by a trusted key, or an error
+    target_version = manifest.version
     with contextlib.ExitStack() as stack:
         root = cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pulsenet-export-")))
         cache = PayloadCache(store, Path(root), timeout_s=timeout_s)  # type: ignore[arg-type]
@@ -141,11 +155,26 @@ async def export_version(
         for path in await candidate_paths(reader, manifest, None, bad):
             try:
                 state = await rebuild(path, cache, None, threads=threads, bad=bad)
+                anchor = path.steps[0].manifest  # export rebuilds from nothing: an anchor path
                 break
             except (ObjectNotFound, VerificationError) as e:
                 last = e
         if state is None:
             raise last or VerificationError(f"v{target_version}: no anchor path to rebuild it from")
+    if hf_config is None:
+        ref = ModelRef("tiny", None)
+        if anchor.model_config is not None:
+            hf_config = channel_hf_config(anchor.model_config, f"v{anchor.version}")
+            ref = ModelRef(f"{hf_config.model_type} (from the channel)", None)
+        else:
+            try:
+                check_layout_matches(model_hf_config(ref), state, what=f"v{target_version}")
+            except ConfigError as e:
+                raise ConfigError(
+                    f"anchor v{anchor.version} carries no architecture (published before channels did), so the tiny "
+                    f"model was assumed and {e}: pass --model (the run's model: smollm2, a Hugging Face directory or a hub id)"
+                ) from None
+            hf_config = model_hf_config(ref)
     check_layout_matches(hf_config, state, what=f"v{target_version}")
     await asyncio.to_thread(_write_dir, out, state, manifest.model_digest, ref, hf_config, {
         "store": store.url,  # type: ignore[attr-defined]
@@ -154,9 +183,55 @@ async def export_version(
         "version": target_version,
         "digest": manifest.model_digest,
         "publisher": manifest.publisher,
-        "model": model,
+        "model": model if model is not None else ref.name,
     })
     return Exported(target_version, manifest.model_digest, out)
+
+
+def channel_hf_config(config: Mapping, where: str) -> PretrainedConfig:
+    """The transformers config of a ``model_config`` a trusted key signed into a manifest; a
+    ConfigError naming ``where`` and ``--model`` if transformers cannot make a causal LM of it."""
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from pulsenet.errors import ConfigError
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(
+            f"{where}'s model_config names model_type {str(model_type)[:80]!r}, not a causal LM this transformers "
+            "can build: pass --model"
+        )
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{where}'s model_config does not build a {model_type} config ({e}): pass --model") from None
+
+
+async def newest_verified(reader: ManifestReader) -> Manifest:
+    """The newest manifest of the channel that a trusted key signed. A listed name is only a claim
+    (anyone who can write the bucket can plant ``v999999999999.json``): names are tried newest
+    first, and one whose manifest is refused (malformed, untrusted, another version's copy, gone) is
+    logged and passed over. When none verifies: the oldest one's error (its type: SignatureError
+    for a channel of another key), saying how many were refused; ObjectNotFound for no names."""
+    from pulsenet.errors import ManifestError, ObjectNotFound
+
+    listed = await reader.list_versions()
+    where = f"{reader.store.url} channel {reader.layout.channel!r}"
+    if not listed:
+        raise ObjectNotFound(f"no published versions in {where}")
+    last: ManifestError | ObjectNotFound | None = None
+    for n, v in enumerate(sorted(listed, reverse=True)):
+        try:
+            return await reader.get(v, info=listed[v])
+        except (ManifestError, ObjectNotFound) as e:
+            last = e
+            if n < 3:
+                log.warning("export: passing over manifest v%d: %s: %s", v, type(e).__name__, e)
+    raise type(last)(  # type: ignore[misc]
+        f"no version in {where} verifies under the trusted keys ({len(listed)} refused; the oldest, "
+        f"v{min(listed)}: {last})"
+    )
 
 
 def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: object, hf_config: object, info: dict) -> None:

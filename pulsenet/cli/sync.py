@@ -166,9 +166,12 @@ def _pull(ns: argparse.Namespace) -> int:
     from pulsenet.errors import ObjectNotFound
     from pulsenet.signing import trusted_keys
     from pulsenet.sync import Subscriber, SubscriberConfig
+    from pulsenet.sync.chain import check_cache_dir
 
     args = command_settings(ns, PullSettings)
     require(args, "store", "trust", "out", table="pull")
+    if args.cache is not None:
+        check_cache_dir(args.cache, args.out, cache_flag="--cache", other_flag="--out")  # type: ignore[arg-type]
     trusted = trusted_keys(args.trust)
     config = SubscriberConfig(
         channel=args.channel,

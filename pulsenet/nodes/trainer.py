@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -201,7 +202,7 @@ class TrainerNode:
         self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
-        self.publisher = Publisher(store, key, c.publish)
+        self.publisher = Publisher(store, key, c.publish, model_config=_architecture(model))
         self.digests: dict[int, str] = {}
         """Published model digest per version: what a rollout batch must have been served with."""
         peers = self._peer_keys() if loco_store is not None else {}
@@ -519,3 +520,11 @@ def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor
             bits = ints[t.element_size()]
             same += int((o.reshape(-1).view(bits) == t.reshape(-1).view(bits)).sum())
     return same / total if total else 1.0
+
+
+def _architecture(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's config.json contents, signed into every anchor so that ``pulsenet export``
+    rebuilds the architecture from the channel alone; private fields (``_name_or_path``, a path on
+    this machine) stay here."""
+    config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[union-attr]
+    return {k: v for k, v in config.items() if not k.startswith("_")}

@@ -192,7 +192,10 @@ def batches_to_generate(
     """How many batches ``node`` should generate now at its served ``version``.
 
     ``demands``: the live records (``DemandReader.poll``); ``produced``: this node's batches still
-    in its store (``RolloutWriter.produced``); ``rows_per_batch``: rows of the batch it would make.
+    in its store (``RolloutWriter.produced``: only manifests its own key signed, never a listed name);
+    ``rows_per_batch``: rows of the batch it would make. A batch above the served ``version`` is not
+    counted (the node makes batches at the version it serves, which only moves forward once it
+    generates): a claimed version is bounded by what the node knows before it steers the pacing.
     For each record naming ``node``: its outstanding batches are the ones that trainer owns
     (partition over the record's participants) at versions it still accepts, less those it took;
     the shortfall is its grant less their rows. Returns the summed shortfall in batches (rounded
@@ -211,7 +214,9 @@ def batches_to_generate(
         if version < d.oldest:
             continue  # what this node would make now is already too old for this trainer
         mine = sum(
-            1 for b in produced if b.version >= d.oldest and owner(layout.batch_id(node, b), d.participants) == d.trainer
+            1
+            for b in produced
+            if d.oldest <= b.version <= version and owner(layout.batch_id(node, b), d.participants) == d.trainer
         )
         outstanding = max(0, mine - d.taken.get(node, 0))
         wanted += max(0, grant - outstanding * rows_per_batch)

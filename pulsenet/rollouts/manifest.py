@@ -41,6 +41,8 @@ from pulsenet.signing import Signed, key_id, sign_document
 
 FORMAT = "pulsenet-rollout-manifest"
 SCHEMA = 1
+MAX_MANIFEST = 64 << 10
+"""Largest batch manifest a writer reads back at start (a real one is about 700 bytes)."""
 _FIELDS = frozenset(
     {
         "format",

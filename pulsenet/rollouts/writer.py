@@ -5,8 +5,9 @@ content-tagged key, then the signed manifest create-only (layout.py), then the s
 overwritten (manifest.py: trainers poll it with one conditional GET and list only when it moved;
 a failed head write is logged, counted and redone with the next batch, never fails the batch). Nothing is ever overwritten:
 if either key is taken (a restarted node racing its old self, a planted object) the batch moves to
-the next sequence number. ``start()`` continues the sequence from the listing, so a restarted node
-neither reuses a number nor overwrites a batch.
+the next sequence number. ``start()`` continues the sequence after what the node's own key signed
+(its head and the manifests that verify under its key), so a restarted node neither reuses a number
+nor overwrites a batch, and a planted name never sets the number (issue 29).
 
 Orphans: a payload whose manifest was never written (the writer killed between the two puts) is
 this node's to remove: ``start`` and ``retain`` delete it once it is older than
@@ -29,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
@@ -41,11 +42,13 @@ from pulsenet.errors import (
     RolloutError,
     StoreError,
 )
-from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
+from pulsenet.rollouts.layout import MAX_SEQ, BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import (
     MAX_HEAD,
+    MAX_MANIFEST,
     BatchManifest,
     RolloutHead,
+    batch_manifest_from,
     head_from,
     now_iso,
     sign_batch_manifest,
@@ -75,10 +78,14 @@ class RolloutWriterConfig:
     orphan_grace_s: float = 120.0
     """A payload no manifest names (its writer died between the two puts) is deleted at ``start``
     and by ``retain`` once this old: longer than a manifest put may take (a racing instance)."""
+    verify_at_start: int = 1024
+    """Most of this node's listed manifests ``start`` fetches and verifies (newest first; retention
+    keeps ``max_staleness + 1`` versions of batches, so an honest channel holds far fewer): names
+    planted past it cost nothing but a line in the listing."""
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0 or self.taken_retries < 1 or self.orphan_grace_s < 0:
-            raise ValueError("max_staleness and orphan_grace_s must be >= 0, taken_retries >= 1")
+        if self.max_staleness < 0 or self.taken_retries < 1 or self.orphan_grace_s < 0 or self.verify_at_start < 1:
+            raise ValueError("max_staleness and orphan_grace_s must be >= 0, taken_retries and verify_at_start >= 1")
 
 
 @dataclass(slots=True)
@@ -95,6 +102,9 @@ class WriterStats:
     """Head writes that failed (logged; the head is rewritten with the next batch)."""
     orphans_deleted: int = 0
     """Payloads deleted because no manifest named them (also counted in ``deleted``)."""
+    junk_names: int = 0
+    """Manifest names of this node found at ``start`` that did not verify under its key (planted,
+    malformed, another key's), or were past ``verify_at_start``: ignored, never a resume point."""
 
 
 class RolloutWriter:
@@ -129,33 +139,25 @@ class RolloutWriter:
         return [self._produced[s] for s in sorted(self._produced)]
 
     async def start(self) -> None:
-        """Continue the sequence after every batch or manifest of this node already in the store,
-        and delete this node's orphans: payloads whose manifest was never written (a writer killed
-        between the two puts), older than ``orphan_grace_s``."""
+        """Continue the sequence after this node's own batches, and delete its orphans: payloads
+        whose manifest was never written (a writer killed between the two puts), older than
+        ``orphan_grace_s``.
+
+        A listed name is a claim anyone who can write the bucket can make: the resume point and
+        ``produced`` come only from what this node's key signed, its head (``next_seq``) and the
+        manifests that verify under its key for this channel (at most ``verify_at_start``, newest
+        first). A name that does not verify is ignored and counted (``stats.junk_names``); the
+        payload names of orphans move the sequence on only within ``taken_retries`` of that signed
+        resume point (what killed writers may have left), so no name pins the node to a number."""
         listings = {
             prefix: await self.store.list(prefix, timeout=self.config.timeout_s)
             for prefix in (self.layout.manifests, self.layout.batches)
         }
-        seqs = [-1]
-        for prefix, parse in (
-            (self.layout.manifests, self.layout.parse_manifest),
-            (self.layout.batches, self.layout.parse_batch),
-        ):
-            for info in listings[prefix]:
-                name = parse(info.key)
-                if name is not None and name.node == self.node:
-                    seqs.append(name.seq)
-                    if prefix == self.layout.manifests:
-                        self._produced[name.seq] = name
-        self.next_seq = max(seqs) + 1  # past the orphans too: a sequence number is never reused
-        self.stats.deleted += await self._delete_orphans(
-            listings[self.layout.manifests], listings[self.layout.batches], floor=None
-        )
         try:  # our own head: its seq goes on from there, whatever this machine's clock says
             signed = await fetch_document(
                 self.store,
                 self.layout.head,
-                {self.key_id: self.key.public_key()},
+                self._own_key,
                 context=self.layout.head_context(self.config.run, self.store.url, self.node),
                 max_bytes=MAX_HEAD,
                 timeout=self.config.timeout_s,
@@ -165,8 +167,70 @@ class RolloutWriter:
             pass
         except (ManifestError, DocumentTooLarge) as e:  # planted or of another key: overwritten below
             log.warning("rollout head in %s is not %s's: %s", self.store.url, self.node, e)
+        mine = [
+            (name, info)
+            for info in listings[self.layout.manifests]
+            if (name := self.layout.parse_manifest(info.key)) is not None and name.node == self.node
+        ]
+        for name in await self._verified(mine):
+            self._produced[name.seq] = name
+        if self.stats.junk_names:
+            log.warning("rollout writer %s: %d listed names of its own did not verify: ignored", self.node, self.stats.junk_names)
+        resume = max([self.head.next_seq if self.head else 0, *(s + 1 for s in self._produced)])
+        orphans = [
+            name.seq
+            for info in listings[self.layout.batches]
+            if (name := self.layout.parse_batch(info.key)) is not None and name.node == self.node
+        ]
+        # past the orphans too (a sequence number is never reused), as far as killed writers reach
+        self.next_seq = max([resume, *(s + 1 for s in orphans if resume <= s < resume + self.config.taken_retries)])
+        self.stats.deleted += await self._delete_orphans(
+            listings[self.layout.manifests], listings[self.layout.batches], floor=None
+        )
         await self.write_head()
         log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
+
+    @property
+    def _own_key(self) -> dict[str, Ed25519PublicKey]:
+        return {self.key_id: self.key.public_key()}
+
+    async def _verified(self, listed: list[tuple[BatchName, ObjectInfo]]) -> list[BatchName]:
+        """The names among ``listed`` whose manifest this node's key signed for this channel and
+        whose body names that very batch; the rest are counted in ``stats.junk_names``. Checks at
+        most ``verify_at_start`` names (newest first), a few at a time."""
+        listed = sorted(listed, key=lambda x: (x[0].version, x[0].seq), reverse=True)
+        skipped = listed[self.config.verify_at_start :]
+        if skipped:
+            self.stats.junk_names += len(skipped)
+            log.warning("rollout writer %s: %d listed manifests past the newest %d not checked", self.node, len(skipped), self.config.verify_at_start)
+        gate = asyncio.Semaphore(8)
+
+        async def check(name: BatchName, info: ObjectInfo) -> BatchName | None:
+            async with gate:
+                try:
+                    signed = await fetch_document(
+                        self.store,
+                        info.key,
+                        self._own_key,
+                        context=self.context,
+                        max_bytes=MAX_MANIFEST,
+                        timeout=self.config.timeout_s,
+                        listed_size=info.size,
+                    )
+                    return batch_manifest_from(signed, layout=self.layout, name=name).name
+                except ObjectNotFound:
+                    return None  # deleted since the listing (a racing instance's retention)
+                except ManifestError as e:  # planted, another key's, malformed: never steers anything
+                    self.stats.junk_names += 1
+                    if self.stats.junk_names <= 3:  # counted all; a bucket full of names is not a log full of lines
+                        log.warning("rollout writer %s: ignoring %s: %s", self.node, info.key, e)
+                    return None
+
+        found = await asyncio.gather(*(check(n, i) for n, i in listed[: self.config.verify_at_start]), return_exceptions=True)
+        for r in found:  # every check has ended: a store error or timeout fails the start as a listing's would
+            if isinstance(r, BaseException):
+                raise r
+        return [n for n in found if isinstance(n, BatchName)]
 
     async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
         """Upload one batch (rows of one policy version and digest, sampled by this node)."""
@@ -185,6 +249,8 @@ class RolloutWriter:
         sha = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         for _ in range(self.config.taken_retries):
             seq = self.next_seq or 0
+            if seq > MAX_SEQ:  # 10**8 batches of one node: a new node id (or run) goes on from here
+                raise RolloutError(f"node {self.node} has used every sequence number up to {MAX_SEQ} in {self.store.url}")
             self.next_seq = seq + 1
             key = self.layout.batch(version, self.node, seq, sha)
             try:

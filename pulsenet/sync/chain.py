@@ -18,6 +18,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,7 +31,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
-from pulsenet.errors import ManifestError, ObjectNotFound, PatchError, ReplayError, VerificationError
+from pulsenet.errors import (
+    ConfigError,
+    ManifestError,
+    ObjectNotFound,
+    PatchError,
+    ReplayError,
+    VerificationError,
+)
 from pulsenet.signed import ObjectRef, fetch_document, fetch_document_if_changed, fetch_file, fetch_unverified
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
@@ -233,6 +242,29 @@ async def candidate_paths(
     return sorted(paths, key=lambda p: (p.nbytes, len(p.steps)))
 
 
+CACHE_SUBDIR = "pulsenet-payloads"
+"""The one directory a payload cache writes in, inside the directory it is given: it deletes only
+there, so a cache pointed at ``~`` or at a model directory never touches the files beside it."""
+_CACHED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+"""Names the cache gives its files: a payload key with ``/`` as ``__``, or ``x-<sha256 of the key>``
+when that is not such a name. Only files so named are ever pruned."""
+_TMP_NAME = re.compile(re.escape(TMP_PREFIX) + r"[0-9a-f]{16}")
+"""Temporary files ``ObjectStore.get_file`` writes beside their target: all ``sweep`` removes."""
+
+
+def check_cache_dir(cache: Path, other: Path, *, cache_flag: str, other_flag: str, inside: bool = True) -> None:
+    """ConfigError naming both settings when the payload cache ``cache`` is ``other`` (a model or
+    output directory) or contains it, or (``inside=False``) lies inside it: a cache is a directory
+    of its own, and a model directory is never a cache's to clean."""
+    c, o = Path(cache).expanduser().resolve(), Path(other).expanduser().resolve()
+    if c == o or c in o.parents or (not inside and o in c.parents):
+        how = "is" if c == o else ("contains" if c in o.parents else "is inside")
+        raise ConfigError(
+            f"{cache_flag} {cache} {how} {other_flag} {other}: give the payload cache a directory of its own "
+            f"(e.g. {cache_flag} {o.parent / (o.name + '-cache')})"
+        )
+
+
 class PayloadCache:
     """Payloads on local disk, checked against their manifest entry on every read.
 
@@ -240,11 +272,18 @@ class PayloadCache:
     checked; temporary file + rename), so the cache never holds a partial or unchecked object; a
     cached file whose size or SHA-256 is wrong (disk corruption, an older crash) is deleted and
     fetched again.
+
+    The cache owns only what it wrote: files named by ``_CACHED_NAME`` (and the temporary files of
+    its downloads) in ``root/pulsenet-payloads`` (``CACHE_SUBDIR``). ``sweep`` and ``prune`` never
+    delete anything else, whatever ``root`` is (was, issue 29: ``--cache ~`` deleted ``.bashrc``, and
+    ``pull --out D --cache D`` the verified model in D).
     """
 
     def __init__(self, store: ObjectStore, root: Path, *, timeout_s: float | None = None) -> None:
         self.store = store
         self.root = Path(root)
+        self.dir = self.root / CACHE_SUBDIR
+        """Where the cached payloads live (created by ``sweep`` or the first download)."""
         self.timeout_s = timeout_s
         """Deadline of one download (None: the store's transfer default)."""
         self.downloaded: list[str] = []
@@ -252,7 +291,7 @@ class PayloadCache:
         self.bytes_downloaded = 0
 
     def path(self, ref: ObjectRef) -> Path:
-        return self.root / ref.key.replace("/", "__")
+        return self.dir / _cache_name(ref.key)
 
     async def read(self, ref: ObjectRef) -> bytes:
         """The payload's bytes, verified: ObjectNotFound if it is gone, VerificationError (SizeMismatch
@@ -261,26 +300,45 @@ class PayloadCache:
         data = await asyncio.to_thread(_read_checked, path, ref)
         if data is not None:
             return data
+        await asyncio.to_thread(self.dir.mkdir, parents=True, exist_ok=True)
         await fetch_file(self.store, ref, path, timeout=self.timeout_s)
         self.downloaded.append(ref.key)
         self.bytes_downloaded += ref.size
         return await asyncio.to_thread(_read_fetched, path, ref)
 
     def sweep(self) -> None:
-        """Remove temporary files a killed process left behind (blocking: call in a thread)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        for p in self.root.iterdir():
-            if p.name.startswith((TMP_PREFIX, ".")):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+        """Remove temporary files a killed download left behind (blocking: call in a thread)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for p in self._own(_TMP_NAME):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
 
     def prune(self, keep: set[str]) -> None:
         """Delete cached payloads whose keys are not in ``keep`` (blocking: call in a thread)."""
-        wanted = {k.replace("/", "__") for k in keep}
-        for p in self.root.iterdir():
-            if p.name not in wanted and not p.name.startswith(TMP_PREFIX):
+        wanted = {_cache_name(k) for k in keep}
+        for p in self._own(_CACHED_NAME):
+            if p.name not in wanted:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+
+    def _own(self, pattern: re.Pattern[str]) -> list[Path]:
+        """Regular files (not links, not directories) in the cache's directory named by ``pattern``."""
+        try:
+            entries = list(self.dir.iterdir())
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if pattern.fullmatch(p.name) and stat.S_ISREG(p.lstat().st_mode):
+                    out.append(p)
+        return out
+
+
+def _cache_name(key: str) -> str:
+    """The cache's file name for a payload key (``_CACHED_NAME``)."""
+    name = key.replace("/", "__")
+    return name if _CACHED_NAME.fullmatch(name) else f"x-{hashlib.sha256(key.encode()).hexdigest()}"
 
 
 def _read_checked(path: Path, ref: ObjectRef) -> bytes | None:

@@ -9,13 +9,17 @@ A manifest is a signed document (``pulsenet.signing``) whose body is::
      "payloads": [{"role": "patch" | "anchor", "key": "...", "size": 81234, "sha256": "<hex>"}, ...],
      "codec_version": 1, "full_bytes": 269060352,
      "publisher": "<key id of the signer>", "created": "2025-01-01T00:00:00.000000+00:00",
-     "step": 1234 | null}
+     "step": 1234 | null,
+     "model_config": {...}}   (optional: anchor versions of a publisher that knows its model)
 
 ``kind`` is "anchor" when the version carries an anchor payload (a patch against the empty model,
 i.e. the full weights); an anchor version may also carry a patch from ``base_version``. A "patch"
 version carries only the patch. ``full_bytes`` is the raw size of the weights (for ratios).
 Each ``payloads`` entry is a ``signed.ObjectRef`` (the reference every channel uses) tagged with
-its role.
+its role. ``model_config`` is the model's Hugging Face ``config.json`` (its architecture), so a
+reader such as ``pulsenet export`` rebuilds the right model from the channel alone; it is absent
+when the publisher was not given one (and in every manifest written before it existed), and a
+reader that does not know it ignores it (readers look up the fields they know).
 
 The publisher writes a manifest after its payloads, create-only, so an object is trusted only once a
 manifest names it (size and SHA-256) and a version can never be overwritten. Readers accept a
@@ -28,13 +32,14 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from pulsenet.codec.patch import VERSION as CODEC_VERSION
 from pulsenet.errors import ManifestError, ReplayError
 from pulsenet.signed import ObjectRef, is_sha256
-from pulsenet.signing import Signed, key_id, sign_document, verify_document
+from pulsenet.signing import Signed, canonical, key_id, sign_document, verify_document
 from pulsenet.sync.layout import MAX_VERSION
 
 FORMAT = "pulsenet-sync-manifest"
@@ -43,6 +48,8 @@ _MAX_INT = 2**63 - 1
 MAX_MANIFEST = 1 << 20
 """Largest manifest object a reader fetches: real ones are about 1 KB; bigger ones are refused
 from the listed size, and the fetch itself is capped at this."""
+MAX_MODEL_CONFIG = 64 << 10
+"""Largest ``model_config`` (canonical JSON bytes) a manifest may carry: a config.json is 1-5 KB."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +78,8 @@ class Manifest:
     codec_version: int = CODEC_VERSION
     step: int | None = None
     """The publisher's own label for this state (e.g. its optimizer step); informational."""
+    model_config: Mapping[str, Any] | None = None
+    """The model's HF ``config.json`` contents (anchor versions only; None when not known)."""
 
     def roles(self) -> list[tuple[str, ObjectRef]]:
         """``(role, ref)`` of each payload: the wire form tags every ref with its role."""
@@ -91,6 +100,7 @@ class Manifest:
             "publisher": self.publisher,
             "created": self.created,
             "step": self.step,
+            **({"model_config": dict(self.model_config)} if self.model_config is not None else {}),
         }
 
     @classmethod
@@ -150,6 +160,9 @@ def _from_body(body: Mapping) -> Manifest:
     publisher, created = body["publisher"], body["created"]
     if not isinstance(publisher, str) or not isinstance(created, str) or len(created) > 64:
         raise ManifestError(f"manifest v{version}: publisher and created must be short strings")
+    model_config = body.get("model_config")
+    if model_config is not None:
+        check_model_config(model_config, f"manifest v{version}", ManifestError)
     return Manifest(
         version=version,
         kind=kind,
@@ -163,7 +176,22 @@ def _from_body(body: Mapping) -> Manifest:
         created=created,
         codec_version=codec,
         step=step,
+        model_config=model_config,
     )
+
+
+def check_model_config(config: object, where: str, error: type[Exception]) -> None:
+    """``error`` unless ``config`` is a JSON object with a string ``model_type`` whose canonical
+    encoding is at most ``MAX_MODEL_CONFIG`` bytes (what transformers makes of it is the reader's
+    check: ``pulsenet export``)."""
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise error(f"{where}: model_config must be a config.json object with a model_type")
+    try:
+        size = len(canonical(config))
+    except ManifestError as e:
+        raise error(f"{where}: model_config is not plain JSON: {e}") from None
+    if size > MAX_MODEL_CONFIG:
+        raise error(f"{where}: model_config is {size} bytes, over {MAX_MODEL_CONFIG}")
 
 
 def _int(body: Mapping, name: str, limit: int | None = None) -> int:

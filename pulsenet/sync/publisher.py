@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -43,6 +44,7 @@ from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ConditionFailed,
+    ConfigError,
     ManifestError,
     ObjectNotFound,
     StoreError,
@@ -66,6 +68,7 @@ from pulsenet.sync.layout import DEFAULT_RUN, MAX_VERSION, Layout
 from pulsenet.sync.manifest import (
     Head,
     Manifest,
+    check_model_config,
     manifest_from,
     now_iso,
     sign_head,
@@ -202,8 +205,14 @@ class Publisher:
         *,
         on_record: Callable[[PublishRecord], None] | None = None,
         trusted: Mapping[str, Ed25519PublicKey] | None = None,
+        model_config: Mapping[str, Any] | None = None,
     ) -> None:
-        """``trusted``: other keys whose manifests count when resuming (the own key always does)."""
+        """``trusted``: other keys whose manifests count when resuming (the own key always does).
+        ``model_config``: the model's HF ``config.json`` contents, signed into every anchor manifest
+        so that a reader (``pulsenet export``) rebuilds the architecture from the channel alone."""
+        if model_config is not None:
+            check_model_config(model_config, "publisher", ConfigError)
+        self.model_config = model_config
         self.store = store
         self.config = config = config or PublisherConfig()
         self.layout = Layout(config.channel, run=config.run, store_url=store.url)
@@ -450,6 +459,7 @@ class Publisher:
                     publisher=self.key_id,
                     created=now_iso(),
                     step=item.step,
+                    model_config=self.model_config if "anchor" in refs else None,
                 )
                 try:
                     await self.store.put(
@@ -640,8 +650,10 @@ class Publisher:
         if not manifests:
             return 0
         anchor_keys = {key for v, key in payloads if key in anchor_keys and v in manifests}
+        newest = self.version if self.version is not None else -1  # ours: never a listed name
         anchors = []
-        for v in sorted({v for v, key in payloads if key in anchor_keys}, reverse=True):
+        # A name above our own version is no anchor of ours (planted): not even fetched.
+        for v in sorted({v for v, key in payloads if key in anchor_keys and v <= newest}, reverse=True):
             if len(anchors) >= keep:
                 break
             with contextlib.suppress(ManifestError, ObjectNotFound):  # untrusted or vanished: not a chain we keep
@@ -651,7 +663,6 @@ class Publisher:
         cutoff = anchors[-1] if len(anchors) >= keep else 0
         if self.keep_from is not None:  # a live consumer still follows the chain from there
             cutoff = max(0, min(cutoff, self.keep_from))
-        newest = self.version if self.version is not None else -1  # ours: never a listed name
         old_manifests = [key for v, key in manifests.items() if v < cutoff]
         old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]
         # Manifests first: a manifest must never name a deleted payload.

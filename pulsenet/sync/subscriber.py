@@ -59,7 +59,7 @@ from pulsenet.errors import (
 )
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync import localstate
-from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, rebuild
+from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, check_cache_dir, rebuild
 from pulsenet.sync.layout import DEFAULT_RUN, Layout
 from pulsenet.sync.manifest import MAX_MANIFEST, Head, Manifest
 
@@ -217,6 +217,8 @@ class Subscriber:
         if self._started:
             return
         cache_dir = self.config.cache_dir
+        if cache_dir is not None and self.config.state_dir is not None:  # a model directory is not a cache's to clean
+            check_cache_dir(cache_dir, self.config.state_dir, cache_flag="cache_dir", other_flag="state_dir")
         if cache_dir is None:
             self._tmp_cache = tempfile.TemporaryDirectory(prefix="pulsenet-sub-cache-")
             cache_dir = Path(self._tmp_cache.name)
