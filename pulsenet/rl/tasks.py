@@ -355,7 +355,7 @@ class TaskConfig:
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward (empty: all 1)."""
     reward_timeout_s: float = 10.0
-    """Deadline of one reward call on one completion (math and custom rewards run in a worker process)."""
+    """Deadline of one reward call on one completion (numeric, math and custom rewards run in a worker process)."""
 
     @property
     def is_dataset(self) -> bool:
@@ -379,7 +379,7 @@ class TaskConfig:
 class Task:
     """A ``RewardTask`` (key, draw, score) with its prompt settings, rewards and held-out problems.
 
-    ``close()`` stops the reward worker process (math and custom rewards), if one was started.
+    ``close()`` stops the reward worker process (numeric, math and custom rewards), if one was started.
     """
 
     def __init__(self, config: TaskConfig, problems: RewardTask, eval_problems: Sequence[Problem]) -> None:
