@@ -115,3 +115,80 @@ def test_a_hanging_or_dying_reward_is_cut_off(user_module: str) -> None:
         assert [f.kind for f in s.failures] == ["timeout", "timeout", "skipped", "skipped"] and s.total == [0.0] * 4
         assert rs.stats.timeouts == {name: 3} and rs.stats.skipped == {name: 2} and rs.stats.errors == {name: 1}
         assert rs.score(items("ok")).total == [0.5]  # and the next batch runs again
+
+
+# --- issue 29 item 3: no reward that is not provably linear runs where it can hold the GIL ----------
+
+GIL_SCENARIO = r"""
+import asyncio, json, sys, time
+from pulsenet.rl.rewards import Completion, RewardConfig, RewardSet
+
+def items(*texts):
+    return [Completion(t, "1+0=", "1", {}, tag=f"g{i}") for i, t in enumerate(texts)]
+
+async def main(names):
+    gaps, stop = [], asyncio.Event()
+    async def tick():  # what /healthz needs: the event loop turning
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.02)
+            now = time.monotonic(); gaps.append(now - last); last = now
+    with RewardSet(RewardConfig(rewards=names, timeout_s=2.0)) as rs:
+        rs.score(items("warm"))  # the worker's start is not what is timed
+        ticker = asyncio.create_task(tick())
+        t0 = time.monotonic()
+        s = await asyncio.to_thread(rs.score, items(r"\boxed{1e999999999}", r"\boxed{1E-99_999_999}", "1"))
+        wall = time.monotonic() - t0
+        stop.set(); await ticker
+    print(json.dumps({"wall": wall, "gap": max(gaps), "total": s.total,
+                      "kinds": [(f.reward, f.kind) for f in s.failures],
+                      "isolated": {n: rs.isolated(n) for n in names}}))
+
+asyncio.run(main(sys.argv[1:]))
+"""
+
+GIL_REWARD = '''
+from fractions import Fraction
+
+def hold_gil(completions, **kw):
+    return [float(Fraction("1e999999999") > 0) for _ in completions]  # 10**999999999, in C, GIL held
+hold_gil.reward_range = (0, 1)
+'''
+
+
+def _gil_scenario(*names: str, tmp_path: Path) -> dict:
+    import json
+    import os
+    import subprocess
+
+    (tmp_path / "gil_rewards_mod.py").write_text(GIL_REWARD)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, "-c", GIL_SCENARIO, *names], capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path
+    )  # on 7876ec8 numeric ran in-process: this froze past the timeout
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_numeric_on_a_huge_exponent_never_freezes_the_event_loop(tmp_path: Path) -> None:
+    r = _gil_scenario("numeric", tmp_path=tmp_path)
+    assert r["isolated"] == {"numeric": True}  # in the worker, under the deadline
+    assert r["wall"] < 10 and r["gap"] < 1.0, r  # the loop kept turning
+    assert r["total"] == [0.0, 0.0, 1.0]  # read as text, not as 10**999999999; the honest row still scores
+
+
+def test_a_reward_holding_the_gil_is_a_counted_timeout_within_the_deadline(tmp_path: Path) -> None:
+    r = _gil_scenario("gil_rewards_mod:hold_gil", tmp_path=tmp_path)
+    assert r["wall"] < 3 * 2.0 + 10 and r["gap"] < 1.0, r  # max_timeouts deadlines at most, loop alive
+    assert ("gil_rewards_mod:hold_gil", "timeout") in [tuple(k) for k in r["kinds"]]
+
+
+@pytest.mark.timeout(30)
+def test_answers_match_reads_no_unbounded_number() -> None:
+    from pulsenet.rl.rewards import answers_match
+
+    t0 = time.monotonic()
+    assert not answers_match("1e999999999", "1") and not answers_match("1" * 100_000, "1")
+    assert answers_match("1e999999999", "1e999999999")  # equal as text
+    assert answers_match("2.5e2", "250") and answers_match("1_000", "1000")
+    assert time.monotonic() - t0 < 1.0

@@ -44,7 +44,7 @@ from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, batches_to_generate
+from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, assigned, batches_to_generate
 from pulsenet.settings import inherit
 from pulsenet.store.base import REQUEST_KINDS, ObjectStore
 from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
@@ -267,6 +267,8 @@ class InferenceNode:
     async def run(self, stop: asyncio.Event, status: StatusServer | None = None) -> None:
         """Follow, generate and upload until ``stop``; a SIGTERM finishes the batch in hand."""
         await self.writer.start()
+        for name in self.writer.produced:  # a restart goes on with the next batch number of a version
+            self._batches_at[name.version] = self._batches_at.get(name.version, 0) + 1
         await self._floor_at_start()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -373,7 +375,7 @@ class InferenceNode:
         engine = self.engine
         if not self._first.is_set() or engine is None or engine.version is None:
             return "waiting_first"
-        if self._batches_at.get(engine.version, 0) >= self.config.batches_per_version:
+        if self._batches_at.get(engine.version, 0) >= self._assigned()[0]:
             return "waiting_version"
         if not self.demand.sources:
             return None
@@ -385,6 +387,16 @@ class InferenceNode:
             rows_per_batch=self.config.prompts * self.config.group_size,
         )
         return "waiting_demand" if wanted == 0 else None
+
+    def _assigned(self) -> tuple[int, int]:
+        """(batches per version, prompts per batch) this node makes: its own settings, never more
+        than the trainers' demand records allow (``rl.tasks.Assignment``: a batch number or problem
+        past them would be refused)."""
+        c = self.config
+        bound = assigned(self.demand.live(), c.id)
+        if bound is None:
+            return c.batches_per_version, c.prompts
+        return min(c.batches_per_version, bound[0]), min(c.prompts, bound[1])
 
     async def _log_final(self) -> None:
         """On the way out: the bits this node ends with, hashed again from the engine's own weights,
@@ -423,7 +435,7 @@ class InferenceNode:
         version = engine.version
         index = self._batches_at.get(version, 0)
         self._batches_at[version] = index + 1
-        problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=c.prompts, batch=index)
+        problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=self._assigned()[1], batch=index)
         asked = [(k, p, ids) for k, p in enumerate(problems) if (ids := self.prompter.encode(p.prompt)) is not None]
         if not asked:  # every prompt over the limits: counted by the prompter (prompts_dropped), nothing to send
             log.warning("%s: v%d batch %d: every prompt is over the limits", c.id, version, index)

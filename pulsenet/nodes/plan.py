@@ -168,6 +168,7 @@ def plan_network(
         c.inference = [f"{i}={sites[i].store}" for i in inference]
         c.trust_inference = [f"{i}={public_keys / f'{i}.key.pub'}" for i in inference]
         c.rows_per_step = rows_per_step
+        c.batches_per_version, c.prompts_per_batch = batches_per_version, prompts  # what the nodes make
         c.intake.max_staleness = n.max_staleness
         c.publish.anchor_every = max(n.rounds + 1, 10)
         c.task, c.eval_every, c.tracker = copy.deepcopy(task), n.eval_every, n.tracker

@@ -31,7 +31,9 @@ trainer's rank group: every GRPO step, weight read and restore goes to all ranks
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -39,10 +41,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
-from pulsenet.codec.rollout import Rollout
-from pulsenet.errors import ConfigError, PolicyError
+from pulsenet.codec.rollout import Rollout, RolloutColumns
+from pulsenet.errors import ConfigError, PolicyError, RolloutRowError
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
@@ -55,7 +58,7 @@ from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
 from pulsenet.rl.prompts import TextCodec
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Task, TaskConfig
+from pulsenet.rl.tasks import Assignment, Task, TaskConfig
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
 from pulsenet.rollouts.rows import RowLimits
@@ -97,7 +100,15 @@ class TrainerConfig:
     steps: int = 20
     """Policy versions to train and publish (rounds); the node exits after the last."""
     rows_per_step: int = 32
-    """Completions (rollout rows) per GRPO step at least; whole batches are taken."""
+    """Completions (rollout rows) per GRPO step at most, whole groups: a taken batch with more is
+    split over several steps; a group with more is refused (the padded shape of a step is bounded
+    by this and the model's context)."""
+    batches_per_version: int = 16
+    """Batches an inference node may answer per policy version (batch numbers below this), signed
+    into this trainer's demand record (``rl.tasks.Assignment``); the inference nodes' setting must
+    not exceed it (``pulsenet up`` sets both)."""
+    prompts_per_batch: int = 64
+    """Problems per rollout batch at most (problem numbers below this); signed into the demand record."""
     seed: int = 0
     """Seeds the warm-up and the trainer's generators."""
     state_dir: Path = Path("state/t0")
@@ -196,7 +207,9 @@ class TrainerNode:
         self.task = task
         model = policy.grpo.local.model
         prompter = task.prompter(text, max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None))
-        self.rescorer = Rescorer(task, prompter, seed=c.seed)
+        self.assignment = Assignment(c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step)
+        """The batch ids and problem numbers a node may answer (signed into the demand record)."""
+        self.rescorer = Rescorer(task, prompter, seed=c.seed, assignment=self.assignment)
         """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
         self.evaluator = Evaluator(task, prompter, model.config) if c.eval_every else None
         self.tracker = tracker or NoTracker()
@@ -212,6 +225,7 @@ class TrainerNode:
             replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
             trainer_id=c.id,
             participants=tuple(sorted(peers)) or None,
+            answer_of=functools.partial(answer_of, self.assignment, ids=c.rescore),
         )
         self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
         self.state.rescored = self.rescorer.stats.nodes  # live: reward disagreements per node
@@ -236,6 +250,11 @@ class TrainerNode:
         """Rollout bytes downloaded when the last version was published."""
         self.failed_steps = 0
         """GRPO steps that raised; their batches were dropped (``_step_failed``)."""
+        self._ready: collections.deque[tuple[RolloutBatch, list[Rollout]]] = collections.deque()
+        """Re-scored groups (each with its batch) taken but not yet stepped on: a batch with more
+        than ``rows_per_step`` rows feeds several steps (``_next_step``)."""
+        self.stale_rows = 0
+        """Rows of ``_ready`` that went stale before a step could take them."""
 
     def _peer_keys(self) -> dict:
         keys = trainer_keys(self.config.peers)
@@ -308,13 +327,10 @@ class TrainerNode:
         rnd = self._round
         for _ in range(self.rounds.inner_steps):
             t0 = time.perf_counter()
-            batches = await self._take_rows(self.rounds.step_wait_s)
+            rows, batches = await self._next_step(self.rounds.step_wait_s)
             rnd.wait_s += time.perf_counter() - t0
-            if not batches:
-                break  # gave up waiting: the round goes on with the steps it made
-            rows = await asyncio.to_thread(self._rescore, batches)
             if not rows:
-                continue
+                break  # gave up waiting: the round goes on with the steps it made
             t0 = time.perf_counter()
             try:
                 metrics = await asyncio.to_thread(self.policy.step, rows)
@@ -324,22 +340,56 @@ class TrainerNode:
             finally:
                 rnd.train_s += time.perf_counter() - t0
             rnd.steps.append(metrics)
-            rnd.batches += len(batches)
-            rnd.staleness += [self.version - b.version for b in batches]
         await asyncio.to_thread(self.policy.end_phase)
         return [m.loss for m in rnd.steps]
 
-    def _rescore(self, batches: list[RolloutBatch]) -> list[Rollout]:
-        """The batches' rows with this trainer's own rewards (``rl.rescore``: a row whose group or
+    async def _next_step(self, give_up_s: float | None) -> tuple[list[Rollout], list[RolloutBatch]]:
+        """The rows of the next GRPO step (whole groups, at most ``rows_per_step``) and the batches
+        they come from: re-scored groups left from batches taken before first, then fresh batches
+        (``_take_rows``); what there is once ``give_up_s`` passes with no more coming."""
+        floor = self.version - self.config.intake.max_staleness
+        while self._ready and self._ready[0][0].version < floor:
+            self.stale_rows += len(self._ready.popleft()[1])
+        await self._take_rows(give_up_s)
+        return next_step(self._ready, self.config.rows_per_step)
+
+    async def _take_rows(self, give_up_s: float | None) -> None:
+        """Fresh batches, re-scored into ``_ready``, until it holds a step's worth of rows (whole
+        batches, no more than needed); what there is once ``give_up_s`` passes with no more coming
+        (None: wait as long as it takes)."""
+        rnd = self._round
+        deadline = None if give_up_s is None else time.monotonic() + give_up_s
+        while sum(len(g) for _, g in self._ready) < self.config.rows_per_step:
+            more = self.intake.take(self.version, max_batches=1)
+            if more:
+                batch = more[0]
+                rows = await asyncio.to_thread(self._rescore, batch)
+                rnd.batches += 1
+                rnd.staleness.append(self.version - batch.version)
+                if not rows:
+                    self.intake.refused(batch, "rescore", "no row passed re-scoring")
+                    await asyncio.to_thread(self.rounds.record_consumed)  # never taken again, also after a restart
+                    continue
+                groups: dict[str, list[Rollout]] = {}
+                for row in rows:
+                    groups.setdefault(row.group, []).append(row)
+                self._ready.extend((batch, g) for g in groups.values())
+                continue
+            if len(self.intake):
+                continue  # the queue held only stale batches: dropped, look again
+            self.state.beat()  # waiting for rollouts is progress of a kind
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+
+    def _rescore(self, batch: RolloutBatch) -> list[Rollout]:
+        """The batch's rows with this trainer's own rewards (``rl.rescore``: a row whose group or
         prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
         and counted per node), each group id then qualified with its node and batch."""
         if not self.config.rescore:
-            return [row for b in batches for row in b.rows]
-        rows: list[Rollout] = []
-        for b in batches:
-            out = self.rescorer.rescore(b.columns.to_rows())
-            rows += [replace(r, group=b.group_prefix + r.group) for r in out.rows]
-        return rows
+            return batch.rows
+        out = self.rescorer.rescore(batch.columns.to_rows())
+        return [replace(r, group=batch.group_prefix + r.group) for r in out.rows]
 
     async def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
         """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
@@ -348,6 +398,8 @@ class TrainerNode:
         checks are what stand between a hostile batch and a rank group.)"""
         self.failed_steps += 1
         self.state.error(e)
+        dropped = {b.batch_id for b in batches}  # their groups still waiting go with them
+        self._ready = collections.deque((b, g) for b, g in self._ready if b.batch_id not in dropped)
         self.intake.failed(batches, f"{type(e).__name__}: {e}")
         await asyncio.to_thread(self.rounds.record_consumed)  # a restart before the round closes skips them too
         log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
@@ -359,25 +411,8 @@ class TrainerNode:
         one has been seen."""
         live = {c.node for c in self.consumers.live()} or None
         rows = self.config.rows_per_step * (1 if self.rounds.inner_steps == 1 else 2)
-        return self.intake.demand(self.version, rows, live=live)
-
-    async def _take_rows(self, give_up_s: float | None) -> list[RolloutBatch]:
-        """Fresh batches until a step's worth of rows (whole batches, no more than needed); what
-        there is once ``give_up_s`` passes with no more coming (None: wait as long as it takes)."""
-        taken: list[RolloutBatch] = []
-        deadline = None if give_up_s is None else time.monotonic() + give_up_s
-        while sum(len(b.rows) for b in taken) < self.config.rows_per_step:
-            more = self.intake.take(self.version, max_batches=1)
-            if more:
-                taken += more
-                continue
-            if len(self.intake):
-                continue  # the queue held only stale batches: dropped, look again
-            self.state.beat()  # waiting for rollouts is progress of a kind
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
-        return taken
+        a = self.assignment
+        return self.intake.demand(self.version, rows, live=live, assignment=(a.batches_per_version, a.prompts_per_batch))
 
     async def publish_version(self, report: RoundReport, rnd: _Round) -> VersionEvent | None:
         """Publish the round's weights as the next version and emit its event. Non-finite weights
@@ -452,6 +487,7 @@ class TrainerNode:
             "stale_queued": s.stale_queued,
             "rollout_bytes": s.bytes_downloaded,
             "failed_steps": self.failed_steps,
+            "stale_rows": self.stale_rows,
             **{f"rejected:{node}:{why}": n for node, reasons in s.rejected_by_node.items() for why, n in reasons.items()},
         }
 
@@ -506,6 +542,36 @@ def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[flo
         reward_min=max(given.reward_min, reward_range[0]),
         reward_max=min(given.reward_max, reward_range[1]),
     )
+
+
+def next_step(
+    ready: collections.deque[tuple[RolloutBatch, list[Rollout]]], rows_per_step: int
+) -> tuple[list[Rollout], list[RolloutBatch]]:
+    """Whole groups off the front of ``ready`` up to ``rows_per_step`` rows (one group at least:
+    the intake refuses groups larger than a step), and the batches they come from: the rows of
+    one GRPO step, whose padded shape is then at most ``rows_per_step`` x the model's context."""
+    rows: list[Rollout] = []
+    batches: dict[str, RolloutBatch] = {}
+    while ready and (not rows or len(rows) + len(ready[0][1]) <= rows_per_step):
+        batch, group = ready.popleft()
+        rows += group
+        batches[batch.batch_id] = batch
+    return rows, list(batches.values())
+
+
+def answer_of(assignment: Assignment, columns: RolloutColumns, *, ids: bool = True) -> str | None:
+    """The batch id a rollout batch answers, ``v{version}-b{batch}`` (``Assignment.batch_of``:
+    RolloutRowError if it answers none this trainer allows): the intake accepts each once per node.
+    ``ids=False`` (a trainer that does not re-score: its rows' problems are the nodes' word) checks
+    only that no group is larger than a step, and names no batch id."""
+    rows = np.bincount(columns.group, minlength=len(columns.groups)).tolist()
+    if not ids:
+        big = max(rows, default=0)
+        if assignment.max_group_rows is not None and big > assignment.max_group_rows:
+            raise RolloutRowError("group_size", f"a group of {big} rows; a step takes {assignment.max_group_rows}")
+        return None
+    batch = assignment.batch_of(columns.groups, rows, node=columns.node, version=columns.version)
+    return f"v{columns.version}-b{batch}"
 
 
 def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:

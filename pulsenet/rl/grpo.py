@@ -71,7 +71,13 @@ class GRPOConfig:
     steps_per_batch: int = 1
     """Optimizer steps on each batch (μ). 1: π_old = π_θ detached; >1: π_old is fixed at the first step."""
     micro_batch_size: int | None = None
-    """Rows per forward/backward; gradients accumulate so the step is the same. None: all rows at once."""
+    """Rows per forward/backward at most; gradients accumulate so the step is the same. None: as
+    many as ``micro_batch_tokens`` allows."""
+    micro_batch_tokens: int = 4096
+    """Padded tokens (rows x the longest row's tokens) of one forward/backward at most (one row
+    at least): each micro-batch is padded to its own longest row, so what one step holds at once is
+    bounded by this whatever its rows' lengths (1024 short rows and one of 396 tokens, padded as one
+    batch, drove a step past 3 GiB: issue 29). Logits take ``4 x vocab`` bytes per token."""
     pad_id: int = 0
     """Fills rows to a common length; padding comes after each row's tokens, so causal attention never sees it."""
     device: str = "cpu"
@@ -90,6 +96,8 @@ class GRPOConfig:
             )
         if self.steps_per_batch < 1 or (self.micro_batch_size is not None and self.micro_batch_size < 1):
             raise ConfigError("steps_per_batch and micro_batch_size must be >= 1")
+        if self.micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens must be >= 1, got {self.micro_batch_tokens}")
         if self.beta < 0:
             raise ConfigError(f"beta must be >= 0, got {self.beta}")
 
@@ -302,11 +310,11 @@ class GRPOTrainer:
         rows = len(rollouts)
         par = self.parallel
         world, shares = (1, (0,)) if par is None else (par.world, par.shares)
-        mb = cfg.micro_batch_size or rows
-        slices = []  # (share, row indices of one micro-batch), shares in rank order
+        lengths = [len(x.prompt_ids) + len(x.completion_ids) for x in rollouts]
+        slices = []  # (share, row indices of one micro-batch, its padded width), shares in rank order
         for r in shares:
-            mine = torch.arange(r, rows, world)
-            slices += [(r, mine[i : i + mb]) for i in range(0, len(mine), mb)]
+            mine = list(range(r, rows, world))
+            slices += [(r, torch.tensor(s), w) for s, w in micro_batches(mine, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)]
         old: list[torch.Tensor] = []
         # loss at step 0, entropy, k3 to the reference, clipped tokens: sums over this process's rows
         sums = torch.zeros(4, dtype=torch.float64)
@@ -314,23 +322,25 @@ class GRPOTrainer:
         for k in range(cfg.steps_per_batch):
             self.local.model.train()
             self.local.optimizer.zero_grad(set_to_none=True)
-            for j, (r, s) in enumerate(slices):
-                logits = self._logits(self.local, batch.ids[s])
-                logp = _gather(logits, batch.ids[s])
+            for j, (r, s, w) in enumerate(slices):
+                ids, mask, engine = batch.ids[s, :w], batch.mask[s, : w - 1], batch.engine_logp[s, : w - 1]
+                logits = self._logits(self.local, ids)
+                logp = _gather(logits, ids)
                 if k == 0:
                     # π_old is the weights the batch found; ρ = 1 at the first step, gradient intact.
                     old.append(logp.detach())
                     with torch.no_grad():
-                        sums[1] += float((token_entropy(logits) * batch.mask[s]).sum())
+                        sums[1] += float((token_entropy(logits) * mask).sum())
+                del logits  # the largest tensor of the step: not kept through the backward's peak
                 ref_logp = None
                 if self.reference is not None:
                     with torch.no_grad():
-                        ref_logp = _gather(self._logits(self.reference, batch.ids[s]), batch.ids[s])
+                        ref_logp = _gather(self._logits(self.reference, ids), ids)
                     if k == 0:
-                        sums[2] += float((k3(logp.detach(), ref_logp) * batch.mask[s]).sum())
+                        sums[2] += float((k3(logp.detach(), ref_logp) * mask).sum())
                 loss, clipped = grpo_token_loss(
-                    logp, old[j], batch.advantages[s], batch.mask[s],
-                    weights=tis_weights(old[j], batch.engine_logp[s], cfg.tis_cap),
+                    logp, old[j], batch.advantages[s], mask,
+                    weights=tis_weights(old[j], engine, cfg.tis_cap),
                     eps_low=cfg.eps_low, eps_high=cfg.eps_high, ref_logp=ref_logp, beta=cfg.beta,
                     n_tokens=n_tokens,
                 )  # fmt: skip
@@ -349,14 +359,15 @@ class GRPOTrainer:
                 par.sum_gradients(self.local.model)
             norms = par.chunk_norms if par is not None else None
             grad_norm = self.local.apply_gradients(norms) if apply else None
-        mine = torch.cat([s for _, s in slices]) if slices else torch.zeros(0, dtype=torch.long)
-        tokens, engine = batch.mask[mine], batch.engine_logp[mine]
-        old_logp = torch.cat(old) if old else torch.zeros_like(engine)
-        diff = (old_logp - engine)[tokens]  # micro-batches share the batch's width
+        diffs, kl_sum = [], 0.0  # each micro-batch at its own width
+        for (_, s, w), old_logp in zip(slices, old, strict=True):
+            tokens, engine = batch.mask[s, : w - 1], batch.engine_logp[s, : w - 1]
+            diffs.append((old_logp - engine)[tokens])
+            kl_sum += float(k3(engine[tokens], old_logp[tokens]).sum())
+        diff = torch.cat(diffs) if diffs else torch.zeros(0)
         truncated = 0
         if cfg.tis_cap is not None:
             truncated = int((torch.exp(diff) > cfg.tis_cap).sum())
-        kl_sum = float(k3(engine[tokens], old_logp[tokens]).sum())
         worst = torch.tensor([float(diff.abs().max()) if diff.numel() else 0.0], dtype=torch.float64)
         sums = torch.cat([sums, torch.tensor([truncated, kl_sum], dtype=torch.float64)])
         if par is not None:
@@ -419,6 +430,27 @@ class GRPOTrainer:
             ids=ids.to(dev), mask=mask.to(dev), engine_logp=engine.to(dev), advantages=adv.to(dev),
             rewards=rewards, groups=groups,
         )  # fmt: skip
+
+
+def micro_batches(
+    rows: Sequence[int], lengths: Sequence[int], max_rows: int | None, max_tokens: int
+) -> list[tuple[list[int], int]]:
+    """``rows`` (indices into ``lengths``) cut in order into micro-batches of at most ``max_rows``
+    rows and ``max_tokens`` padded tokens (rows x the longest one's length; a row longer than that
+    alone), each with its padded width: the largest shape a forward of the step sees."""
+    out: list[tuple[list[int], int]] = []
+    cur: list[int] = []
+    width = 0
+    for i in rows:
+        w = max(width, lengths[i])
+        if cur and ((max_rows is not None and len(cur) >= max_rows) or (len(cur) + 1) * w > max_tokens):
+            out.append((cur, width))
+            cur, w = [], lengths[i]
+        cur.append(i)
+        width = w
+    if cur:
+        out.append((cur, width))
+    return out
 
 
 def _gather(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,10 @@ settings, rewards), so for every row it:
 
 1. recomputes the problem the row answered from its group id (``tasks.parse_group_id``: node,
    version, batch, index) through ``assign_problems``, a pure function; a group id that does not
-   parse or does not name the row's own node and version is rejected (``group``);
+   parse or does not name the row's own node and version is rejected (``group``), and one whose
+   batch or index is past what the trainer's ``Assignment`` allows (``out_of_assignment``) before
+   anything is drawn: the numbers are the node's claim, and drawing ``index + 1`` problems for
+   ``p99999999999`` hung a trainer (issue 29);
 2. checks the row's prompt ids are the ones the prompter makes for that problem; a node that
    answered another prompt (picked its own, or runs other prompt settings) is rejected (``prompt``);
 3. scores the decoded completion with the task's rewards and puts that in the row's ``reward``;
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.rl.prompts import Prompter
-from pulsenet.rl.tasks import Problem, Task, assign_problems, parse_group_id
+from pulsenet.rl.tasks import Assignment, Problem, Task, assign_problems
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ class NodeRescore:
     disagreements: int = 0
     """Accepted rows whose claimed reward differs from the trainer's."""
     rejected: dict[str, int] = field(default_factory=dict)
-    """Reason (``group``, ``prompt``) -> rows rejected."""
+    """Reason (``group``, ``out_of_assignment``, ``prompt``) -> rows rejected."""
     max_abs_diff: float = 0.0
     """Largest |claimed - computed| seen."""
 
@@ -66,22 +69,30 @@ class Rescored:
     rows: list[Rollout]
     """The accepted rows, in order, each with the trainer's reward."""
     rejected: list[tuple[Rollout, str]]
-    """Rows not to train on, with the reason (``group`` or ``prompt``)."""
+    """Rows not to train on, with the reason (``group``, ``out_of_assignment`` or ``prompt``)."""
     disagreements: list[Disagreement]
 
 
 class Rescorer:
     """Recomputes rewards for one run: ``rescore(rows)``. ``seed`` is the run seed the inference
-    nodes draw their problems with (their ``seed`` setting)."""
+    nodes draw their problems with (their ``seed`` setting); ``assignment`` bounds the batch and
+    problem numbers a group id may carry."""
 
-    def __init__(self, task: Task, prompter: Prompter, *, seed: int, tolerance: float = 1e-6) -> None:
+    def __init__(
+        self, task: Task, prompter: Prompter, *, seed: int, tolerance: float = 1e-6, assignment: Assignment | None = None
+    ) -> None:
         self.task, self.prompter, self.seed, self.tolerance = task, prompter, seed, tolerance
+        self.assignment = assignment or Assignment()
         self.stats = RescoreStats()
         self._problems: dict[tuple[str, int, int], list[Problem]] = {}
         self._prompt_ids: dict[str, tuple[int, ...]] = {}
 
     def problem(self, node: str, version: int, batch: int, index: int) -> Problem:
-        """Problem ``index`` of ``node``'s batch ``batch`` at ``version`` (cached per batch)."""
+        """Problem ``index`` of ``node``'s batch ``batch`` at ``version`` (cached per batch); the
+        numbers must be within ``assignment`` (``rescore`` checks them first)."""
+        a = self.assignment
+        if not (0 <= batch < a.batches_per_version and 0 <= index < a.prompts_per_batch):
+            raise ValueError(f"batch {batch}, problem {index}: past the assignment {a}")
         key = (node, version, batch)
         drawn = self._problems.get(key, [])
         if len(drawn) <= index:
@@ -96,11 +107,11 @@ class Rescorer:
         kept: list[tuple[Rollout, Problem]] = []
         rejected: list[tuple[Rollout, str]] = []
         for row in rows:
-            parsed = parse_group_id(row.group)
-            if parsed is None or parsed[0] != row.node or parsed[1] != row.version:
-                rejected.append((row, "group"))
+            got = self.assignment.check_group(row.group, node=row.node, version=row.version)
+            if isinstance(got, str):
+                rejected.append((row, "group" if got == "group_id" else got))
                 continue
-            problem = self.problem(*parsed)
+            problem = self.problem(row.node, row.version, *got)
             if tuple(row.prompt_ids) != self._ids(problem.prompt):
                 rejected.append((row, "prompt"))
                 continue

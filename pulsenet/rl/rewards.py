@@ -24,10 +24,14 @@ equals the answer as a number), ``format`` (the completion holds a balanced ``\\
 
 Several rewards combine as TRL's ``reward_weights``: total = sum(w_i * r_i), None counting 0.
 
-Isolation. ``exact``, ``numeric`` and ``format`` are linear-time string checks and run in-process.
-``math`` (sympy can take unbounded time) and every custom function run in one worker process
-(``python -m pulsenet.rl.rewards``) with a per-call deadline: a thread cannot be killed, a process
-can. A call past ``timeout_s`` kills the worker, scores 0 for that completion and is counted; the
+Isolation. Only ``exact`` and ``format`` run in-process: each is one pass over the completion
+(strip/splitlines, rfind and a brace count), linear in its length, which the completion limit
+bounds. Everything else runs in one worker process (``python -m pulsenet.rl.rewards``) with a
+per-call deadline: ``numeric`` (it parses numbers with ``Fraction``, and ``Fraction("1e999999999")``
+computes 10**999999999 in C holding the GIL: in-process it froze a trainer's event loop and
+/healthz for minutes; ``_as_number`` now refuses such exponents too), ``math`` (sympy can take
+unbounded time) and every custom function. A thread cannot be killed, nor can it run while C code
+holds the GIL; a process can be killed, and the parent waits for it without holding the GIL. A call past ``timeout_s`` kills the worker, scores 0 for that completion and is counted; the
 worker restarts on the next call (about half a second). A call that raises scores 0, is counted
 and logged with its row's tag. ``max_timeouts`` timeouts of one reward in one batch skip that
 reward for the rest of the batch (scored 0, counted), so a reward that always hangs costs a few
@@ -106,9 +110,26 @@ def _normalize(answer: str) -> str:
     return "".join(s.split())
 
 
+MAX_NUMBER_CHARS = 256
+"""Longest text ``_as_number`` reads as a number (int parsing is quadratic in the digits)."""
+MAX_EXPONENT = 400
+"""Largest |exponent| ``_as_number`` reads (``Fraction`` computes ``10**exponent`` exactly)."""
+_EXPONENT = re.compile(r"[eE]\s*([+-]?[\d_]+)")
+
+
 def _as_number(s: str) -> Fraction | None:
+    """``s`` as an exact number, or None: also for a number too long or too far out of range to be
+    an answer (``MAX_NUMBER_CHARS``, ``MAX_EXPONENT``), which ``Fraction`` would spend unbounded
+    time and memory on; such texts are compared as strings."""
+    s = s.replace(",", "")
+    if len(s) > MAX_NUMBER_CHARS:
+        return None
+    for exp in _EXPONENT.findall(s):
+        digits = exp.lstrip("+-").replace("_", "")
+        if len(digits) > 4 or int(digits or 0) > MAX_EXPONENT:
+            return None
     try:
-        return Fraction(s.replace(",", ""))
+        return Fraction(s)
     except (ValueError, ZeroDivisionError):
         return None
 
@@ -177,8 +198,9 @@ BUILTIN: dict[str, RewardFn] = {
     "numeric": numeric_reward,
     "format": format_reward,
 }
-IN_PROCESS = frozenset({"exact", "numeric", "format"})
-"""Built-ins cheap and bounded enough to run without the worker's deadline."""
+IN_PROCESS = frozenset({"exact", "format"})
+"""Built-ins provably linear in the completion's length: they run without the worker's deadline.
+``numeric`` is not among them (``Fraction``: module docstring)."""
 
 
 def load_reward(name: str) -> RewardFn:
@@ -357,7 +379,7 @@ class RewardConfig:
     weights: list[float] = field(default_factory=list)
     """One weight per reward (TRL's reward_weights); empty: all 1."""
     timeout_s: float = 10.0
-    """Deadline of one call of an isolated reward (math, custom) on one completion."""
+    """Deadline of one call of an isolated reward (numeric, math, custom) on one completion."""
     max_timeouts: int = 3
     """Timeouts of one reward in one batch after which it is skipped (0) for the rest of the batch."""
     start_timeout_s: float = 120.0

@@ -6,9 +6,11 @@ generator, or a dataset file: rl/data.py), the prompt settings (rl/prompts.py), 
 from the same settings; the trainer re-scores every rollout with it (rl/rescore.py).
 
 Every task draws problems from an RNG and scores a completion (``RewardTask``). RL problems are
-assigned by ``assign_problems(task, node=, version=, seed=, n=)``, a pure function of those
-arguments: a node has no say in which problems it gets (it cannot pick easy ones), a restarted
-node draws the same ones, and a trainer can recompute the assignment to check a rollout's prompt.
+assigned by ``assign_problems(task, node=, version=, seed=, n=, batch=)``, a pure function of those
+arguments, with the batch numbers and problem counts bounded by the trainer (``Assignment``, signed
+into its demand record): a node has no say in which problems it gets (it cannot pick easy ones),
+a restarted node draws the same ones, and a trainer can recompute the assignment to check a
+rollout's prompt.
 
 Every batch is a pure function of (seed, step): trainers with different seeds see different
 data, a restarted trainer that resumes at step k sees exactly the batches it would have seen.
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from pulsenet.errors import ConfigError
+from pulsenet.errors import ConfigError, RolloutRowError
 from pulsenet.rl.models import BYTE_EOS, BYTE_PAD
 from pulsenet.rl.prompts import PromptConfig, Prompter, TextCodec
 from pulsenet.rl.rewards import (
@@ -355,7 +357,7 @@ class TaskConfig:
     reward_weights: list[float] = field(default_factory=list)
     """One weight per reward (empty: all 1)."""
     reward_timeout_s: float = 10.0
-    """Deadline of one reward call on one completion (math and custom rewards run in a worker process)."""
+    """Deadline of one reward call on one completion (numeric, math and custom rewards run in a worker process)."""
 
     @property
     def is_dataset(self) -> bool:
@@ -379,7 +381,7 @@ class TaskConfig:
 class Task:
     """A ``RewardTask`` (key, draw, score) with its prompt settings, rewards and held-out problems.
 
-    ``close()`` stops the reward worker process (math and custom rewards), if one was started.
+    ``close()`` stops the reward worker process (numeric, math and custom rewards), if one was started.
     """
 
     def __init__(self, config: TaskConfig, problems: RewardTask, eval_problems: Sequence[Problem]) -> None:
@@ -463,7 +465,9 @@ def build_task(config: TaskConfig, *, seed: int = 0) -> Task:
 
 # --- rollout groups ---------------------------------------------------------------------------------
 
-_GROUP = re.compile(r"(?P<node>.+)-v(?P<version>\d+)-b(?P<batch>\d+)-p(?P<index>\d+)")
+_GROUP = re.compile(r"(?P<node>.+)-v(?P<version>\d{1,15})-b(?P<batch>\d{1,15})-p(?P<index>\d{1,15})")
+"""At most 15 digits per number: ``int()`` of a longer run of digits costs quadratic time (and
+raises past 4300); every real number here is far smaller, and ``Assignment`` bounds them further."""
 
 
 def group_id(node: str, version: int, batch: int, index: int) -> str:
@@ -478,3 +482,64 @@ def parse_group_id(group: str) -> tuple[str, int, int, int] | None:
     if m is None:
         return None
     return m["node"], int(m["version"]), int(m["batch"]), int(m["index"])
+
+
+# --- what a node may answer -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """The batches a trainer lets an inference node answer, and how it checks a batch (issue 29).
+
+    A node answers, at each policy version ``v`` it serves, batches ``b = 0, 1, ...`` below
+    ``batches_per_version``; batch ``b``'s problems are ``assign_problems(task, node=, version=v,
+    seed=, n=prompts_per_batch, batch=b)``, a pure function of (run seed, node, version, b): the node
+    picks none of them. Every group id of one rollout batch names the same ``(node, v, b)`` (the
+    batch id) and a distinct problem index below ``prompts_per_batch``; a trainer accepts each
+    batch id once (``RolloutIntake``: ``batch_repeated``). The trainer signs both bounds into its
+    demand record (rollouts/demand.py), and a node never makes more than they allow. So a node can
+    neither choose its problems (before: any batch number of its choosing, per group) nor answer
+    one twice; it can still withhold a batch it does not like (issue 30 counts gaps).
+
+    Every number of a group id is bounded here before anything is drawn: a group id is a claim.
+    """
+
+    batches_per_version: int = 16
+    """Batch numbers a node may use per version: ``b < batches_per_version``."""
+    prompts_per_batch: int = 64
+    """Problems per batch at most: ``index < prompts_per_batch``."""
+    max_group_rows: int | None = None
+    """Rows one group may hold (a GRPO step never splits a group: at most its rows; None: no bound)."""
+
+    def __post_init__(self) -> None:
+        if self.batches_per_version < 1 or self.prompts_per_batch < 1:
+            raise ConfigError("batches_per_version and prompts_per_batch must be >= 1")
+        if self.max_group_rows is not None and self.max_group_rows < 1:
+            raise ConfigError("max_group_rows must be >= 1")
+
+    def check_group(self, group: str, *, node: str, version: int) -> tuple[int, int] | str:
+        """``(batch, index)`` of a group id of ``node``'s rows served at ``version``, or the reason it
+        is refused: ``group_id`` (not one, or another node's or version's), ``out_of_assignment``
+        (a number past the bounds)."""
+        parsed = parse_group_id(group)
+        if parsed is None or parsed[0] != node or parsed[1] != version:
+            return "group_id"
+        _, _, batch, index = parsed
+        if batch >= self.batches_per_version or index >= self.prompts_per_batch:
+            return "out_of_assignment"
+        return batch, index
+
+    def batch_of(self, groups: Sequence[str], rows_per_group: Sequence[int], *, node: str, version: int) -> int:
+        """The one batch number every group of a rollout batch answers; RolloutRowError (reason
+        ``group_id``, ``out_of_assignment``, ``mixed_batches``, ``group_size``) otherwise."""
+        batches = set()
+        for group, rows in zip(groups, rows_per_group, strict=True):
+            got = self.check_group(group, node=node, version=version)
+            if isinstance(got, str):
+                raise RolloutRowError(got, f"group id {group[:120]!r} of {node} v{version}: {got}")
+            if self.max_group_rows is not None and rows > self.max_group_rows:
+                raise RolloutRowError("group_size", f"group {group!r} has {rows} rows, a step takes {self.max_group_rows}")
+            batches.add(got[0])
+        if len(batches) != 1:
+            raise RolloutRowError("mixed_batches", f"one rollout batch answers batches {sorted(batches)[:8]}")
+        return batches.pop()

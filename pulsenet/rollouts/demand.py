@@ -16,6 +16,7 @@ key::
      "participants": ["t0", "t1"],
      "grants": {"inf-a": 64, "inf-b": 64},
      "taken": {"inf-a": 3, "inf-b": 2},
+     "batches_per_version": 16, "prompts_per_batch": 64,
      "publisher": "<key id>", "created": "2026-01-01T00:00:00.000000+00:00"}
 
 - ``version``: the trainer's policy version now; ``max_staleness``: the oldest version it accepts
@@ -25,6 +26,11 @@ key::
   live nodes). A node not named is not read by this trainer; a grant of 0 means "none now".
 - ``taken[node]``: that node's batches this trainer took (or dropped after a failed step) at
   versions ``>= version - max_staleness``, from its consumed record, so it survives a restart.
+- ``batches_per_version``, ``prompts_per_batch``: the batch ids a node may answer for this trainer
+  (``rl.tasks.Assignment``): at each version it serves, batches ``b < batches_per_version`` of at
+  most ``prompts_per_batch`` problems, each problem a pure function of (run seed, node, version,
+  b). The trainer refuses a batch outside them, and a batch id answered twice; a node makes no
+  more than the smallest bounds of the records naming it.
 - ``seq``: strictly increasing per trainer (microseconds of the writer's clock, or the last + 1):
   a reader keeps the newest record it verified and counts an older one (a replayed copy) as
   ``backwards``, never acting on it. A record that has not changed for ``ttl_s`` by the *reader's*
@@ -66,16 +72,19 @@ from pulsenet.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 FORMAT = "pulsenet-rollout-demand"
-SCHEMA = 1
+SCHEMA = 2
+"""2: ``batches_per_version`` and ``prompts_per_batch`` (issue 29)."""
 MAX_DEMAND = 1 << 20
 """Largest demand record a node fetches (about 30 bytes per inference node named)."""
 MAX_NODES = 1 << 15
 """Most nodes one record may name in ``grants`` or ``taken``."""
 MAX_PARTICIPANTS = 1024
 MAX_COUNT = 1 << 40
+MAX_ASSIGNED = 1 << 16
+"""Largest ``batches_per_version`` or ``prompts_per_batch`` a record may carry."""
 _FIELDS = frozenset(
     {"format", "schema", "trainer", "seq", "version", "max_staleness", "participants", "grants", "taken",
-     "publisher", "created"}
+     "batches_per_version", "prompts_per_batch", "publisher", "created"}
 )  # fmt: skip
 
 
@@ -92,6 +101,10 @@ class Demand:
     """Node -> rows wanted outstanding (generated, fresh, owned by this trainer, not yet taken)."""
     taken: Mapping[str, int]
     """Node -> batches taken at versions ``>= version - max_staleness``."""
+    batches_per_version: int = 16
+    """Batch numbers a node may answer per version for this trainer (``b < batches_per_version``)."""
+    prompts_per_batch: int = 64
+    """Problems per batch at most."""
     seq: int = 0
     publisher: str = ""
     created: str = ""
@@ -106,6 +119,7 @@ class Demand:
         return (
             self.version, self.max_staleness, self.participants,
             tuple(sorted(self.grants.items())), tuple(sorted(self.taken.items())),
+            self.batches_per_version, self.prompts_per_batch,
         )  # fmt: skip
 
     def to_body(self) -> dict:
@@ -119,6 +133,8 @@ class Demand:
             "participants": list(self.participants),
             "grants": dict(self.grants),
             "taken": dict(self.taken),
+            "batches_per_version": self.batches_per_version,
+            "prompts_per_batch": self.prompts_per_batch,
             "publisher": self.publisher,
             "created": self.created,
         }
@@ -160,6 +176,8 @@ def _from_body(body: Mapping) -> Demand:
         participants=participants,
         grants=counts["grants"],
         taken=counts["taken"],
+        batches_per_version=_positive(body["batches_per_version"], "batches_per_version"),
+        prompts_per_batch=_positive(body["prompts_per_batch"], "prompts_per_batch"),
         publisher=body["publisher"],
         created=body["created"],
     )
@@ -169,6 +187,21 @@ def _node(v: object, what: str) -> str:
     if not isinstance(v, str) or not NODE.fullmatch(v):
         raise ManifestError(f"demand record {what} {str(v)[:80]!r} is not a node id")
     return v
+
+
+def _positive(v: object, what: str) -> int:
+    if _int(v, what, MAX_ASSIGNED) < 1:
+        raise ManifestError(f"demand record {what} must be >= 1")
+    return v  # type: ignore[return-value]
+
+
+def assigned(demands: Iterable[Demand], node: str) -> tuple[int, int] | None:
+    """``(batches_per_version, prompts_per_batch)`` that every live record naming ``node`` allows
+    (the smallest of each), or None when none names it: what an inference node may make."""
+    named = [d for d in demands if node in d.grants]
+    if not named:
+        return None
+    return min(d.batches_per_version for d in named), min(d.prompts_per_batch for d in named)
 
 
 def _int(v: object, what: str, most: int) -> int:

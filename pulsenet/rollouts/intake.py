@@ -21,7 +21,11 @@ A batch is accepted only if, in this order (the first failing check is the count
    counts match — ``row_mismatch``;
 9. every row is within the trainer's :class:`~pulsenet.rollouts.rows.RowLimits` (token ids below the
    vocabulary, lengths within the context, one prompt per group, logprobs and rewards in range) —
-   ``rows.ROW_REASONS``.
+   ``rows.ROW_REASONS``;
+10. with ``answer_of`` (the trainer's ``rl.tasks.Assignment``): the batch answers one batch id the
+    trainer allows, every number of its group ids within bounds — ``ANSWER_REASONS``; and no batch
+    accepted before answered the same id — ``batch_repeated`` (the ids are part of the consumed
+    record, so this holds across a restart).
 
 **Polling costs one request when nothing changed**: each node keeps a signed head
 (``layout.head``, manifest.py) rewritten after every batch. A poll asks for it with one
@@ -82,6 +86,9 @@ from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
+ANSWER_REASONS = ("group_id", "out_of_assignment", "mixed_batches", "group_size")
+"""What ``answer_of`` may refuse a batch for (``rl.tasks.Assignment.batch_of``)."""
+
 REASONS = (
     "too_large",
     "signature",
@@ -94,9 +101,13 @@ REASONS = (
     "payload_malformed",
     "row_mismatch",
     *ROW_REASONS,
+    *ANSWER_REASONS,
+    "batch_repeated",
     "step_failed",
+    "rescore",
 )
-"""Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``."""
+"""Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``,
+``rescore`` by ``refused()`` (the trainer's re-scoring found no row it may train on)."""
 
 @dataclass(frozen=True, slots=True)
 class RolloutSource:
@@ -156,6 +167,9 @@ class RolloutBatch:
     columns: RolloutColumns
     batch_id: str
     """``node/manifest key``: names the batch in the partition and the consumed record."""
+
+    answer: str | None = None
+    """The batch id it answers (``answer_of``), e.g. ``v3-b1``: accepted once per node."""
 
     @property
     def version(self) -> int:
@@ -238,6 +252,9 @@ class _Head:
     """time.monotonic() of the last listing."""
 
 
+ANSWERED = "answered:"
+"""Prefix of the answered batch ids in ``consumed()`` (batch ids proper start with a node id)."""
+
 _DEFER = object()
 """``_consider``'s answer for a valid-looking batch that does not fit the queue's budgets now."""
 
@@ -253,9 +270,12 @@ class RolloutIntake:
         *,
         trainer_id: str = "t0",
         participants: Sequence[str] | Callable[[int], Sequence[str]] | None = None,
+        answer_of: Callable[[RolloutColumns], str | None] | None = None,
     ) -> None:
         """``digest_of(version)``: the model digest published for a policy version, None if unknown.
-        ``participants``: the trainer ids sharing the pool (per version, or fixed); default just us."""
+        ``participants``: the trainer ids sharing the pool (per version, or fixed); default just us.
+        ``answer_of(columns)``: the batch id a batch answers (unique per node and version; None:
+        none to check), or RolloutRowError naming why the batch answers none it may (check 10)."""
         nodes = [check_node(s.node) for s in sources]
         if len(set(nodes)) != len(nodes) or not sources:
             raise ValueError(f"rollout sources need distinct node ids, got {nodes}")
@@ -275,6 +295,8 @@ class RolloutIntake:
         self._seen: dict[str, dict[str, str]] = {s.node: {} for s in sources}  # node -> key -> etag decided
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
+        self.answer_of = answer_of
+        self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once (``consumed``)
         self._queue: list[RolloutBatch] = []  # in arrival order; ``take`` hands out the newest first
         self._heads: dict[str, _Head] = {s.node: _Head() for s in sources}
         self._pending: dict[str, list[tuple[ObjectInfo, BatchName]]] = {s.node: [] for s in sources}
@@ -331,12 +353,18 @@ class RolloutIntake:
             log.warning("rollout batch %s dropped: its GRPO step failed: %s", b.batch_id, why)
 
     def demand(
-        self, trainer_version: int, rows_in_flight: int, *, live: Iterable[str] | None = None
+        self,
+        trainer_version: int,
+        rows_in_flight: int,
+        *,
+        live: Iterable[str] | None = None,
+        assignment: tuple[int, int] | None = None,
     ) -> Demand:
         """This trainer's demand record (demand.py) for ``DemandWriter``: ``rows_in_flight`` rows
         wanted outstanding, split evenly over the ``live`` sources (default: all; a node known
         dead gets 0, so the live ones cover its share), and per node the batches taken (or
-        failed) at versions this trainer still accepts, from the consumed record.
+        failed) at versions this trainer still accepts, from the consumed record; ``assignment``:
+        ``(batches_per_version, prompts_per_batch)`` the nodes may answer (``rl.tasks.Assignment``).
 
         ``rows_in_flight``: what the next steps will take, e.g. ``rows_per_step`` (one version
         per step) or ``2 * rows_per_step`` (PULSELoCo: H steps per version, refilled as taken)."""
@@ -359,18 +387,33 @@ class RolloutIntake:
             participants=self.participants(trainer_version),
             grants={n: share if n in alive else 0 for n in nodes},
             taken=taken,
+            **({} if assignment is None else {"batches_per_version": assignment[0], "prompts_per_batch": assignment[1]}),
         )
+
+    def refused(self, batch: RolloutBatch, reason: str, why: str) -> None:
+        """A batch ``take`` handed out that the trainer will not train on after all (``rescore``:
+        none of its rows passed re-scoring): counted per node under ``reason``, and kept in the
+        consumed record, so that it is never taken again, also after a restart."""
+        self._taken[batch.batch_id] = batch.version
+        self._accepted[batch.batch_id] = batch.version
+        self._count(batch.node, reason)
+        log.warning("rollout batch %s refused (%s): %s", batch.batch_id, reason, why)
 
     def consumed(self) -> dict[str, int]:
         """``batch id -> version`` of the batches ``take`` handed out (or ``failed`` reported) that
-        are still within the staleness window: part of a trainer's resume state, so that a
-        restarted trainer does not train on a batch twice (``skip_consumed``)."""
-        return dict(self._taken)
+        are still within the staleness window, and ``ANSWERED + node/answer -> version`` of the
+        batch ids answered: part of a trainer's resume state, so that a restarted trainer neither
+        trains on a batch twice nor accepts a batch id answered again (``skip_consumed``)."""
+        return {**self._taken, **{ANSWERED + a: v for a, v in self._answered.items()}}
 
     def skip_consumed(self, consumed: Mapping[str, int]) -> None:
         """Never queue these batches (what ``consumed`` returned before a restart)."""
-        self._taken.update(consumed)
-        self._accepted.update(consumed)
+        for key, v in consumed.items():
+            if key.startswith(ANSWERED):
+                self._answered[key.removeprefix(ANSWERED)] = v
+            else:
+                self._taken[key] = v
+                self._accepted[key] = v
 
     async def run(self, trainer_version: Callable[[], int], stop: asyncio.Event | None = None) -> None:
         """Poll until ``stop`` is set or the task is cancelled; failed polls are logged and counted."""
@@ -397,6 +440,7 @@ class RolloutIntake:
         floor = trainer_version - self.config.max_staleness
         self._accepted = {b: v for b, v in self._accepted.items() if v >= floor}
         self._taken = {b: v for b, v in self._taken.items() if v >= floor}
+        self._answered = {a: v for a, v in self._answered.items() if v >= floor}  # older: stale anyway
         pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]] = {}
         for source in self.sources:
             try:
@@ -520,6 +564,8 @@ class RolloutIntake:
                 self._seen[source.node][info.key] = info.etag  # decided: never fetched again
                 if isinstance(outcome, RolloutBatch):
                     self._accepted[outcome.batch_id] = outcome.version
+                    if outcome.answer is not None:
+                        self._answered[f"{source.node}/{outcome.answer}"] = outcome.version
                     self._queue.append(outcome)
                     self.stats.accepted += 1
                     self.stats.rows_accepted += len(outcome.columns)
@@ -601,11 +647,14 @@ class RolloutIntake:
         self.stats.bytes_downloaded += len(payload)
         try:
             columns = await asyncio.to_thread(_decode_and_check, m, payload, cfg.limits)
+            answer = None if self.answer_of is None else await asyncio.to_thread(self.answer_of, columns)
         except RolloutRowError as e:
             return self._reject(node, info.key, e.reason, str(e))
         except RolloutError as e:
             return self._reject(node, info.key, "payload_malformed", str(e))
-        return RolloutBatch(m, columns, self.batch_id(node, name))
+        if answer is not None and f"{node}/{answer}" in self._answered:
+            return self._reject(node, info.key, "batch_repeated", f"batch {answer} of {node} was answered before")
+        return RolloutBatch(m, columns, self.batch_id(node, name), answer)
 
     def _reject(self, node: str, key: str, reason: str, why: str) -> None:
         self._count(node, reason)
