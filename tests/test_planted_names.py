@@ -370,3 +370,23 @@ async def test_publisher_retention_never_fetches_names_above_its_own_version(tmp
             await pub.publish_now(s)
     assert planted not in store.read_bytes
     assert sorted(v for i in await store.list(layout.manifests) if (v := layout.parse_manifest(i.key)) is not None) == [3, 500_000]
+
+
+def test_publish_cli_carries_a_model_directorys_architecture(tmp_path: Path) -> None:
+    """``pulsenet publish DIR`` signs DIR's config.json into the anchor; ``pulsenet export`` then
+    needs no ``--model``."""
+    model = build_tiny_model(0, hidden_size=32, num_layers=1)
+    model.save_pretrained(tmp_path / "m")
+    generate_keypair(tmp_path / "k")
+    store = f"file://{tmp_path / 'store'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pulsenet", *args], env=env, capture_output=True, text=True, timeout=180, check=False)
+
+    r = cli("publish", str(tmp_path / "m"), "--store", store, "--key", str(tmp_path / "k"))
+    assert r.returncode == 0, r.stderr
+    r = cli("export", "--store", store, "--trust", str(tmp_path / "k.pub"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[1] == model_digest(bf16_state_dict(model))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 32
