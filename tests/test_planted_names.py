@@ -390,3 +390,19 @@ def test_publish_cli_carries_a_model_directorys_architecture(tmp_path: Path) -> 
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[1] == model_digest(bf16_state_dict(model))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 32
+
+
+async def test_names_planted_ahead_of_the_writer_cost_one_listing(sites: list[Site]) -> None:
+    """The head says the next sequence number, so manifest keys are predictable: names planted at
+    the next numbers used to eat one retry each, and nine of them failed every batch (was:
+    ``ConditionFailed`` after ``taken_retries``). The writer now goes past every listed name at once."""
+    a = sites[0]
+    w = a.writer()
+    await w.write(make_rows(a.node, 1, seed=0))
+    for seq in range(1, 41):
+        await a.own.put(LAYOUT.manifest(1, a.node, seq), b"junk", timeout=10)
+    m = await w.write(make_rows(a.node, 1, seed=1))
+    assert m.seq == 41 and w.stats.seq_taken == 1
+    assert [n.seq for n in w.produced] == [0, 41]
+    ti = intake(sites)
+    assert await ti.poll(1) == 2
