@@ -25,6 +25,7 @@ from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
 from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
@@ -406,3 +407,27 @@ async def test_names_planted_ahead_of_the_writer_cost_one_listing(sites: list[Si
     assert [n.seq for n in w.produced] == [0, 41]
     ti = intake(sites)
     assert await ti.poll(1) == 2
+
+
+async def test_an_inference_node_counts_planted_names_in_status(tmp_path: Path) -> None:
+    """The names a node's writer refused at start show in ``/status`` and ``/metrics``."""
+    key = Ed25519PrivateKey.generate()
+    store = LocalStore(tmp_path / "i0")
+    for seq in (5, 99_999_999):
+        await store.put(LAYOUT.manifest(0, "i0", seq), b"junk")
+    task = make_task("arith", 0)
+    try:
+        node = InferenceNode(
+            InferenceConfig(id="i0", run="test", state_dir=tmp_path / "state"),
+            store=store,
+            policy_stores=[LocalStore(tmp_path / "t0")],
+            trusted={key_id(key.public_key()): key.public_key()},
+            key=key,
+            task=task,
+            text=text_codec("tiny"),
+        )
+        await node._start_writer()
+    finally:
+        task.close()
+    assert node.writer.next_seq == 0
+    assert node.state.to_json()["rejected"] == {"i0": {"planted_name": 2}}
