@@ -25,6 +25,7 @@ from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
 from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
@@ -370,3 +371,63 @@ async def test_publisher_retention_never_fetches_names_above_its_own_version(tmp
             await pub.publish_now(s)
     assert planted not in store.read_bytes
     assert sorted(v for i in await store.list(layout.manifests) if (v := layout.parse_manifest(i.key)) is not None) == [3, 500_000]
+
+
+def test_publish_cli_carries_a_model_directorys_architecture(tmp_path: Path) -> None:
+    """``pulsenet publish DIR`` signs DIR's config.json into the anchor; ``pulsenet export`` then
+    needs no ``--model``."""
+    model = build_tiny_model(0, hidden_size=32, num_layers=1)
+    model.save_pretrained(tmp_path / "m")
+    generate_keypair(tmp_path / "k")
+    store = f"file://{tmp_path / 'store'}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "pulsenet", *args], env=env, capture_output=True, text=True, timeout=180, check=False)
+
+    r = cli("publish", str(tmp_path / "m"), "--store", store, "--key", str(tmp_path / "k"))
+    assert r.returncode == 0, r.stderr
+    r = cli("export", "--store", store, "--trust", str(tmp_path / "k.pub"), "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[1] == model_digest(bf16_state_dict(model))
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["hidden_size"] == 32
+
+
+async def test_names_planted_ahead_of_the_writer_cost_one_listing(sites: list[Site]) -> None:
+    """The head says the next sequence number, so manifest keys are predictable: names planted at
+    the next numbers used to eat one retry each, and nine of them failed every batch (was:
+    ``ConditionFailed`` after ``taken_retries``). The writer now goes past every listed name at once."""
+    a = sites[0]
+    w = a.writer()
+    await w.write(make_rows(a.node, 1, seed=0))
+    for seq in range(1, 41):
+        await a.own.put(LAYOUT.manifest(1, a.node, seq), b"junk", timeout=10)
+    m = await w.write(make_rows(a.node, 1, seed=1))
+    assert m.seq == 41 and w.stats.seq_taken == 1
+    assert [n.seq for n in w.produced] == [0, 41]
+    ti = intake(sites)
+    assert await ti.poll(1) == 2
+
+
+async def test_an_inference_node_counts_planted_names_in_status(tmp_path: Path) -> None:
+    """The names a node's writer refused at start show in ``/status`` and ``/metrics``."""
+    key = Ed25519PrivateKey.generate()
+    store = LocalStore(tmp_path / "i0")
+    for seq in (5, 99_999_999):
+        await store.put(LAYOUT.manifest(0, "i0", seq), b"junk")
+    task = make_task("arith", 0)
+    try:
+        node = InferenceNode(
+            InferenceConfig(id="i0", run="test", state_dir=tmp_path / "state"),
+            store=store,
+            policy_stores=[LocalStore(tmp_path / "t0")],
+            trusted={key_id(key.public_key()): key.public_key()},
+            key=key,
+            task=task,
+            text=text_codec("tiny"),
+        )
+        await node._start_writer()
+    finally:
+        task.close()
+    assert node.writer.next_seq == 0
+    assert node.state.to_json()["rejected"] == {"i0": {"planted_name": 2}}

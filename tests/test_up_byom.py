@@ -76,3 +76,12 @@ def test_up_runs_your_model_on_your_data_and_exports_it(family: str, seaweed, tm
 
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert model_digest(bf16_state_dict(loaded)) == published[-1].digest == nodes["i0"]["digest"]
+    # Without --model the architecture is the one the trainer signed into the channel's anchors (issue 29).
+    bare = tmp_path / "exported-bare"
+    exported = subprocess.run(
+        [sys.executable, "-m", "pulsenet", "export", "--store", trainer["store"], "--run", trainer["run"],
+         "--trust", str(work / "keys" / "t0.key.pub"), "--version", "latest", "--out", str(bare)],
+        env=env | {"AWS_ENDPOINT_URL": seaweed.endpoint_url}, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert exported.returncode == 0, (exported.stdout + exported.stderr)[-3000:]
+    assert model_digest(bf16_state_dict(AutoModelForCausalLM.from_pretrained(bare))) == published[-1].digest

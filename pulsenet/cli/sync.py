@@ -122,6 +122,7 @@ def _publish(ns: argparse.Namespace) -> int:
     require(args, "model", "store", "key", table="publish")
     key = load_private_key(args.key, allow_open=args.allow_open_key)
     ckpt = Checkpoint(args.model)
+    model_config = _architecture(Path(args.model))  # type: ignore[arg-type]
     state = {}
     for name in ckpt:
         t = ckpt[name]
@@ -138,7 +139,7 @@ def _publish(ns: argparse.Namespace) -> int:
 
     async def go():
         async with _open(args) as store:
-            pub = Publisher(store, key, config)
+            pub = Publisher(store, key, config, model_config=model_config)
             await pub.resume()
             return await pub.publish_now(state, step=args.step)
 
@@ -150,6 +151,24 @@ def _publish(ns: argparse.Namespace) -> int:
     )
     print(f"v{rec.version} {rec.digest}")
     return 0
+
+
+def _architecture(model: Path) -> dict | None:
+    """The ``config.json`` of a HF model directory, as anchors carry it (so ``pulsenet export``
+    needs no ``--model``); None, with a note, for a lone file or a config.json that is not one."""
+    from pulsenet.errors import ConfigError
+    from pulsenet.sync.manifest import check_model_config, public_model_config
+
+    path = model / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = public_model_config(json.loads(path.read_text()))
+        check_model_config(config, str(path), ConfigError)
+    except (ValueError, AttributeError, OSError) as e:  # ConfigError is a ValueError
+        print(f"# {path} is not carried into the channel ({type(e).__name__}: {e})", file=sys.stderr)
+        return None
+    return config
 
 
 # --- pull -------------------------------------------------------------------------------------

@@ -266,9 +266,7 @@ class InferenceNode:
 
     async def run(self, stop: asyncio.Event, status: StatusServer | None = None) -> None:
         """Follow, generate and upload until ``stop``; a SIGTERM finishes the batch in hand."""
-        await self.writer.start()
-        for name in self.writer.produced:  # a restart goes on with the next batch number of a version
-            self._batches_at[name.version] = self._batches_at.get(name.version, 0) + 1
+        await self._start_writer()
         await self._floor_at_start()
         try:
             async with asyncio.TaskGroup() as tg:
@@ -279,6 +277,16 @@ class InferenceNode:
             for sub in self.subscribers:
                 await sub.close()
             await asyncio.to_thread(self.task.close)  # the reward worker process
+
+    async def _start_writer(self) -> None:
+        """Continue this node's batch sequence from what its own key signed; names in its bucket
+        that did not verify are counted in ``/status`` ``rejected`` (and ``/metrics``
+        ``pulsenet_rollouts_rejected_total``) under this node as ``planted_name``."""
+        await self.writer.start()
+        for name in self.writer.produced:  # a restart goes on with the next batch number of a version
+            self._batches_at[name.version] = self._batches_at.get(name.version, 0) + 1
+        if self.writer.stats.junk_names:
+            self.state.rejected[self.config.id] = {"planted_name": self.writer.stats.junk_names}
 
     async def _floor_at_start(self) -> None:
         """Before any subscriber resumes from its saved weights: the newest version any channel

@@ -64,6 +64,7 @@ from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
 from pulsenet.rollouts.rows import RowLimits
 from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
+from pulsenet.sync.manifest import public_model_config
 from pulsenet.sync.publisher import Publisher, PublisherConfig
 from pulsenet.tracking import NoTracker, Tracker
 
@@ -590,7 +591,5 @@ def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor
 
 def _architecture(model: torch.nn.Module) -> dict[str, Any]:
     """The model's config.json contents, signed into every anchor so that ``pulsenet export``
-    rebuilds the architecture from the channel alone; private fields (``_name_or_path``, a path on
-    this machine) stay here."""
-    config = json.loads(model.config.to_json_string(use_diff=False))  # type: ignore[union-attr]
-    return {k: v for k, v in config.items() if not k.startswith("_")}
+    rebuilds the architecture from the channel alone."""
+    return public_model_config(json.loads(model.config.to_json_string(use_diff=False)))  # type: ignore[union-attr]

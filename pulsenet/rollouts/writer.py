@@ -278,8 +278,12 @@ class RolloutWriter:
             except ConditionFailed:
                 # Our payload put succeeded, so that key was free and is ours alone: remove it.
                 self.stats.seq_taken += 1
-                log.warning("manifest %s exists; moving to the next sequence number", mkey)
                 await self.store.delete([key], timeout=self.config.timeout_s)
+                # Manifest keys are predictable (the head says next_seq): names planted ahead of us
+                # would eat every retry one by one. The listing tells which numbers are taken (never
+                # which batches exist): go past all of them at once.
+                self.next_seq = await self._first_free(version, seq + 1)
+                log.warning("manifest %s exists; moving to sequence number %d", mkey, self.next_seq)
                 continue
             self._produced[seq] = manifest.name
             self.stats.batches += 1
@@ -290,6 +294,17 @@ class RolloutWriter:
         raise ConditionFailed(
             f"{self.config.taken_retries} sequence numbers in a row were taken in {self.store.url}"
         )
+
+    async def _first_free(self, version: int, seq: int) -> int:
+        """The first sequence number from ``seq`` that no listed manifest key of this node at
+        ``version`` holds."""
+        listing = await self.store.list(self.layout.manifests, timeout=self.config.timeout_s)
+        taken = {
+            n.seq for i in listing if (n := self.layout.parse_manifest(i.key)) is not None and n.node == self.node and n.version == version
+        }
+        while seq in taken:
+            seq += 1
+        return seq
 
     async def write_head(self) -> bool:
         """Overwrite the signed head with what this node has written; False (logged, counted) if

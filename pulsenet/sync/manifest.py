@@ -180,6 +180,12 @@ def _from_body(body: Mapping) -> Manifest:
     )
 
 
+def public_model_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s contents as a manifest carries them: private fields (``_name_or_path``, a
+    path on the publisher's machine) stay there."""
+    return {k: v for k, v in config.items() if not k.startswith("_")}
+
+
 def check_model_config(config: object, where: str, error: type[Exception]) -> None:
     """``error`` unless ``config`` is a JSON object with a string ``model_type`` whose canonical
     encoding is at most ``MAX_MODEL_CONFIG`` bytes (what transformers makes of it is the reader's
