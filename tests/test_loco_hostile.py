@@ -111,6 +111,31 @@ async def test_with_nothing_to_check_against_a_two_trainer_split_keeps_our_own_s
     assert issues is not None and "unverified" in issues
 
 
+async def test_a_trainer_vouches_for_a_state_it_wrote_itself_and_no_one_else_does(tmp_path: Path) -> None:
+    """``recovery.vouched``: a state t0 wrote, of a round t0 took part in, with the digest t0
+    published, is vouched for by t0 alone (its own computation); t1 still needs the majority; and
+    t0's word counts for nothing in a round it did not take part in."""
+    from pulsenet.loco import Record, RoundStore
+    from pulsenet.loco.documents import StateRef, trainer_keys
+    from pulsenet.loco.recovery import vouched
+    from pulsenet.signed import ObjectRef
+    from pulsenet.signing import load_private_key
+
+    priv, pubs = make_keys(tmp_path / "keys", ("t0", "t1"))
+    store = LocalStore(tmp_path / "store")
+    rs = {t: RoundStore(store, t, load_private_key(priv[t]), trainer_keys(pubs)) for t in ("t0", "t1")}
+    sha, d0, d1 = "ab" * 32, "1" * 64, "2" * 64
+    for r, parts in ((4, ("t0", "t1")), (5, ("t1",))):
+        refs = {t: ObjectRef(LAYOUT.payload(t, r, sha), 10, sha) for t in parts}
+        await rs["t1"].propose_record(Record(round=r, writer="t1", participants=refs))
+        await rs["t0"].publish_digest(r, d0)
+        await rs["t1"].publish_digest(r, d1)
+    state = {r: StateRef(r, ObjectRef(f"state/0000000{r}/{d0[:16]}.safetensors", 1, sha), d0, "t0") for r in (4, 5)}
+    assert await vouched(rs["t0"], state[4], quorum=2)
+    assert not await vouched(rs["t1"], state[4], quorum=1)  # 1 of 2: no majority for anyone else
+    assert not await vouched(rs["t0"], state[5], quorum=1)  # t0 did not take part in round 5
+
+
 async def test_a_repair_replays_at_most_its_cap(tmp_path: Path) -> None:
     """``rebuild(max_replay=...)`` never tries a state further back than the cap (genesis here)."""
     from pulsenet.errors import RoundError

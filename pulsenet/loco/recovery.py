@@ -81,8 +81,9 @@ async def replay(state: GlobalState, target: int, rs: RoundStore, load: Loader, 
 async def vouched(rs: RoundStore, ref: StateRef, quorum: int) -> bool:
     """Whether round ``ref.round``'s participants vouch for a published state: a strict majority of
     them, and at least ``quorum``, published its digest (each under its own key); or it is a state
-    this trainer wrote itself, with the digest it published for that round (its own computation,
-    which a peer lying about its digest cannot outvote in a two-trainer run).
+    this trainer wrote itself, of a round it took part in, with the digest it published for that
+    round (its own computation, which a peer lying about its digest cannot outvote in a two-trainer
+    run; other readers still need the majority).
 
     Any one trusted key can write a state manifest first, so the state is taken on the word of the
     trainers that computed it, not of its writer. Genesis (round 0) has no participants: its first
@@ -93,7 +94,7 @@ async def vouched(rs: RoundStore, ref: StateRef, quorum: int) -> bool:
     record = await rs.read_record(ref.round)
     if record is None:
         return False
-    if ref.writer == rs.id:
+    if ref.writer == rs.id and rs.id in record.participants:
         try:
             if await rs.read_digest(rs.id, ref.round) == ref.digest:
                 return True
