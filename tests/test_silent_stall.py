@@ -109,3 +109,12 @@ def test_stuck_names_the_inference_node_that_makes_nothing() -> None:
                                   ("i1", "ok", [])])  # fmt: skip
     assert named.startswith("i0 is degraded: every prompt") and "i1" not in named
     assert with_inference("t0 is down (exit 1), restarting", [("i0", "degraded", ["x"])]) == "t0 is down (exit 1), restarting"
+
+
+def test_up_refuses_groups_larger_than_a_step(tmp_path: Path) -> None:
+    """A trainer refuses a group larger than a step (issue 29 item 2): a plan that makes only such
+    groups would drop everything, so it is a ConfigError at once."""
+    tok = smollm2_tokenizer()
+    model = model_dir(tmp_path / "m", llama_config(tok), tok)
+    with pytest.raises(ConfigError, match=r"--group-size 64 is larger than --rows-per-step 32"):
+        _plan(tmp_path, model, group_size=64, rows_per_step=32)
