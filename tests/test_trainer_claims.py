@@ -13,6 +13,7 @@ bucket of the real SeaweedFS, as in tests/test_rollouts_intake.py.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from test_rollouts import Site, intake, make_rows, make_sites
@@ -203,3 +205,43 @@ def test_a_step_on_the_issues_batch_stays_small() -> None:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"step on 1025 rows (one of 396 tokens): peak RSS grew {r['grew_mib']:.0f} MiB in {r['wall']:.1f} s")
     assert r["rows"] == 1025 and r["grew_mib"] < 400, r
+
+
+# --- items 1 and 12 on a real trainer node (tests/test_signed_peer.py's harness) ----------------
+
+
+@pytest.mark.timeout(240)
+async def test_a_trainer_refuses_a_huge_group_number_and_a_repeated_batch_and_not_again_after_a_restart(tmp_path: Path) -> None:
+    """On 7876ec8 one row ``i0-v0-b0-p99999999999`` hung the trainer's re-scoring (10**11 problems
+    drawn) and was taken again after every restart; a node's second answer of one batch id was
+    trained on. Now both are refused at intake, counted for the node, and the node trains on."""
+    from test_signed_peer import Site as PeerSite
+    from test_signed_peer import Trainer, _rows
+
+    net = PeerSite(tmp_path, "t0", "i0")
+    first = Trainer(net, tmp_path / "t0", steps=2)
+
+    async def feed(_: asyncio.Task) -> None:
+        d0 = first.node.digests[0]
+        hostile = [dataclasses.replace(r, group="i0-v0-b0-p99999999999") for r in _rows(0, d0, 0)[:4]]
+        await first.writer.write(hostile)  # seq 0
+        await first.writer.write(_rows(0, d0, 1))  # seq 1: honest
+        await first.writer.write(_rows(0, d0, 1))  # seq 2: batch b1 answered again
+        await first.writer.write(_rows(0, d0, 2))  # seq 3: honest
+
+    await first.run(feed)
+    n = first.node
+    assert first.refused == {"out_of_assignment": 1, "batch_repeated": 1}, first.refused
+    assert [v for v, _ in first.published] == [0, 1, 2] and n.failed_steps == 0
+    assert n.state.rejected["i0"] == first.refused  # /status, /metrics
+
+    second = Trainer(net, tmp_path / "t0", steps=3)
+
+    async def feed_more(_: asyncio.Task) -> None:
+        d0 = second.node.digests[0]
+        await second.writer.write(_rows(0, d0, 2))  # b2 again, after the restart
+        await second.writer.write(_rows(0, d0, 3))
+
+    await second.run(feed_more)
+    assert second.refused == {"out_of_assignment": 1, "batch_repeated": 2}, second.refused
+    assert [v for v, _ in second.published] == [3]

@@ -145,6 +145,7 @@ class InferenceNode:
         self.task, self.text = task, text
         self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
         self.state = NodeState(role="inference", node_id=c.id)
+        self.state.prompts_dropped = self.prompter.stats.dropped  # live: /status and /metrics count drops per reason
         self.store, self.key = store, key
         self.writer = RolloutWriter(
             store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
@@ -189,6 +190,8 @@ class InferenceNode:
         for demand (``engine_busy`` in a run's efficiency: generating over all but the first wait)."""
         self._active = 0
         """The channel followed now (``_follow``)."""
+        self._dropping: str | None = None
+        """Why /healthz says degraded while every prompt of the last batch was dropped (``generate_batch``)."""
 
     # --- policy ---------------------------------------------------------------------------------
 
@@ -446,8 +449,17 @@ class InferenceNode:
         problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=self._assigned()[1], batch=index)
         asked = [(k, p, ids) for k, p in enumerate(problems) if (ids := self.prompter.encode(p.prompt)) is not None]
         if not asked:  # every prompt over the limits: counted by the prompter (prompts_dropped), nothing to send
-            log.warning("%s: v%d batch %d: every prompt is over the limits", c.id, version, index)
+            why = ", ".join(f"{n} {k}" for k, n in sorted(self.prompter.stats.dropped.items()))
+            self._dropping = self.state.degraded = (
+                f"every prompt of v{version} batch {index} was dropped ({why} so far): nothing generated; "
+                f"max_new_tokens {self.prompter.config.max_new_tokens}, max_prompt_tokens "
+                f"{self.prompter.config.max_prompt_tokens}, model context {self.prompter.max_positions}"
+            )
+            log.warning("%s: %s", c.id, self._dropping)
             return version
+        if self._dropping is not None and self.state.degraded == self._dropping:
+            self.state.degraded = None  # prompts get through again
+        self._dropping = None
         prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
         params = self.prompter.sampling_params(
             temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)

@@ -75,6 +75,7 @@ from pulsenet.nodes.supervisor import (
     describe_exit,
     holdup,
     last_error,
+    with_inference,
 )
 from pulsenet.runtime import signal_group, spawn_tied
 
@@ -754,11 +755,15 @@ class Supervisor:
             return
         if self.final is not None or now - self.version_at <= self.round_deadline_s:
             return
-        self.holdup = holdup(self.trainer_views(), self.store_state())
+        self.holdup = with_inference(holdup(self.trainer_views(), self.store_state()), self.inference_views())
         if self.stuck_since is None:
             self.stuck_since = self.version_at
             self.journal.write("stuck", version=self.version, idle_s=round(now - self.version_at, 1), holdup=self.holdup)
             self.say(f"STUCK: no version for {now - self.version_at:.0f} s (at v{self.version}): {self.holdup}")
+
+    def inference_views(self) -> list[tuple[str, str, list[str]]]:
+        """(name, /healthz status, reasons) of every running inference node (``with_inference``)."""
+        return [(n.name, n.health, n.reasons) for n in self.nodes if n.role == "inference" and n.running]
 
     def trainer_views(self) -> list[TrainerView]:
         views = []

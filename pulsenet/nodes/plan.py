@@ -25,8 +25,10 @@ from typing import Annotated
 
 import tyro
 
+from pulsenet.errors import ConfigError
 from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.tasks import TaskConfig
 from pulsenet.settings import fields_of, load_settings
 
@@ -87,7 +89,8 @@ class NetworkSettings:
     """Rollout batches each inference node generates per policy version at most (0: enough for
     every trainer's share of a round, twice over)."""
     max_new_tokens: int = 0
-    """Tokens per completion at most (0: the preset's, 5 for tiny, 16 for smollm2)."""
+    """Tokens per completion at most (0: the preset's, 5 for tiny, 16 for smollm2, 64 for another
+    model, never more than half the model's context)."""
     lr: float = 0.0
     """GRPO learning rate (0: the preset's, 5e-4 for tiny, 3e-6 for real models)."""
     seed: int = 0
@@ -117,6 +120,36 @@ def preset(model: str) -> Path:
     return Path(str(resources.files("pulsenet.presets") / f"{name}.toml"))
 
 
+def model_context(model: str) -> int | None:
+    """The context length (``max_position_embeddings``) of ``model``'s architecture, read without
+    weights; None when it cannot be read here (SmolLM2 before its conversion, a missing directory:
+    the nodes then check it at start)."""
+    if model == "smollm2":
+        return None  # 8192, behind a GGUF conversion; its preset's 16 tokens fit
+    try:
+        config = model_hf_config(resolve_model(model))
+    except ConfigError:
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def fit_completions(task: TaskConfig, context: int | None, *, given: bool) -> None:
+    """Make a default completion length fit the model: at most half its context (a dataset task's
+    default of 512 on a 512-position model left no room for any prompt, and every prompt was
+    dropped in silence: issue 29). A length the user gave that leaves no room is a ConfigError."""
+    if context is None:
+        return
+    new = task.prompt_config().max_new_tokens
+    if new < context and (given or new <= context // 2):
+        return
+    if given:
+        raise ConfigError(
+            f"--max-new-tokens {new} leaves no room for a prompt in the context of the model "
+            f"(max_position_embeddings = {context}); give at most {context - 1}, better {context // 4}"
+        )
+    task.max_new_tokens = max(1, context // 2)
+
+
 def plan_network(
     n: NetworkSettings,
     *,
@@ -136,8 +169,8 @@ def plan_network(
     base_t = load_settings(TrainerConfig, table="trainer", config=preset(n.model), environ={})
     base_i = load_settings(InferenceConfig, table="inference", config=preset(n.model), environ={})
     task = load_settings(TaskConfig, table="task", config=preset(n.model), environ={})
-    if n.task:  # the user's task: none of the preset's task settings
-        task = TaskConfig(task=n.task)
+    if n.task:  # the user's task: of the preset's task settings only its completion length (the model's)
+        task = TaskConfig(task=n.task, max_new_tokens=task.max_new_tokens)
     default = TaskConfig()
     for f in dataclasses.fields(n.task_options):  # what the command sets beyond the task itself
         value = getattr(n.task_options, f.name)
@@ -147,10 +180,13 @@ def plan_network(
         task.reward = list(n.reward)
     if n.max_new_tokens:
         task.max_new_tokens = n.max_new_tokens
+    fit_completions(task, model_context(n.model), given=bool(n.max_new_tokens))
     rows_per_step = n.rows_per_step or base_t.rows_per_step
     if several and not n.rows_per_step:
         rows_per_step = max(32, rows_per_step // n.inner_steps)  # a round then costs about one lone step
     group_size = n.group_size or base_i.group_size
+    if group_size > rows_per_step:  # the trainers would refuse every group (group_size): say so now
+        raise ConfigError(f"--group-size {group_size} is larger than --rows-per-step {rows_per_step}: a GRPO step takes whole groups")
     prompts = n.prompts or (max(1, rows_per_step // group_size) if several else base_i.prompts)
     batches_per_version = n.batches_per_version or base_i.batches_per_version
     if several and not n.batches_per_version:

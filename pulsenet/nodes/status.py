@@ -67,6 +67,9 @@ class NodeState:
     loco: Any = None
     """A PULSELoCo trainer's live counters (``loco.progress.LocoStats``: ints and ``{reason: int}``
     dicts): in ``/status``, and ``pulsenet_loco_<field>_total`` in ``/metrics``."""
+    prompts_dropped: dict[str, int] = field(default_factory=dict)
+    """Inference: prompts dropped before generation, per reason (``prompt_too_long``,
+    ``context_too_long``: the prompter's live counters, ``rl.prompts.PromptStats.dropped``)."""
     degraded: str | None = None
     """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
@@ -148,6 +151,12 @@ class _StateCollector(Collector):
         yield disagree
         if s.loco is not None:
             yield from _counter_metrics(s.loco, "loco_", labels, ids)
+        dropped = CounterMetricFamily(
+            "pulsenet_prompts_dropped", "Prompts dropped before generation, by reason", labels=[*labels, "reason"]
+        )
+        for why, n in s.prompts_dropped.items():
+            dropped.add_metric([*ids, why], n)
+        yield dropped
         rejected = CounterMetricFamily(
             "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason", labels=[*labels, "source", "reason"]
         )

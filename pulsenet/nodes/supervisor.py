@@ -281,6 +281,17 @@ def holdup(trainers: Sequence[TrainerView], store: str = "") -> str:
     return f"no trainer reports a fault: {waiting}"
 
 
+def with_inference(line: str, inference: Sequence[tuple[str, str, Sequence[str]]]) -> str:
+    """``holdup``'s ``line``, and when no trainer reports a fault (the trainers wait for rollouts)
+    the inference nodes that do: ``(name, health, reasons)`` of each. A node that drops every
+    prompt it is asked to generate reports degraded with why; naming it beats "no trainer reports
+    a fault" (issue 29)."""
+    unwell = [f"{name} is {health}: {'; '.join(reasons) or 'no reason given'}" for name, health, reasons in inference if health != "ok"]
+    if not unwell or not line.startswith("no trainer reports a fault"):
+        return line
+    return "; ".join(unwell) + f" ({line})"
+
+
 def _v(x: int | None) -> str:
     return "-" if x is None else str(x)
 

@@ -120,6 +120,13 @@ class Prompter:
     def __init__(self, codec: TextCodec, config: PromptConfig, *, max_positions: int | None = None) -> None:
         self.codec, self.config, self.max_positions = codec, config, max_positions
         self.stats = PromptStats()
+        if max_positions is not None and min(config.max_prompt_tokens, max_positions - config.max_new_tokens) < 1:
+            # Every prompt would be dropped, each batch logged and nothing trained: say so at start.
+            raise ConfigError(
+                f"task max_new_tokens = {config.max_new_tokens} leaves no room for a prompt in the model's "
+                f"context (max_position_embeddings = {max_positions}): every prompt would be dropped; "
+                f"set max_new_tokens below {max_positions} (e.g. --max-new-tokens {max(1, max_positions // 4)})"
+            )
         tok = codec.tokenizer
         if config.template == "chat":
             if tok is None:

@@ -8,6 +8,12 @@ whatever still verifies is a body the trusted key signed: one of the seeds' mani
 the mutated seed's own: JSON objects may repeat a key (the last one wins), so splicing seed A's
 head onto seed B's tail can carry B's signed body intact, which verifies, correctly, as B.
 
+``rollout.assignment`` (issue 29) is what the trainer does with a batch's group ids before any
+problem is drawn (``Assignment.batch_of``: one batch id within the bounds, groups no larger than a
+step), checked against a plain reference, and then the shapes of the GRPO steps it would make of
+an accepted batch (``next_step``, ``micro_batches``): rows per step and padded tokens per
+micro-batch within configuration, whatever the rows' lengths.
+
 ``rollout.rows`` is what the intake does with a payload that matched its manifest: decode to arrays,
 then ``rows.check_rows`` against a trainer's ``RowLimits``. Its mutators change rows the way a
 compromised node would (token ids past the vocabulary, empty or overlong rows, a group with two
@@ -18,11 +24,13 @@ every limit, a refused one must break the limit its reason names (anything else 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import math
 import random
+import re
 import struct
 
 from pulsenet.codec.rollout import (
@@ -34,6 +42,10 @@ from pulsenet.codec.rollout import (
     encode_batch,
 )
 from pulsenet.errors import RolloutError, RolloutRowError
+from pulsenet.nodes.trainer import answer_of, next_step
+from pulsenet.rl.grpo import micro_batches
+from pulsenet.rl.tasks import Assignment, group_id
+from pulsenet.rollouts.intake import RolloutBatch
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,
@@ -366,6 +378,114 @@ def _mutate_rows(data: bytes, rng: random.Random) -> bytes:
         return data
 
 
+# --- rollout.assignment: the numbers of group ids, and the padded shapes of the steps (issue 29) ---
+
+_ASSIGN = Assignment(batches_per_version=4, prompts_per_batch=8, max_group_rows=6)
+_ROWS_PER_STEP = 6
+_MICRO_TOKENS = 256
+_GROUP_RE = re.compile(r"(.+)-v([0-9]+)-b([0-9]+)-p([0-9]+)")
+
+
+def _assigned_rows(seed: int, groups: int, g: int, batch: int) -> list[Rollout]:
+    rows = _valid_rows(seed, groups, g)
+    ids = {gid: group_id("inf-a", seed, batch, k) for k, gid in enumerate(dict.fromkeys(r.group for r in rows))}
+    return [dataclasses.replace(r, group=ids[r.group]) for r in rows]
+
+
+def _assignment_seeds() -> list[bytes]:
+    return [encode_batch(_assigned_rows(s, groups, g, b)) for s, groups, g, b in ((21, 1, 1, 0), (22, 3, 4, 3), (23, 8, 6, 1))]
+
+
+def _reference_answer(cols: RolloutColumns) -> tuple[str, str]:
+    """``("ok", answer)`` or ``("refused", reason)``, as ``Assignment.batch_of`` must decide, in plain Python."""
+    sizes = collections.Counter(int(k) for k in cols.group)
+    batches = set()
+    for k, gid in enumerate(cols.groups):
+        m = _GROUP_RE.fullmatch(gid)
+        if m is None or any(len(x) > 15 for x in m.groups()[1:]) or m[1] != cols.node or int(m[2]) != cols.version:
+            return "refused", "group_id"
+        if int(m[3]) >= _ASSIGN.batches_per_version or int(m[4]) >= _ASSIGN.prompts_per_batch:
+            return "refused", "out_of_assignment"
+        if sizes[k] > (_ASSIGN.max_group_rows or sizes[k]):
+            return "refused", "group_size"
+        batches.add(int(m[3]))
+    if len(batches) != 1:
+        return "refused", "mixed_batches"
+    return "ok", f"v{cols.version}-b{batches.pop()}"
+
+
+def _check_steps(cols: RolloutColumns) -> None:
+    """The steps a trainer makes of an accepted batch: at most ``_ROWS_PER_STEP`` rows of whole
+    groups each, micro-batches of at most ``_MICRO_TOKENS`` padded tokens (or one row)."""
+    groups: dict[str, list[Rollout]] = {}
+    for r in cols.to_rows():
+        groups.setdefault(r.group, []).append(r)
+    batch = RolloutBatch(manifest=None, columns=cols, batch_id="inf-a/x")  # type: ignore[arg-type]
+    ready = collections.deque((batch, g) for g in groups.values())
+    seen = 0
+    while ready:
+        step, _ = next_step(ready, _ROWS_PER_STEP)
+        seen += len(step)
+        if not 0 < len(step) <= _ROWS_PER_STEP:
+            raise AssertionError(f"a step of {len(step)} rows (at most {_ROWS_PER_STEP})")
+        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in step]
+        for rows, w in micro_batches(range(len(step)), lengths, None, _MICRO_TOKENS):
+            if len(rows) > 1 and len(rows) * w > _MICRO_TOKENS:
+                raise AssertionError(f"a micro-batch of {len(rows)} x {w} padded tokens (at most {_MICRO_TOKENS})")
+    if seen != len(cols):
+        raise AssertionError(f"steps hold {seen} of {len(cols)} rows")
+
+
+def _answer(data: bytes) -> str:
+    cols = decode_columns(data, max_rows=256, max_tokens=1 << 16)
+    outcome, want = _reference_answer(cols)
+    try:
+        got = answer_of(_ASSIGN, cols)
+    except RolloutRowError as e:
+        if (outcome, want) != ("refused", e.reason):
+            raise AssertionError(f"refused for {e.reason!r}, the reference says {outcome} {want!r}") from None
+        raise
+    if (outcome, want) != ("ok", got):
+        raise AssertionError(f"answered {got!r}, the reference says {outcome} {want!r}")
+    _check_steps(cols)
+    return got  # type: ignore[return-value]
+
+
+def _mutate_group_ids(data: bytes, rng: random.Random) -> bytes:
+    """What a node could sign: numbers past every bound (``p99999999999``, hundreds of digits),
+    another node or version, one batch number per group, groups larger than a step, and rows of
+    very different lengths (the padded shape of a step)."""
+    try:
+        rows = decode_batch(data, max_rows=256, max_tokens=1 << 16)
+    except RolloutError:
+        return data
+    i = rng.randrange(len(rows))
+    r = rows[i]
+    m = _GROUP_RE.fullmatch(r.group)
+    node, v, b, k = (m[1], m[2], m[3], m[4]) if m else ("inf-a", str(r.version), "0", "0")
+    huge = rng.choice(["99999999999", "9" * 15, "9" * 16, "9" * 200, "4", "8", "3", "7", "0" * 20 + "1"])
+    kind = rng.randrange(7)
+    if kind == 0:
+        group = f"{node}-v{v}-b{b}-p{huge}"
+    elif kind == 1:
+        group = f"{node}-v{v}-b{huge}-p{k}"
+    elif kind == 2:
+        group = rng.choice([f"inf-b-v{v}-b{b}-p{k}", f"{node}-v{int(v) + 1}-b{b}-p{k}", f"{node}-v{huge}-b{b}-p{k}"])
+    elif kind == 3:  # this group answers another batch number: the node picks its problems
+        group = f"{node}-v{v}-b{(int(b) + rng.randrange(1, 4)) % 4}-p{k}"
+    elif kind == 4:  # a group grows past a step
+        return encode_batch(rows + [r] * rng.randrange(1, 8))
+    elif kind == 5:  # one long row among short ones
+        n = rng.choice([40, 200, 1000])
+        return encode_batch(_set(rows, i, completion_ids=(5,) * n, logprobs=(-1.0,) * n))
+    else:
+        group = rng.choice([f"{node}-v{v}-b{b}-p{k}-p0", f"{node}-v{v}-b-{b}-p{k}", f"{node}-v{v}-b{b}-p{k}\n"])
+    try:
+        return encode_batch([dataclasses.replace(x, group=group) if x.group == r.group else x for x in rows])
+    except RolloutError:  # the encoder refuses what cannot travel
+        return data
+
+
 TARGETS: list[dict] = [
     {
         "name": "rollout.batch",
@@ -388,5 +508,12 @@ TARGETS: list[dict] = [
         "decode": _intake_rows,
         "exact": False,
         "mutators": [_mutate_rows, _mutate_rows, _mutate_footer],
+    },
+    {
+        "name": "rollout.assignment",
+        "seeds": _assignment_seeds,
+        "decode": _answer,
+        "exact": False,
+        "mutators": [_mutate_group_ids, _mutate_group_ids, _mutate_rows],
     },
 ]
