@@ -275,3 +275,22 @@ async def test_a_planted_round_name_never_steers_catch_up(tmp_path: Path) -> Non
     assert again.reports[0].caught_up_from == 2
     assert again.stats.rounds_failed == 0 and again.stats.ignored_names == 2
     assert LAYOUT.record(99_999_999) not in gets.keys  # past a gap in the sequence: not even read
+
+
+async def test_a_planted_checkpoint_name_never_makes_retention_delete_the_resume_point(tmp_path: Path) -> None:
+    """Retention keeps a trainer's newest checkpoint whatever its round; a checkpoint name planted
+    far ahead (round 99999999, which this trainer cannot have written) is not that newest one, so
+    the real resume point of round 2 survives a cut at round 6."""
+    from pulsenet.loco import RoundStore
+    from pulsenet.loco.documents import trainer_keys
+    from pulsenet.signing import load_private_key
+
+    priv, pubs = make_keys(tmp_path / "keys", ("t0",))
+    store = LocalStore(tmp_path / "store")
+    rs = RoundStore(store, "t0", load_private_key(priv["t0"]), trainer_keys(pubs))
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"resume point")
+    await rs.publish_checkpoint(2, ckpt)
+    await store.put(LAYOUT.checkpoint_manifest("t0", 99_999_999), b"junk")
+    await rs.delete_own_before(6, reached=8)
+    assert (await rs.latest_checkpoint()) is not None and (await rs.latest_checkpoint())[0] == 2

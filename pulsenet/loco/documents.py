@@ -582,12 +582,16 @@ class RoundStore:
 
     # --- retention ----------------------------------------------------------------------------
 
-    async def delete_own_before(self, round_: int) -> int:
+    async def delete_own_before(self, round_: int, reached: int) -> int:
         """Delete this trainer's round objects older than ``round_``, and its checkpoints older than
-        both ``round_`` and its newest checkpoint (a resume point always survives). Returns the count."""
+        both ``round_`` and its newest checkpoint (a resume point always survives). Returns the count.
+
+        ``reached``: the round this trainer has reached. A listed checkpoint name above it is a
+        claim this trainer cannot have written (planted): it never counts as the newest resume
+        point, or one planted name would make retention delete the real one."""
         infos = await self.store.list(self.layout.trainer(self.id), timeout=self.t.small_s)
         owned = {i.key: parsed for i in infos if (parsed := self.layout.parse_own(self.id, i.key)) is not None}
-        newest_ckpt = max((r for kind, r in owned.values() if kind == "checkpoint"), default=0)
+        newest_ckpt = max((r for kind, r in owned.values() if kind == "checkpoint" and r <= reached), default=0)
 
         def is_old(key: str) -> bool:
             if key not in owned:

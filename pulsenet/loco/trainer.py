@@ -762,7 +762,7 @@ class LocoTrainer:
         if state is not None:
             self._spawn(self._publish_state(state, self.digest), f"global state {r}")
         if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
-            self._spawn(self._retain(r - keep), f"retention before {r - keep}")
+            self._spawn(self._retain(r - keep, r), f"retention before {r - keep}")
 
     # --- catch-up and repair --------------------------------------------------------------------
 
@@ -930,8 +930,8 @@ class LocoTrainer:
         )
         log.info("%s: published the global state of round %d (%s)", self.id, state.round, ref.digest[:16])
 
-    async def _retain(self, before: int) -> None:
-        n = await self.rs.delete_own_before(before)
+    async def _retain(self, before: int, reached: int) -> None:
+        n = await self.rs.delete_own_before(before, reached)
         # Every trainer prunes the shared states too (idempotent): no single writer has to survive.
         n += await self.rs.delete_states_before(before)
         log.info("%s: retention deleted %d objects before round %d", self.id, n, before)
