@@ -429,3 +429,26 @@ def _batches(consumed: dict[str, int]) -> set[str]:
     from pulsenet.rollouts.intake import ANSWERED
 
     return {k for k in consumed if not k.startswith(ANSWERED)}
+
+
+def test_each_channel_of_an_inference_node_has_its_own_payload_cache(tmp_path: Path) -> None:
+    """A subscriber prunes its payload cache: with one ``[inference.subscribe] cache_dir`` shared by
+    every channel, one channel's prune could delete a payload another had just downloaded."""
+    net = Site(tmp_path, "t0", "t1", "i0")
+    node = InferenceNode(
+        InferenceConfig(
+            id="i0",
+            run=RUN,
+            state_dir=tmp_path / "i0",
+            subscribe=SubscriberConfig(cache_dir=tmp_path / "cache"),
+        ),
+        store=net.store("i0"),
+        policy_stores=[net.store("t0"), net.store("t1")],
+        trusted=net.trusted("t0", "t1"),
+        key=net.keys["i0"],
+        task=make_task("arith", 0),
+        text=text_codec("tiny"),
+    )
+    caches = [s.config.cache_dir for s in node.subscribers]
+    assert caches == [tmp_path / "cache" / "policy-0", tmp_path / "cache" / "policy-1"]
+    asyncio.run(asyncio.to_thread(node.task.close))

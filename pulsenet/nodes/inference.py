@@ -154,7 +154,13 @@ class InferenceNode:
             Subscriber(
                 s,
                 trusted,
-                replace(c.subscribe, state_dir=Path(c.state_dir) / f"policy-{k}"),
+                replace(
+                    c.subscribe,
+                    state_dir=Path(c.state_dir) / f"policy-{k}",
+                    # One cache per channel: a subscriber prunes its cache, and must never prune
+                    # a payload another channel's subscriber has just downloaded.
+                    cache_dir=None if c.subscribe.cache_dir is None else Path(c.subscribe.cache_dir) / f"policy-{k}",
+                ),
                 on_update=functools.partial(self._on_update, k),
             )
             for k, s in enumerate(policy_stores)
