@@ -397,12 +397,12 @@ class TrainerNode:
         restart does not take them again), counted per node (``step_failed``) and logged; the node
         goes on. (Under torchrun the other ranks fail the same step and the job ends: the intake's
         checks are what stand between a hostile batch and a rank group.)"""
-        self.failed_steps += 1
         self.state.error(e)
         dropped = {b.batch_id for b in batches}  # their groups still waiting go with them
         self._ready = collections.deque((b, g) for b, g in self._ready if b.batch_id not in dropped)
         self.intake.failed(batches, f"{type(e).__name__}: {e}")
         await asyncio.to_thread(self.rounds.record_consumed)  # a restart before the round closes skips them too
+        self.failed_steps += 1  # counted once it is durable: a watcher that sees the count may stop the node
         log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
 
     def _demand(self) -> Demand:
