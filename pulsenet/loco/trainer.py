@@ -46,9 +46,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -70,7 +67,7 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import recovery
+from pulsenet.loco import persist, recovery
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
@@ -83,7 +80,6 @@ from pulsenet.store.base import ObjectStore, backoff_delay
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.pt"
 T = TypeVar("T")
 InnerPhase = Callable[[int], Awaitable[list[float]]]
 """``train(r)``: round r's H inner steps from the weights the inner loop holds; one loss per step taken."""
@@ -160,12 +156,8 @@ class LocoTrainer:
         for ``/healthz``: ``progress.describe()``, ``progress.store_unreachable``)."""
         self.stats = LocoStats()
         """Counters over the trainer's life (rounds, exclusions by reason, void rounds, store failures)."""
-        self.distrusted: dict[str, int] = {}
-        """Trainers left out of the digest vote, by the round that showed it: in a round with no
-        majority their digest differed from ours while the store's chain gave ours (``_verify``).
-        For the trainer's life; its payloads still count (they are judged on their own)."""
-        self._unverified: int | None = None
-        """The last round kept on our own word (no majority, no chain to check it), until one agrees."""
+        self.trust = recovery.Trust()
+        """Whose digests count in the vote, and whether our state was kept unverified (``recovery``)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -269,7 +261,9 @@ class LocoTrainer:
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
-        if await self._load_resume_point() is None:
+        if (resumed := await persist.load_resume_point(self.inner, self.state_dir, self.rs, self._retry)) is not None:
+            self.state, self.error = resumed.global_, resumed.error
+        else:
             self.state = await asyncio.to_thread(lambda: GlobalState.genesis(self.inner.state_fp32()))
             self.error = (
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
@@ -610,138 +604,37 @@ class LocoTrainer:
     # --- 5. agree or repair ------------------------------------------------------------------
 
     async def _agree(self, record: Record, report: RoundReport) -> dict[str, str]:
-        """Publish our digest, compare it with the participants' (repairing if we diverged); the
-        digests seen if every participant's was, else {} (only a trainer that saw them all may
-        judge itself the global state's writer)."""
-        async with self._phase("agree", record.round):
-            digests, complete = await self._verify(record, report)
-        report.digest = self.digest
-        return digests if complete else {}
-
-    async def _verify(self, record: Record, report: RoundReport) -> tuple[dict[str, str], bool]:
-        """The digests that count this round (ours, and the participants' not ``distrusted``) after
-        repairing if we diverged; and whether every participant's arrived.
-
-        Ours stands if it is the majority's. Outside a majority we rebuild from the store (at most
-        ``repair_replay`` rounds of replay) and adopt what it gives; if that is our own state and no
-        majority held another (two trainers, one lying), the trainers whose digest differs are left
-        out of every later vote (``distrusted``); if it cannot be rebuilt and no majority is against
-        us, we keep our own computation (counted). A liar costs one bounded replay, never the run."""
+        """Publish our digest, compare it with the participants' and repair if we diverged
+        (``recovery``); the digests that count if every participant's was seen, else {} (only a
+        trainer that saw them all may judge itself the global state's writer)."""
         r = record.round
-        # In the background, retried until it lands: peers judge without ours if it is late, and
-        # a published state needs its participants' digests later (recovery.vouched).
-        self._spawn(self._publish_digest(r, self.digest), f"digest of round {r}")
-        heard, complete = await self._gather_digests(record)
-        digests = {t: d for t, d in heard.items() if t not in self.distrusted}
-        for tid in sorted(heard.keys() - digests.keys()):
-            if heard[tid] != self.digest:
-                self._disagreed(tid)
-        verdict = recovery.judge(digests, self.id)
-        if verdict.unanimous:
-            self._unverified = None
-            return digests, complete
-        report.agreed = False
-        if verdict.ours_agreed:
-            log.warning(
-                "%s: round %d: trainers %s diverged from the majority digest %s; they must repair",
-                *(self.id, r, verdict.odd, self.digest[:16]),
-            )
-            for tid in verdict.odd:
-                self._disagreed(tid)
-            return digests, complete
-        log.error(
-            "%s: round %d: DIGEST MISMATCH: ours %s, %s; rebuilding the agreed state from the store",
-            *(self.id, r, self.digest[:16], {t: d[:16] for t, d in sorted(digests.items()) if t != self.id}),
-        )
-        try:
-            state = await self._rebuild(r, max_replay=self.config.repair_replay)
-        except RoundError as e:
-            if verdict.agreed is not None:
-                raise
-            self.stats.digest_unverified += 1
-            self._unverified = r
-            log.error(
-                "%s: round %d: no majority digest, and our state cannot be checked against the store (%s); "
-                "keeping our own computation", self.id, r, e,
+        async with self._phase("agree", r):
+            # In the background, retried until it lands: peers judge without ours if it is late, and
+            # a published state needs its participants' digests later (recovery.vouched).
+            self._spawn(recovery.publish_digest(self.rs, r, self.digest, self._retry), f"digest of round {r}")
+            heard, complete = await recovery.gather_digests(
+                self.rs, record, self.digest, wait_s=self.config.digest_wait_s, sleep=self._collector.sleep,
+                progress=self.progress, stats=self.stats,
             )  # fmt: skip
-            return digests, complete
-        digest = await asyncio.to_thread(state.digest)
-        if verdict.agreed is not None and digest != verdict.agreed:
-            raise RoundError(
-                f"round {r}: rebuilt state {digest[:16]} still differs from the majority {verdict.agreed[:16]}"
-            )
-        if digest == self.digest:
-            # No majority, and the store's chain gives exactly our state: the others' digests
-            # disagree with a replay we verified. Leave them out of every later vote.
-            odd = [t for t, d in digests.items() if d != digest]
-            for tid in odd:
-                self.distrusted.setdefault(tid, r)
-                self._disagreed(tid)
-            log.error(
-                "%s: round %d: the store's chain agrees with our state %s; leaving %s out of the digest "
-                "vote from now on (their digests disagree with a replay we verified)", self.id, r, digest[:16], odd,
+            settled = await recovery.settle(
+                r, self.id, heard, self.trust, self.stats,
+                lambda: self._rebuild(r, max_replay=self.config.repair_replay),
             )  # fmt: skip
-            return {t: d for t, d in digests.items() if t not in odd}, complete
-        await self._adopt(state, digest)
-        report.repaired = True
-        log.error(
-            "%s: round %d: REPAIRED: adopted the agreed state %s from the store", self.id, r, digest[:16]
-        )
-        digests[self.id] = digest
-        return digests, complete
+            report.agreed = settled.unanimous
+            if settled.adopt is not None:
+                await self._adopt(*settled.adopt)
+                report.repaired = True
+        report.digest = self.digest
+        return settled.digests if complete else {}
+
+    @property
+    def distrusted(self) -> dict[str, int]:
+        """Trainers left out of the digest vote, by the round that showed it (``recovery.Trust``)."""
+        return self.trust.distrusted
 
     def trust_issues(self) -> str | None:
         """Why the digest agreement is not whole, in words for ``/healthz`` (None: it is)."""
-        issues = []
-        if self.distrusted:
-            issues.append(
-                f"digests of {', '.join(sorted(self.distrusted))} left out of the vote: they disagree with "
-                "the state the store's chain gives (a trainer lying or diverged)"
-            )
-        if self._unverified is not None:
-            issues.append(f"round {self._unverified}: no majority digest, our state kept unverified")
-        return "; ".join(issues) or None
-
-    def _disagreed(self, tid: str) -> None:
-        self.stats.digest_disagreements[tid] = self.stats.digest_disagreements.get(tid, 0) + 1
-
-    async def _publish_digest(self, r: int, digest: str) -> None:
-        stood = await self._retry(lambda: self.rs.publish_digest(r, digest), f"round {r}: publishing our digest")
-        if stood != digest:
-            log.error("%s: round %d: an earlier run of ours published digest %s", self.id, r, stood[:16])
-
-    async def _gather_digests(self, record: Record) -> tuple[dict[str, str], bool]:
-        """Our digest and the participants' that arrive within ``digest_wait_s``; and whether all did."""
-        r, loop = record.round, asyncio.get_running_loop()
-        until = loop.time() + self.config.digest_wait_s
-        digests = {self.id: self.digest}
-        waiting = [t for t in sorted(record.participants) if t != self.id]
-        while waiting:
-            self.progress.wait(list(waiting), "waiting for the participants' digests")
-            for tid in list(waiting):
-                try:
-                    d = await self.rs.read_digest(tid, r)
-                    self.progress.store_ok()
-                except StoreError as e:
-                    log.warning("%s: round %d: store error reading %s's digest: %s", self.id, r, tid, e)
-                    self.progress.store_failed(e)
-                    self.stats.store_failures += 1
-                    continue
-                except ManifestError as e:
-                    log.warning("%s: round %d: unverifiable digest from %s: %s", self.id, r, tid, e)
-                    waiting.remove(tid)
-                    continue
-                if d is not None:
-                    digests[tid] = d
-                    waiting.remove(tid)
-            if not waiting or loop.time() >= until:
-                break
-            await self._collector.sleep()
-        if waiting:
-            log.warning(
-                "%s: round %d: no digest from %s within %g s", self.id, r, waiting, self.config.digest_wait_s
-            )
-        return digests, not waiting
+        return self.trust.issues()
 
     # --- 6. persist ---------------------------------------------------------------------------
 
@@ -749,20 +642,22 @@ class LocoTrainer:
         """The local resume point (atomic) now; the store copies in the background."""
         cfg = self.config
         async with self._phase("persist", r):
-            path = await self._save_local()
+            path = await persist.save_local(self.state_dir, self._trainer_state)
             snap = (
-                await self._snapshot(path) if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 else None
+                await persist.snapshot(path, self._trainer_state)
+                if cfg.checkpoint_every and r % cfg.checkpoint_every == 0
+                else None
             )
             holders = sorted(t for t, d in digests.items() if d == self.digest)
             # One global-state writer per round: the lowest-id trainer holding the majority digest.
             writer = holders and holders[0] == self.id and 2 * len(holders) > len(digests)
             state = await asyncio.to_thread(self._state.copy) if r % cfg.state_every == 0 and writer else None
         if snap is not None:
-            self._spawn(self._upload_checkpoint(r, snap), f"checkpoint {r}")
+            self._spawn(persist.upload_checkpoint(self.rs, r, snap, self._retry), f"checkpoint {r}")
         if state is not None:
-            self._spawn(self._publish_state(state, self.digest), f"global state {r}")
+            self._spawn(persist.publish_state(self.rs, state, self.digest, self._retry), f"global state {r}")
         if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
-            self._spawn(self._retain(r - keep, r), f"retention before {r - keep}")
+            self._spawn(persist.retain(self.rs, r - keep, r), f"retention before {r - keep}")
 
     # --- catch-up and repair --------------------------------------------------------------------
 
@@ -870,71 +765,10 @@ class LocoTrainer:
         self.progress.store_ok()
         return members
 
-    # --- persistence ----------------------------------------------------------------------------
+    # --- persistence (persist.py) ---------------------------------------------------------------
 
     def _trainer_state(self) -> TrainerState:
         return TrainerState(self._state, self.error, self.inner.checkpoint())
-
-    async def _save_local(self) -> Path | None:
-        if self.state_dir is None:
-            return None
-        path = self.state_dir / STATE_FILE
-        await asyncio.to_thread(lambda: self._trainer_state().save(path))
-        return path
-
-    async def _load_resume_point(self) -> TrainerState | None:
-        candidates: list[TrainerState] = []
-        shapes = {n: tuple(p.shape) for n, p in (await asyncio.to_thread(self.inner.parameters)).items()}
-        if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
-            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
-        remote = await self._retry(self.rs.latest_checkpoint, "listing our checkpoints")
-        if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
-            with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
-                path = Path(tmp) / STATE_FILE
-                await self._retry(lambda: self.rs.fetch_checkpoint(remote[1], path), "fetching our checkpoint")
-                candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
-        if not candidates:
-            return None
-        ts = max(candidates, key=lambda s: s.global_.round)
-        try:
-            # In threads: a data-parallel site's inner loop broadcasts both to its other ranks.
-            await asyncio.to_thread(self.inner.load_state_fp32, ts.global_.theta)
-            await asyncio.to_thread(self.inner.restore, ts.inner)
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
-            raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
-        self.state, self.error = ts.global_, ts.error
-        log.warning("%s: resumed from round %d", self.id, ts.global_.round)
-        return ts
-
-    async def _snapshot(self, path: Path | None) -> Path:
-        """A private copy of the resume point, taken now (the next round mutates the live state)."""
-        snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-")) / STATE_FILE
-        if path is None:  # no local state dir: the store copy is the only resume point
-            await asyncio.to_thread(lambda: self._trainer_state().save(snap))
-        else:
-            try:
-                os.link(path, snap)  # the inode stays ours even after the next round replaces path
-            except OSError:
-                await asyncio.to_thread(shutil.copyfile, path, snap)
-        return snap
-
-    async def _upload_checkpoint(self, r: int, snap: Path) -> None:
-        try:
-            await self._retry(lambda: self.rs.publish_checkpoint(r, snap), f"uploading our checkpoint of round {r}")
-        finally:
-            shutil.rmtree(snap.parent, ignore_errors=True)
-
-    async def _publish_state(self, state: GlobalState, digest: str) -> None:
-        ref = await self._retry(
-            lambda: self.rs.publish_state(state, digest), f"publishing the global state of round {state.round}"
-        )
-        log.info("%s: published the global state of round %d (%s)", self.id, state.round, ref.digest[:16])
-
-    async def _retain(self, before: int, reached: int) -> None:
-        n = await self.rs.delete_own_before(before, reached)
-        # Every trainer prunes the shared states too (idempotent): no single writer has to survive.
-        n += await self.rs.delete_states_before(before)
-        log.info("%s: retention deleted %d objects before round %d", self.id, n, before)
 
     # --- helpers ------------------------------------------------------------------------------
 
