@@ -17,8 +17,8 @@ Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's
     6. persist   local resume point (atomic), every few rounds to the store,
                  the agreed global state every ``state_every`` rounds    background tasks
 
-With ``overlap`` (the one-round-delayed outer step, :meth:`LocoTrainer.run_round_overlapped`)
-step 1 of round r+1 runs while steps 3-4 of round r run, and its progress is re-based onto θ_r.
+With ``overlap`` (the one-round-delayed outer step) step 1 of round r+1 runs while steps 3-4 of
+round r run, and its progress is re-based onto θ_r: the same :meth:`LocoTrainer.run_round`.
 
 What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
 Who drives it is the caller's choice, the way torchft's DiLoCo makes the outer sync a step the
@@ -144,7 +144,7 @@ class LocoTrainer:
         """Round attempts in a row that ended because the store or the peers were away (not counted
         as failures: they set the backoff before the next attempt)."""
         self._carried: list[float] | None = None
-        """``overlap``: the losses of the next round's inner phase, already trained (``next_round``)."""
+        """``overlap``: the losses of the next round's inner phase, already trained (``run_round``)."""
         self._last: frozenset[str] | None = None
         """The participants of the last round we applied or caught up to (None: not known yet): a
         trainer not among them is absent, waited for ``absent_wait_s`` unless it says it joins."""
@@ -205,12 +205,7 @@ class LocoTrainer:
         the round, typed: it is logged and counted, and the next call finds the round's record (or
         not) and catches up from the store. ``max_round_failures`` failures in a row re-raise."""
         before = len(self.reports)
-        if self.config.overlap:
-            self._carried = await self._attempt(
-                self.run_round_overlapped(until if until is not None else self.round + 1, self._carried, train)
-            )
-        else:
-            await self._attempt(self.run_round(train))
+        await self._attempt(self.run_round(train, last=until))
         if len(self.reports) == before:
             return None
         self.progress.enter("idle", self.round + 1)
@@ -309,24 +304,64 @@ class LocoTrainer:
 
     # --- the round ----------------------------------------------------------------------------
 
-    async def run_round(self, train: InnerPhase | None = None) -> RoundReport:
-        """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order.
-        ``train``: the caller's inner phase (default: ``SelfTraining.train`` in a thread)."""
+    async def run_round(self, train: InnerPhase | None = None, *, last: int | None = None) -> RoundReport:
+        """One round: every step below runs from θ_{r-1} to θ_r in order. ``train``: the caller's
+        inner phase (default: ``SelfTraining.train`` in a thread).
+
+        With ``overlap`` and r < ``last`` (the run's last round), round r+1's inner phase runs while
+        round r is collected and applied, then its progress is re-based onto θ_r (``_train_ahead``,
+        ``_rebase``); the next call publishes it without training again. Nothing is carried over
+        after a repair, a catch-up or a failure: the next round then trains from θ. Where the work
+        may run beside the inner thread: docs/loco.md.
+        """
         r = self.round + 1
+        carried, self._carried = self._carried, None
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
         await self._announce_joining(r)
         if (sent := self._resumed(r)) is None:  # (a failed attempt already published round r)
-            report = self._open_report(r)
-            losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
-            sent = self._pending = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
+            sent = await self._train_and_encode(r, train, carried)  # 1-2. H inner steps; pseudo-gradient, payload
         report = sent.report
         upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
-        record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
-        await self._apply(sent, record, payloads, load_local=True)  # 4. outer step: θ_r
+        ahead: asyncio.Task[list[float]] | None = None
+        base: alg.StateDict = {}
+        try:
+            if self.config.overlap and last is not None and r < last:
+                base, ahead = await self._train_ahead(r, train)  # 1. of round r+1, beside 3-4
+            # collect and apply touch neither the local model nor the inner optimizer
+            record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
+            await self._apply(sent, record, payloads, load_local=ahead is None)  # 4. outer step: θ_r
+        except BaseException:
+            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
+            upload.cancel()
+            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
+            if ahead is not None:
+                await self._load_theta("adopt", r)
+            raise
+        trained_ahead = await self._landed(ahead, r)
+        # agree and persist only after the inner phase ahead: a repair loads θ into the local model,
+        # and the resume point reads the inner optimizer and RNG, which the inner thread was using
+        theta_before = self._state.theta
         digests = await self._agree(record, report)  # 5. digests; repair if we diverged
         await self._persist(r, digests)  # 6. resume point, checkpoint, global state
-        return await self._report(report)
+        await self._report(report)
+        if ahead is not None:
+            self._carried = await self._rebase(r, base, trained_ahead, theta_before)
+        return report
+
+    async def _train_and_encode(self, r: int, train: InnerPhase | None, carried: list[float] | None) -> _Sent:
+        """Steps 1-2: round r's inner phase (or the losses of the one trained ahead) and its update."""
+        report = self._open_report(r)
+        if carried is not None:  # trained while the previous round was exchanged
+            losses, report.overlapped = carried, True
+        else:
+            losses = await self._train(r, train)
+        sent = await self._encode(r, report, losses)
+        if not self.config.overlap:
+            # Synchronous rounds only: an overlapped round's local weights hold the next inner
+            # phase's progress by the time an attempt fails, so it trains again from θ.
+            self._pending = sent
+        return sent
 
     def _resumed(self, r: int) -> _Sent | None:
         """Round r's update from an earlier attempt that published it, if any (its payload stands
@@ -338,66 +373,35 @@ class LocoTrainer:
         self._pending = sent
         return sent
 
-    async def run_round_overlapped(
-        self, rounds: int, carried: list[float] | None, train: InnerPhase | None = None
-    ) -> list[float] | None:
-        """One round with the one-round-delayed outer step (``config.overlap``): round r+1's inner
-        phase runs while round r is collected and applied, then its progress is re-based onto θ_r.
+    async def _train_ahead(self, r: int, train: InnerPhase | None) -> tuple[alg.StateDict, asyncio.Task[list[float]]]:
+        """``overlap``: start round r+1's inner phase from the local weights now; the weights it
+        starts from (to re-base its progress later) and its task."""
+        async with self._phase("rebase", r + 1):
+            base = await asyncio.to_thread(self.inner.state_fp32)
+        return base, asyncio.create_task(self._train(r + 1, train))
 
-        ``carried``: the losses of round r's inner phase if the previous call already ran it (the
-        local weights then hold its progress, re-based onto θ_{r-1}); returns round r+1's, or None
-        when nothing was carried over (the last round, or a repair, catch-up or failure: the next
-        round then trains from θ). Where the work may run beside the inner thread: docs/loco.md.
-        """
-        r = self.round + 1
-        if (await self._behind(r)) is not None:
-            return None  # caught up: the local weights were reset to the adopted θ
-        await self._announce_joining(r)
-        report = self._open_report(r)
-        if carried is not None:  # trained while the previous round was exchanged
-            losses, report.overlapped = carried, True
-        else:
-            losses = await self._train(r, train)
-        sent = await self._encode(r, report, losses)
-        upload = asyncio.create_task(self._publish(sent))
-        ahead: asyncio.Task[list[float]] | None = None
-        base: alg.StateDict = {}
-        try:
-            if r < rounds:
-                async with self._phase("rebase", r + 1):
-                    base = await asyncio.to_thread(self.inner.state_fp32)
-                ahead = asyncio.create_task(self._train(r + 1, train))
-            # collect and apply touch neither the local model nor the inner optimizer
-            record, payloads = await self._collect(sent, upload)
-            await self._apply(sent, record, payloads, load_local=ahead is None)
-        except BaseException:
-            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
-            upload.cancel()
-            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
-            if ahead is not None:
-                await self._load_theta("adopt", r)
-            raise
-        nxt = None
-        if ahead is not None:
-            try:
-                nxt = await ahead
-            except (PulsenetError, RuntimeError) as e:
-                log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
-        # agree and persist only now: a repair loads θ into the local model, and the resume point
-        # reads the inner optimizer and RNG, which the inner thread was using
-        theta_before = self._state.theta
-        digests = await self._agree(record, report)
-        await self._persist(r, digests)
-        await self._report(report)
+    async def _landed(self, ahead: asyncio.Task[list[float]] | None, r: int) -> list[float] | None:
+        """The losses of round r+1's inner phase run ahead; None if none ran or it failed (logged)."""
         if ahead is None:
             return None
-        if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
+        try:
+            return await ahead
+        except (PulsenetError, RuntimeError) as e:
+            log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
+            return None
+
+    async def _rebase(
+        self, r: int, base: alg.StateDict, losses: list[float] | None, theta_before: alg.StateDict
+    ) -> list[float] | None:
+        """Move the progress trained ahead from ``base`` onto θ_r; its losses, carried to the next
+        round, or None when it failed or a repair adopted another θ (round r+1 then starts afresh)."""
+        if losses is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
             await self._load_theta("adopt", r + 1)  # start r+1 afresh from θ
             return None
         local, theta = await asyncio.to_thread(self.inner.parameters), self._state.theta
         async with self._phase("rebase", r + 1):
             await asyncio.to_thread(lambda: self.inner.load_state_fp32(alg.rebase(local, base, theta)))
-        return nxt
+        return losses
 
     # --- 0. behind? ---------------------------------------------------------------------------
 
