@@ -10,7 +10,7 @@ Three copies, each for a different failure (docs/loco.md, "Persistence"):
   from it (:func:`publish_state`); :func:`retain` prunes what is older than ``retention`` rounds.
 
 :func:`load_resume_point` picks the newest of the first two. The uploads run in the trainer's
-background (``LocoTrainer._spawn``) and retry until they land (``retry``: ``LocoTrainer._retry``).
+:class:`Background` and retry until they land (``retry``: ``LocoTrainer._retry``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from pulsenet.errors import VerificationError
+from pulsenet.errors import PulsenetError, VerificationError
 from pulsenet.loco.documents import RoundStore
 from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.state import GlobalState, TrainerState
@@ -108,3 +108,51 @@ async def retain(rs: RoundStore, before: int, reached: int) -> None:
     # Every trainer prunes the shared states too (idempotent): no single writer has to survive.
     n += await rs.delete_states_before(before)
     log.info("%s: retention deleted %d objects before round %d", rs.id, n, before)
+
+
+class Background:
+    """Uploads that run beside the rounds (checkpoints, global states, digests, retention).
+
+    Inside a TaskGroup (``LocoTrainer.session``: ``group`` set) an unexpected failure in one fails
+    the session; outside it they are tracked until :meth:`drain` awaits them and re-raises such a
+    failure. A typed store or disk failure is logged and dropped: the next round writes again.
+    """
+
+    def __init__(self, who: str) -> None:
+        self.who = who
+        self.group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def spawn(self, coro: Awaitable[None], what: str) -> None:
+        """Run ``coro`` in the background (in ``group`` if set)."""
+
+        async def guarded() -> None:
+            try:
+                await coro
+            except (PulsenetError, OSError) as e:  # a store or disk failure: logged, the next round retries
+                log.error("%s: background %s failed: %s: %s", self.who, what, type(e).__name__, e)
+
+        task = self.group.create_task(guarded()) if self.group is not None else asyncio.create_task(guarded())
+        self._tasks.add(task)
+        task.add_done_callback(self._forget_if_ok)
+
+    def cancel(self) -> None:
+        """Cancel every task in flight (a session failing or cancelled: uploads that retry through an
+        outage must not hold the exit; what they were writing is rewritten on the next run)."""
+        for task in self._tasks:
+            task.cancel()
+
+    async def drain(self) -> None:
+        """Wait for every task to finish; re-raise an unexpected failure of one."""
+        while self._tasks:
+            tasks = list(self._tasks)
+            await asyncio.wait(tasks)
+            self._tasks.difference_update(tasks)
+            for t in tasks:
+                if not t.cancelled() and (e := t.exception()) is not None:
+                    raise e
+
+    def _forget_if_ok(self, task: asyncio.Task[None]) -> None:
+        """A finished task is dropped unless it failed: ``drain`` must still see that."""
+        if not task.cancelled() and task.exception() is None:
+            self._tasks.discard(task)

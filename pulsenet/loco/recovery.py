@@ -24,6 +24,7 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -41,6 +42,7 @@ from pulsenet.loco.progress import LocoStats, Progress, transient
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Loader = Callable[[Record, Mapping[str, torch.Tensor]], Awaitable[dict[str, wire.Payload]]]
 """Fetches, checks and decodes the payloads a round record names, against the round's base weights
@@ -322,3 +324,75 @@ async def settle(
         return Settled({t: d for t, d in digests.items() if t not in odd}, unanimous=False)
     log.error("%s: round %d: REPAIRED: adopting the agreed state %s from the store", own_id, r, digest[:16])
     return Settled({**digests, own_id: digest}, unanimous=False, adopt=(state, digest))
+
+
+# --- joining the run, and catching up ------------------------------------------------------------
+
+
+async def members(rs: RoundStore, progress: Progress, stats: LocoStats) -> list[str]:
+    """The members announced so far; none while the store does not answer (logged)."""
+    try:
+        joined = await rs.members()
+    except StoreError as e:
+        log.warning("%s: store error listing the run's members: %s", rs.id, e)
+        progress.store_failed(e)
+        stats.store_failures += 1
+        return []
+    progress.store_ok()
+    return joined
+
+
+async def wait_for_members(
+    rs: RoundStore,
+    expected: int,
+    *,
+    wait_s: float,
+    sleep: Callable[[], Awaitable[None]],
+    progress: Progress,
+    stats: LocoStats,
+) -> None:
+    """Wait up to ``wait_s`` for ``expected`` trainers to announce themselves; start anyway after."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + wait_s
+    while len(joined := await members(rs, progress, stats)) < expected:
+        progress.wait(sorted(set(rs.keys) - set(joined)), "waiting for the run's trainers to join")
+        if loop.time() >= until:
+            log.warning("%s: only %s joined within %g s; starting anyway", rs.id, joined, wait_s)
+            return
+        await sleep()
+
+
+async def genesis(
+    rs: RoundStore, state: GlobalState, digest: str, retry: Callable[[Callable[[], Awaitable[T]], str], Awaitable[T]]
+) -> tuple[GlobalState, str] | None:
+    """Round 0: the first trainer publishes its initial state; everyone else must hold the same.
+    The run's genesis state and its digest if it is not ours (to adopt), else None."""
+    ref = await retry(lambda: rs.read_state_ref(0), "reading the genesis state")
+    if ref is None:
+        ref = await retry(lambda: rs.publish_state(state, digest), "publishing the genesis state")
+    if ref.digest == digest:
+        return None
+    log.warning(
+        "%s: initial weights (digest %s) differ from the run's genesis state %s by %s; adopting it",
+        *(rs.id, digest[:16], ref.digest[:16], ref.writer),
+    )
+    return await retry(lambda: rs.fetch_state(ref, state.shapes()), "fetching genesis"), ref.digest
+
+
+async def catch_up_state(
+    own: GlobalState, target: int, rs: RoundStore, load: Loader, apply: Apply, *, quorum: int
+) -> GlobalState:
+    """The agreed global state of round ``target`` for a trainer at ``own`` (left untouched): ours
+    replayed forward when no newer state was published (cheapest), else :func:`rebuild`."""
+    state = None
+    if not [c for c in await rs.state_rounds() if own.round < c <= target]:
+        try:
+            state = own.copy()
+            await replay(state, target, rs, load, apply)
+        except (RoundError, StoreError, VerificationError) as e:
+            if transient(e):  # the store is away: try again later rather than rebuild
+                raise
+            log.warning("%s: replaying to round %d from our state failed (%s); rebuilding", rs.id, target, e)
+    if state is None or state.round != target:
+        state = await rebuild(target, rs, own.shapes(), load, apply, quorum=quorum)
+    return state

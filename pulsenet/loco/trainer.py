@@ -136,9 +136,8 @@ class LocoTrainer:
         self.digest = ""
         self.reports: list[RoundReport] = []
         self.collector: Collector | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._group: asyncio.TaskGroup | None = None
-        """The lifetime of background uploads while a ``session`` is open: an unexpected failure in one fails it."""
+        self.background = persist.Background(self.id)
+        """Uploads beside the rounds; in the ``session``'s TaskGroup while one is open."""
         self._failures = 0
         self._waits = 0
         """Round attempts in a row that ended because the store or the peers were away (not counted
@@ -174,12 +173,12 @@ class LocoTrainer:
         """Start (or resume) the trainer and hold the lifetime of its background uploads.
 
         Background uploads live in a TaskGroup for the whole session: a typed store error in one is
-        logged (``_spawn``), anything else fails the session, as itself, rather than vanishing.
+        logged (``persist.Background``), anything else fails the session, as itself, rather than vanishing.
         Leaving the session waits for the uploads in flight (``drain``).
         """
         try:
             async with asyncio.TaskGroup() as group:
-                self._group = group
+                self.background.group = group
                 if self.state is None:
                     await self.start()
                 try:
@@ -187,14 +186,13 @@ class LocoTrainer:
                 except BaseException:
                     # Failing or cancelled (a node stopping): uploads that retry through an outage
                     # must not hold the exit; what they were writing is rewritten on the next run.
-                    for task in self._background:
-                        task.cancel()
+                    self.background.cancel()
                     raise
                 await self.drain()
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
-            self._group = None
+            self.background.group = None
 
     async def next_round(self, train: InnerPhase | None = None, *, until: int | None = None) -> RoundReport | None:
         """One round inside a ``session``: its report (trained, or caught up from the store), or None
@@ -269,22 +267,19 @@ class LocoTrainer:
         )
         self.digest = await asyncio.to_thread(self.state.digest)
         await self._retry(self.rs.join, "announcing ourselves (members/)")
-        await self._wait_for_members()
-        if self.round == 0:
-            await self._agree_genesis()
+        await recovery.wait_for_members(
+            self.rs, self.config.expected, wait_s=self.config.join_wait_s, sleep=self._collector.sleep,
+            progress=self.progress, stats=self.stats,
+        )  # fmt: skip
+        if self.round == 0 and (theirs := await recovery.genesis(self.rs, self._state, self.digest, self._retry)):
+            await self._adopt(*theirs)
         log.info("%s: starting at round %d, digest %s", self.id, self.round, self.digest[:16])
         self.progress.enter("idle", self.round + 1)
 
     async def drain(self) -> None:
         """Wait for background uploads (checkpoints, global states) to finish; re-raise an
-        unexpected failure of one (typed store errors were logged by ``_spawn``)."""
-        while self._background:
-            tasks = list(self._background)
-            await asyncio.wait(tasks)
-            self._background.difference_update(tasks)
-            for t in tasks:
-                if not t.cancelled() and (e := t.exception()) is not None:
-                    raise e
+        unexpected failure of one (typed store errors were logged)."""
+        await self.background.drain()
 
     @property
     def round(self) -> int:
@@ -523,7 +518,7 @@ class LocoTrainer:
             # The record names the payload of ours that stands in the store: ours, or the one an
             # earlier run published (_settle_error then accounts for that one).
             sent.reproduced = ours.sha256 == await asyncio.to_thread(lambda: hashlib.sha256(sent.data).hexdigest())
-        self._count(record)
+        self.stats.count_round(record, self.id, self.config.expected)
         report.participants = sorted(record.participants)
         report.rejected = dict(record.rejected)
         report.included = ours is not None
@@ -531,16 +526,6 @@ class LocoTrainer:
         report.norms = dict(self._collector.last_norms)
         report.weights_norm = self._collector.last_weights_norm
         return record, payloads
-
-    def _count(self, record: Record) -> None:
-        """Exclusions by reason, and rounds closed without everyone (``stats``)."""
-        for why in record.rejected.values():
-            kind = "outsized" if "outsized" in why else "invalid"
-            self.stats.excluded[kind] = self.stats.excluded.get(kind, 0) + 1
-        if record.unavailable:
-            self.stats.excluded["unavailable"] = self.stats.excluded.get("unavailable", 0) + len(record.unavailable)
-        self.stats.own_excluded += self.id in record.rejected
-        self.stats.rounds_short += len(record.participants) < self.config.expected
 
     # --- 4. apply -----------------------------------------------------------------------------
 
@@ -615,7 +600,7 @@ class LocoTrainer:
         async with self._phase("agree", r):
             # In the background, retried until it lands: peers judge without ours if it is late, and
             # a published state needs its participants' digests later (recovery.vouched).
-            self._spawn(recovery.publish_digest(self.rs, r, self.digest, self._retry), f"digest of round {r}")
+            self.background.spawn(recovery.publish_digest(self.rs, r, self.digest, self._retry), f"digest of round {r}")
             heard, complete = await recovery.gather_digests(
                 self.rs, record, self.digest, wait_s=self.config.digest_wait_s, sleep=self._collector.sleep,
                 progress=self.progress, stats=self.stats,
@@ -657,11 +642,11 @@ class LocoTrainer:
             writer = holders and holders[0] == self.id and 2 * len(holders) > len(digests)
             state = await asyncio.to_thread(self._state.copy) if r % cfg.state_every == 0 and writer else None
         if snap is not None:
-            self._spawn(persist.upload_checkpoint(self.rs, r, snap, self._retry), f"checkpoint {r}")
+            self.background.spawn(persist.upload_checkpoint(self.rs, r, snap, self._retry), f"checkpoint {r}")
         if state is not None:
-            self._spawn(persist.publish_state(self.rs, state, self.digest, self._retry), f"global state {r}")
+            self.background.spawn(persist.publish_state(self.rs, state, self.digest, self._retry), f"global state {r}")
         if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
-            self._spawn(persist.retain(self.rs, r - keep, r), f"retention before {r - keep}")
+            self.background.spawn(persist.retain(self.rs, r - keep, r), f"retention before {r - keep}")
 
     # --- catch-up and repair --------------------------------------------------------------------
 
@@ -673,18 +658,9 @@ class LocoTrainer:
             *(self.id, start, target),
         )
         self.progress.enter("catch-up", target)
-        state = None
-        if not [c for c in await self.rs.state_rounds() if start < c <= target]:
-            # No newer published state: replaying from our own (verified) state is cheapest.
-            try:
-                state = self._state.copy()
-                await recovery.replay(state, target, self.rs, self._collector.load_record, self._replay_apply)
-            except (RoundError, StoreError, VerificationError) as e:
-                if transient(e):  # the store is away: try again later rather than rebuild
-                    raise
-                log.warning("%s: replaying to round %d from our state failed (%s); rebuilding", self.id, target, e)
-        if state is None or state.round != target:
-            state = await self._rebuild(target)
+        state = await recovery.catch_up_state(
+            self._state, target, self.rs, self._collector.load_record, self._replay_apply, quorum=self.config.quorum
+        )
         await self._adopt(state, await asyncio.to_thread(state.digest))
         report = RoundReport(round=target, trainer=self.id, caught_up_from=start + 1)
         record = await self._collector.read_record(target)
@@ -727,48 +703,6 @@ class LocoTrainer:
         async with self._phase(phase, r):
             await asyncio.to_thread(self.inner.load_state_fp32, self._state.theta)
 
-    async def _agree_genesis(self) -> None:
-        """Round 0: the first trainer publishes its initial state; everyone else must hold the same."""
-        ref = await self._retry(lambda: self.rs.read_state_ref(0), "reading the genesis state")
-        if ref is None:
-            ref = await self._retry(
-                lambda: self.rs.publish_state(self._state, self.digest), "publishing the genesis state"
-            )
-        if ref.digest != self.digest:
-            log.warning(
-                "%s: initial weights (digest %s) differ from the run's genesis state %s by %s; adopting it",
-                *(self.id, self.digest[:16], ref.digest[:16], ref.writer),
-            )
-            genesis = await self._retry(lambda: self.rs.fetch_state(ref, self._state.shapes()), "fetching genesis")
-            await self._adopt(genesis, ref.digest)
-
-    async def _wait_for_members(self) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.config.join_wait_s
-        while len(members := await self._members()) < self.config.expected:
-            self.progress.wait(sorted(set(self.rs.keys) - set(members)), "waiting for the run's trainers to join")
-            if loop.time() >= until:
-                log.warning(
-                    "%s: only %s joined within %g s; starting anyway",
-                    self.id,
-                    members,
-                    self.config.join_wait_s,
-                )
-                return
-            await self._collector.sleep()
-
-    async def _members(self) -> list[str]:
-        """The members announced so far; none while the store does not answer (logged)."""
-        try:
-            members = await self.rs.members()
-        except StoreError as e:
-            log.warning("%s: store error listing the run's members: %s", self.id, e)
-            self.progress.store_failed(e)
-            self.stats.store_failures += 1
-            return []
-        self.progress.store_ok()
-        return members
-
     # --- persistence (persist.py) ---------------------------------------------------------------
 
     def _trainer_state(self) -> TrainerState:
@@ -787,24 +721,3 @@ class LocoTrainer:
         if name not in ("rebase", "replay") and not (name == "inner" and r > self.round + 1):
             self.progress.enter(name, r)
         return self.on_phase(name, r) if self.on_phase is not None else contextlib.nullcontext()
-
-    def _spawn(self, coro: Awaitable[None], what: str) -> None:
-        """Run ``coro`` in the background: in ``run``'s TaskGroup (an unexpected exception fails the
-        run), else tracked until ``drain`` awaits it and re-raises such an exception."""
-
-        async def guarded() -> None:
-            try:
-                await coro
-            except (PulsenetError, OSError) as e:  # a store or disk failure: logged, the next round retries
-                log.error("%s: background %s failed: %s: %s", self.id, what, type(e).__name__, e)
-
-        task = (
-            self._group.create_task(guarded()) if self._group is not None else asyncio.create_task(guarded())
-        )
-        self._background.add(task)
-        task.add_done_callback(self._forget_if_ok)
-
-    def _forget_if_ok(self, task: asyncio.Task[None]) -> None:
-        """A finished background task is dropped unless it failed: ``drain`` must still see that."""
-        if not task.cancelled() and task.exception() is None:
-            self._background.discard(task)
