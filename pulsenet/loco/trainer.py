@@ -101,7 +101,14 @@ class _Sent:
 
 
 class LocoTrainer:
-    """A PULSELoCo (or DiLoCo) trainer. ``await trainer.run(rounds)`` takes part until that round is done."""
+    """A PULSELoCo (or DiLoCo) trainer. ``await trainer.run(rounds)`` takes part until that round is done.
+
+    Why ~40 methods: one (or two) per step of the round in the module docstring, so that
+    :meth:`run_round` reads as that list and each step's ordering hazards sit beside its code. What
+    stands alone lives beside it as functions over plain inputs: agreement, repair, joining and
+    catch-up in ``recovery.py``, resume points and uploads in ``persist.py``, collecting in
+    ``collect.py``, the maths in ``algorithm.py``.
+    """
 
     def __init__(
         self,
