@@ -485,7 +485,7 @@ class LocoTrainer:
         if fresh or manifest.payload.sha256 == hashlib.sha256(data).hexdigest():
             return data, manifest.payload
         # A restarted trainer redid a round it had already published and got different bits: the
-        # stored payload is the one peers see (_settle_error accounts for it).
+        # stored payload is the one peers see (``alg.settle_error`` accounts for it).
         log.warning(
             "%s: round %d was already published with a different payload; the stored one stands", self.id, r
         )
@@ -523,7 +523,7 @@ class LocoTrainer:
         ours = record.participants.get(self.id)
         if ours is not None:
             # The record names the payload of ours that stands in the store: ours, or the one an
-            # earlier run published (_settle_error then accounts for that one).
+            # earlier run published (``alg.settle_error`` then accounts for that one).
             sent.reproduced = ours.sha256 == await asyncio.to_thread(lambda: hashlib.sha256(sent.data).hexdigest())
         self.stats.count_round(record, self.id, self.config.expected)
         report.participants = sorted(record.participants)
@@ -554,10 +554,19 @@ class LocoTrainer:
             if load_local:
                 await asyncio.to_thread(self.inner.load_state_fp32, state.theta)
             self.digest = await asyncio.to_thread(state.digest)
-        if sent.new_error is not None and void is None:  # a void round drops our update, like a rejection
-            self.error = self._settle_error(
-                record, sent.own, sent.new_error, payloads, reproduced=sent.reproduced
+        if sent.new_error is None or void is not None:  # a void round drops our update, like a rejection
+            return
+        if self.id in record.rejected:
+            # Judged invalid (non-finite, outsized): carrying it as error feedback would poison every
+            # later round, so this round's local progress is dropped and e stays as it was.
+            log.error(
+                "%s: round %d: our own payload was rejected (%s); dropping this round's update",
+                *(self.id, sent.round, record.rejected[self.id]),
             )
+            return
+        included = self.id in record.participants
+        stored = payloads[self.id] if included and not sent.reproduced else None
+        self.error = alg.settle_error(sent.new_error, sent.own, included=included, stored=stored)
 
     def _void(self, r: int, why: str, record: Record) -> None:
         """A round whose outer step would have made θ or m non-finite: nothing was applied. Every
@@ -569,33 +578,6 @@ class LocoTrainer:
             "%s: round %d: VOID: %s (record by %s, participants %s); nothing applied, θ and m stay as they were",
             *(self.id, r, why, record.writer, sorted(record.participants)),
         )
-
-    def _settle_error(
-        self,
-        record: Record,
-        own: wire.Payload,
-        new_error: alg.StateDict,
-        payloads: Mapping[str, wire.Payload],
-        *,
-        reproduced: bool,
-    ) -> alg.StateDict:
-        """The error feedback after the round, given what the record did with our payload."""
-        r = record.round
-        if self.id in record.rejected:
-            # Judged invalid (non-finite, outsized): carrying it as error feedback would poison every
-            # later round, so this round's local progress is dropped and e stays as it was.
-            log.error(
-                "%s: round %d: our own payload was rejected (%s); dropping this round's update",
-                *(self.id, r, record.rejected[self.id]),
-            )
-            return self.error  # type: ignore[return-value]
-        if self.id not in record.participants:
-            alg.unsend(new_error, own)  # merely late: the whole update stays as error feedback
-        elif not reproduced:
-            # An earlier, different payload of ours was averaged: account for it, not for this one.
-            alg.unsend(new_error, own)
-            alg.subtract_sent(new_error, payloads[self.id])
-        return new_error
 
     # --- 5. agree or repair ------------------------------------------------------------------
 
