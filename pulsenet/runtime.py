@@ -1,17 +1,29 @@
-"""Process-level settings for long-running nodes, applied at the edge (CLI, node start-up)."""
+"""Process-level settings for long-running nodes, applied at the edge (CLI, node start-up); and the
+one way a daemon loop waits.
+
+Waiting (torchft's ``futures.py``: one helper owns the timeout and failure policy):
+:func:`wait` sleeps until a stop event is set or a timeout passes and says which; :func:`every` is
+the poll loop every daemon runs (a step, then a jittered wait), with the failure policy in one
+place: a step's exception goes to the caller's ``on_error`` (log and count; re-raise to end the
+loop), ``CancelledError`` is never caught; :func:`unless_stopped` abandons one piece of work at a stop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import ctypes.util
 import os
+import random
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _M_MMAP_THRESHOLD = -3
 
@@ -91,3 +103,77 @@ def signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     """Signal the process group ``spawn_tied`` made for ``proc`` (only what we started)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
+
+
+# --- waiting ------------------------------------------------------------------------------------
+
+
+async def wait(stop: asyncio.Event, timeout: float, *, wake: asyncio.Event | None = None) -> bool:
+    """Wait until ``stop`` is set or ``timeout`` seconds pass (or ``wake`` is set, if given); True
+    if ``stop`` is set. A timeout at or below zero only looks."""
+    events = [stop] if wake is None else [stop, wake]
+    if timeout <= 0:
+        await asyncio.sleep(0)  # still a turn of the loop: a poll loop at interval 0 must not spin
+    elif not any(e.is_set() for e in events):
+        waiters = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiters:
+                w.cancel()
+    return stop.is_set()
+
+
+def jittered(interval: float, jitter: float, rng: random.Random | None = None) -> float:
+    """``interval`` scaled by a uniform factor in ``[1 - jitter, 1 + jitter]``, never below zero:
+    nodes that start together do not poll the store in lockstep."""
+    if not jitter:
+        return interval
+    return max(interval * (1 + jitter * (2 * (rng or random).random() - 1)), 0.0)
+
+
+async def every(
+    interval: float,
+    stop: asyncio.Event,
+    step: Callable[[], Awaitable[object]],
+    *,
+    jitter: float = 0.0,
+    timeout: float | None = None,
+    on_error: Callable[[Exception], None] | None = None,
+    rng: random.Random | None = None,
+) -> None:
+    """Run ``step()`` now and then every ``interval`` seconds (:func:`jittered` by ``jitter``) until
+    ``stop`` is set; each step under ``timeout`` when given (its expiry is a ``TimeoutError``).
+
+    The failure policy of every daemon loop: a step that raises an ``Exception`` is handed to
+    ``on_error``, which logs and counts it, and the loop goes on; ``on_error`` re-raises what must
+    end the loop. Without ``on_error`` a failure ends it (the step handles its own). Cancellation
+    (``CancelledError``, a ``BaseException``) is never caught: a stopping node is never retried.
+    """
+    while not stop.is_set():
+        try:
+            if timeout is None:
+                await step()
+            else:
+                async with asyncio.timeout(timeout):
+                    await step()
+        except Exception as e:  # a daemon task's top level: the one place a step's failure is handled
+            if on_error is None:
+                raise
+            on_error(e)
+        if await wait(stop, jittered(interval, jitter, rng)):
+            return
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
+    """``await work``, or cancel it and return None once ``stop`` is set."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its end, without its CancelledError (ours still reaches us)
+    return task.result() if not task.cancelled() else None

@@ -41,8 +41,8 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.rollout import Rollout
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
+from pulsenet.loco.persist import STATE_FILE
 from pulsenet.loco.state import TrainerState
-from pulsenet.loco.trainer import STATE_FILE
 from pulsenet.nodes.common import initial_model, text_codec
 from pulsenet.rl.distributed import GroupGRPOInner, RankGroup
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer

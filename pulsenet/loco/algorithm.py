@@ -128,6 +128,20 @@ def subtract_sent(error: Mapping[str, torch.Tensor], payload: Payload) -> None:
         flat[idx] = flat[idx] - torch.from_numpy(t.values)
 
 
+def settle_error(new_error: StateDict, own: Payload, *, included: bool, stored: Payload | None) -> StateDict:
+    """The error feedback after a round that averaged (``included``) or left out our update ``own``,
+    in place; ``new_error`` is e after sending all of ``own`` (:func:`make_update`). ``stored``: the
+    payload of ours the round averaged when it is not ``own`` (an earlier run of ours published a
+    different one for the round), else None. A rejected update is not settled: the caller keeps e."""
+    if not included:
+        unsend(new_error, own)  # merely late: the whole update stays as error feedback
+    elif stored is not None:
+        # An earlier, different payload of ours was averaged: account for it, not for this one.
+        unsend(new_error, own)
+        subtract_sent(new_error, stored)
+    return new_error
+
+
 # --- validation ---------------------------------------------------------------------------------
 
 

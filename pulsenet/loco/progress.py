@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pulsenet.errors import (
     AccessDenied,
@@ -32,6 +32,9 @@ from pulsenet.errors import (
     StoreError,
 )
 from pulsenet.store.base import backoff_delay
+
+if TYPE_CHECKING:
+    from pulsenet.loco.documents import Record
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,6 +81,16 @@ class LocoStats:
     """Store calls of the protocol that failed (each retry counts)."""
     upload_retries: int = 0
     """Retries of this trainer's own uploads (payload, digest, checkpoint, global state)."""
+
+    def count_round(self, record: Record, own: str, expected: int) -> None:
+        """A round ``own`` applies: exclusions by reason, and whether it closed without everyone."""
+        for why in record.rejected.values():
+            kind = "outsized" if "outsized" in why else "invalid"
+            self.excluded[kind] = self.excluded.get(kind, 0) + 1
+        if record.unavailable:
+            self.excluded["unavailable"] = self.excluded.get("unavailable", 0) + len(record.unavailable)
+        self.own_excluded += own in record.rejected
+        self.rounds_short += len(record.participants) < expected
 
 
 @dataclass(slots=True)

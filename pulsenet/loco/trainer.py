@@ -17,8 +17,8 @@ Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's
     6. persist   local resume point (atomic), every few rounds to the store,
                  the agreed global state every ``state_every`` rounds    background tasks
 
-With ``overlap`` (the one-round-delayed outer step, :meth:`LocoTrainer.run_round_overlapped`)
-step 1 of round r+1 runs while steps 3-4 of round r run, and its progress is re-based onto θ_r.
+With ``overlap`` (the one-round-delayed outer step) step 1 of round r+1 runs while steps 3-4 of
+round r run, and its progress is re-based onto θ_r: the same :meth:`LocoTrainer.run_round`.
 
 What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
 Who drives it is the caller's choice, the way torchft's DiLoCo makes the outer sync a step the
@@ -46,9 +46,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import os
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
@@ -70,7 +67,7 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import recovery
+from pulsenet.loco import persist, recovery
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
@@ -83,7 +80,6 @@ from pulsenet.store.base import ObjectStore, backoff_delay
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.pt"
 T = TypeVar("T")
 InnerPhase = Callable[[int], Awaitable[list[float]]]
 """``train(r)``: round r's H inner steps from the weights the inner loop holds; one loss per step taken."""
@@ -105,7 +101,14 @@ class _Sent:
 
 
 class LocoTrainer:
-    """A PULSELoCo (or DiLoCo) trainer. ``await trainer.run(rounds)`` takes part until that round is done."""
+    """A PULSELoCo (or DiLoCo) trainer. ``await trainer.run(rounds)`` takes part until that round is done.
+
+    Why ~40 methods: one (or two) per step of the round in the module docstring, so that
+    :meth:`run_round` reads as that list and each step's ordering hazards sit beside its code. What
+    stands alone lives beside it as functions over plain inputs: agreement, repair, joining and
+    catch-up in ``recovery.py``, resume points and uploads in ``persist.py``, collecting in
+    ``collect.py``, the maths in ``algorithm.py``.
+    """
 
     def __init__(
         self,
@@ -140,15 +143,14 @@ class LocoTrainer:
         self.digest = ""
         self.reports: list[RoundReport] = []
         self.collector: Collector | None = None
-        self._background: set[asyncio.Task[None]] = set()
-        self._group: asyncio.TaskGroup | None = None
-        """The lifetime of background uploads while a ``session`` is open: an unexpected failure in one fails it."""
+        self.background = persist.Background(self.id)
+        """Uploads beside the rounds; in the ``session``'s TaskGroup while one is open."""
         self._failures = 0
         self._waits = 0
         """Round attempts in a row that ended because the store or the peers were away (not counted
         as failures: they set the backoff before the next attempt)."""
         self._carried: list[float] | None = None
-        """``overlap``: the losses of the next round's inner phase, already trained (``next_round``)."""
+        """``overlap``: the losses of the next round's inner phase, already trained (``run_round``)."""
         self._last: frozenset[str] | None = None
         """The participants of the last round we applied or caught up to (None: not known yet): a
         trainer not among them is absent, waited for ``absent_wait_s`` unless it says it joins."""
@@ -160,12 +162,8 @@ class LocoTrainer:
         for ``/healthz``: ``progress.describe()``, ``progress.store_unreachable``)."""
         self.stats = LocoStats()
         """Counters over the trainer's life (rounds, exclusions by reason, void rounds, store failures)."""
-        self.distrusted: dict[str, int] = {}
-        """Trainers left out of the digest vote, by the round that showed it: in a round with no
-        majority their digest differed from ours while the store's chain gave ours (``_verify``).
-        For the trainer's life; its payloads still count (they are judged on their own)."""
-        self._unverified: int | None = None
-        """The last round kept on our own word (no majority, no chain to check it), until one agrees."""
+        self.trust = recovery.Trust()
+        """Whose digests count in the vote, and whether our state was kept unverified (``recovery``)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -182,12 +180,12 @@ class LocoTrainer:
         """Start (or resume) the trainer and hold the lifetime of its background uploads.
 
         Background uploads live in a TaskGroup for the whole session: a typed store error in one is
-        logged (``_spawn``), anything else fails the session, as itself, rather than vanishing.
+        logged (``persist.Background``), anything else fails the session, as itself, rather than vanishing.
         Leaving the session waits for the uploads in flight (``drain``).
         """
         try:
             async with asyncio.TaskGroup() as group:
-                self._group = group
+                self.background.group = group
                 if self.state is None:
                     await self.start()
                 try:
@@ -195,14 +193,13 @@ class LocoTrainer:
                 except BaseException:
                     # Failing or cancelled (a node stopping): uploads that retry through an outage
                     # must not hold the exit; what they were writing is rewritten on the next run.
-                    for task in self._background:
-                        task.cancel()
+                    self.background.cancel()
                     raise
                 await self.drain()
         except BaseExceptionGroup as eg:
             raise first_error(eg) from None
         finally:
-            self._group = None
+            self.background.group = None
 
     async def next_round(self, train: InnerPhase | None = None, *, until: int | None = None) -> RoundReport | None:
         """One round inside a ``session``: its report (trained, or caught up from the store), or None
@@ -213,12 +210,7 @@ class LocoTrainer:
         the round, typed: it is logged and counted, and the next call finds the round's record (or
         not) and catches up from the store. ``max_round_failures`` failures in a row re-raise."""
         before = len(self.reports)
-        if self.config.overlap:
-            self._carried = await self._attempt(
-                self.run_round_overlapped(until if until is not None else self.round + 1, self._carried, train)
-            )
-        else:
-            await self._attempt(self.run_round(train))
+        await self._attempt(self.run_round(train, last=until))
         if len(self.reports) == before:
             return None
         self.progress.enter("idle", self.round + 1)
@@ -269,7 +261,9 @@ class LocoTrainer:
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
-        if await self._load_resume_point() is None:
+        if (resumed := await persist.load_resume_point(self.inner, self.state_dir, self.rs, self._retry)) is not None:
+            self.state, self.error = resumed.global_, resumed.error
+        else:
             self.state = await asyncio.to_thread(lambda: GlobalState.genesis(self.inner.state_fp32()))
             self.error = (
                 {n: torch.zeros_like(t) for n, t in self.state.theta.items()} if self.config.sparse else None
@@ -280,22 +274,19 @@ class LocoTrainer:
         )
         self.digest = await asyncio.to_thread(self.state.digest)
         await self._retry(self.rs.join, "announcing ourselves (members/)")
-        await self._wait_for_members()
-        if self.round == 0:
-            await self._agree_genesis()
+        await recovery.wait_for_members(
+            self.rs, self.config.expected, wait_s=self.config.join_wait_s, sleep=self._collector.sleep,
+            progress=self.progress, stats=self.stats,
+        )  # fmt: skip
+        if self.round == 0 and (theirs := await recovery.genesis(self.rs, self._state, self.digest, self._retry)):
+            await self._adopt(*theirs)
         log.info("%s: starting at round %d, digest %s", self.id, self.round, self.digest[:16])
         self.progress.enter("idle", self.round + 1)
 
     async def drain(self) -> None:
         """Wait for background uploads (checkpoints, global states) to finish; re-raise an
-        unexpected failure of one (typed store errors were logged by ``_spawn``)."""
-        while self._background:
-            tasks = list(self._background)
-            await asyncio.wait(tasks)
-            self._background.difference_update(tasks)
-            for t in tasks:
-                if not t.cancelled() and (e := t.exception()) is not None:
-                    raise e
+        unexpected failure of one (typed store errors were logged)."""
+        await self.background.drain()
 
     @property
     def round(self) -> int:
@@ -315,24 +306,64 @@ class LocoTrainer:
 
     # --- the round ----------------------------------------------------------------------------
 
-    async def run_round(self, train: InnerPhase | None = None) -> RoundReport:
-        """One round, synchronous: every step below runs from θ_{r-1} to θ_r in order.
-        ``train``: the caller's inner phase (default: ``SelfTraining.train`` in a thread)."""
+    async def run_round(self, train: InnerPhase | None = None, *, last: int | None = None) -> RoundReport:
+        """One round: every step below runs from θ_{r-1} to θ_r in order. ``train``: the caller's
+        inner phase (default: ``SelfTraining.train`` in a thread).
+
+        With ``overlap`` and r < ``last`` (the run's last round), round r+1's inner phase runs while
+        round r is collected and applied, then its progress is re-based onto θ_r (``_train_ahead``,
+        ``_rebase``); the next call publishes it without training again. Nothing is carried over
+        after a repair, a catch-up or a failure: the next round then trains from θ. Where the work
+        may run beside the inner thread: docs/loco.md.
+        """
         r = self.round + 1
+        carried, self._carried = self._carried, None
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
         await self._announce_joining(r)
         if (sent := self._resumed(r)) is None:  # (a failed attempt already published round r)
-            report = self._open_report(r)
-            losses = await self._train(r, train)  # 1. H inner steps from θ_{r-1}
-            sent = self._pending = await self._encode(r, report, losses)  # 2. pseudo-gradient, gate, payload
+            sent = await self._train_and_encode(r, train, carried)  # 1-2. H inner steps; pseudo-gradient, payload
         report = sent.report
         upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
-        record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
-        await self._apply(sent, record, payloads, load_local=True)  # 4. outer step: θ_r
+        ahead: asyncio.Task[list[float]] | None = None
+        base: alg.StateDict = {}
+        try:
+            if self.config.overlap and last is not None and r < last:
+                base, ahead = await self._train_ahead(r, train)  # 1. of round r+1, beside 3-4
+            # collect and apply touch neither the local model nor the inner optimizer
+            record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
+            await self._apply(sent, record, payloads, load_local=ahead is None)  # 4. outer step: θ_r
+        except BaseException:
+            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
+            upload.cancel()
+            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
+            if ahead is not None:
+                await self._load_theta("adopt", r)
+            raise
+        trained_ahead = await self._landed(ahead, r)
+        # agree and persist only after the inner phase ahead: a repair loads θ into the local model,
+        # and the resume point reads the inner optimizer and RNG, which the inner thread was using
+        theta_before = self._state.theta
         digests = await self._agree(record, report)  # 5. digests; repair if we diverged
         await self._persist(r, digests)  # 6. resume point, checkpoint, global state
-        return await self._report(report)
+        await self._report(report)
+        if ahead is not None:
+            self._carried = await self._rebase(r, base, trained_ahead, theta_before)
+        return report
+
+    async def _train_and_encode(self, r: int, train: InnerPhase | None, carried: list[float] | None) -> _Sent:
+        """Steps 1-2: round r's inner phase (or the losses of the one trained ahead) and its update."""
+        report = self._open_report(r)
+        if carried is not None:  # trained while the previous round was exchanged
+            losses, report.overlapped = carried, True
+        else:
+            losses = await self._train(r, train)
+        sent = await self._encode(r, report, losses)
+        if not self.config.overlap:
+            # Synchronous rounds only: an overlapped round's local weights hold the next inner
+            # phase's progress by the time an attempt fails, so it trains again from θ.
+            self._pending = sent
+        return sent
 
     def _resumed(self, r: int) -> _Sent | None:
         """Round r's update from an earlier attempt that published it, if any (its payload stands
@@ -344,66 +375,35 @@ class LocoTrainer:
         self._pending = sent
         return sent
 
-    async def run_round_overlapped(
-        self, rounds: int, carried: list[float] | None, train: InnerPhase | None = None
-    ) -> list[float] | None:
-        """One round with the one-round-delayed outer step (``config.overlap``): round r+1's inner
-        phase runs while round r is collected and applied, then its progress is re-based onto θ_r.
+    async def _train_ahead(self, r: int, train: InnerPhase | None) -> tuple[alg.StateDict, asyncio.Task[list[float]]]:
+        """``overlap``: start round r+1's inner phase from the local weights now; the weights it
+        starts from (to re-base its progress later) and its task."""
+        async with self._phase("rebase", r + 1):
+            base = await asyncio.to_thread(self.inner.state_fp32)
+        return base, asyncio.create_task(self._train(r + 1, train))
 
-        ``carried``: the losses of round r's inner phase if the previous call already ran it (the
-        local weights then hold its progress, re-based onto θ_{r-1}); returns round r+1's, or None
-        when nothing was carried over (the last round, or a repair, catch-up or failure: the next
-        round then trains from θ). Where the work may run beside the inner thread: docs/loco.md.
-        """
-        r = self.round + 1
-        if (await self._behind(r)) is not None:
-            return None  # caught up: the local weights were reset to the adopted θ
-        await self._announce_joining(r)
-        report = self._open_report(r)
-        if carried is not None:  # trained while the previous round was exchanged
-            losses, report.overlapped = carried, True
-        else:
-            losses = await self._train(r, train)
-        sent = await self._encode(r, report, losses)
-        upload = asyncio.create_task(self._publish(sent))
-        ahead: asyncio.Task[list[float]] | None = None
-        base: alg.StateDict = {}
-        try:
-            if r < rounds:
-                async with self._phase("rebase", r + 1):
-                    base = await asyncio.to_thread(self.inner.state_fp32)
-                ahead = asyncio.create_task(self._train(r + 1, train))
-            # collect and apply touch neither the local model nor the inner optimizer
-            record, payloads = await self._collect(sent, upload)
-            await self._apply(sent, record, payloads, load_local=ahead is None)
-        except BaseException:
-            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
-            upload.cancel()
-            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
-            if ahead is not None:
-                await self._load_theta("adopt", r)
-            raise
-        nxt = None
-        if ahead is not None:
-            try:
-                nxt = await ahead
-            except (PulsenetError, RuntimeError) as e:
-                log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
-        # agree and persist only now: a repair loads θ into the local model, and the resume point
-        # reads the inner optimizer and RNG, which the inner thread was using
-        theta_before = self._state.theta
-        digests = await self._agree(record, report)
-        await self._persist(r, digests)
-        await self._report(report)
+    async def _landed(self, ahead: asyncio.Task[list[float]] | None, r: int) -> list[float] | None:
+        """The losses of round r+1's inner phase run ahead; None if none ran or it failed (logged)."""
         if ahead is None:
             return None
-        if nxt is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
+        try:
+            return await ahead
+        except (PulsenetError, RuntimeError) as e:
+            log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
+            return None
+
+    async def _rebase(
+        self, r: int, base: alg.StateDict, losses: list[float] | None, theta_before: alg.StateDict
+    ) -> list[float] | None:
+        """Move the progress trained ahead from ``base`` onto θ_r; its losses, carried to the next
+        round, or None when it failed or a repair adopted another θ (round r+1 then starts afresh)."""
+        if losses is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
             await self._load_theta("adopt", r + 1)  # start r+1 afresh from θ
             return None
         local, theta = await asyncio.to_thread(self.inner.parameters), self._state.theta
         async with self._phase("rebase", r + 1):
             await asyncio.to_thread(lambda: self.inner.load_state_fp32(alg.rebase(local, base, theta)))
-        return nxt
+        return losses
 
     # --- 0. behind? ---------------------------------------------------------------------------
 
@@ -485,7 +485,7 @@ class LocoTrainer:
         if fresh or manifest.payload.sha256 == hashlib.sha256(data).hexdigest():
             return data, manifest.payload
         # A restarted trainer redid a round it had already published and got different bits: the
-        # stored payload is the one peers see (_settle_error accounts for it).
+        # stored payload is the one peers see (``alg.settle_error`` accounts for it).
         log.warning(
             "%s: round %d was already published with a different payload; the stored one stands", self.id, r
         )
@@ -523,9 +523,9 @@ class LocoTrainer:
         ours = record.participants.get(self.id)
         if ours is not None:
             # The record names the payload of ours that stands in the store: ours, or the one an
-            # earlier run published (_settle_error then accounts for that one).
+            # earlier run published (``alg.settle_error`` then accounts for that one).
             sent.reproduced = ours.sha256 == await asyncio.to_thread(lambda: hashlib.sha256(sent.data).hexdigest())
-        self._count(record)
+        self.stats.count_round(record, self.id, self.config.expected)
         report.participants = sorted(record.participants)
         report.rejected = dict(record.rejected)
         report.included = ours is not None
@@ -533,16 +533,6 @@ class LocoTrainer:
         report.norms = dict(self._collector.last_norms)
         report.weights_norm = self._collector.last_weights_norm
         return record, payloads
-
-    def _count(self, record: Record) -> None:
-        """Exclusions by reason, and rounds closed without everyone (``stats``)."""
-        for why in record.rejected.values():
-            kind = "outsized" if "outsized" in why else "invalid"
-            self.stats.excluded[kind] = self.stats.excluded.get(kind, 0) + 1
-        if record.unavailable:
-            self.stats.excluded["unavailable"] = self.stats.excluded.get("unavailable", 0) + len(record.unavailable)
-        self.stats.own_excluded += self.id in record.rejected
-        self.stats.rounds_short += len(record.participants) < self.config.expected
 
     # --- 4. apply -----------------------------------------------------------------------------
 
@@ -564,10 +554,19 @@ class LocoTrainer:
             if load_local:
                 await asyncio.to_thread(self.inner.load_state_fp32, state.theta)
             self.digest = await asyncio.to_thread(state.digest)
-        if sent.new_error is not None and void is None:  # a void round drops our update, like a rejection
-            self.error = self._settle_error(
-                record, sent.own, sent.new_error, payloads, reproduced=sent.reproduced
+        if sent.new_error is None or void is not None:  # a void round drops our update, like a rejection
+            return
+        if self.id in record.rejected:
+            # Judged invalid (non-finite, outsized): carrying it as error feedback would poison every
+            # later round, so this round's local progress is dropped and e stays as it was.
+            log.error(
+                "%s: round %d: our own payload was rejected (%s); dropping this round's update",
+                *(self.id, sent.round, record.rejected[self.id]),
             )
+            return
+        included = self.id in record.participants
+        stored = payloads[self.id] if included and not sent.reproduced else None
+        self.error = alg.settle_error(sent.new_error, sent.own, included=included, stored=stored)
 
     def _void(self, r: int, why: str, record: Record) -> None:
         """A round whose outer step would have made θ or m non-finite: nothing was applied. Every
@@ -580,168 +579,40 @@ class LocoTrainer:
             *(self.id, r, why, record.writer, sorted(record.participants)),
         )
 
-    def _settle_error(
-        self,
-        record: Record,
-        own: wire.Payload,
-        new_error: alg.StateDict,
-        payloads: Mapping[str, wire.Payload],
-        *,
-        reproduced: bool,
-    ) -> alg.StateDict:
-        """The error feedback after the round, given what the record did with our payload."""
-        r = record.round
-        if self.id in record.rejected:
-            # Judged invalid (non-finite, outsized): carrying it as error feedback would poison every
-            # later round, so this round's local progress is dropped and e stays as it was.
-            log.error(
-                "%s: round %d: our own payload was rejected (%s); dropping this round's update",
-                *(self.id, r, record.rejected[self.id]),
-            )
-            return self.error  # type: ignore[return-value]
-        if self.id not in record.participants:
-            alg.unsend(new_error, own)  # merely late: the whole update stays as error feedback
-        elif not reproduced:
-            # An earlier, different payload of ours was averaged: account for it, not for this one.
-            alg.unsend(new_error, own)
-            alg.subtract_sent(new_error, payloads[self.id])
-        return new_error
-
     # --- 5. agree or repair ------------------------------------------------------------------
 
     async def _agree(self, record: Record, report: RoundReport) -> dict[str, str]:
-        """Publish our digest, compare it with the participants' (repairing if we diverged); the
-        digests seen if every participant's was, else {} (only a trainer that saw them all may
-        judge itself the global state's writer)."""
-        async with self._phase("agree", record.round):
-            digests, complete = await self._verify(record, report)
-        report.digest = self.digest
-        return digests if complete else {}
-
-    async def _verify(self, record: Record, report: RoundReport) -> tuple[dict[str, str], bool]:
-        """The digests that count this round (ours, and the participants' not ``distrusted``) after
-        repairing if we diverged; and whether every participant's arrived.
-
-        Ours stands if it is the majority's. Outside a majority we rebuild from the store (at most
-        ``repair_replay`` rounds of replay) and adopt what it gives; if that is our own state and no
-        majority held another (two trainers, one lying), the trainers whose digest differs are left
-        out of every later vote (``distrusted``); if it cannot be rebuilt and no majority is against
-        us, we keep our own computation (counted). A liar costs one bounded replay, never the run."""
+        """Publish our digest, compare it with the participants' and repair if we diverged
+        (``recovery``); the digests that count if every participant's was seen, else {} (only a
+        trainer that saw them all may judge itself the global state's writer)."""
         r = record.round
-        # In the background, retried until it lands: peers judge without ours if it is late, and
-        # a published state needs its participants' digests later (recovery.vouched).
-        self._spawn(self._publish_digest(r, self.digest), f"digest of round {r}")
-        heard, complete = await self._gather_digests(record)
-        digests = {t: d for t, d in heard.items() if t not in self.distrusted}
-        for tid in sorted(heard.keys() - digests.keys()):
-            if heard[tid] != self.digest:
-                self._disagreed(tid)
-        verdict = recovery.judge(digests, self.id)
-        if verdict.unanimous:
-            self._unverified = None
-            return digests, complete
-        report.agreed = False
-        if verdict.ours_agreed:
-            log.warning(
-                "%s: round %d: trainers %s diverged from the majority digest %s; they must repair",
-                *(self.id, r, verdict.odd, self.digest[:16]),
-            )
-            for tid in verdict.odd:
-                self._disagreed(tid)
-            return digests, complete
-        log.error(
-            "%s: round %d: DIGEST MISMATCH: ours %s, %s; rebuilding the agreed state from the store",
-            *(self.id, r, self.digest[:16], {t: d[:16] for t, d in sorted(digests.items()) if t != self.id}),
-        )
-        try:
-            state = await self._rebuild(r, max_replay=self.config.repair_replay)
-        except RoundError as e:
-            if verdict.agreed is not None:
-                raise
-            self.stats.digest_unverified += 1
-            self._unverified = r
-            log.error(
-                "%s: round %d: no majority digest, and our state cannot be checked against the store (%s); "
-                "keeping our own computation", self.id, r, e,
+        async with self._phase("agree", r):
+            # In the background, retried until it lands: peers judge without ours if it is late, and
+            # a published state needs its participants' digests later (recovery.vouched).
+            self.background.spawn(recovery.publish_digest(self.rs, r, self.digest, self._retry), f"digest of round {r}")
+            heard, complete = await recovery.gather_digests(
+                self.rs, record, self.digest, wait_s=self.config.digest_wait_s, sleep=self._collector.sleep,
+                progress=self.progress, stats=self.stats,
             )  # fmt: skip
-            return digests, complete
-        digest = await asyncio.to_thread(state.digest)
-        if verdict.agreed is not None and digest != verdict.agreed:
-            raise RoundError(
-                f"round {r}: rebuilt state {digest[:16]} still differs from the majority {verdict.agreed[:16]}"
-            )
-        if digest == self.digest:
-            # No majority, and the store's chain gives exactly our state: the others' digests
-            # disagree with a replay we verified. Leave them out of every later vote.
-            odd = [t for t, d in digests.items() if d != digest]
-            for tid in odd:
-                self.distrusted.setdefault(tid, r)
-                self._disagreed(tid)
-            log.error(
-                "%s: round %d: the store's chain agrees with our state %s; leaving %s out of the digest "
-                "vote from now on (their digests disagree with a replay we verified)", self.id, r, digest[:16], odd,
+            settled = await recovery.settle(
+                r, self.id, heard, self.trust, self.stats,
+                lambda: self._rebuild(r, max_replay=self.config.repair_replay),
             )  # fmt: skip
-            return {t: d for t, d in digests.items() if t not in odd}, complete
-        await self._adopt(state, digest)
-        report.repaired = True
-        log.error(
-            "%s: round %d: REPAIRED: adopted the agreed state %s from the store", self.id, r, digest[:16]
-        )
-        digests[self.id] = digest
-        return digests, complete
+            report.agreed = settled.unanimous
+            if settled.adopt is not None:
+                await self._adopt(*settled.adopt)
+                report.repaired = True
+        report.digest = self.digest
+        return settled.digests if complete else {}
+
+    @property
+    def distrusted(self) -> dict[str, int]:
+        """Trainers left out of the digest vote, by the round that showed it (``recovery.Trust``)."""
+        return self.trust.distrusted
 
     def trust_issues(self) -> str | None:
         """Why the digest agreement is not whole, in words for ``/healthz`` (None: it is)."""
-        issues = []
-        if self.distrusted:
-            issues.append(
-                f"digests of {', '.join(sorted(self.distrusted))} left out of the vote: they disagree with "
-                "the state the store's chain gives (a trainer lying or diverged)"
-            )
-        if self._unverified is not None:
-            issues.append(f"round {self._unverified}: no majority digest, our state kept unverified")
-        return "; ".join(issues) or None
-
-    def _disagreed(self, tid: str) -> None:
-        self.stats.digest_disagreements[tid] = self.stats.digest_disagreements.get(tid, 0) + 1
-
-    async def _publish_digest(self, r: int, digest: str) -> None:
-        stood = await self._retry(lambda: self.rs.publish_digest(r, digest), f"round {r}: publishing our digest")
-        if stood != digest:
-            log.error("%s: round %d: an earlier run of ours published digest %s", self.id, r, stood[:16])
-
-    async def _gather_digests(self, record: Record) -> tuple[dict[str, str], bool]:
-        """Our digest and the participants' that arrive within ``digest_wait_s``; and whether all did."""
-        r, loop = record.round, asyncio.get_running_loop()
-        until = loop.time() + self.config.digest_wait_s
-        digests = {self.id: self.digest}
-        waiting = [t for t in sorted(record.participants) if t != self.id]
-        while waiting:
-            self.progress.wait(list(waiting), "waiting for the participants' digests")
-            for tid in list(waiting):
-                try:
-                    d = await self.rs.read_digest(tid, r)
-                    self.progress.store_ok()
-                except StoreError as e:
-                    log.warning("%s: round %d: store error reading %s's digest: %s", self.id, r, tid, e)
-                    self.progress.store_failed(e)
-                    self.stats.store_failures += 1
-                    continue
-                except ManifestError as e:
-                    log.warning("%s: round %d: unverifiable digest from %s: %s", self.id, r, tid, e)
-                    waiting.remove(tid)
-                    continue
-                if d is not None:
-                    digests[tid] = d
-                    waiting.remove(tid)
-            if not waiting or loop.time() >= until:
-                break
-            await self._collector.sleep()
-        if waiting:
-            log.warning(
-                "%s: round %d: no digest from %s within %g s", self.id, r, waiting, self.config.digest_wait_s
-            )
-        return digests, not waiting
+        return self.trust.issues()
 
     # --- 6. persist ---------------------------------------------------------------------------
 
@@ -749,20 +620,22 @@ class LocoTrainer:
         """The local resume point (atomic) now; the store copies in the background."""
         cfg = self.config
         async with self._phase("persist", r):
-            path = await self._save_local()
+            path = await persist.save_local(self.state_dir, self._trainer_state)
             snap = (
-                await self._snapshot(path) if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 else None
+                await persist.snapshot(path, self._trainer_state)
+                if cfg.checkpoint_every and r % cfg.checkpoint_every == 0
+                else None
             )
             holders = sorted(t for t, d in digests.items() if d == self.digest)
             # One global-state writer per round: the lowest-id trainer holding the majority digest.
             writer = holders and holders[0] == self.id and 2 * len(holders) > len(digests)
             state = await asyncio.to_thread(self._state.copy) if r % cfg.state_every == 0 and writer else None
         if snap is not None:
-            self._spawn(self._upload_checkpoint(r, snap), f"checkpoint {r}")
+            self.background.spawn(persist.upload_checkpoint(self.rs, r, snap, self._retry), f"checkpoint {r}")
         if state is not None:
-            self._spawn(self._publish_state(state, self.digest), f"global state {r}")
+            self.background.spawn(persist.publish_state(self.rs, state, self.digest, self._retry), f"global state {r}")
         if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
-            self._spawn(self._retain(r - keep, r), f"retention before {r - keep}")
+            self.background.spawn(persist.retain(self.rs, r - keep, r), f"retention before {r - keep}")
 
     # --- catch-up and repair --------------------------------------------------------------------
 
@@ -774,18 +647,9 @@ class LocoTrainer:
             *(self.id, start, target),
         )
         self.progress.enter("catch-up", target)
-        state = None
-        if not [c for c in await self.rs.state_rounds() if start < c <= target]:
-            # No newer published state: replaying from our own (verified) state is cheapest.
-            try:
-                state = self._state.copy()
-                await recovery.replay(state, target, self.rs, self._collector.load_record, self._replay_apply)
-            except (RoundError, StoreError, VerificationError) as e:
-                if transient(e):  # the store is away: try again later rather than rebuild
-                    raise
-                log.warning("%s: replaying to round %d from our state failed (%s); rebuilding", self.id, target, e)
-        if state is None or state.round != target:
-            state = await self._rebuild(target)
+        state = await recovery.catch_up_state(
+            self._state, target, self.rs, self._collector.load_record, self._replay_apply, quorum=self.config.quorum
+        )
         await self._adopt(state, await asyncio.to_thread(state.digest))
         report = RoundReport(round=target, trainer=self.id, caught_up_from=start + 1)
         record = await self._collector.read_record(target)
@@ -828,113 +692,10 @@ class LocoTrainer:
         async with self._phase(phase, r):
             await asyncio.to_thread(self.inner.load_state_fp32, self._state.theta)
 
-    async def _agree_genesis(self) -> None:
-        """Round 0: the first trainer publishes its initial state; everyone else must hold the same."""
-        ref = await self._retry(lambda: self.rs.read_state_ref(0), "reading the genesis state")
-        if ref is None:
-            ref = await self._retry(
-                lambda: self.rs.publish_state(self._state, self.digest), "publishing the genesis state"
-            )
-        if ref.digest != self.digest:
-            log.warning(
-                "%s: initial weights (digest %s) differ from the run's genesis state %s by %s; adopting it",
-                *(self.id, self.digest[:16], ref.digest[:16], ref.writer),
-            )
-            genesis = await self._retry(lambda: self.rs.fetch_state(ref, self._state.shapes()), "fetching genesis")
-            await self._adopt(genesis, ref.digest)
-
-    async def _wait_for_members(self) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + self.config.join_wait_s
-        while len(members := await self._members()) < self.config.expected:
-            self.progress.wait(sorted(set(self.rs.keys) - set(members)), "waiting for the run's trainers to join")
-            if loop.time() >= until:
-                log.warning(
-                    "%s: only %s joined within %g s; starting anyway",
-                    self.id,
-                    members,
-                    self.config.join_wait_s,
-                )
-                return
-            await self._collector.sleep()
-
-    async def _members(self) -> list[str]:
-        """The members announced so far; none while the store does not answer (logged)."""
-        try:
-            members = await self.rs.members()
-        except StoreError as e:
-            log.warning("%s: store error listing the run's members: %s", self.id, e)
-            self.progress.store_failed(e)
-            self.stats.store_failures += 1
-            return []
-        self.progress.store_ok()
-        return members
-
-    # --- persistence ----------------------------------------------------------------------------
+    # --- persistence (persist.py) ---------------------------------------------------------------
 
     def _trainer_state(self) -> TrainerState:
         return TrainerState(self._state, self.error, self.inner.checkpoint())
-
-    async def _save_local(self) -> Path | None:
-        if self.state_dir is None:
-            return None
-        path = self.state_dir / STATE_FILE
-        await asyncio.to_thread(lambda: self._trainer_state().save(path))
-        return path
-
-    async def _load_resume_point(self) -> TrainerState | None:
-        candidates: list[TrainerState] = []
-        shapes = {n: tuple(p.shape) for n, p in (await asyncio.to_thread(self.inner.parameters)).items()}
-        if self.state_dir is not None and (self.state_dir / STATE_FILE).exists():
-            candidates.append(await asyncio.to_thread(TrainerState.load, self.state_dir / STATE_FILE, shapes))
-        remote = await self._retry(self.rs.latest_checkpoint, "listing our checkpoints")
-        if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
-            with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
-                path = Path(tmp) / STATE_FILE
-                await self._retry(lambda: self.rs.fetch_checkpoint(remote[1], path), "fetching our checkpoint")
-                candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
-        if not candidates:
-            return None
-        ts = max(candidates, key=lambda s: s.global_.round)
-        try:
-            # In threads: a data-parallel site's inner loop broadcasts both to its other ranks.
-            await asyncio.to_thread(self.inner.load_state_fp32, ts.global_.theta)
-            await asyncio.to_thread(self.inner.restore, ts.inner)
-        except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as e:  # torch says no more
-            raise VerificationError(f"resume point of round {ts.global_.round} does not fit: {e}") from e
-        self.state, self.error = ts.global_, ts.error
-        log.warning("%s: resumed from round %d", self.id, ts.global_.round)
-        return ts
-
-    async def _snapshot(self, path: Path | None) -> Path:
-        """A private copy of the resume point, taken now (the next round mutates the live state)."""
-        snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-")) / STATE_FILE
-        if path is None:  # no local state dir: the store copy is the only resume point
-            await asyncio.to_thread(lambda: self._trainer_state().save(snap))
-        else:
-            try:
-                os.link(path, snap)  # the inode stays ours even after the next round replaces path
-            except OSError:
-                await asyncio.to_thread(shutil.copyfile, path, snap)
-        return snap
-
-    async def _upload_checkpoint(self, r: int, snap: Path) -> None:
-        try:
-            await self._retry(lambda: self.rs.publish_checkpoint(r, snap), f"uploading our checkpoint of round {r}")
-        finally:
-            shutil.rmtree(snap.parent, ignore_errors=True)
-
-    async def _publish_state(self, state: GlobalState, digest: str) -> None:
-        ref = await self._retry(
-            lambda: self.rs.publish_state(state, digest), f"publishing the global state of round {state.round}"
-        )
-        log.info("%s: published the global state of round %d (%s)", self.id, state.round, ref.digest[:16])
-
-    async def _retain(self, before: int, reached: int) -> None:
-        n = await self.rs.delete_own_before(before, reached)
-        # Every trainer prunes the shared states too (idempotent): no single writer has to survive.
-        n += await self.rs.delete_states_before(before)
-        log.info("%s: retention deleted %d objects before round %d", self.id, n, before)
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -949,24 +710,3 @@ class LocoTrainer:
         if name not in ("rebase", "replay") and not (name == "inner" and r > self.round + 1):
             self.progress.enter(name, r)
         return self.on_phase(name, r) if self.on_phase is not None else contextlib.nullcontext()
-
-    def _spawn(self, coro: Awaitable[None], what: str) -> None:
-        """Run ``coro`` in the background: in ``run``'s TaskGroup (an unexpected exception fails the
-        run), else tracked until ``drain`` awaits it and re-raises such an exception."""
-
-        async def guarded() -> None:
-            try:
-                await coro
-            except (PulsenetError, OSError) as e:  # a store or disk failure: logged, the next round retries
-                log.error("%s: background %s failed: %s: %s", self.id, what, type(e).__name__, e)
-
-        task = (
-            self._group.create_task(guarded()) if self._group is not None else asyncio.create_task(guarded())
-        )
-        self._background.add(task)
-        task.add_done_callback(self._forget_if_ok)
-
-    def _forget_if_ok(self, task: asyncio.Task[None]) -> None:
-        """A finished background task is dropped unless it failed: ``drain`` must still see that."""
-        if not task.cancelled() and task.exception() is None:
-            self._background.discard(task)

@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from pulsenet import runtime
 from pulsenet.engines.base import Engine
 from pulsenet.engines.factory import EngineName, make_engine
 from pulsenet.engines.torch_engine import TorchEngineConfig
@@ -335,7 +336,7 @@ class InferenceNode:
         """Return the channel to follow next once the active one stalls (or ``stop``)."""
         seen, since = self.state.version, time.monotonic()
         while not stop.is_set() and not task.done():
-            await _wait_any(stop, timeout=min(1.0, self.config.failover_s))
+            await runtime.wait(stop, min(1.0, self.config.failover_s))
             if self.state.version != seen:
                 seen, since = self.state.version, time.monotonic()
             elif len(self.subscribers) > 1 and time.monotonic() - since > self.config.failover_s:
@@ -352,16 +353,20 @@ class InferenceNode:
 
     async def _report_status(self, stop: asyncio.Event) -> None:
         """Keep the signed status object (nodes/consumers.py) current; a failed write is retried."""
-        while not stop.is_set():
+        async def step() -> None:
             s = self.state
             if s.version is not None and s.digest is not None:
-                try:
-                    await write_status(
-                        self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest  # type: ignore[arg-type]
-                    )
-                except PulsenetError as e:
-                    log.warning("%s: status object not written: %s", self.config.id, e)
-            await _wait_any(stop, timeout=self.config.status_every_s)
+                await write_status(
+                    self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest  # type: ignore[arg-type]
+                )
+
+        await runtime.every(self.config.status_every_s, stop, step, on_error=self._status_not_written)
+
+    def _status_not_written(self, e: Exception) -> None:
+        """A store or signing failure writing the status object: logged, written again next time."""
+        if not isinstance(e, PulsenetError):
+            raise e
+        log.warning("%s: status object not written: %s", self.config.id, e)
 
     async def _generate_loop(self, stop: asyncio.Event) -> None:
         """Generate what the trainers will take: a batch whenever their demand records say they are
@@ -374,7 +379,7 @@ class InferenceNode:
             wait = await self._wait_reason()
             if wait is not None:
                 self._newer.clear()  # a newer version (or the next demand poll) wakes the loop
-                await _wait_any(self._newer, stop, timeout=self.demand.config.interval_s if wait == "waiting_demand" else 1.0)
+                await runtime.wait(stop, self.demand.config.interval_s if wait == "waiting_demand" else 1.0, wake=self._newer)
                 self.time[wait] += time.monotonic() - t0
                 self.state.beat()  # waiting for a version or for demand is progress of a kind
                 continue
@@ -383,7 +388,7 @@ class InferenceNode:
             except PulsenetError as e:  # store hiccup, a bad update: logged, counted, retried
                 self.state.error(e)
                 log.error("%s: batch failed: %s", self.config.id, e)
-                await _wait_any(stop, timeout=1.0)
+                await runtime.wait(stop, 1.0)
             self.time["generating"] += time.monotonic() - t0
         await self._log_final()
 
@@ -502,11 +507,3 @@ def _sample_seed(seed: int, node: str, version: int, index: int) -> int:
     return int.from_bytes(h[:4], "little")
 
 
-async def _wait_any(*events: asyncio.Event, timeout: float) -> None:
-    """Return when any event is set or ``timeout`` passes."""
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()

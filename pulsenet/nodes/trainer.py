@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import json
 import logging
@@ -44,6 +43,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from pulsenet import runtime
 from pulsenet.codec.rollout import Rollout, RolloutColumns
 from pulsenet.errors import ConfigError, PolicyError, RolloutRowError
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
@@ -315,7 +315,7 @@ class TrainerNode:
         while self.version < self.config.steps and not stop.is_set():
             self._round = rnd = _Round()
             t0 = time.perf_counter()
-            report = await _unless_stopped(self.rounds.next_round(self._inner_phase), stop)
+            report = await runtime.unless_stopped(self.rounds.next_round(self._inner_phase), stop)
             if report is None:  # stopped, or the round failed (logged by the round; retried)
                 continue
             if report.round <= self.version:  # caught up through a round already published
@@ -495,37 +495,21 @@ class TrainerNode:
     async def _follow_consumers(self, done: asyncio.Event) -> None:
         """Read the inference nodes' status objects: retention keeps what the slowest live one needs."""
         times: dict[str, str] = {}
-        while not done.is_set():
+
+        async def step() -> None:  # store errors are handled per consumer (``poll_consumers``)
             await poll_consumers(self.consumers, self.sources, run=self.config.run, times=times)
             self.publisher.keep_from = self.consumers.keep_from(self.version)
             self.state.slowest_consumer = self.consumers.slowest(self.version)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.consumer_poll_s):
-                    await done.wait()
+
+        await runtime.every(self.config.consumer_poll_s, done, step)
 
     async def _watch_rounds(self, done: asyncio.Event) -> None:
         """What ``/healthz`` reports as degraded: a peer or the store holding the round up (no I/O)."""
-        while not done.is_set():
+        async def step() -> None:
             self.state.degraded = self.rounds.degraded()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(1.0):
-                    await done.wait()
+
+        await runtime.every(1.0, done, step)
         self.state.degraded = None
-
-
-async def _unless_stopped(work: Any, stop: asyncio.Event) -> Any:
-    """``await work``, or cancel it and return None once ``stop`` is set."""
-    task = asyncio.ensure_future(work)
-    stopped = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stopped.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return task.result() if not task.cancelled() else None
 
 
 def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from pulsenet import runtime
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import DocumentTooLarge, ManifestError, ObjectNotFound, ObjectTooLarge, StoreError
 from pulsenet.rollouts.layout import MAX_VERSION, NODE, BatchName, RolloutLayout, check_node
@@ -336,21 +337,23 @@ class DemandWriter:
         """Write ``demand()`` whenever what it says changes (checked every ``interval_s``) and at
         least every ``heartbeat_s``, until ``stop``; store errors are logged, counted and retried."""
         written_at = -math.inf
-        while not stop.is_set():
-            d = demand()
-            now = time.monotonic()
+
+        async def step() -> None:
+            nonlocal written_at
+            d, now = demand(), time.monotonic()
             if self.last is None or d.content() != self.last.content() or now - written_at >= self.config.heartbeat_s:
-                try:
-                    await self.write(d)
-                    written_at = now
-                except (StoreError, TimeoutError) as e:
-                    self.stats.errors += 1
-                    log.warning("demand record of %s not written: %s: %s", self.trainer, type(e).__name__, e)
-            try:
-                async with asyncio.timeout(self.config.interval_s):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+                await self.write(d)
+                written_at = now
+
+        await runtime.every(self.config.interval_s, stop, step, on_error=self._not_written)
+
+    def _not_written(self, e: Exception) -> None:
+        """A store error or timeout writing the record (``run``): counted and logged, retried at the
+        next interval; anything else ends the loop."""
+        if not isinstance(e, (StoreError, TimeoutError)):
+            raise e
+        self.stats.errors += 1
+        log.warning("demand record of %s not written: %s: %s", self.trainer, type(e).__name__, e)
 
 
 # --- the inference side: reading ----------------------------------------------------------------

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulsenet import runtime
 from pulsenet.codec.rollout import MAX_ROWS, MAX_TOKENS, Rollout, RolloutColumns, decode_columns
 from pulsenet.deadlines import ROLLOUT_TRANSFER_S, SMALL_CALL_S
 from pulsenet.errors import (
@@ -417,22 +418,18 @@ class RolloutIntake:
 
     async def run(self, trainer_version: Callable[[], int], stop: asyncio.Event | None = None) -> None:
         """Poll until ``stop`` is set or the task is cancelled; failed polls are logged and counted."""
-        stop = stop or asyncio.Event()
-        while not stop.is_set():
-            try:
-                async with asyncio.timeout(self.config.round_timeout_s):
-                    await self.poll(trainer_version())
-            except (PulsenetError, TimeoutError) as e:
-                self.stats.errors += 1
-                log.warning("rollout poll failed: %s: %s", type(e).__name__, e)
-            except Exception:  # the task's top level: logged and counted, polling goes on
-                self.stats.errors += 1
-                log.exception("unexpected error in a rollout poll")
-            try:
-                async with asyncio.timeout(self.config.interval_s):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+        await runtime.every(
+            self.config.interval_s, stop or asyncio.Event(), lambda: self.poll(trainer_version()),
+            timeout=self.config.round_timeout_s, on_error=self._poll_failed,
+        )  # fmt: skip
+
+    def _poll_failed(self, e: Exception) -> None:
+        """A failed poll (``run``): counted and logged; polling goes on."""
+        self.stats.errors += 1
+        if isinstance(e, (PulsenetError, TimeoutError)):
+            log.warning("rollout poll failed: %s: %s", type(e).__name__, e)
+        else:
+            log.error("unexpected error in a rollout poll", exc_info=e)
 
     async def poll(self, trainer_version: int) -> int:
         """One pass over every source; returns how many batches were accepted into the queue."""

@@ -194,6 +194,20 @@ class _Latest:
         return len(self._items)
 
 
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """One version's payloads as encoded (``Publisher._encode_item``)."""
+
+    blobs: dict[str, bytes]
+    """Payload bytes by role (``patch``, ``anchor``)."""
+    hashes: dict[str, str]
+    """Their SHA-256 by role."""
+    digest: str
+    """The model digest the payloads rebuild."""
+    full_bytes: int
+    """The state's size in memory (for the compression ratio)."""
+
+
 class Publisher:
     """Publishes versions of one channel; use as ``async with Publisher(...) as pub``."""
 
@@ -430,91 +444,128 @@ class Publisher:
                     self._idle.notify_all()
 
     async def _publish(self, item: _Item) -> PublishRecord:
+        """One version: encode → claim → commit → write_head → retain → record, under the lock
+        (versions go out one at a time, each a patch against the one before)."""
         async with self._lock:
             started = time.perf_counter()
-            anchor_due = (
-                self.version is None
-                or self._anchor_version is None
-                or self._next - self._anchor_version >= self.config.anchor_every
-            )
-            blobs, hashes, digest = await asyncio.to_thread(self._encode, item.state, anchor_due)
+            enc = await self._encode_item(item)
             encoded = time.perf_counter()
-            full_bytes = sum(t.numel() * t.element_size() for t in item.state.values())
-            for attempt in range(_TAKEN_RETRIES):
-                version = self._next
-                refs = {
-                    role: ObjectRef(self.layout.payload(version, role, hashes[role]), len(b), hashes[role])
-                    for role, b in blobs.items()
-                }
-                await self._upload_all(refs, blobs)
-                manifest = Manifest(
-                    version=version,
-                    kind="anchor" if "anchor" in refs else "patch",
-                    model_digest=digest,
-                    base_version=self.version if "patch" in refs else None,
-                    base_digest=self.digest if "patch" in refs else None,
-                    anchor=refs.get("anchor"),
-                    patch=refs.get("patch"),
-                    full_bytes=full_bytes,
-                    publisher=self.key_id,
-                    created=now_iso(),
-                    step=item.step,
-                    model_config=self.model_config if "anchor" in refs else None,
-                )
-                try:
-                    await self.store.put(
-                        self.layout.manifest(version),
-                        sign_manifest(manifest, self.key, context=self.layout.context),
-                        if_none_match=True,
-                        timeout=self.config.timeout_s,
-                    )
-                    break
-                except ConditionFailed:
-                    if await self._is_ours(manifest):
-                        break  # an earlier attempt landed but its reply was lost: that version is this one
-                    # Someone holds this number: take the next free one. Listed names only tell
-                    # which numbers are taken, never which version is newest.
-                    listing = await self._reader.list_versions()
-                    nxt = version + 1
-                    while nxt in listing:
-                        nxt += 1
-                    if nxt > MAX_VERSION:
-                        raise ConditionFailed(f"no free version number above v{version} in {self.layout.channel}") from None
-                    self._next = nxt
-                    log.warning(
-                        "v%d is already taken in %s (attempt %d): moving to v%d",
-                        version,
-                        self.layout.channel,
-                        attempt + 1,
-                        self._next,
-                    )
-            else:
-                raise ConditionFailed(
-                    f"could not claim a version in {self.layout.channel} after {_TAKEN_RETRIES} tries"
-                )
+            manifest = await self._claim(item, enc)
             done = time.perf_counter()
-            self._state, self.version, self.digest, self._next = (
-                dict(item.state),
-                version,
-                digest,
-                version + 1,
-            )
-            self._reader.remember(manifest)
+            self._commit(item, manifest)
             await self.write_head()
-            if "anchor" in refs:
-                self._anchor_version = version
-            deleted = await self._retain()
-            if self.config.keep_anchors is None and self._anchor_version is not None:
-                self._reader.forget_below(self._anchor_version)  # keep the manifest cache small
-        sizes = {role: len(b) for role, b in blobs.items()}
-        record = PublishRecord(
+            deleted = await self._retain_after(manifest)
+        return self._record(item, manifest, enc, (started, encoded, done), deleted)
+
+    async def _encode_item(self, item: _Item) -> _Encoded:
+        """The payloads (a patch against the last version, an anchor when one is due), in a thread."""
+        anchor_due = (
+            self.version is None
+            or self._anchor_version is None
+            or self._next - self._anchor_version >= self.config.anchor_every
+        )
+        blobs, hashes, digest = await asyncio.to_thread(self._encode, item.state, anchor_due)
+        full_bytes = sum(t.numel() * t.element_size() for t in item.state.values())
+        return _Encoded(blobs, hashes, digest, full_bytes)
+
+    async def _claim(self, item: _Item, enc: _Encoded) -> Manifest:
+        """Upload the payloads and put their signed manifest under the next free version number
+        (create-only); a number someone else holds moves us on, at most ``_TAKEN_RETRIES`` times."""
+        for attempt in range(_TAKEN_RETRIES):
+            version = self._next
+            refs = {
+                role: ObjectRef(self.layout.payload(version, role, enc.hashes[role]), len(b), enc.hashes[role])
+                for role, b in enc.blobs.items()
+            }
+            await self._upload_all(refs, enc.blobs)
+            manifest = self._manifest(version, item, enc, refs)
+            if await self._put_manifest(manifest):
+                return manifest
+            self._next = await self._next_free(version)
+            log.warning(
+                "v%d is already taken in %s (attempt %d): moving to v%d",
+                version,
+                self.layout.channel,
+                attempt + 1,
+                self._next,
+            )
+        raise ConditionFailed(f"could not claim a version in {self.layout.channel} after {_TAKEN_RETRIES} tries")
+
+    def _manifest(self, version: int, item: _Item, enc: _Encoded, refs: dict[str, ObjectRef]) -> Manifest:
+        """The manifest of ``version`` naming the uploaded payloads ``refs`` (unsigned)."""
+        return Manifest(
             version=version,
+            kind="anchor" if "anchor" in refs else "patch",
+            model_digest=enc.digest,
+            base_version=self.version if "patch" in refs else None,
+            base_digest=self.digest if "patch" in refs else None,
+            anchor=refs.get("anchor"),
+            patch=refs.get("patch"),
+            full_bytes=enc.full_bytes,
+            publisher=self.key_id,
+            created=now_iso(),
+            step=item.step,
+            model_config=self.model_config if "anchor" in refs else None,
+        )
+
+    async def _put_manifest(self, manifest: Manifest) -> bool:
+        """Put the signed manifest if its version number is free; whether that version is now ours."""
+        try:
+            await self.store.put(
+                self.layout.manifest(manifest.version),
+                sign_manifest(manifest, self.key, context=self.layout.context),
+                if_none_match=True,
+                timeout=self.config.timeout_s,
+            )
+        except ConditionFailed:
+            # An earlier attempt may have landed with its reply lost: then that version is this one.
+            return await self._is_ours(manifest)
+        return True
+
+    async def _next_free(self, version: int) -> int:
+        """The first version number above ``version`` that the listing does not show taken. Listed
+        names only tell which numbers are taken, never which version is newest."""
+        listing = await self._reader.list_versions()
+        nxt = version + 1
+        while nxt in listing:
+            nxt += 1
+        if nxt > MAX_VERSION:
+            raise ConditionFailed(f"no free version number above v{version} in {self.layout.channel}")
+        return nxt
+
+    def _commit(self, item: _Item, manifest: Manifest) -> None:
+        """The claimed version is now the last published one: the base of the next patch."""
+        self._state, self.version, self.digest, self._next = (
+            dict(item.state),
+            manifest.version,
+            manifest.model_digest,
+            manifest.version + 1,
+        )
+        self._reader.remember(manifest)
+
+    async def _retain_after(self, manifest: Manifest) -> int:
+        """Retention after a version (``_retain``); how many objects it deleted."""
+        if manifest.kind == "anchor":
+            self._anchor_version = manifest.version
+        deleted = await self._retain()
+        if self.config.keep_anchors is None and self._anchor_version is not None:
+            self._reader.forget_below(self._anchor_version)  # keep the manifest cache small
+        return deleted
+
+    def _record(
+        self, item: _Item, manifest: Manifest, enc: _Encoded, times: tuple[float, float, float], deleted: int
+    ) -> PublishRecord:
+        """The version's :class:`PublishRecord`: kept, handed to ``on_record``, logged."""
+        started, encoded, done = times
+        sizes = {role: len(b) for role, b in enc.blobs.items()}
+        record = PublishRecord(
+            version=manifest.version,
             kind=manifest.kind,
             step=item.step,
-            digest=digest,
+            digest=enc.digest,
             payload_bytes=sizes,
-            full_bytes=full_bytes,
-            ratio=full_bytes / max(sizes.get("patch", sizes.get("anchor", 1)), 1),
+            full_bytes=enc.full_bytes,
+            ratio=enc.full_bytes / max(sizes.get("patch", sizes.get("anchor", 1)), 1),
             encode_s=encoded - started,
             upload_s=done - encoded,
             queued_s=started - item.submitted,
@@ -527,7 +578,7 @@ class Publisher:
             self.on_record(record)
         log.info(
             "published v%d (%s, %s bytes, %.0fx) in %.2f s",
-            version,
+            record.version,
             record.kind,
             sizes,
             record.ratio,

@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulsenet import runtime
 from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ManifestError,
@@ -261,23 +262,18 @@ class Subscriber:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Poll until ``stop`` is set (or the task is cancelled). Round errors are logged and counted."""
         await self.start()
-        stop = stop or asyncio.Event()
-        while not stop.is_set():
-            try:
-                async with asyncio.timeout(self.config.round_timeout_s):
-                    await self.sync_once()
-            except (PulsenetError, TimeoutError) as e:
-                self._count_failure(e)
-                log.warning("sync round failed, still serving v%s: %s: %s", self.version, type(e).__name__, e)
-            except Exception as e:  # the task's top level: logged and counted, polling goes on
-                self._count_failure(e)
-                log.exception("unexpected error in a sync round, still serving v%s", self.version)
-            wait = self.config.interval_s * (1 + self.config.jitter * (2 * self._rng.random() - 1))
-            try:
-                async with asyncio.timeout(max(wait, 0.0)):
-                    await stop.wait()
-            except TimeoutError:
-                pass
+        await runtime.every(
+            self.config.interval_s, stop or asyncio.Event(), self.sync_once, jitter=self.config.jitter,
+            timeout=self.config.round_timeout_s, on_error=self._round_failed, rng=self._rng,
+        )  # fmt: skip
+
+    def _round_failed(self, e: Exception) -> None:
+        """A failed sync round (``run``): counted and logged; the current weights keep serving."""
+        self._count_failure(e)
+        if isinstance(e, (PulsenetError, TimeoutError)):
+            log.warning("sync round failed, still serving v%s: %s: %s", self.version, type(e).__name__, e)
+        else:
+            log.error("unexpected error in a sync round, still serving v%s", self.version, exc_info=e)
 
     # --- one round -----------------------------------------------------------------------------
 

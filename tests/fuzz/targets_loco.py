@@ -873,7 +873,7 @@ def _vote_seeds() -> list[bytes]:
 
 
 def _votes(data: bytes) -> tuple[str | None, bool, tuple[str, ...]]:
-    """What ``LocoTrainer._verify`` judges: the digests heard less the distrusted (never ourselves)."""
+    """What ``recovery.settle`` judges: the digests heard less the distrusted (never ourselves)."""
     case = _case(data)
     own, digests, distrusted = case.get("own"), case.get("digests"), case.get("distrusted")
     if (
