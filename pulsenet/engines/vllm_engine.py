@@ -111,8 +111,10 @@ class VLLMEngineConfig:
     """Context limit; None: the model config's."""
     enable_prefix_caching: bool = True
     """Reuse KV across requests with a common prefix (the G copies of a group prompt); reset on every update."""
-    enforce_eager: bool = False
-    """Skip CUDA graph capture (slower decoding, faster start)."""
+    enforce_eager: bool | None = None
+    """Skip compilation and CUDA graph capture (slower decoding, faster start). None: on CUDA no,
+    on CPU yes (vLLM-CPU compiles with torch inductor: minutes on a small machine, then its
+    start-up warm-up; eager with a KV budget skips both)."""
     update_timeout_s: float = 600.0
     """Deadline of one update (drain or pause, RPC to all workers, cache reset)."""
     generate_timeout_s: float | None = 3600.0
@@ -308,7 +310,7 @@ class VLLMEngine(Engine):
             **self._memory_args,
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device_type == "cpu",
             worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs",
             seed=0,
