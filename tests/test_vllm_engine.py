@@ -296,3 +296,20 @@ def test_updates_are_rounded_up_to_whole_decoder_layers() -> None:
     groups = layer_groups(names)
     assert sorted(groups) == ["", "model.layers.0", "model.layers.1"]
     assert sorted(n for g in groups.values() for n in g) == sorted(names)
+
+
+def test_bench_engines_reports_each_figure(tmp_path: Path) -> None:
+    """``pulsenet bench engines`` on the PyTorch engine alone (the vLLM half is the same code and
+    runs by hand: docs/engines.md): every figure present and plausible, each patch verified."""
+    from model_dirs import llama_config, model_dir, smollm2_tokenizer
+
+    from pulsenet.bench.engines import EnginesBenchSettings, run
+
+    tok = smollm2_tokenizer()
+    path = model_dir(tmp_path / "llama", llama_config(tok, hidden_size=64, num_attention_heads=2), tok)
+    out = run(EnginesBenchSettings(model=str(path), engines="torch", prompts=2, group_size=2, max_new_tokens=4,
+                                   repeats=2, patches=2))  # fmt: skip
+    (r,) = out["results"]
+    assert r["engine"] == "torch" and r["start_s"] > 0 and r["tokens_per_s"] > 0 and len(r["tokens_per_s_all"]) == 2
+    assert len(r["update_latency_s"]) == 2 and all(x > 0 for x in r["update_latency_s"])
+    assert out["config"]["prompts"] == 2 and r["rss_mib"] >= 0
