@@ -313,3 +313,16 @@ def test_bench_engines_reports_each_figure(tmp_path: Path) -> None:
     assert r["engine"] == "torch" and r["start_s"] > 0 and r["tokens_per_s"] > 0 and len(r["tokens_per_s_all"]) == 2
     assert len(r["update_latency_s"]) == 2 and all(x > 0 for x in r["update_latency_s"])
     assert out["config"]["prompts"] == 2 and r["rss_mib"] >= 0
+
+
+def test_a_head_size_vllm_cpu_cannot_run_is_a_config_error_before_start(tmp_path: Path) -> None:
+    """The built-in tiny model (head size 16) on vLLM-CPU: a ConfigError naming the fix, not an
+    engine core that dies with the reason only in its log."""
+    from pulsenet.engines.vllm_engine import vllm_device_type
+    from pulsenet.errors import ConfigError
+
+    build_tiny_model(0).config.save_pretrained(tmp_path)
+    if vllm_device_type() != "cpu":  # CUDA attention runs it: nothing to refuse there
+        return
+    with pytest.raises(ConfigError, match=r"head.*16.*engine = \"torch\""):
+        VLLMEngine(tmp_path)
