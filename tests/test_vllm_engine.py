@@ -226,6 +226,12 @@ def test_a_wrong_or_partial_update_is_refused_or_detected(
     with pytest.raises(EngineError, match="refusing"):
         served.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
+    monkeypatch.setattr(safetensors.torch, "save_file", corrupting_save)  # a refused repair repairs nothing
+    with pytest.raises(EngineError, match="refused"):
+        served.update(version + 1, new, new_digest)
+    monkeypatch.undo()
+    with pytest.raises(EngineError, match="refusing"):
+        served.generate(PROMPTS, GREEDY)
 
     # The next version (against the still-served one: no hint, as a node after a failed update)
     # resends the broken layer whole, with its own change.

@@ -457,15 +457,15 @@ class VLLMEngine(Engine):
         path = self._handoff_dir / f"update-{self._handoffs}.safetensors"
         recs = {n: (records.get(n) or self.mirror.records[n]).hex() for n in tensors}
         await asyncio.to_thread(save_file, dict(tensors), str(path))
+        before = self._broken, set(self._dirty)
         self._broken = "an update failed while loading weights into the workers"
         self._dirty.update(tensors)
         try:
             await self._llm.collective_rpc("pulsenet_load_weights", args=(str(path), recs))
             self._dirty.clear()  # every load carries the names of the failed ones (update)
         except Exception as e:
-            if REFUSED in str(e):
-                self._broken = None  # refused before loading: the old weights still serve
-                self._dirty.difference_update(tensors)
+            if REFUSED in str(e):  # refused before loading (every rank reads the same bytes): as before
+                self._broken, self._dirty = before[0], before[1]
             raise EngineError(f"the vLLM workers did not load the update: {e}") from e
         finally:
             path.unlink(missing_ok=True)
