@@ -280,9 +280,11 @@ class VLLMEngine(Engine):
         self._epoch = 0  # bumps on every applied update; a request that sees two epochs spanned one
         self._update_lock = threading.Lock()
         self._dirty: set[str] = set()  # sent by an update that failed while loading: resent next time
-        # The handoff directory (vllm_worker.py): private to this user, in memory where /dev/shm exists.
-        shm = Path("/dev/shm")
-        self._handoff_dir = Path(tempfile.mkdtemp(prefix="pulsenet-vllm-", dir=shm if shm.is_dir() else None))
+        # The handoff directory (vllm_worker.py): private (mkdtemp: 0700), in memory where /dev/shm
+        # holds a full update (a container's is often 64 MiB), else the temporary directory.
+        shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.tensors.values())
+        in_memory = shm.is_dir() and shutil.disk_usage(shm).free > need
+        self._handoff_dir = Path(tempfile.mkdtemp(prefix="pulsenet-vllm-", dir=shm if in_memory else None))
         self._handoffs = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pulsenet-vllm-loop", daemon=True)
