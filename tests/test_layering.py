@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "pulsenet"
 RANK = {
     "errors": 0,
-    **dict.fromkeys(("deadlines", "fsutil", "logs", "runtime", "settings", "signing", "presets", "tracking"), 1),
+    **dict.fromkeys(("deadlines", "fsutil", "logs", "procs", "runtime", "settings", "signing", "presets", "tracking"), 1),
     **dict.fromkeys(("codec", "store"), 2),
     **dict.fromkeys(("checkpoint", "signed"), 3),
     **dict.fromkeys(("sync", "loco", "rollouts"), 4),

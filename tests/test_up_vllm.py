@@ -20,43 +20,12 @@ from pathlib import Path
 import pytest
 from model_dirs import llama_config, model_dir, smollm2_tokenizer
 
+from pulsenet import procs
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.launcher import MARKER
 
 pytestmark = pytest.mark.integration
 ROUNDS = 4
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (vLLM's engine core renames itself, so its command line
-    no longer names the run's directory)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] != "Z":
-                children.setdefault(int(stat[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
-def _alive(pids: list[int]) -> list[int]:
-    left = []
-    for p in pids:
-        try:
-            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            left.append(p)
-    return left
 
 
 def _node_pid(work: Path, config: str) -> int | None:
@@ -113,13 +82,13 @@ def test_up_with_the_vllm_engine_on_cpu_survives_a_killed_inference_node(tmp_pat
         _wait(lambda: served(1), 600, "the vLLM node serving v1", proc)
         node = _node_pid(work, "i0.toml")
         assert node is not None
-        vllm_procs = _descendants(node)
+        vllm_procs = procs.descendants(node)
         assert vllm_procs, "the vLLM engine core runs as the node's child"
         os.kill(node, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while _alive(vllm_procs) and time.monotonic() < deadline:
+        while [p for p in vllm_procs if procs.alive(p)] and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _alive(vllm_procs) == [], "vLLM processes outlived their SIGKILLed node"
+        assert [p for p in vllm_procs if procs.alive(p)] == [], "vLLM processes outlived their SIGKILLed node"
         out = proc.communicate(timeout=900)[0]
     finally:
         proc.kill()

@@ -24,11 +24,11 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from pulsenet import procs
 from pulsenet.bench import BenchSettings, config_of
 
 
@@ -52,36 +52,9 @@ class EnginesBenchSettings(BenchSettings):
     """Entries moved per patch (an RL-sized step: every tensor changes a little)."""
 
 
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def _tree_rss() -> int:
     me = os.getpid()
-    return _rss(me) + sum(_rss(p) for p in _descendants(me))
+    return procs.rss_bytes(me) + sum(procs.rss_bytes(p) for p in procs.descendants(me))
 
 
 def measure(name: str, s: EnginesBenchSettings) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from pulsenet import procs
 from pulsenet.chaos.check import Limits, audit
 from pulsenet.chaos.faults import Chaos, ChaosConfig
 from pulsenet.fsutil import atomic_write_bytes
@@ -84,7 +85,7 @@ def audit_run(c: ChaosConfig, chaos: Chaos, outcome: Outcome) -> dict[str, Any]:
 def orphans(workdir: Path, pids: list[int], wait_s: float = 5.0) -> list[str]:
     """Processes of the run still alive: any of its nodes' pids (every life), and any process whose
     command line names the work directory (nodes name their config there, the store its data)."""
-    ours = _ancestors()  # this process and whatever started it (a shell, a timeout) name it too
+    ours = procs.ancestors()  # this process and whatever started it (a shell, a timeout) name it too
     deadline = time.monotonic() + wait_s
     while True:
         found = []
@@ -93,25 +94,13 @@ def orphans(workdir: Path, pids: list[int], wait_s: float = 5.0) -> list[str]:
                 continue
             try:
                 cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except OSError:
                 continue
-            if state != "Z" and (int(entry) in pids or str(workdir) in cmdline):
+            if procs.alive(int(entry)) and (int(entry) in pids or str(workdir) in cmdline):
                 found.append(f"{entry}: {cmdline[:160]}")
         if not found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
-
-
-def _ancestors() -> set[int]:
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
 
 
 def print_verdict(out: Any, result: dict[str, Any]) -> None:
