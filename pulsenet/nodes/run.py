@@ -53,10 +53,12 @@ def run_trainer(c: TrainerConfig) -> None:
     import torch.distributed as dist
 
     backend = init_rank_group(rank)
+    clean = False  # every rank stopped on rank 0's word, no collective failed
     try:
         if rank.rank != 0:
             log.info("%s: rank %d of %d (%s) serves rank 0", c.id, rank.rank, rank.world, backend)
             _serve_rank(c)
+            clean = True
             log.info("%s: rank %d released by rank 0", c.id, rank.rank)
             return
         log.info("%s: speaks for a rank group of %d (%s)", c.id, rank.world, backend)
@@ -70,7 +72,13 @@ def run_trainer(c: TrainerConfig) -> None:
                 group.stop()
             raise
         group.stop()
+        clean = True
     finally:
+        if clean:
+            # A last barrier on a clean stop: no rank tears down its gloo pairs while another still
+            # has messages of the stop in flight (that aborted a rank at exit: "terminate called
+            # without an active exception", SIGABRT, a failed job after a finished run).
+            dist.barrier()
         dist.destroy_process_group()
 
 
