@@ -18,47 +18,14 @@ from typing import Literal
 import torch
 
 from pulsenet.codec.rollout import Rollout
-from pulsenet.errors import ConfigError, EngineError
+from pulsenet.errors import EngineError
+from pulsenet.rl.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    temperature: float = 1.0
-    """Logits are divided by it before softmax; 0 means greedy (argmax)."""
-    top_p: float = 1.0
-    """Nucleus sampling: sample from the smallest set of most likely tokens whose probability
-    reaches ``top_p`` (1.0 disables truncation)."""
-    max_new_tokens: int = 64
-    """Completion length limit; reaching it ends the completion with ``finish_reason="length"``."""
-    stop_at_eos: bool = True
-    """Stop at the model's EOS token(s) (``config.eos_token_id``)."""
-    stop_token_ids: tuple[int, ...] = ()
-    """More token ids that end a completion. The stop token is kept as the last completion token,
-    so a trainer can learn to emit it."""
-    stop: tuple[str, ...] = ()
-    """Strings that end a completion once its decoded text contains one (needs the engine's
-    tokenizer); the tokens that completed it are kept, as with stop tokens."""
-    seed: int = 0
-    """Completion ``i`` of a call samples from its own generator seeded with ``seed + i``: the same
-    prompts, seed and weights give the same samples, whatever else runs."""
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
-        if any(not isinstance(x, str) or not x for x in self.stop):
-            raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+__all__ = ["Engine", "EngineStats", "FinishReason", "Generation", "SamplingParams", "check_layout", "same_bits"]
+"""``SamplingParams`` lives in rl/sampling.py (rl sits below engines and builds its params); it
+is re-exported here, where every engine's ``generate`` takes it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

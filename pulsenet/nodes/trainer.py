@@ -45,6 +45,7 @@ import torch
 
 from pulsenet import runtime
 from pulsenet.codec.rollout import Rollout, RolloutColumns
+from pulsenet.engines.torch_engine import TorchEngine
 from pulsenet.errors import ConfigError, PolicyError, RolloutRowError
 from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
 from pulsenet.loco.documents import trainer_keys
@@ -212,7 +213,12 @@ class TrainerNode:
         """The batch ids and problem numbers a node may answer (signed into the demand record)."""
         self.rescorer = Rescorer(task, prompter, seed=c.seed, assignment=self.assignment)
         """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
-        self.evaluator = Evaluator(task, prompter, model.config) if c.eval_every else None
+        self.evaluator = (
+            Evaluator(task, prompter, functools.partial(TorchEngine.from_state, model.config, decode=prompter.codec.decode))
+            if c.eval_every
+            else None
+        )
+        """Evals run on a TorchEngine of their own, built from the first state scored."""
         self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)

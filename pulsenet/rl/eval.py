@@ -1,9 +1,10 @@
 """Eval: a policy scored greedily on the task's held-out problems (mean total reward, n).
 
 ``evaluate(engine, task, prompter)`` runs on any engine. A trainer calls ``Evaluator.evaluate``
-every ``eval_every`` versions with the BF16 state it publishes: the evaluator keeps one
-``TorchEngine`` and updates it in place (only the tensors that changed are copied and rehashed),
-so an eval costs the greedy decoding and the rewards, not a model build. The held-out problems are
+every ``eval_every`` versions with the BF16 state it publishes: the evaluator builds one engine
+on first use (with the ``build`` its caller passes in: nodes/ picks the engine, rl only samples
+through it) and updates it in place (a TorchEngine copies and rehashes only the tensors that
+changed), so an eval costs the greedy decoding and the rewards, not a model build. The held-out problems are
 the task's (``Task.eval_problems``: a dataset's eval split, or a fixed draw for generated tasks),
 the same for every version, so the eval curve moves only with the policy.
 """
@@ -11,18 +12,39 @@ the same for every version, so the eval curve moves only with the policy.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from transformers import PretrainedConfig
 
 from pulsenet.codec.digest import model_digest
-from pulsenet.engines.base import Engine
-from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError
 from pulsenet.rl.prompts import Prompter
+from pulsenet.rl.sampling import SamplingParams
 from pulsenet.rl.tasks import Task
+
+
+class Completion(Protocol):
+    """What eval reads of an engine's ``Generation``."""
+
+    @property
+    def completion_ids(self) -> Sequence[int]: ...
+
+
+class EvalEngine(Protocol):
+    """What eval needs of an engine (engines/base.py ``Engine`` has it): sample, take an update."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Sequence[Completion]: ...
+
+    def update(self, version: int, state: Mapping[str, torch.Tensor], digest: str) -> None: ...
+
+
+class EngineBuilder(Protocol):
+    """Builds the eval engine from the first state scored, e.g.
+    ``functools.partial(TorchEngine.from_state, hf_config, decode=codec.decode)``."""
+
+    def __call__(self, state: Mapping[str, torch.Tensor], digest: str, /, *, version: int) -> EvalEngine: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +66,7 @@ class EvalResult:
 
 
 def evaluate(
-    engine: Engine, task: Task, prompter: Prompter, *, version: int | None = None, batch_size: int = 64
+    engine: EvalEngine, task: Task, prompter: Prompter, *, version: int | None = None, batch_size: int = 64
 ) -> EvalResult:
     """Greedy completions of every held-out problem on ``engine``, scored with the task's rewards."""
     if not task.eval_problems:
@@ -78,21 +100,12 @@ def evaluate(
 
 
 class Evaluator:
-    """The trainer's evals: one TorchEngine built on first use, then updated in place each eval."""
+    """The trainer's evals: one engine built on first use (by ``build``), then updated in place each eval."""
 
-    def __init__(
-        self,
-        task: Task,
-        prompter: Prompter,
-        hf_config: PretrainedConfig,
-        *,
-        engine_config: TorchEngineConfig | None = None,
-        batch_size: int = 64,
-    ) -> None:
-        self.task, self.prompter, self.hf_config = task, prompter, hf_config
-        self.engine_config = engine_config or TorchEngineConfig()
+    def __init__(self, task: Task, prompter: Prompter, build: EngineBuilder, *, batch_size: int = 64) -> None:
+        self.task, self.prompter, self.build = task, prompter, build
         self.batch_size = batch_size
-        self.engine: TorchEngine | None = None
+        self.engine: EvalEngine | None = None
         self.history: list[EvalResult] = []
 
     def evaluate(self, version: int, state: Mapping[str, torch.Tensor], digest: str | None = None) -> EvalResult:
@@ -102,9 +115,7 @@ class Evaluator:
         the update; None computes it here."""
         digest = digest if digest is not None else model_digest(state)
         if self.engine is None:
-            self.engine = TorchEngine.from_state(
-                self.hf_config, state, digest, version=version, config=self.engine_config, decode=self.prompter.codec.decode
-            )
+            self.engine = self.build(state, digest, version=version)
         else:
             self.engine.update(version, state, digest)
         result = evaluate(self.engine, self.task, self.prompter, version=version, batch_size=self.batch_size)

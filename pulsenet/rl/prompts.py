@@ -28,7 +28,7 @@ from pulsenet.errors import ConfigError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from pulsenet.engines.base import SamplingParams
+    from pulsenet.rl.sampling import SamplingParams
 
 BYTE_EOS = 10
 BYTE_PAD = 0
@@ -171,7 +171,7 @@ class Prompter:
 
     def sampling_params(self, *, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> SamplingParams:
         """The engine's params for this task: max_new_tokens, EOS ids and stop strings."""
-        from pulsenet.engines.base import SamplingParams
+        from pulsenet.rl.sampling import SamplingParams
 
         return SamplingParams(
             temperature=temperature,
