@@ -36,8 +36,11 @@ from pulsenet.settings import require
 
 if TYPE_CHECKING:  # torch is imported when the command runs: `pulsenet --help` stays light
     import torch
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
     from transformers import PretrainedConfig
 
+    from pulsenet.rl.models import ModelRef
+    from pulsenet.store.base import ObjectStore
     from pulsenet.sync.chain import ManifestReader
     from pulsenet.sync.manifest import Manifest
 
@@ -81,6 +84,8 @@ def _export(ns: argparse.Namespace) -> int:
 
     args = command_settings(ns, ExportSettings)
     require(args, "store", "trust", "out", table="export")
+    out = args.out
+    assert out is not None  # checked by require() above; tells the type checker
     trusted = trusted_keys(args.trust)
 
     async def go() -> Exported:
@@ -88,7 +93,7 @@ def _export(ns: argparse.Namespace) -> int:
             return await export_version(
                 store,
                 trusted,
-                out=args.out,  # type: ignore[arg-type]
+                out=out,
                 model=args.model,
                 version=args.version,
                 channel=args.channel,
@@ -104,8 +109,8 @@ def _export(ns: argparse.Namespace) -> int:
 
 
 async def export_version(
-    store: object,
-    trusted: Mapping[str, object],
+    store: ObjectStore,
+    trusted: Mapping[str, Ed25519PublicKey],
     *,
     out: Path,
     model: str | None = None,
@@ -135,8 +140,8 @@ async def export_version(
         check_cache_dir(cache_dir, out, cache_flag="--cache", other_flag="--out", inside=False)
     ref = resolve_model(model) if model is not None else None
     hf_config = model_hf_config(ref) if ref is not None else None  # a bad model setting fails before any download
-    layout = Layout(channel, run=run, store_url=store.url)  # type: ignore[attr-defined]
-    reader = ManifestReader(store, layout, trusted, timeout_s)  # type: ignore[arg-type]
+    layout = Layout(channel, run=run, store_url=store.url)
+    reader = ManifestReader(store, layout, trusted, timeout_s)
     if str(version) == "latest":
         manifest = await newest_verified(reader)
     else:
@@ -148,7 +153,7 @@ async def export_version(
     target_version = manifest.version
     with contextlib.ExitStack() as stack:
         root = cache_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pulsenet-export-")))
-        cache = PayloadCache(store, Path(root), timeout_s=timeout_s)  # type: ignore[arg-type]
+        cache = PayloadCache(store, Path(root), timeout_s=timeout_s)
         bad: set[str] = set()
         state: dict[str, torch.Tensor] | None = None
         last: BaseException | None = None
@@ -161,7 +166,7 @@ async def export_version(
                 last = e
         if state is None:
             raise last or VerificationError(f"v{target_version}: no anchor path to rebuild it from")
-    if hf_config is None:
+    if ref is None or hf_config is None:  # no --model (both None together; naming both narrows the types)
         ref = ModelRef("tiny", None)
         if anchor.model_config is not None:
             hf_config = channel_hf_config(anchor.model_config, f"v{anchor.version}")
@@ -177,7 +182,7 @@ async def export_version(
             hf_config = model_hf_config(ref)
     check_layout_matches(hf_config, state, what=f"v{target_version}")
     await asyncio.to_thread(_write_dir, out, state, manifest.model_digest, ref, hf_config, {
-        "store": store.url,  # type: ignore[attr-defined]
+        "store": store.url,
         "channel": channel,
         "run": run,
         "version": target_version,
@@ -197,7 +202,9 @@ def channel_hf_config(config: Mapping, where: str) -> PretrainedConfig:
     from pulsenet.errors import ConfigError
 
     model_type = config.get("model_type")
-    if model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if not isinstance(model_type, str) or (
+        model_type not in CONFIG_MAPPING or model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    ):
         raise ConfigError(
             f"{where}'s model_config names model_type {str(model_type)[:80]!r}, not a causal LM this transformers "
             "can build: pass --model"
@@ -220,7 +227,7 @@ async def newest_verified(reader: ManifestReader) -> Manifest:
     where = f"{reader.store.url} channel {reader.layout.channel!r}"
     if not listed:
         raise ObjectNotFound(f"no published versions in {where}")
-    last: ManifestError | ObjectNotFound | None = None
+    last: ManifestError | ObjectNotFound = ObjectNotFound(where)  # replaced by the first refusal below
     for n, v in enumerate(sorted(listed, reverse=True)):
         try:
             return await reader.get(v, info=listed[v])
@@ -228,13 +235,15 @@ async def newest_verified(reader: ManifestReader) -> Manifest:
             last = e
             if n < 3:
                 log.warning("export: passing over manifest v%d: %s: %s", v, type(e).__name__, e)
-    raise type(last)(  # type: ignore[misc]
+    raise type(last)(
         f"no version in {where} verifies under the trusted keys ({len(listed)} refused; the oldest, "
         f"v{min(listed)}: {last})"
     )
 
 
-def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: object, hf_config: object, info: dict) -> None:
+def _write_dir(
+    out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: ModelRef, hf_config: PretrainedConfig, info: dict
+) -> None:
     """Write everything into a sibling temporary directory, check the weights' digest, rename into place."""
     import torch
     from safetensors import safe_open
@@ -250,13 +259,13 @@ def _write_dir(out: Path, state: Mapping[str, torch.Tensor], digest: str, ref: o
     tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        config = hf_config.__class__.from_dict(hf_config.to_dict())  # type: ignore[attr-defined]
+        config = hf_config.__class__.from_dict(hf_config.to_dict())
         config.dtype = torch.bfloat16  # what the weights are
         config.save_pretrained(tmp)
-        if ref.path is not None:  # type: ignore[attr-defined]
-            if ref.has_tokenizer:  # type: ignore[attr-defined]
-                model_tokenizer(ref).save_pretrained(tmp)  # type: ignore[arg-type]
-            gen = ref.path / "generation_config.json"  # type: ignore[attr-defined]
+        if ref.path is not None:
+            if ref.has_tokenizer:
+                model_tokenizer(ref).save_pretrained(tmp)
+            gen = ref.path / "generation_config.json"
             if gen.is_file():
                 shutil.copyfile(gen, tmp / "generation_config.json")
         weights = tmp / "model.safetensors"
