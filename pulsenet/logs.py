@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 
 # Attributes every LogRecord has; anything else came from ``extra=`` and goes into the JSON line.
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
@@ -35,3 +37,15 @@ def setup_logging(verbosity: int = 0, fmt: str = "text") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler], force=True)
+
+
+@contextlib.contextmanager
+def suppressed(logger: logging.Logger, what: str) -> Iterator[None]:
+    """``contextlib.suppress(Exception)`` for a teardown step that must not stop the steps after it,
+    but never silent: what it swallowed is logged as a warning naming ``what`` and the exception.
+    Cancellation (a BaseException) passes through; suppress ``asyncio.CancelledError`` beside it
+    where a cancelled task is awaited on purpose."""
+    try:
+        yield
+    except Exception as e:
+        logger.warning("%s: %s: %s", what, type(e).__name__, e)

@@ -19,10 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+from pulsenet.logs import suppressed
+
+log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
 
@@ -91,10 +96,10 @@ class LinkProxy:
         for t in list(self._tasks):
             t.cancel()
         for t in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError), suppressed(log, f"link :{self.port}: closing a connection"):
                 await t
         if self._server is not None:
-            with contextlib.suppress(Exception):
+            with suppressed(log, f"link :{self.port}: closing its server"):
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
             self._server = None
         self.sock.close()

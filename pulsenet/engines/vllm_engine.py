@@ -55,8 +55,8 @@ vLLM is imported only when an engine is built: this module imports without it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
+import logging
 import os
 import shutil
 import tempfile
@@ -75,10 +75,12 @@ from pulsenet.codec.dtypes import dtype_name
 from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
 from pulsenet.engines.vllm_worker import PARENT_ENV, REFUSED, layer_groups
 from pulsenet.errors import ConfigError, EngineError
+from pulsenet.logs import suppressed
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
 StateDict = Mapping[str, torch.Tensor]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def import_vllm() -> Any:
@@ -342,7 +344,7 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         """Shut vLLM down and stop the loop thread."""
         if self._llm is not None:
-            with contextlib.suppress(Exception):
+            with suppressed(log, "vllm engine: shutdown"):
                 self._llm.shutdown()
             self._llm = None
         if self._loop.is_running():

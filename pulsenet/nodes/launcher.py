@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from pulsenet.errors import ConfigError, PulsenetError
+from pulsenet.logs import suppressed
 from pulsenet.nodes.events import EVENTS_FILE, VersionEvent, read_events
 from pulsenet.nodes.plan import NetworkSettings, Site, inference_ids, plan_network, trainer_ids
 from pulsenet.nodes.summary import efficiency, requests, summarize
@@ -500,14 +501,14 @@ class Supervisor:
         finally:
             if chaos is not None:
                 chaos.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
+                with contextlib.suppress(asyncio.CancelledError), suppressed(log, "up: teardown: the chaos injector"):
                     await chaos
             if self._store_task is not None:  # a store restart in flight finishes (bounded by its start-up timeout)
-                with contextlib.suppress(Exception):
+                with suppressed(log, "up: teardown: the store restart in flight"):
                     await self._store_task
             await asyncio.to_thread(self._stop_all, [n for n in self.nodes if n.running])
             for task in list(self._stoppers):
-                with contextlib.suppress(Exception):
+                with suppressed(log, "up: teardown: a node stop in flight"):
                     await task
             if self.injector is not None:
                 try:
