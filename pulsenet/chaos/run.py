@@ -24,24 +24,24 @@ from pulsenet.nodes.launcher import Outcome, print_summary, run_network
 from pulsenet.nodes.supervisor import JOURNAL_FILE, read_journal
 
 
-def run_chaos(c: ChaosConfig) -> int:
-    """The run, the audit, the verdict (printed and written to ``c.out``); 0 if it passes."""
+def run_chaos(config: ChaosConfig) -> int:
+    """The run, the audit, the verdict (printed and written to ``config.out``); 0 if it passes."""
     from rich.console import Console
 
     out = Console()
-    chaos = Chaos(c)
+    chaos = Chaos(config)
     out.print(
-        f"[bold]pulsenet chaos[/]: seed {c.chaos_seed}, {len(chaos.schedule)} faults: "
+        f"[bold]pulsenet chaos[/]: seed {config.chaos_seed}, {len(chaos.schedule)} faults: "
         + ", ".join(f"{f.kind} {f.target}" for f in chaos.schedule)
     )
-    outcome, summary = run_network(c, chaos)
+    outcome, summary = run_network(config, chaos)
     if summary["rounds"]:
-        print_summary(out, c, outcome, summary)
-    result = audit_run(c, chaos, outcome)
+        print_summary(out, config, outcome, summary)
+    result = audit_run(config, chaos, outcome)
     result["summary"] = {k: summary[k] for k in ("checks", "extra") if k in summary}
-    atomic_write_bytes(c.out, (json.dumps(result, indent=1, default=str) + "\n").encode())
+    atomic_write_bytes(config.out, (json.dumps(result, indent=1, default=str) + "\n").encode())
     print_verdict(out, result)
-    out.print(f"written: {c.out.absolute()}")
+    out.print(f"written: {config.out.absolute()}")
     return 0 if result["verdict"] == "pass" else 1
 
 

@@ -184,55 +184,55 @@ class Outcome:
 # --- the run ------------------------------------------------------------------------------------
 
 
-def run_up(c: UpConfig) -> int:
+def run_up(config: UpConfig) -> int:
     """``pulsenet up``: the whole run, from a fresh store to the summary; returns the exit code."""
     from rich.console import Console
 
     out = Console()
-    outcome, summary = run_network(c)
-    report_outcome(out, c, outcome, summary)
+    outcome, summary = run_network(config)
+    report_outcome(out, config, outcome, summary)
     return outcome.code
 
 
-def run_network(c: UpConfig, injector: Injector | None = None) -> tuple[Outcome, dict[str, Any]]:
+def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Outcome, dict[str, Any]]:
     """Fresh run directories, keys, the store, the nodes under the ``Supervisor`` until the run is
     over, then the summary (``summarize_up``). ``injector``: ``pulsenet chaos``'s faults."""
-    _check(c)
+    _check(config)
     from rich.console import Console
 
     err = Console(stderr=True)
-    workdir = c.workdir.absolute()
+    workdir = config.workdir.absolute()
     _fresh_run_dirs(workdir)
-    sites = [f"t{k}" for k in range(c.trainers)] + [f"i{k}" for k in range(c.inference)]
+    sites = [f"t{k}" for k in range(config.trainers)] + [f"i{k}" for k in range(config.inference)]
     _ensure_keys(workdir / "keys", sites)
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-    if c.model == "tiny":
-        _warm_up_once(workdir / "cache", c.seed, err)
-    with _store(c, workdir, sites) as (creds, server):
-        nodes = _plan(c, workdir, run_id, creds, injector)
-        deadline = c.supervise.round_deadline_s or _round_deadline(workdir, c)
+    if config.model == "tiny":
+        _warm_up_once(workdir / "cache", config.seed, err)
+    with _store(config, workdir, sites) as (creds, server):
+        nodes = _plan(config, workdir, run_id, creds, injector)
+        deadline = config.supervise.round_deadline_s or _round_deadline(workdir, config)
         err.print(
-            f"[bold]pulsenet up[/]: {c.trainers} trainer(s), {c.inference} inference node(s), {c.model}, "
-            f"{c.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s"
+            f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
+            f"{config.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s"
         )
         journal = Journal(workdir / "state" / JOURNAL_FILE)
         journal.write("start", run=run_id, nodes=[n.name for n in nodes], round_deadline_s=deadline)
-        sup = Supervisor(c, nodes, err, server=server, journal=journal, injector=injector, round_deadline_s=deadline)
+        sup = Supervisor(config, nodes, err, server=server, journal=journal, injector=injector, round_deadline_s=deadline)
         outcome = asyncio.run(sup.run())
-    return outcome, summarize_up(c, outcome)
+    return outcome, summarize_up(config, outcome)
 
 
-def report_outcome(out: Any, c: UpConfig, outcome: Outcome, summary: dict[str, Any]) -> None:
+def report_outcome(out: Any, config: UpConfig, outcome: Outcome, summary: dict[str, Any]) -> None:
     """The end of ``pulsenet up``'s output: the failure, or the summary (and the report files)."""
     if outcome.code not in (0, 130) and not summary["rounds"]:
-        out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {c.workdir.absolute() / 'logs'})")
+        out.print(f"[bold red]pulsenet up failed[/]: {outcome.reason} (logs in {config.workdir.absolute() / 'logs'})")
         return
-    print_summary(out, c, outcome, summary)
-    if c.report is not None:
+    print_summary(out, config, outcome, summary)
+    if config.report is not None:
         from pulsenet.nodes.report import write_report
 
-        write_report(c.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"])
-        out.print(f"report: {c.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
+        write_report(config.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"])
+        out.print(f"report: {config.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
 
 
 def _round_deadline(workdir: Path, c: UpConfig) -> float:
@@ -870,43 +870,43 @@ def _fmt(v: Any, spec: str = "{}") -> str:
 # --- the summary ------------------------------------------------------------------------------
 
 
-def summarize_up(c: UpConfig, o: Outcome) -> dict[str, Any]:
+def summarize_up(config: UpConfig, outcome: Outcome) -> dict[str, Any]:
     """Rounds, nodes and checks from the nodes' version events (``nodes/summary.py``), plus the run."""
-    roles = {n.name: n.role for n in o.nodes}
-    s = summarize(o.events, roles, max_staleness=c.max_staleness)
-    for n in o.nodes:
-        s["nodes"][n.name] |= {
+    roles = {n.name: n.role for n in outcome.nodes}
+    summary = summarize(outcome.events, roles, max_staleness=config.max_staleness)
+    for n in outcome.nodes:
+        summary["nodes"][n.name] |= {
             "pid": n.pid,
             "pids": list(n.pids),
             "restarts": n.restarts.count,
             "exits": [dataclasses.asdict(e) for e in n.restarts.exits],
         }
-    s["efficiency"], s["requests"] = efficiency(o.events, roles), requests(o.events, roles)
-    s["extra"] = {
-        "efficiency": s["efficiency"],
-        "requests": s["requests"],
+    summary["efficiency"], summary["requests"] = efficiency(outcome.events, roles), requests(outcome.events, roles)
+    summary["extra"] = {
+        "efficiency": summary["efficiency"],
+        "requests": summary["requests"],
         "run": {
-            "model": c.model,
-            "rounds": c.rounds,
-            "trainers": c.trainers,
-            "inference": c.inference,
-            "max_staleness": c.max_staleness,
-            "wall_s": round(o.wall_s, 1),
-            "exit": o.code,
-            "reason": o.reason,
+            "model": config.model,
+            "rounds": config.rounds,
+            "trainers": config.trainers,
+            "inference": config.inference,
+            "max_staleness": config.max_staleness,
+            "wall_s": round(outcome.wall_s, 1),
+            "exit": outcome.code,
+            "reason": outcome.reason,
         },
-        "checks": s["checks"],
-        "nodes_detail": s["nodes"],
-        "restarts": {n.name: n.restarts.count for n in o.nodes} | {"store": o.store_restarts},
+        "checks": summary["checks"],
+        "nodes_detail": summary["nodes"],
+        "restarts": {n.name: n.restarts.count for n in outcome.nodes} | {"store": outcome.store_restarts},
     }
-    return s
+    return summary
 
 
-def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
+def print_summary(out: Any, config: UpConfig, outcome: Outcome, summary: dict[str, Any]) -> None:
     from rich.table import Table
 
-    rounds = s["rounds"]
-    out.print(f"\n[bold]pulsenet up[/]: {o.reason or 'stopped'} after {o.wall_s:.0f} s")
+    rounds = summary["rounds"]
+    out.print(f"\n[bold]pulsenet up[/]: {outcome.reason or 'stopped'} after {outcome.wall_s:.0f} s")
     if rounds:
         curve = " ".join(f"{r['reward']:.2f}" if r["reward"] is not None else "-" for r in rounds)
         out.print(f"reward per round: {curve}")
@@ -920,10 +920,10 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
             out.print(f"sparsity (BF16 weights unchanged per version): mean {sum(sp) / len(sp):.4f}, min {min(sp):.4f}")
         total = {ch: sum(r["bytes"][ch] for r in rounds) for ch in rounds[0]["bytes"]}
         out.print(
-            f"PULSESync: {total['pulsesync']:,} B to {c.inference} inference node(s) vs {total['full_sync']:,} B "
+            f"PULSESync: {total['pulsesync']:,} B to {config.inference} inference node(s) vs {total['full_sync']:,} B "
             f"of full checkpoints ({_ratio(total['full_sync'], total['pulsesync'])})"
         )
-        if c.trainers == 1:
+        if config.trainers == 1:
             out.print("PULSELoCo: n.a. (one trainer: no rounds between trainers, 0 B; DiLoCo and DDP 0 B too)")
         elif not total["pulseloco"]:
             out.print("PULSELoCo: not reported (the trainers' logs carry no loco_bytes per round)")
@@ -934,9 +934,9 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 f"({_ratio(total['ddp'], total['pulseloco'])})"
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
-        if s["eval"]:
-            out.print("greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in s["eval"]))
-        e = s["efficiency"]
+        if summary["eval"]:
+            out.print("greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in summary["eval"]))
+        e = summary["efficiency"]
         out.print(
             f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "
             f"{_pct(e['dropped_fraction'])} dropped stale, mean staleness {_fmt(e['staleness_mean'], '{:.2f}')}; "
@@ -947,7 +947,7 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
     t = Table(title="verified versions and digests")
     for col in ("node", "role", "restarts", "version", "digest", "checks"):
         t.add_column(col)
-    for name, d in s["nodes"].items():
+    for name, d in summary["nodes"].items():
         ok = ""
         if d["role"] == "inference":
             ok = "served verified" if d["served_verified"] else "UNVERIFIED" if d["served"] else "served nothing"
@@ -957,9 +957,9 @@ def print_summary(out: Any, c: UpConfig, o: Outcome, s: dict[str, Any]) -> None:
                 ok += ", own weights match" if d["weights_digest"] == d["digest"] else ", OWN WEIGHTS DIFFER"
         t.add_row(name, d["role"], str(d.get("restarts", 0)), _fmt(d["version"]), (d["digest"] or "-")[:16] + "…", ok)
     out.print(t)
-    if o.store_restarts:
-        out.print(f"store restarts: {o.store_restarts}")
-    checks = s["checks"]
+    if outcome.store_restarts:
+        out.print(f"store restarts: {outcome.store_restarts}")
+    checks = summary["checks"]
     out.print("checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
 
 
