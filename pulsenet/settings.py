@@ -32,6 +32,7 @@ import dataclasses
 import inspect
 import io
 import itertools
+import json
 import os
 import textwrap
 import tomllib
@@ -149,6 +150,34 @@ def to_toml_table(value: Any, _hidden: frozenset[str] | None = None, _prefix: st
         elif v is not None:
             out[f.name] = [str(x) for x in v] if isinstance(v, list | tuple) else str(v) if isinstance(v, Path) else v
     return out
+
+
+def write_toml(path: str | Path, table: Mapping[str, Any]) -> Path:
+    """Write ``table`` (``to_toml_table``'s output) to ``path`` as TOML and read it back: the one way
+    config TOML is written (``pulsenet up``'s node configs). Strings, numbers, booleans, lists and
+    nested tables; what does not read back raises ``ConfigError`` here, not in the node."""
+    path = Path(path)
+    path.write_text(_toml(table))
+    load_toml(path)  # what we wrote must read back
+    return path
+
+
+def _toml(data: Mapping[str, Any], prefix: str = "") -> str:
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping)]
+    for k, v in data.items():
+        if isinstance(v, Mapping):
+            lines += ["", f"[{prefix}{k}]", _toml(v, f"{prefix}{k}.")]
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
 
 
 # --- internals ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pulsenet.nodes.launcher import MARKER
+from pulsenet.nodes.up.workdir import MARKER
 
 pytestmark = pytest.mark.integration
 SMALL = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32", "--inner-steps", "2"]

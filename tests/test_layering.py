@@ -111,3 +111,18 @@ def test_no_import_loops() -> None:
 
 def _is_package_init(module: str) -> bool:
     return (ROOT.parent / Path(*module.split(".")) / "__init__.py").is_file()
+
+
+UP = "pulsenet.nodes.up"
+"""``pulsenet up``: the top of ``nodes``, one small module per job (work directory, sites, the
+supervisor's processes, the console, the launcher); the rest of ``nodes`` never imports it back."""
+
+
+def test_pulsenet_up_is_a_package_above_the_rest_of_nodes() -> None:
+    assert not (ROOT / "nodes" / "launcher.py").exists(), "pulsenet up lives in nodes/up/, not one launcher module"
+    graph = _graph()
+    assert {f"{UP}.{m}" for m in ("workdir", "sites", "supervisor", "console")} <= set(graph)
+    back = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if m.startswith("pulsenet.nodes.") and not m.startswith(UP) and d.startswith(UP))
+    assert not back, "nodes modules that import pulsenet up back:\n" + "\n".join(back)
+    long = {m: n for m in graph if m.startswith(UP) and (n := len(_modules()[m].read_text().splitlines())) > 600}
+    assert not long, f"pulsenet up modules over 600 lines: {long}"

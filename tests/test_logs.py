@@ -40,7 +40,7 @@ def test_cancellation_and_interrupts_pass_through(caplog: pytest.LogCaptureFixtu
 
 
 async def test_an_awaited_task_that_failed_is_logged_one_that_was_cancelled_is_not(caplog: pytest.LogCaptureFixture) -> None:
-    """The teardown shape in nodes/launcher.py and chaos/link.py: cancel, then await each task."""
+    """The teardown shape in nodes/up/supervisor.py and chaos/link.py: cancel, then await each task."""
 
     async def fails() -> None:
         raise OSError("reset")

@@ -10,7 +10,7 @@ import pytest
 import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.settings import fields_of, load_settings, require
+from pulsenet.settings import fields_of, load_settings, load_toml, require, write_toml
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -118,3 +118,20 @@ def test_fields_of_takes_some_settings_with_their_docstrings(capsys) -> None:
         load_settings(part, table="part", environ={}, argv=["--help"])
     out = capsys.readouterr().out
     assert "Rounds to run." in out and "Keep following." in out and "--store" not in out
+
+
+def test_write_toml_writes_a_table_that_reads_back_as_given(tmp_path: Path) -> None:
+    """The one TOML writer (``pulsenet up``'s node configs): strings with quotes and backslashes,
+    numbers, booleans, lists and nested tables read back as the table given."""
+    table = {
+        "trainer": {
+            "id": 't0 "quoted" \\ back',
+            "lr": 1e-05,
+            "steps": 3,
+            "resume": False,
+            "stop": ["\n", "x"],
+            "loco": {"deadline_s": 120.0, "peers": []},
+        }
+    }
+    path = write_toml(tmp_path / "t0.toml", table)
+    assert load_toml(path) == table

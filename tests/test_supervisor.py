@@ -4,22 +4,27 @@ incremental event reader."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.events import EventLog, VersionEvent
 from pulsenet.nodes.supervisor import (
+    End,
     EventTail,
     Exit,
     Journal,
     Restarts,
+    RunView,
     SuperviseConfig,
     TrainerView,
     describe_exit,
+    end_of_run,
     holdup,
     last_error,
     read_journal,
@@ -163,3 +168,40 @@ def test_event_tail_reads_whole_new_lines_only(tmp_path: Path) -> None:
     log.emit(VersionEvent(kind="published", node="t0", role="trainer", version=2, digest="c" * 64))
     assert [e.version for e in tail.read()] == [1, 2]
     assert tail.last("published").version == 2 and len(tail.events) == 3
+
+
+# --- the end of a run ----------------------------------------------------------------------------
+
+
+def _run(**kw: Any) -> RunView:
+    return dataclasses.replace(
+        RunView(serving=(("i0", -1), ("i1", -1)), serve_timeout_s=120.0, deadline=1000.0, timeout_s=1800.0), **kw
+    )
+
+
+def test_a_run_goes_on_until_every_inference_node_serves_the_final_version() -> None:
+    assert end_of_run(_run(), now=10.0) is None  # trainers still training
+    assert end_of_run(_run(final=3, serving=(("i0", 3), ("i1", 2)), serve_deadline=200.0), now=100.0) is None
+    assert end_of_run(_run(final=3, serving=(("i0", 3), ("i1", 4)), serve_deadline=200.0), now=100.0) == End(
+        0, "done: every node at v3"
+    )
+
+
+def test_inference_nodes_late_to_serve_the_final_version_fail_the_run_naming_them() -> None:
+    view = _run(final=3, serving=(("i0", 3), ("i1", 2)), serve_deadline=200.0)
+    assert end_of_run(view, now=200.0) is None  # the deadline itself is still in time
+    assert end_of_run(view, now=200.5) == End(1, "i1 did not serve v3 within 120 s")
+
+
+def test_the_run_times_out_with_who_holds_it_up() -> None:
+    assert end_of_run(_run(), now=1000.5) == End(1, "timed out after 1800 s")
+    assert end_of_run(_run(holdup="t1 down"), now=1000.5) == End(1, "timed out after 1800 s; stuck: t1 down")
+
+
+def test_failures_and_stops_come_before_what_the_versions_say() -> None:
+    done = dict(final=3, serving=(("i0", 3), ("i1", 3)), serve_deadline=200.0)
+    crash = "t0 exited 6 times within 600 s (crash loop)"
+    assert end_of_run(_run(**done, failure=crash, stopped=True), now=1.0) == End(1, crash)
+    assert end_of_run(_run(**done, stopped=True, stop_reason="stopped by SIGINT"), now=1.0) == End(130, "stopped by SIGINT")
+    assert end_of_run(_run(**done, injector_error="ValueError: boom"), now=1.0) == End(1, "chaos failed: ValueError: boom")
+    assert end_of_run(_run(stopped=True, stop_reason="stopped by SIGTERM"), now=5000.0) == End(130, "stopped by SIGTERM")

@@ -67,8 +67,10 @@ async def test_a_node_frozen_in_c_code_is_killed_and_restarted(tmp_path: Path) -
     and the new life answers."""
     from rich.console import Console
 
-    from pulsenet.nodes.launcher import Node, Supervisor, UpConfig
     from pulsenet.nodes.supervisor import Journal
+    from pulsenet.nodes.up import UpConfig
+    from pulsenet.nodes.up.node import Node
+    from pulsenet.nodes.up.supervisor import Supervisor
 
     port = _free_port()
     marker = tmp_path / "froze"

@@ -23,7 +23,7 @@ import boto3
 import pytest
 
 from pulsenet.nodes.events import read_events
-from pulsenet.nodes.launcher import MARKER
+from pulsenet.nodes.up.workdir import MARKER
 
 pytestmark = pytest.mark.integration
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -391,18 +391,52 @@ def test_sparsity_counts_unchanged_bf16_bits() -> None:
     assert unchanged_fraction(old, new) == 20 / 25
 
 
+def test_the_planned_round_deadline_is_the_trainers_as_planned_not_read_back_from_a_file(tmp_path: Path) -> None:
+    """Twice the trainers' PULSELoCo ``deadline_s`` as planned (after an injector's adjustments),
+    300 s for a lone trainer, ``--supervise.round-deadline-s`` when given; on 7876ec8 the launcher
+    read config/t0.toml back for it."""
+    from pulsenet.nodes.supervisor import SuperviseConfig
+    from pulsenet.nodes.up import UpConfig
+    from pulsenet.nodes.up.sites import Creds, plan_nodes
+
+    class Adjust:
+        def adjust(self, trainers: list, inference: list) -> None:
+            for t in trainers:
+                t.loco.deadline_s = 45.0
+
+        def endpoint(self, node: str, url: str) -> str:
+            return url
+
+        async def start(self, sup: object) -> None: ...
+
+        async def run(self, sup: object) -> None: ...
+
+        async def after(self, sup: object) -> None: ...
+
+    sites = ["t0", "t1", "i0", "i1"]
+    creds = Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
+    (tmp_path / "config").mkdir()
+    plan = plan_nodes(UpConfig(model="tiny"), tmp_path, "run", creds, Adjust())
+    assert plan.round_deadline_s == 90.0
+    assert tomllib.loads((tmp_path / "config" / "t1.toml").read_text())["trainer"]["loco"]["deadline_s"] == 45.0
+    assert plan_nodes(UpConfig(model="tiny", trainers=1), tmp_path, "run", creds).round_deadline_s == 300.0
+    given = UpConfig(model="tiny", supervise=SuperviseConfig(round_deadline_s=7.0))
+    assert plan_nodes(given, tmp_path, "run", creds).round_deadline_s == 7.0
+
+
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path) -> None:
     """tiny answers its warm-up task; a pretrained model gets solved examples first and its
     completion ends at the newline after its answer (a bare ``3+4=`` gives it no reward signal)."""
     from pulsenet.nodes.common import SHOTS, make_task
-    from pulsenet.nodes.launcher import UpConfig, _Creds, _plan
+    from pulsenet.nodes.up import UpConfig
+    from pulsenet.nodes.up.sites import Creds, plan_nodes
     from pulsenet.rl.tasks import TaskConfig
 
     sites = ["t0", "t1", "i0", "i1"]
-    creds = _Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
+    creds = Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
     (tmp_path / "config").mkdir()
-    nodes = _plan(UpConfig(model=model), tmp_path, "run", creds)
+    nodes = plan_nodes(UpConfig(model=model), tmp_path, "run", creds).nodes
     tables = [tomllib.loads((tmp_path / "config" / f"{n.name}.toml").read_text()) for n in nodes]
     inference = [t["inference"] for t in tables if "inference" in t]
     assert len(inference) == 2

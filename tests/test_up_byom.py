@@ -20,7 +20,7 @@ from model_dirs import gpt2_dir, llama_dir
 
 from pulsenet.codec.digest import model_digest
 from pulsenet.nodes.events import read_events
-from pulsenet.nodes.launcher import MARKER
+from pulsenet.nodes.up.workdir import MARKER
 from pulsenet.rl.models import bf16_state_dict
 
 pytestmark = pytest.mark.integration

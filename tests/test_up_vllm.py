@@ -22,7 +22,7 @@ from model_dirs import llama_config, model_dir, smollm2_tokenizer
 
 from pulsenet import procs
 from pulsenet.nodes.events import read_events
-from pulsenet.nodes.launcher import MARKER
+from pulsenet.nodes.up.workdir import MARKER
 
 pytestmark = pytest.mark.integration
 ROUNDS = 4

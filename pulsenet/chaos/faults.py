@@ -1,6 +1,6 @@
 """The seeded fault schedule of ``pulsenet chaos``, injected into a running ``pulsenet up`` network.
 
-``Chaos`` is the launcher's ``Injector`` (nodes/launcher.py): the network is the launcher's own, run
+``Chaos`` is the launcher's ``Injector`` (nodes/up/supervisor.py): the network is the launcher's own, run
 by its ``Supervisor`` (restarts, store restarts, stuck reports); this module only adds faults and
 watches. Faults are drawn from ``chaos_seed`` (which kinds, which nodes, when within a version) and
 injected one at a time, each once the network is whole again and has made ``settle_versions`` more
@@ -42,7 +42,9 @@ from typing import Any
 
 from pulsenet.chaos.link import LinkProxy
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.launcher import Node, Supervisor, UpConfig, node_version, serving_version
+from pulsenet.nodes.up import UpConfig
+from pulsenet.nodes.up.node import Node, node_version, serving_version
+from pulsenet.nodes.up.supervisor import Supervisor
 from pulsenet.runtime import signal_group
 
 log = logging.getLogger(__name__)

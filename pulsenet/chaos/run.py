@@ -1,6 +1,6 @@
 """``pulsenet chaos``: ``pulsenet up``'s network under a seeded fault schedule, then the audit.
 
-The network is the launcher's (``nodes/launcher.run_network``), supervised as in ``pulsenet up``; the
+The network is the launcher's (``nodes/up.run_network``), supervised as in ``pulsenet up``; the
 schedule is ``chaos/faults.py``'s injector; the audit is ``chaos/check.py`` over the run's own
 records. The verdict is printed and everything goes to ``--out`` (JSON); the exit code is 0 only
 when every check holds.
@@ -20,8 +20,10 @@ from pulsenet import procs
 from pulsenet.chaos.check import Limits, audit
 from pulsenet.chaos.faults import Chaos, ChaosConfig
 from pulsenet.fsutil import atomic_write_bytes
-from pulsenet.nodes.launcher import Outcome, print_summary, run_network
 from pulsenet.nodes.supervisor import JOURNAL_FILE, read_journal
+from pulsenet.nodes.up import run_network
+from pulsenet.nodes.up.console import print_summary
+from pulsenet.nodes.up.node import Outcome
 
 
 def run_chaos(config: ChaosConfig) -> int:

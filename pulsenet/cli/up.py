@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from pulsenet.cli.nodes import _config_option
-    from pulsenet.nodes.launcher import UpConfig, run_up
+    from pulsenet.nodes.up import UpConfig, run_up
     from pulsenet.settings import load_settings
 
     rest, config = _config_option(list(args.rest), args.config or os.environ.get("PULSENET_CONFIG"))

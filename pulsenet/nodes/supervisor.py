@@ -1,6 +1,6 @@
 """Supervision of a local network's processes: the decisions, apart from the processes.
 
-``pulsenet up`` (nodes/launcher.py) polls its children and asks these pieces what to do; each is
+``pulsenet up`` (its ``Supervisor`` in nodes/up/supervisor.py) polls its children and asks these pieces what to do; each is
 plain logic over plain records, so it is tested without starting anything:
 
 - ``SuperviseConfig``: the restart policy (systemd's ``Restart=on-failure`` with
@@ -17,6 +17,9 @@ plain logic over plain records, so it is tested without starting anything:
   CRITICAL record, a ``pulsenet: error`` line, an uncaught exception), never merely its last line;
 - ``holdup``: which trainer holds a stuck network up, from what the supervisor sees of each
   (down or restarting, not answering, behind, its ``/healthz`` reasons);
+- ``end_of_run``: whether a run is over, and with which exit code and reason, from one poll's
+  ``RunView`` (a crash loop, a stop signal, a failed chaos injector, every node at the final
+  version, the inference nodes late to serve it, the run's timeout);
 - ``Journal``: ``<workdir>/state/supervisor.jsonl``, one JSON line per exit, restart, crash loop,
   stuck/unstuck network, store restart (and, under ``pulsenet chaos``, per fault): the record the
   chaos checker audits next to the nodes' own ``events.jsonl``;
@@ -290,6 +293,60 @@ def with_inference(line: str, inference: Sequence[tuple[str, str, Sequence[str]]
     if not unwell or not line.startswith("no trainer reports a fault"):
         return line
     return "; ".join(unwell) + f" ({line})"
+
+
+@dataclass(frozen=True, slots=True)
+class RunView:
+    """What the supervisor sees of a run at one poll: what ``end_of_run`` decides on."""
+
+    failure: str = ""
+    """A crash loop (a node's or the store's), "" if none."""
+    stopped: bool = False
+    """A stop was asked for (SIGINT or SIGTERM)."""
+    stop_reason: str = ""
+    """Why it was stopped (``stopped by SIGINT``)."""
+    injector_error: str = ""
+    """``pulsenet chaos``'s injector failed with this ("" if it runs, or there is none)."""
+    final: int | None = None
+    """The version the trainers finished at; None while any trainer still trains."""
+    serving: tuple[tuple[str, int], ...] = ()
+    """(name, version its current life serves; -1: none or down) of every inference node."""
+    serve_deadline: float | None = None
+    """When the inference nodes must serve ``final`` by (monotonic seconds)."""
+    serve_timeout_s: float = 0.0
+    deadline: float = float("inf")
+    """When the whole run gives up (monotonic seconds)."""
+    timeout_s: float = 0.0
+    holdup: str = ""
+    """Which trainer holds a stuck network up ("" when it moves)."""
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """How a run ended: the exit code (0 done, 1 failed, 130 stopped) and why."""
+
+    code: int
+    reason: str
+
+
+def end_of_run(view: RunView, now: float) -> End | None:
+    """The run is over (and how), or None while it goes on. First what fails a run whatever the
+    versions say (a crash loop, a stop, the injector), then the versions, then the clock."""
+    if view.failure:
+        return End(1, view.failure)
+    if view.stopped:
+        return End(130, view.stop_reason)
+    if view.injector_error:
+        return End(1, f"chaos failed: {view.injector_error}")
+    if view.final is not None:
+        behind = [name for name, version in view.serving if version < view.final]
+        if not behind:
+            return End(0, f"done: every node at v{view.final}")
+        if view.serve_deadline is not None and now > view.serve_deadline:
+            return End(1, f"{', '.join(behind)} did not serve v{view.final} within {view.serve_timeout_s:g} s")
+    if now > view.deadline:
+        return End(1, f"timed out after {view.timeout_s:g} s" + (f"; stuck: {view.holdup}" if view.holdup else ""))
+    return None
 
 
 def _v(x: int | None) -> str:

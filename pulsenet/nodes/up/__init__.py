@@ -1,0 +1,107 @@
+"""``pulsenet up``: a whole network on one machine, every node its own process.
+
+What it does, in order:
+
+1. a work directory (``--workdir``, ``up/workdir.py``): signing keys (kept across runs), the tiny
+   warm-up cache (kept), and this run's ``state/``, ``config/``, ``logs/`` and ``s3/`` (wiped at the
+   start of each run);
+2. the store (``up/sites.py``): an embedded SeaweedFS with one bucket per site and one identity per site that may
+   write only its own bucket (``writer-<site>``; with several trainers, also their shared PULSELoCo
+   bucket), or ``--s3-endpoint`` with the credentials of the
+   environment (AWS_*) and buckets ``<bucket-prefix><site>``; every run uses its own prefix;
+3. N trainers and K inference nodes (2 and 2 by default), planned by ``nodes/plan.py`` (the model's
+   preset under this command's settings; ``up/sites.py`` writes each config with
+   ``settings.write_toml``), each ``python -m pulsenet --log-format json -v <role>
+   --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status port
+   and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
+   (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
+4. the ``Supervisor`` (``up/supervisor.py``): a live table (``up/console.py``) polling each node's ``/status`` (its health and reasons in it);
+   a node that exits unexpectedly is started again with the same command, config and credentials
+   after an exponential backoff, and so is the embedded store (same directory, ports and keys); a
+   node whose own ``/healthz`` says stuck is restarted; a network that makes no new version within
+   the round deadline is reported STUCK with the trainer that holds it up. The run fails only on a
+   crash loop (``--supervise.max-restarts`` restarts within ``--supervise.window-s``), naming the
+   node, how often it exited and its last error (``nodes/supervisor.py`` holds these decisions,
+   the end of the run, ``end_of_run``, among them;
+   ``state/supervisor.jsonl`` records each of them);
+5. when the trainers have published ``--rounds`` versions (and exited), the inference nodes get
+   SIGTERM once they serve the final version (or after ``serve_timeout_s``); Ctrl-C or SIGTERM
+   stops every node the same way at any time (SIGTERM, wait, SIGKILL fallback);
+6. the end summary (``up/console.py``; restarts per node included) and, with ``--report DIR``, ``summary.json`` and
+   PNG plots (``nodes/report.py``).
+
+Where the per-round history comes from: the nodes' own version events (``nodes/events.py``), one
+JSON line per version in ``<workdir>/state/<node>/events.jsonl``: a trainer's ``published``, an
+inference node's ``served`` and ``stopped``. They survive the process (a trainer exits after its
+last version, before a poller could be sure to see it) and hold every version, where ``/status``
+holds only the latest; ``nodes/summary.py`` turns them into the report. No log text is parsed,
+except an exited node's last error (``supervisor.last_error``: an ERROR record, a typed
+``pulsenet: error``, a traceback; never merely its last line) for the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from pulsenet.errors import ConfigError
+from pulsenet.nodes.supervisor import JOURNAL_FILE, Journal
+from pulsenet.nodes.up.config import UpConfig
+from pulsenet.nodes.up.console import report_outcome, summarize_up
+from pulsenet.nodes.up.node import Outcome
+from pulsenet.nodes.up.sites import open_store, plan_nodes
+from pulsenet.nodes.up.supervisor import Injector, Supervisor
+from pulsenet.nodes.up.workdir import ensure_keys, fresh_run_dirs, warm_up_once
+
+__all__ = ["UpConfig", "run_network", "run_up"]
+
+
+def run_up(config: UpConfig) -> int:
+    """``pulsenet up``: the whole run, from a fresh store to the summary; returns the exit code."""
+    from rich.console import Console
+
+    out = Console()
+    outcome, summary = run_network(config)
+    report_outcome(out, config, outcome, summary)
+    return outcome.code
+
+
+def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Outcome, dict[str, Any]]:
+    """Fresh run directories, keys, the store, the nodes under the ``Supervisor`` until the run is
+    over, then the summary (``summarize_up``). ``injector``: ``pulsenet chaos``'s faults."""
+    _check(config)
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    workdir = config.workdir.absolute()
+    fresh_run_dirs(workdir)
+    sites = [f"t{k}" for k in range(config.trainers)] + [f"i{k}" for k in range(config.inference)]
+    ensure_keys(workdir / "keys", sites)
+    run_id = f"up-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+    if config.model == "tiny":
+        warm_up_once(workdir / "cache", config.seed, err)
+    with open_store(config, workdir, sites) as (creds, server):
+        plan = plan_nodes(config, workdir, run_id, creds, injector)
+        nodes, deadline = plan.nodes, plan.round_deadline_s
+        err.print(
+            f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
+            f"{config.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s"
+        )
+        journal = Journal(workdir / "state" / JOURNAL_FILE)
+        journal.write("start", run=run_id, nodes=[n.name for n in nodes], round_deadline_s=deadline)
+        sup = Supervisor(config, nodes, err, server=server, journal=journal, injector=injector, round_deadline_s=deadline)
+        outcome = asyncio.run(sup.run())
+    return outcome, summarize_up(config, outcome)
+
+
+def _check(c: UpConfig) -> None:
+    """Settings no network can run with stop here, before anything is started."""
+    if c.trainers < 1 or c.inference < 1 or c.rounds < 1:
+        raise ConfigError("pulsenet up: --trainers, --inference and --rounds must be >= 1")
+    from pulsenet.rl.models import resolve_model
+
+    resolve_model(c.model)  # a model that is not there stops here, with how to get it
+    if c.max_staleness < 0:
+        raise ConfigError("pulsenet up: --max-staleness must be >= 0")

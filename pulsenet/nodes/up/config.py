@@ -1,0 +1,36 @@
+"""``pulsenet up``'s settings: the network (``nodes/plan.NetworkSettings``) plus where and how it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pulsenet.nodes.plan import NetworkSettings
+from pulsenet.nodes.supervisor import SuperviseConfig
+
+
+@dataclass(kw_only=True)
+class UpConfig(NetworkSettings):
+    """A local network on one machine. Settings: the [up] table of --config FILE, then PULSENET_<FIELD>, then --field."""
+
+    workdir: Path = Path(".pulsenet-up")
+    """Keys and the warm-up cache (kept), this run's node states, configs, logs and store (wiped per run)."""
+    s3_endpoint: str = ""
+    """An S3 endpoint to use instead of the embedded SeaweedFS (credentials from AWS_*; the
+    buckets <bucket-prefix><site> are created if missing)."""
+    bucket_prefix: str = "pulsenet-"
+    """Bucket names are this plus the site (t0, i0, ...)."""
+    report: Path | None = None
+    """Write summary.json and reward.png, bytes.png, sparsity.png here."""
+    live: bool = True
+    """Show the live table (off: one line per new version, or change of a node's health or restarts)."""
+    poll_s: float = 0.5
+    """Interval of /status polls (display, end detection)."""
+    timeout_s: float = 1800.0
+    """Give up (and stop every node) if the trainers have not finished by then."""
+    serve_timeout_s: float = 120.0
+    """After the trainers finish, how long inference nodes get to serve the final version."""
+    stop_grace_s: float = 30.0
+    """After SIGTERM, how long a node gets to exit before SIGKILL."""
+    supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
+    """Restarts (backoff, crash loop), the round deadline of a stuck network, liveness restarts."""
