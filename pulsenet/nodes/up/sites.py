@@ -105,7 +105,6 @@ def round_deadline(trainers: list[TrainerConfig]) -> float:
 def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: Injector | None = None) -> Plan:
     """Each node's config file (``nodes/plan.py``), command, environment, status port and log.
     ``injector``: may adjust the planned settings and give each node its own store endpoint."""
-
     keys = workdir / "keys"
     ids = trainer_ids(c) + inference_ids(c)
     sites = {

@@ -64,7 +64,7 @@ class Injector(Protocol):
 
 class Supervisor:
     """Starts the nodes, restarts what exits unexpectedly (and the embedded store), reports a network
-    that makes no version, decides when the run is over, and stops everything.
+    that makes no version, ends the run when ``end_of_run`` says so, and stops everything.
 
     The decisions are ``nodes/supervisor.py``'s; this class holds the processes and the loop. What
     it does is written to ``journal`` (``state/supervisor.jsonl``) as it happens."""
