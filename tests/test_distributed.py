@@ -168,4 +168,7 @@ def test_two_rank_site_runs_pulseloco_rounds_like_one_process(tmp_path: Path, on
 
 
 if __name__ == "__main__":
+    from pulsenet.rl.distributed import exit_rank
+
     _rank_main(sys.argv[1], Path(sys.argv[2]))
+    exit_rank(0)  # as pulsenet's own ranks end: no interpreter finalization with gloo threads alive

@@ -44,7 +44,7 @@ def run_trainer(c: TrainerConfig) -> None:
     returns, however (its last step, SIGTERM/SIGINT, an error), it releases the other ranks, which
     then exit too. A restarted job resumes from rank 0's checkpoint and hands it to every rank.
     """
-    from pulsenet.rl.distributed import GroupGRPOInner, init_rank_group, torchrun_rank
+    from pulsenet.rl.distributed import GroupGRPOInner, exit_rank, init_rank_group, torchrun_rank
 
     rank = torchrun_rank(os.environ)
     if rank is None:
@@ -58,28 +58,27 @@ def run_trainer(c: TrainerConfig) -> None:
         if rank.rank != 0:
             log.info("%s: rank %d of %d (%s) serves rank 0", c.id, rank.rank, rank.world, backend)
             _serve_rank(c)
-            clean = True
             log.info("%s: rank %d released by rank 0", c.id, rank.rank)
-            return
-        log.info("%s: speaks for a rank group of %d (%s)", c.id, rank.world, backend)
-        node = build_trainer(c, ranks=True)
-        group = node.policy
-        assert isinstance(group, GroupGRPOInner)
-        try:
-            run_node(node, c.status_host, c.status_port, c.stuck_after_s)
-        except BaseException:
-            with contextlib.suppress(RuntimeError):  # the process group may be what failed
-                group.stop()
-            raise
-        group.stop()
+        else:
+            log.info("%s: speaks for a rank group of %d (%s)", c.id, rank.world, backend)
+            node = build_trainer(c, ranks=True)
+            group = node.policy
+            assert isinstance(group, GroupGRPOInner)
+            try:
+                run_node(node, c.status_host, c.status_port, c.stuck_after_s)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the process group may be what failed
+                    group.stop()
+                raise
+            group.stop()
         clean = True
     finally:
         if clean:
             # A last barrier on a clean stop: no rank tears down its gloo pairs while another still
-            # has messages of the stop in flight (that aborted a rank at exit: "terminate called
-            # without an active exception", SIGABRT, a failed job after a finished run).
+            # has messages of the stop in flight.
             dist.barrier()
         dist.destroy_process_group()
+    exit_rank(0)  # only a clean stop gets here; see exit_rank for why not a normal return
 
 
 def _serve_rank(c: TrainerConfig) -> None:

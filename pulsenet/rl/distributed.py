@@ -68,11 +68,14 @@ on gloo. The NCCL half was never run here (no GPU).
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -125,6 +128,22 @@ def init_rank_group(rank: TorchrunRank) -> str:
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, rank=rank.rank, world_size=rank.world, timeout=GROUP_TIMEOUT)
     return backend
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """End a rank process now, after ``destroy_process_group``, skipping interpreter finalization.
+
+    Why: the process group outlives ``destroy_process_group`` while anything else still holds it
+    (FSDP2's device mesh does), and gloo's worker threads may then hold work with Python tensors;
+    tearing those down during interpreter finalization aborts the process ("terminate called
+    without an active exception", SIGABRT; pytorch PR 179291), so torchrun fails a job whose every
+    step and publication had succeeded. Logs and stdio are flushed first; nothing else is pending
+    in a rank once its group is destroyed (rank 0 has closed its node: store, files, status)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 # --- the data-parallel step ---------------------------------------------------------------------
