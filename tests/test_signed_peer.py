@@ -65,6 +65,18 @@ class Site:
     def trusted(self, *sites: str) -> dict:
         return {key_id(self.pubs[s]): self.pubs[s] for s in sites}
 
+    def inference_node(self, config: InferenceConfig) -> InferenceNode:
+        """Node i0 (its own bucket and key) following t0's and t1's channels, on the arith task."""
+        return InferenceNode(
+            config,
+            store=self.store("i0"),
+            policy_stores=[self.store("t0"), self.store("t1")],
+            trusted=self.trusted("t0", "t1"),
+            key=self.keys["i0"],
+            task=make_task("arith", 0),
+            text=text_codec("tiny"),
+        )
+
 
 async def _until(condition: Callable[[], bool], task: asyncio.Task[Any], timeout: float, what: str) -> None:
     """Wait (polling the nodes' own counters) until ``condition`` holds; fail if ``task`` ends first."""
@@ -112,7 +124,7 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
         head = Head(version=FAR, model_digest=pub.digest, publisher=pub.key_id, time_ms=int(time.time() * 1000))  # type: ignore[arg-type]
         await net.store(t).put(pub.layout.head, sign_head(head, net.keys[t], context=pub.layout.context))
 
-    node = InferenceNode(
+    node = net.inference_node(
         InferenceConfig(
             id="i0",
             run=RUN,
@@ -125,13 +137,7 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
             subscribe=SubscriberConfig(interval_s=0.1),
             failover_s=0.3,  # its channel brings nothing newer: it looks at the other one
             status_every_s=0.5,
-        ),
-        store=net.store("i0"),
-        policy_stores=[net.store("t0"), net.store("t1")],
-        trusted=net.trusted("t0", "t1"),
-        key=net.keys["i0"],
-        task=make_task("arith", 0),
-        text=text_codec("tiny"),
+        )
     )
     stop = asyncio.Event()
     task = asyncio.create_task(node.run(stop))
@@ -435,19 +441,13 @@ def test_each_channel_of_an_inference_node_has_its_own_payload_cache(tmp_path: P
     """A subscriber prunes its payload cache: with one ``[inference.subscribe] cache_dir`` shared by
     every channel, one channel's prune could delete a payload another had just downloaded."""
     net = Site(tmp_path, "t0", "t1", "i0")
-    node = InferenceNode(
+    node = net.inference_node(
         InferenceConfig(
             id="i0",
             run=RUN,
             state_dir=tmp_path / "i0",
             subscribe=SubscriberConfig(cache_dir=tmp_path / "cache"),
-        ),
-        store=net.store("i0"),
-        policy_stores=[net.store("t0"), net.store("t1")],
-        trusted=net.trusted("t0", "t1"),
-        key=net.keys["i0"],
-        task=make_task("arith", 0),
-        text=text_codec("tiny"),
+        )
     )
     caches = [s.config.cache_dir for s in node.subscribers]
     assert caches == [tmp_path / "cache" / "policy-0", tmp_path / "cache" / "policy-1"]
