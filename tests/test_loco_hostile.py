@@ -73,11 +73,11 @@ async def test_a_digest_liar_costs_its_honest_peer_one_bounded_replay_and_never_
     await asyncio.gather(a.run(8), b.run(8))
     assert a.round == b.round == 8 and a.digest == b.digest  # b averages honestly; only its word lies
     assert a.stats.rounds_failed == 0 and not any(r.repaired for r in a.reports)
-    assert a.distrusted == {"b": 1}
+    assert a.trust.distrusted == {"b": 1}
     assert a.stats.digest_disagreements == {"b": 8}
     assert [r for name, r in seen if name == "replay"] == [1]  # one replay of one round, not one per round
     assert 8 in await a.rs.state_rounds()  # a, the honest majority of the ones it trusts, publishes states
-    issues = a.trust_issues()
+    issues = a.trust.issues()
     assert issues is not None and "b" in issues
     healthz = LocoRounds(a, None, tmp_path / "a").degraded()  # type: ignore[arg-type]  (what /healthz says)
     assert healthz is not None and "digests of b left out of the vote" in healthz
@@ -86,7 +86,7 @@ async def test_a_digest_liar_costs_its_honest_peer_one_bounded_replay_and_never_
     again = tiny_trainer("a", LocalStore(tmp_path / "store"), keys, pubs, cfg, state_dir=tmp_path / "a", on_phase=_phases(seen))
     await asyncio.gather(again.run(10), b.run(10))
     assert again.round == 10 and again.digest == b.digest and again.stats.rounds_failed == 0
-    assert again.distrusted == {"b": 9}
+    assert again.trust.distrusted == {"b": 9}
     assert [r for name, r in seen if name == "replay"] == [9]  # from its own state of round 8
 
 
@@ -106,8 +106,8 @@ async def test_with_nothing_to_check_against_a_two_trainer_split_keeps_our_own_s
     a.rs.state_rounds = none_published  # type: ignore[method-assign]
     await asyncio.gather(a.run(3), b.run(3))
     assert a.round == 3 and a.digest == b.digest and a.stats.rounds_failed == 0
-    assert a.stats.digest_unverified == 3 and a.distrusted == {}
-    issues = a.trust_issues()
+    assert a.stats.digest_unverified == 3 and a.trust.distrusted == {}
+    issues = a.trust.issues()
     assert issues is not None and "unverified" in issues
 
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pulsenet.codec import payload as wire
 from pulsenet.errors import ConfigError
-from pulsenet.loco.documents import Timeouts
+from pulsenet.loco.documents import Record, Timeouts
 from pulsenet.loco.layout import check_run_id
 
 MODES = {"pulseloco": wire.SPARSE, "diloco": wire.DENSE}
@@ -181,3 +181,9 @@ class RoundReport:
     """L2 norm of each participant's payload, as this trainer checked them."""
     weights_norm: float = 0.0
     """‖θ‖ the round started from (the absolute bound on payload norms is ``norm_weights_factor`` x this)."""
+
+    def follow(self, record: Record) -> None:
+        """What the round's record decided: its participants, rejections and writer."""
+        self.participants = sorted(record.participants)
+        self.rejected = dict(record.rejected)
+        self.record_writer = record.writer

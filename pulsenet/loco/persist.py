@@ -20,20 +20,18 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from pulsenet.errors import PulsenetError, VerificationError
 from pulsenet.loco.documents import RoundStore
 from pulsenet.loco.inner import InnerLoop
+from pulsenet.loco.progress import Retry
 from pulsenet.loco.state import GlobalState, TrainerState
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.pt"
-Retry = Callable[[Callable[[], Awaitable[Any]], str], Awaitable[Any]]
-"""``retry(call, what)``: a store call that must land, retried through transient failures."""
 
 
 async def save_local(state_dir: Path | None, current: Callable[[], TrainerState]) -> Path | None:
@@ -84,6 +82,14 @@ async def snapshot(path: Path | None, current: Callable[[], TrainerState]) -> Pa
         except OSError:
             await asyncio.to_thread(shutil.copyfile, path, snap)
     return snap
+
+
+def writes_state(digests: Mapping[str, str], who: str, digest: str) -> bool:
+    """Whether ``who`` (holding ``digest``) writes this round's global state: one writer per round,
+    the lowest-id trainer holding the majority digest (``digests``: the participants' that count,
+    all of them seen; {} if not, and nobody writes)."""
+    holders = sorted(t for t, d in digests.items() if d == digest)
+    return bool(holders) and holders[0] == who and 2 * len(holders) > len(digests)
 
 
 async def upload_checkpoint(rs: RoundStore, r: int, snap: Path, retry: Retry) -> None:

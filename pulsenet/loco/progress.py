@@ -12,6 +12,10 @@ rule: a delay drawn uniformly from ``[0, min(cap, base·2^attempt)]``, so traine
 together do not come back together), logged at every failure, for as long as the failure is
 transient (:func:`transient`) and the caller has not cancelled the call (an abandoned round cancels
 its upload).
+
+Attempts at a round (:class:`Attempts`): one failure policy for the whole round. An outage is
+waited out with the same growing backoff and never counted as a failure; anything the store holds
+that cannot be used is counted, and ``max_round_failures`` in a row end the run.
 """
 
 from __future__ import annotations
@@ -21,19 +25,24 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from pulsenet.errors import (
     AccessDenied,
     BucketNotFound,
     ConditionFailed,
+    ManifestError,
     ObjectNotFound,
     ObjectTooLarge,
+    RoundError,
+    RoundTimeout,
     StoreError,
+    VerificationError,
 )
 from pulsenet.store.base import backoff_delay
 
 if TYPE_CHECKING:
+    from pulsenet.loco.config import LocoConfig
     from pulsenet.loco.documents import Record
 
 log = logging.getLogger(__name__)
@@ -152,6 +161,13 @@ class Progress:
         return f"{self.phase} of round {self.round} for {took}"
 
 
+class Retry(Protocol):
+    """``retry(call, what)``: a store call that must land, retried through transient failures
+    (:func:`retrying` with a trainer's settings: ``LocoTrainer._retry``)."""
+
+    def __call__(self, call: Callable[[], Awaitable[T]], what: str, /) -> Awaitable[T]: ...
+
+
 async def retrying(
     call: Callable[[], Awaitable[T]],
     what: str,
@@ -185,4 +201,53 @@ async def retrying(
             progress.store_ok()
         if attempt:
             log.warning("%s landed after %d retries", what, attempt)
+        return result
+
+
+@dataclass(slots=True)
+class Attempts:
+    """One trainer's attempts at its rounds, one after another (``LocoTrainer.next_round``)."""
+
+    who: str
+    config: LocoConfig
+    progress: Progress
+    stats: LocoStats
+    failures: int = 0
+    """Attempts in a row that failed on something the store holds that cannot be used."""
+    waits: int = 0
+    """Attempts in a row that ended because the store or the peers were away (not counted as
+    failures: they set the backoff before the next attempt)."""
+
+    async def run(self, r: int, attempt: Awaitable[T], sleep: Callable[[], Awaitable[None]]) -> T | None:
+        """``await attempt`` (round r); None if it failed. An outage (a transient store failure, or no
+        quorum in time while the store answers) is waited out with a growing backoff and never
+        counted; anything the store holds that cannot be used is counted and waits ``sleep()`` (one
+        poll), and ``max_round_failures`` in a row re-raise."""
+        try:
+            result = await attempt
+        except (RoundError, StoreError, ManifestError, VerificationError) as e:
+            self.stats.rounds_failed += 1
+            why = f"{type(e).__name__}: {str(e)[:300]}"
+            if isinstance(e, RoundTimeout) or transient(e):
+                self.stats.rounds_timed_out += isinstance(e, RoundTimeout)
+                self.waits += 1
+                delay = backoff_delay(self.waits - 1, self.config.retry_base_s, self.config.retry_cap_s)
+                log.warning(
+                    "%s: round %d not done (%s: %s); trying again in %.1f s (attempt %d)",
+                    *(self.who, r, type(e).__name__, e, delay, self.waits + 1),
+                )
+                if transient(e):
+                    self.progress.store_failed(e)
+                    self.stats.store_failures += 1
+                self.progress.enter("backoff", r, why)
+                await asyncio.sleep(delay)
+                return None
+            self.failures += 1
+            log.error("%s: round %d failed (%d in a row): %s: %s", self.who, r, self.failures, type(e).__name__, e)
+            if self.failures >= self.config.max_round_failures:
+                raise
+            self.progress.enter("backoff", r, why)
+            await sleep()
+            return None
+        self.failures = self.waits = 0
         return result

@@ -10,7 +10,7 @@ restarted trainers use the same replay to catch up. docs/loco.md, "Digests", has
 A digest is a trainer's word. A repair replays at most ``max_replay`` rounds, and a trainer whose
 own state is the one the store's chain gives, in a round with no majority (two trainers, one of
 them lying), keeps it and leaves the disagreeing trainers out of every later digest vote
-(``LocoTrainer.distrusted``): a liar costs its peers one bounded replay, never their run.
+(``LocoTrainer.trust``): a liar costs its peers one bounded replay, never their run.
 
 One round's agreement, as the trainer's step 5 calls it: :func:`publish_digest` (in the background),
 :func:`gather_digests`, then :func:`settle`, which judges and, outside a majority, repairs; what it
@@ -24,7 +24,6 @@ import collections
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
@@ -38,11 +37,10 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.loco.documents import Record, RoundStore, StateRef
-from pulsenet.loco.progress import LocoStats, Progress, transient
+from pulsenet.loco.progress import LocoStats, Progress, Retry, transient
 from pulsenet.loco.state import GlobalState
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 Loader = Callable[[Record, Mapping[str, torch.Tensor]], Awaitable[dict[str, wire.Payload]]]
 """Fetches, checks and decodes the payloads a round record names, against the round's base weights
@@ -199,10 +197,6 @@ class Settled:
     """The state rebuilt from the store and its digest, which the trainer must adopt (a repair)."""
 
 
-Retry = Callable[[Callable[[], Awaitable[str]], str], Awaitable[str]]
-"""``retry(call, what)``: a store call that must land (``LocoTrainer._retry``)."""
-
-
 async def publish_digest(rs: RoundStore, r: int, digest: str, retry: Retry) -> None:
     """Publish our digest of round r, retried until it lands; an earlier run's stands (logged)."""
     stood = await retry(lambda: rs.publish_digest(r, digest), f"round {r}: publishing our digest")
@@ -342,6 +336,16 @@ async def members(rs: RoundStore, progress: Progress, stats: LocoStats) -> list[
     return joined
 
 
+async def announce_joining(rs: RoundStore, r: int) -> None:
+    """Back after a round decided without us (or not knowing: a start): say we train round r, so
+    that peers wait for our payload until the deadline again. Best effort: if it fails they may
+    close r without us, and we catch up and say it again for the next round."""
+    try:
+        await rs.announce_joining(r)
+    except StoreError as e:
+        log.warning("%s: round %d: could not announce that we join: %s", rs.id, r, e)
+
+
 async def wait_for_members(
     rs: RoundStore,
     expected: int,
@@ -363,7 +367,7 @@ async def wait_for_members(
 
 
 async def genesis(
-    rs: RoundStore, state: GlobalState, digest: str, retry: Callable[[Callable[[], Awaitable[T]], str], Awaitable[T]]
+    rs: RoundStore, state: GlobalState, digest: str, retry: Retry
 ) -> tuple[GlobalState, str] | None:
     """Round 0: the first trainer publishes its initial state; everyone else must hold the same.
     The run's genesis state and its digest if it is not ours (to adopt), else None."""

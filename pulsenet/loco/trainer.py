@@ -44,11 +44,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -57,26 +55,19 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from pulsenet.codec import payload as wire
-from pulsenet.errors import (
-    ConfigError,
-    ManifestError,
-    PulsenetError,
-    RoundError,
-    RoundTimeout,
-    StoreError,
-    VerificationError,
-)
+from pulsenet.errors import ConfigError, RoundError
 from pulsenet.loco import algorithm as alg
-from pulsenet.loco import persist, recovery
+from pulsenet.loco import persist, recovery, update
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
 from pulsenet.loco.documents import Record, RoundStore, first_error
 from pulsenet.loco.inner import InnerLoop, SelfTraining
-from pulsenet.loco.progress import LocoStats, Progress, retrying, transient
+from pulsenet.loco.overlap import Ahead
+from pulsenet.loco.progress import Attempts, LocoStats, Progress, retrying
 from pulsenet.loco.state import GlobalState, TrainerState
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id
-from pulsenet.store.base import ObjectStore, backoff_delay
+from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +76,6 @@ InnerPhase = Callable[[int], Awaitable[list[float]]]
 """``train(r)``: round r's H inner steps from the weights the inner loop holds; one loss per step taken."""
 PhaseHook = Callable[[str, int], AbstractAsyncContextManager[object]]
 """``on_phase(phase, round)``: entered around each phase's work (see the module docstring)."""
-
-
-@dataclass(slots=True)
-class _Sent:
-    """Round r's update as published: what collecting, applying and settling it need."""
-
-    round: int
-    report: RoundReport
-    own: wire.Payload
-    new_error: alg.StateDict | None
-    data: bytes
-    reproduced: bool = True
-    """False when an earlier, different payload of ours stands in the store (a restarted trainer)."""
 
 
 class LocoTrainer:
@@ -145,16 +123,12 @@ class LocoTrainer:
         self.collector: Collector | None = None
         self.background = persist.Background(self.id)
         """Uploads beside the rounds; in the ``session``'s TaskGroup while one is open."""
-        self._failures = 0
-        self._waits = 0
-        """Round attempts in a row that ended because the store or the peers were away (not counted
-        as failures: they set the backoff before the next attempt)."""
         self._carried: list[float] | None = None
         """``overlap``: the losses of the next round's inner phase, already trained (``run_round``)."""
         self._last: frozenset[str] | None = None
         """The participants of the last round we applied or caught up to (None: not known yet): a
         trainer not among them is absent, waited for ``absent_wait_s`` unless it says it joins."""
-        self._pending: _Sent | None = None
+        self._pending: update.Sent | None = None
         """The published update of a round whose attempt failed: the next attempt at that round
         collects again with it instead of training again (synchronous rounds)."""
         self.progress = Progress(trainer=self.id)
@@ -163,7 +137,10 @@ class LocoTrainer:
         self.stats = LocoStats()
         """Counters over the trainer's life (rounds, exclusions by reason, void rounds, store failures)."""
         self.trust = recovery.Trust()
-        """Whose digests count in the vote, and whether our state was kept unverified (``recovery``)."""
+        """Whose digests count in the vote (``trust.distrusted``), and whether our state was kept
+        unverified; ``trust.issues()`` says it in words for ``/healthz`` (``recovery``)."""
+        self.attempts = Attempts(self.id, config, self.progress, self.stats)
+        """Failures and outages in a row, and the backoff between attempts (``progress``)."""
 
     # --- lifecycle ----------------------------------------------------------------------------
 
@@ -208,56 +185,14 @@ class LocoTrainer:
 
         Anything the store holds that cannot be used (unreachable, unverifiable, malformed) fails
         the round, typed: it is logged and counted, and the next call finds the round's record (or
-        not) and catches up from the store. ``max_round_failures`` failures in a row re-raise."""
+        not) and catches up from the store. ``max_round_failures`` failures in a row re-raise
+        (``progress.Attempts``)."""
         before = len(self.reports)
-        await self._attempt(self.run_round(train, last=until))
+        await self.attempts.run(self.round + 1, self.run_round(train, last=until), self._collector.sleep)
         if len(self.reports) == before:
             return None
         self.progress.enter("idle", self.round + 1)
         return self.reports[-1]
-
-    async def _attempt(self, round_: Awaitable[T]) -> T | None:
-        """Run one attempt at a round. An outage (a transient store failure, or no quorum in time
-        while the store answers) is waited out with a growing backoff and never counted; anything
-        the store holds that cannot be used is counted, and ``max_round_failures`` in a row re-raise."""
-        r = self.round + 1
-        try:
-            result = await round_
-        except (RoundError, StoreError, ManifestError, VerificationError) as e:
-            self.stats.rounds_failed += 1
-            if isinstance(e, RoundTimeout) or transient(e):
-                self.stats.rounds_timed_out += isinstance(e, RoundTimeout)
-                self._waits += 1
-                delay = backoff_delay(self._waits - 1, self.config.retry_base_s, self.config.retry_cap_s)
-                log.warning(
-                    "%s: round %d not done (%s: %s); trying again in %.1f s (attempt %d)",
-                    *(self.id, r, type(e).__name__, e, delay, self._waits + 1),
-                )
-                if transient(e):
-                    self.progress.store_failed(e)
-                    self.stats.store_failures += 1
-                self.progress.enter("backoff", r, f"{type(e).__name__}: {str(e)[:300]}")
-                await asyncio.sleep(delay)
-                return None
-            self._failures += 1
-            log.error(
-                "%s: round %d failed (%d in a row): %s: %s",
-                *(self.id, r, self._failures, type(e).__name__, e),
-            )
-            if self._failures >= self.config.max_round_failures:
-                raise
-            self.progress.enter("backoff", r, f"{type(e).__name__}: {str(e)[:300]}")
-            await self._collector.sleep()
-            return None
-        self._failures = self._waits = 0
-        return result
-
-    async def _retry(self, call: Callable[[], Awaitable[T]], what: str) -> T:
-        """A store call that must land: retried through transient failures (``progress.retrying``)."""
-        return await retrying(
-            call, f"{self.id}: {what}", base_s=self.config.retry_base_s, cap_s=self.config.retry_cap_s,
-            progress=self.progress, stats=self.stats,
-        )  # fmt: skip
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
@@ -292,18 +227,6 @@ class LocoTrainer:
     def round(self) -> int:
         return self.state.round if self.state is not None else 0
 
-    @property
-    def _state(self) -> GlobalState:
-        if self.state is None:
-            raise RoundError("the trainer has not started: call start() or run()")
-        return self.state
-
-    @property
-    def _collector(self) -> Collector:
-        if self.collector is None:
-            raise RoundError("the trainer has not started: call start() or run()")
-        return self.collector
-
     # --- the round ----------------------------------------------------------------------------
 
     async def run_round(self, train: InnerPhase | None = None, *, last: int | None = None) -> RoundReport:
@@ -311,112 +234,54 @@ class LocoTrainer:
         inner phase (default: ``SelfTraining.train`` in a thread).
 
         With ``overlap`` and r < ``last`` (the run's last round), round r+1's inner phase runs while
-        round r is collected and applied, then its progress is re-based onto θ_r (``_train_ahead``,
-        ``_rebase``); the next call publishes it without training again. Nothing is carried over
-        after a repair, a catch-up or a failure: the next round then trains from θ. Where the work
-        may run beside the inner thread: docs/loco.md.
+        round r is collected and applied, then its progress is re-based onto θ_r (``overlap.Ahead``);
+        the next call publishes it without training again. Nothing is carried over after a repair,
+        a catch-up or a failure: the next round then trains from θ.
         """
         r = self.round + 1
         carried, self._carried = self._carried, None
         if (behind := await self._behind(r)) is not None:  # 0. decided without us: catch up
             return behind
-        await self._announce_joining(r)
-        if (sent := self._resumed(r)) is None:  # (a failed attempt already published round r)
-            sent = await self._train_and_encode(r, train, carried)  # 1-2. H inner steps; pseudo-gradient, payload
+        if self._last is None or self.id not in self._last:  # back (or starting): peers wait for us again
+            await recovery.announce_joining(self.rs, r)
+        sent, self._pending = self._pending, None
+        if sent is None or sent.round != r:
+            sent = await self._encode(r, train, carried)  # 1-2. H inner steps; pseudo-gradient, payload
+        else:  # a failed attempt published round r: training again would only spend data
+            log.info("%s: round %d: collecting again with the payload already made", self.id, r)
+        # Kept for the next attempt if this one fails, in synchronous rounds only: an overlapped
+        # round's local weights then hold the next inner phase's progress, so it trains again from θ.
+        self._pending = None if self.config.overlap else sent
         report = sent.report
-        upload = asyncio.create_task(self._publish(sent))  #    publish it (background)
-        ahead: asyncio.Task[list[float]] | None = None
-        base: alg.StateDict = {}
+        upload = asyncio.create_task(  # publish it (background)
+            update.publish(self.rs, sent, self.digest, mode=self.config.mode, retry=self._retry, phase=self._phase)
+        )
+        ahead: Ahead | None = None
         try:
-            if self.config.overlap and last is not None and r < last:
-                base, ahead = await self._train_ahead(r, train)  # 1. of round r+1, beside 3-4
-            # collect and apply touch neither the local model nor the inner optimizer
+            if self.config.overlap and last is not None and r < last:  # 1. of round r+1, beside 3-4:
+                ahead = await Ahead.start(self.id, r, self.inner, lambda n: self._train(n, train), self._phase)
             record, payloads = await self._collect(sent, upload)  # 3. the record and its payloads
             await self._apply(sent, record, payloads, load_local=ahead is None)  # 4. outer step: θ_r
         except BaseException:
-            # An upload still retrying is abandoned (safe: see _collect); a thread cannot be cancelled
+            # An upload still retrying is abandoned (safe: see update.finish); a thread cannot be cancelled
             upload.cancel()
-            await asyncio.gather(upload, *([ahead] if ahead is not None else []), return_exceptions=True)
+            await asyncio.gather(upload, *([ahead.task] if ahead is not None else []), return_exceptions=True)
             if ahead is not None:
                 await self._load_theta("adopt", r)
             raise
-        trained_ahead = await self._landed(ahead, r)
-        # agree and persist only after the inner phase ahead: a repair loads θ into the local model,
-        # and the resume point reads the inner optimizer and RNG, which the inner thread was using
-        theta_before = self._state.theta
+        if ahead is not None:
+            # agree and persist only after the inner phase ahead: a repair loads θ into the local
+            # model, and the resume point reads the inner optimizer and RNG, which it was using
+            await ahead.landed()
+        theta = self._state.theta
         digests = await self._agree(record, report)  # 5. digests; repair if we diverged
         await self._persist(r, digests)  # 6. resume point, checkpoint, global state
-        await self._report(report)
+        self._report(report)
         if ahead is not None:
-            self._carried = await self._rebase(r, base, trained_ahead, theta_before)
+            self._carried = await ahead.rebase(self._state.theta, repaired=self._state.theta is not theta)
         return report
 
-    async def _train_and_encode(self, r: int, train: InnerPhase | None, carried: list[float] | None) -> _Sent:
-        """Steps 1-2: round r's inner phase (or the losses of the one trained ahead) and its update."""
-        report = self._open_report(r)
-        if carried is not None:  # trained while the previous round was exchanged
-            losses, report.overlapped = carried, True
-        else:
-            losses = await self._train(r, train)
-        sent = await self._encode(r, report, losses)
-        if not self.config.overlap:
-            # Synchronous rounds only: an overlapped round's local weights hold the next inner
-            # phase's progress by the time an attempt fails, so it trains again from θ.
-            self._pending = sent
-        return sent
-
-    def _resumed(self, r: int) -> _Sent | None:
-        """Round r's update from an earlier attempt that published it, if any (its payload stands
-        in the store; training again would only spend data and be replaced by it)."""
-        sent, self._pending = self._pending, None
-        if sent is None or sent.round != r:
-            return None
-        log.info("%s: round %d: collecting again with the payload already made", self.id, r)
-        self._pending = sent
-        return sent
-
-    async def _train_ahead(self, r: int, train: InnerPhase | None) -> tuple[alg.StateDict, asyncio.Task[list[float]]]:
-        """``overlap``: start round r+1's inner phase from the local weights now; the weights it
-        starts from (to re-base its progress later) and its task."""
-        async with self._phase("rebase", r + 1):
-            base = await asyncio.to_thread(self.inner.state_fp32)
-        return base, asyncio.create_task(self._train(r + 1, train))
-
-    async def _landed(self, ahead: asyncio.Task[list[float]] | None, r: int) -> list[float] | None:
-        """The losses of round r+1's inner phase run ahead; None if none ran or it failed (logged)."""
-        if ahead is None:
-            return None
-        try:
-            return await ahead
-        except (PulsenetError, RuntimeError) as e:
-            log.error("%s: round %d's overlapped inner phase failed: %s", self.id, r + 1, e)
-            return None
-
-    async def _rebase(
-        self, r: int, base: alg.StateDict, losses: list[float] | None, theta_before: alg.StateDict
-    ) -> list[float] | None:
-        """Move the progress trained ahead from ``base`` onto θ_r; its losses, carried to the next
-        round, or None when it failed or a repair adopted another θ (round r+1 then starts afresh)."""
-        if losses is None or self._state.theta is not theta_before:  # failed, or a repair adopted θ
-            await self._load_theta("adopt", r + 1)  # start r+1 afresh from θ
-            return None
-        local, theta = await asyncio.to_thread(self.inner.parameters), self._state.theta
-        async with self._phase("rebase", r + 1):
-            await asyncio.to_thread(lambda: self.inner.load_state_fp32(alg.rebase(local, base, theta)))
-        return losses
-
     # --- 0. behind? ---------------------------------------------------------------------------
-
-    async def _announce_joining(self, r: int) -> None:
-        """Back after a round decided without us (or not knowing: a start): say we train round r, so
-        that peers wait for our payload until the deadline again. Best effort: if it fails they may
-        close r without us, and we catch up and say it again for the next round."""
-        if self._last is not None and self.id in self._last:
-            return
-        try:
-            await self.rs.announce_joining(r)
-        except StoreError as e:
-            log.warning("%s: round %d: could not announce that we join: %s", self.id, r, e)
 
     async def _behind(self, r: int) -> RoundReport | None:
         """If round r was decided without us, catch up from the store and return that report."""
@@ -431,12 +296,25 @@ class LocoTrainer:
         # feedback and inner optimizer come out exactly as if we had never stopped.
         return None
 
-    def _open_report(self, r: int) -> RoundReport:
+    # --- 1-2. train, encode -------------------------------------------------------------------
+
+    async def _encode(self, r: int, train: InnerPhase | None, carried: list[float] | None) -> update.Sent:
+        """Round r's inner phase (or the losses of the one trained ahead, ``carried``), then its
+        update against θ_{r-1} (``update.encode``)."""
         if self.cache is not None:
             self.cache.evict_before(r)  # peers still on an older round fall back to the store
-        return RoundReport(round=r, trainer=self.id)
-
-    # --- 1. train -----------------------------------------------------------------------------
+        report = RoundReport(round=r, trainer=self.id)
+        if carried is not None:  # trained while the previous round was exchanged
+            losses, report.overlapped = carried, True
+        else:
+            losses = await self._train(r, train)
+        report.loss, report.steps = (float(np.mean(losses)) if losses else None), len(losses)
+        local = await asyncio.to_thread(self.inner.parameters)  # a copy or a gather on a GPU or a site
+        async with self._phase("encode", r):
+            return await asyncio.to_thread(
+                update.encode, report, self._state.theta, local, self.error,
+                sparse=self.config.sparse, gate_scale=self.config.gate_scale,
+            )  # fmt: skip
 
     async def _train(self, r: int, train: InnerPhase | None = None) -> list[float]:
         """Round r's H inner steps from the weights the inner loop holds; their losses."""
@@ -447,58 +325,13 @@ class LocoTrainer:
                 raise TypeError(f"{type(self.inner).__name__} does not train itself: pass next_round its inner phase")
             return await asyncio.to_thread(self.inner.train, self.config.inner_steps)
 
-    # --- 2. encode and publish ----------------------------------------------------------------
-
-    async def _encode(self, r: int, report: RoundReport, losses: list[float]) -> _Sent:
-        """Pseudo-gradient, gate and payload bytes against θ_{r-1}.
-
-        Sparse values are coded relative to the round's base weights, which every receiver holds;
-        DiLoCo's dense payload stays raw FP32 bits under zstd (the baseline as specified).
-        """
-        cfg, state = self.config, self._state
-        report.loss, report.steps = (float(np.mean(losses)) if losses else None), len(losses)
-        local = await asyncio.to_thread(self.inner.parameters)  # a copy or a gather on a GPU or a site
-        async with self._phase("encode", r):
-            own, new_error = await asyncio.to_thread(
-                alg.make_update, state.theta, local, self.error,
-                round=r, sparse=cfg.sparse, gate_scale=cfg.gate_scale,
-            )  # fmt: skip
-            data = await asyncio.to_thread(wire.encode, own, state.theta if cfg.sparse else None)
-        report.sent, report.total, report.payload_bytes = own.sent, own.total, len(data)
-        if not cfg.sparse:
-            own = wire.Payload(r, own.mode, {})  # dense values are a full model copy: keep only the bytes
-        return _Sent(r, report, own, new_error, data)
-
-    async def _publish(self, sent: _Sent) -> tuple[bytes, ObjectRef]:
-        """Upload payload + manifest, retried through store outages until they land (the round's
-        collect cancels this when the round is decided without us); returns the payload bytes that
-        stand in the store (normally ours)."""
-        r, data, report = sent.round, sent.data, sent.report
-        base_digest = self.digest
-        async with self._phase("upload", r):
-            manifest, fresh = await self._retry(
-                lambda: self.rs.publish_payload(
-                    r, data, mode=self.config.mode, sent=report.sent, total=report.total, base_digest=base_digest
-                ),
-                f"round {r}: uploading our payload",
-            )
-        if fresh or manifest.payload.sha256 == hashlib.sha256(data).hexdigest():
-            return data, manifest.payload
-        # A restarted trainer redid a round it had already published and got different bits: the
-        # stored payload is the one peers see (``alg.settle_error`` accounts for it).
-        log.warning(
-            "%s: round %d was already published with a different payload; the stored one stands", self.id, r
-        )
-        stored = await self._retry(lambda: self.rs.fetch(manifest.payload), f"round {r}: reading our stored payload")
-        return stored, manifest.payload
-
     # --- 3. collect ---------------------------------------------------------------------------
 
     async def _collect(
-        self, sent: _Sent, upload: asyncio.Task[tuple[bytes, ObjectRef]]
+        self, sent: update.Sent, upload: asyncio.Task[tuple[bytes, ObjectRef]]
     ) -> tuple[Record, dict[str, wire.Payload]]:
-        """The round's record and the decoded payload of every participant it names; our upload is
-        awaited whatever happens (a manifest may already name the payload: never abandon it half way)."""
+        """The round's record and the decoded payload of every participant it names (``collect.py``);
+        our upload is awaited whatever happens (``update.finish``)."""
         r, report = sent.round, sent.report
         async with self._phase("collect", r):
             try:
@@ -510,26 +343,11 @@ class LocoTrainer:
                     r, upload, self._state.theta, self.digest, own_reference=full, absent=absent
                 )
             finally:
-                # Decided (or failed): an upload still retrying is abandoned. Safe mid-put: the payload
-                # key is content-addressed and the manifest create-only; a record that names our
-                # payload needed our manifest, so nothing that matters is left half done.
-                if not upload.done():
-                    log.warning("%s: round %d: abandoning our payload's upload (still retrying)", self.id, r)
-                    upload.cancel()
-                (published,) = await asyncio.gather(upload, return_exceptions=True)
-        if isinstance(published, PulsenetError):
-            log.error("%s: round %d: publishing our payload failed: %s", self.id, r, published)
+                await update.finish(upload, self.id, r)
         self._last = frozenset(record.participants)
-        ours = record.participants.get(self.id)
-        if ours is not None:
-            # The record names the payload of ours that stands in the store: ours, or the one an
-            # earlier run published (``alg.settle_error`` then accounts for that one).
-            sent.reproduced = ours.sha256 == await asyncio.to_thread(lambda: hashlib.sha256(sent.data).hexdigest())
         self.stats.count_round(record, self.id, self.config.expected)
-        report.participants = sorted(record.participants)
-        report.rejected = dict(record.rejected)
-        report.included = ours is not None
-        report.record_writer = record.writer
+        report.follow(record)
+        report.included = self.id in record.participants
         report.norms = dict(self._collector.last_norms)
         report.weights_norm = self._collector.last_weights_norm
         return record, payloads
@@ -537,47 +355,42 @@ class LocoTrainer:
     # --- 4. apply -----------------------------------------------------------------------------
 
     async def _apply(
-        self, sent: _Sent, record: Record, payloads: Mapping[str, wire.Payload], *, load_local: bool
+        self, sent: update.Sent, record: Record, payloads: Mapping[str, wire.Payload], *, load_local: bool
     ) -> None:
         """Average the record's payloads, take the outer step (θ_r, m_r) and settle the error feedback.
         ``load_local``: also reset the local model to θ_r (not while an overlapped inner phase runs)."""
-        state, cfg = self._state, self.config
-        async with self._phase("apply", sent.round):
+        state, cfg, r = self._state, self.config, sent.round
+        async with self._phase("apply", r):
             void = await asyncio.to_thread(
                 alg.apply_round, state.theta, state.momentum, payloads, lr=cfg.outer_lr, mu=cfg.outer_momentum
             )
             if void is not None:
-                self._void(sent.round, void, record)
+                # Nothing applied. Every trainer (and every replay) computes the same bits from the
+                # same record, so all decide alike and stay on the last good state together; one that
+                # differs has diverged, and the digest check repairs it.
+                self.stats.rounds_void += 1
                 sent.report.void = void
-            state.round = sent.round
+                log.error(
+                    "%s: round %d: VOID: %s (record by %s, participants %s); nothing applied, θ and m stay as they were",
+                    *(self.id, r, void, record.writer, sorted(record.participants)),
+                )
+            state.round = r
             self._pending = None
             if load_local:
                 await asyncio.to_thread(self.inner.load_state_fp32, state.theta)
             self.digest = await asyncio.to_thread(state.digest)
-        if sent.new_error is None or void is not None:  # a void round drops our update, like a rejection
-            return
-        if self.id in record.rejected:
-            # Judged invalid (non-finite, outsized): carrying it as error feedback would poison every
-            # later round, so this round's local progress is dropped and e stays as it was.
-            log.error(
-                "%s: round %d: our own payload was rejected (%s); dropping this round's update",
-                *(self.id, sent.round, record.rejected[self.id]),
-            )
-            return
-        included = self.id in record.participants
-        stored = payloads[self.id] if included and not sent.reproduced else None
-        self.error = alg.settle_error(sent.new_error, sent.own, included=included, stored=stored)
+        if (error := update.settle(sent, record, payloads, self.id, void)) is not None:
+            self.error = error
 
-    def _void(self, r: int, why: str, record: Record) -> None:
-        """A round whose outer step would have made θ or m non-finite: nothing was applied. Every
-        trainer (and every replay) computes the same bits from the same record, so all decide alike
-        and stay on the last good state together; one that differs has diverged, and the digest
-        check repairs it."""
-        self.stats.rounds_void += 1
-        log.error(
-            "%s: round %d: VOID: %s (record by %s, participants %s); nothing applied, θ and m stay as they were",
-            *(self.id, r, why, record.writer, sorted(record.participants)),
-        )
+    async def _replay_apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
+        """A recorded round's outer step on ``state``, in place: the same call as step 4 (void alike)."""
+        async with self._phase("replay", state.round + 1):
+            void = await asyncio.to_thread(
+                alg.apply_round, state.theta, state.momentum, payloads,
+                lr=self.config.outer_lr, mu=self.config.outer_momentum,
+            )  # fmt: skip
+        if void is not None:
+            log.error("%s: replaying round %d: VOID: %s; nothing applied", self.id, state.round + 1, void)
 
     # --- 5. agree or repair ------------------------------------------------------------------
 
@@ -585,18 +398,21 @@ class LocoTrainer:
         """Publish our digest, compare it with the participants' and repair if we diverged
         (``recovery``); the digests that count if every participant's was seen, else {} (only a
         trainer that saw them all may judge itself the global state's writer)."""
-        r = record.round
+        r, cfg = record.round, self.config
         async with self._phase("agree", r):
             # In the background, retried until it lands: peers judge without ours if it is late, and
             # a published state needs its participants' digests later (recovery.vouched).
             self.background.spawn(recovery.publish_digest(self.rs, r, self.digest, self._retry), f"digest of round {r}")
             heard, complete = await recovery.gather_digests(
-                self.rs, record, self.digest, wait_s=self.config.digest_wait_s, sleep=self._collector.sleep,
+                self.rs, record, self.digest, wait_s=cfg.digest_wait_s, sleep=self._collector.sleep,
                 progress=self.progress, stats=self.stats,
             )  # fmt: skip
             settled = await recovery.settle(
                 r, self.id, heard, self.trust, self.stats,
-                lambda: self._rebuild(r, max_replay=self.config.repair_replay),
+                lambda: recovery.rebuild(
+                    r, self.rs, self._state.shapes(), self._collector.load_record, self._replay_apply,
+                    quorum=cfg.quorum, max_replay=cfg.repair_replay,
+                ),
             )  # fmt: skip
             report.agreed = settled.unanimous
             if settled.adopt is not None:
@@ -605,31 +421,20 @@ class LocoTrainer:
         report.digest = self.digest
         return settled.digests if complete else {}
 
-    @property
-    def distrusted(self) -> dict[str, int]:
-        """Trainers left out of the digest vote, by the round that showed it (``recovery.Trust``)."""
-        return self.trust.distrusted
-
-    def trust_issues(self) -> str | None:
-        """Why the digest agreement is not whole, in words for ``/healthz`` (None: it is)."""
-        return self.trust.issues()
-
     # --- 6. persist ---------------------------------------------------------------------------
 
     async def _persist(self, r: int, digests: Mapping[str, str]) -> None:
-        """The local resume point (atomic) now; the store copies in the background."""
+        """The local resume point (atomic) now; the store copies in the background (``persist.py``)."""
         cfg = self.config
+
+        def current() -> TrainerState:
+            return TrainerState(self._state, self.error, self.inner.checkpoint())
+
         async with self._phase("persist", r):
-            path = await persist.save_local(self.state_dir, self._trainer_state)
-            snap = (
-                await persist.snapshot(path, self._trainer_state)
-                if cfg.checkpoint_every and r % cfg.checkpoint_every == 0
-                else None
-            )
-            holders = sorted(t for t, d in digests.items() if d == self.digest)
-            # One global-state writer per round: the lowest-id trainer holding the majority digest.
-            writer = holders and holders[0] == self.id and 2 * len(holders) > len(digests)
-            state = await asyncio.to_thread(self._state.copy) if r % cfg.state_every == 0 and writer else None
+            path = await persist.save_local(self.state_dir, current)
+            snap = await persist.snapshot(path, current) if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 else None
+            writer = r % cfg.state_every == 0 and persist.writes_state(digests, self.id, self.digest)
+            state = await asyncio.to_thread(self._state.copy) if writer else None
         if snap is not None:
             self.background.spawn(persist.upload_checkpoint(self.rs, r, snap, self._retry), f"checkpoint {r}")
         if state is not None:
@@ -637,10 +442,11 @@ class LocoTrainer:
         if (keep := cfg.retention) is not None and r % cfg.state_every == 0 and r > keep:
             self.background.spawn(persist.retain(self.rs, r - keep, r), f"retention before {r - keep}")
 
-    # --- catch-up and repair --------------------------------------------------------------------
+    # --- catch-up -------------------------------------------------------------------------------
 
     async def catch_up(self, target: int) -> RoundReport:
-        """Bring the global state to round ``target`` from the store (replay and/or a published state), then verify."""
+        """Bring the global state to round ``target`` from the store (replay and/or a published
+        state: ``recovery.catch_up_state``), then verify it like a round of our own (steps 5-6)."""
         start = self.round
         log.warning(
             "%s: behind: at round %d while the run has reached %d; catching up from the store",
@@ -655,32 +461,9 @@ class LocoTrainer:
         record = await self._collector.read_record(target)
         self._last = frozenset(record.participants) if record is not None else None
         if record is not None:
-            report.participants = sorted(record.participants)
-            report.rejected = dict(record.rejected)
-            report.record_writer = record.writer
+            report.follow(record)
             await self._persist(target, await self._agree(record, report))
-        return await self._report(report)
-
-    async def _rebuild(self, target: int, *, max_replay: int | None = None) -> GlobalState:
-        return await recovery.rebuild(
-            target,
-            self.rs,
-            self._state.shapes(),
-            self._collector.load_record,
-            self._replay_apply,
-            quorum=self.config.quorum,
-            max_replay=max_replay,
-        )
-
-    async def _replay_apply(self, state: GlobalState, payloads: Mapping[str, wire.Payload]) -> None:
-        """A recorded round's outer step on ``state``, in place: the same call as step 4 (void alike)."""
-        async with self._phase("replay", state.round + 1):
-            void = await asyncio.to_thread(
-                alg.apply_round, state.theta, state.momentum, payloads,
-                lr=self.config.outer_lr, mu=self.config.outer_momentum,
-            )  # fmt: skip
-        if void is not None:
-            log.error("%s: replaying round %d: VOID: %s; nothing applied", self.id, state.round + 1, void)
+        return self._report(report)
 
     async def _adopt(self, state: GlobalState, digest: str) -> None:
         self.state = state
@@ -692,14 +475,16 @@ class LocoTrainer:
         async with self._phase(phase, r):
             await asyncio.to_thread(self.inner.load_state_fp32, self._state.theta)
 
-    # --- persistence (persist.py) ---------------------------------------------------------------
-
-    def _trainer_state(self) -> TrainerState:
-        return TrainerState(self._state, self.error, self.inner.checkpoint())
-
     # --- helpers ------------------------------------------------------------------------------
 
-    async def _report(self, report: RoundReport) -> RoundReport:
+    async def _retry(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """A store call that must land: retried through transient failures (``progress.retrying``)."""
+        return await retrying(
+            call, f"{self.id}: {what}", base_s=self.config.retry_base_s, cap_s=self.config.retry_cap_s,
+            progress=self.progress, stats=self.stats,
+        )  # fmt: skip
+
+    def _report(self, report: RoundReport) -> RoundReport:
         self.reports.append(report)
         self.stats.rounds += 1
         return report
@@ -710,3 +495,15 @@ class LocoTrainer:
         if name not in ("rebase", "replay") and not (name == "inner" and r > self.round + 1):
             self.progress.enter(name, r)
         return self.on_phase(name, r) if self.on_phase is not None else contextlib.nullcontext()
+
+    @property
+    def _state(self) -> GlobalState:
+        if self.state is None:
+            raise RoundError("the trainer has not started: call start() or run()")
+        return self.state
+
+    @property
+    def _collector(self) -> Collector:
+        if self.collector is None:
+            raise RoundError("the trainer has not started: call start() or run()")
+        return self.collector

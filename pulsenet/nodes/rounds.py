@@ -182,12 +182,12 @@ class LocoRounds:
     def degraded(self, now: float | None = None) -> str | None:
         """The round's progress (``loco.progress``) when the store does not answer, or when an
         exchange phase has waited longer than a round deadline for its peers; and any peer left out
-        of the digest vote (``LocoTrainer.trust_issues``)."""
+        of the digest vote (``LocoTrainer.trust``)."""
         p = self.loco.progress
         now = time.time() if now is None else now
         stalled = p.phase in ("upload", "collect", "agree", "backoff") and now - p.since > self.loco.config.deadline_s
         why = [p.describe(now)] if p.store_unreachable or stalled else []
-        if (trust := self.loco.trust_issues()) is not None:  # a peer lying about its digests, say
+        if (trust := self.loco.trust.issues()) is not None:  # a peer lying about its digests, say
             why.append(trust)
         return "; ".join(why) or None
 
