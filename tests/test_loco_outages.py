@@ -289,7 +289,7 @@ async def test_a_partition_cannot_fork_the_policy(tmp_path: Path, caplog: pytest
     assert [won for tid, r, won in proposals if r == 1].count(True) == 1
     assert any(m.startswith(f"{loser}: round 1: following {winner}'s record") for m in caplog.messages)
     assert any(r.caught_up_from is not None for r in trainers[loser].reports)  # it caught up, not forked
-    assert trainers[loser].stats.rounds_failed >= 1 and not trainers[loser]._failures  # waited, never counted
+    assert trainers[loser].stats.rounds_failed >= 1 and not trainers[loser].attempts.failures  # waited, never counted
     await _agreed(list(trainers.values()), 4)
 
 
