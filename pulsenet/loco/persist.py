@@ -16,15 +16,16 @@ Three copies, each for a different failure (docs/loco.md, "Persistence"):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
 from pulsenet.errors import PulsenetError, VerificationError
-from pulsenet.loco.documents import RoundStore
+from pulsenet.loco.documents import RoundStore, first_error
 from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.progress import Retry
 from pulsenet.loco.state import GlobalState, TrainerState
@@ -119,15 +120,36 @@ async def retain(rs: RoundStore, before: int, reached: int) -> None:
 class Background:
     """Uploads that run beside the rounds (checkpoints, global states, digests, retention).
 
-    Inside a TaskGroup (``LocoTrainer.session``: ``group`` set) an unexpected failure in one fails
-    the session; outside it they are tracked until :meth:`drain` awaits them and re-raises such a
-    failure. A typed store or disk failure is logged and dropped: the next round writes again.
+    While :meth:`running` (``LocoTrainer.session``) they live in a TaskGroup, and an unexpected
+    failure in one fails the session, as itself; outside it they are tracked until :meth:`drain`
+    awaits them and re-raises such a failure. A typed store or disk failure is logged and dropped:
+    the next round writes again.
     """
 
     def __init__(self, who: str) -> None:
         self.who = who
         self.group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Hold the uploads' lifetime: leaving waits for those in flight (:meth:`drain`); failing or
+        cancelled (a node stopping), it cancels them instead."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                self.group = group
+                try:
+                    yield
+                except BaseException:
+                    # Uploads that retry through an outage must not hold the exit; what they were
+                    # writing is rewritten on the next run.
+                    self.cancel()
+                    raise
+                await self.drain()
+        except BaseExceptionGroup as eg:
+            raise first_error(eg) from None
+        finally:
+            self.group = None
 
     def spawn(self, coro: Awaitable[None], what: str) -> None:
         """Run ``coro`` in the background (in ``group`` if set)."""

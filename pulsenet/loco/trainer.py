@@ -60,7 +60,7 @@ from pulsenet.loco import algorithm as alg
 from pulsenet.loco import persist, recovery, update
 from pulsenet.loco.collect import Collector, DecodedPayloads
 from pulsenet.loco.config import LocoConfig, RoundReport
-from pulsenet.loco.documents import Record, RoundStore, first_error
+from pulsenet.loco.documents import Record, RoundStore
 from pulsenet.loco.inner import InnerLoop, SelfTraining
 from pulsenet.loco.overlap import Ahead
 from pulsenet.loco.progress import Attempts, LocoStats, Progress, retrying
@@ -81,11 +81,12 @@ PhaseHook = Callable[[str, int], AbstractAsyncContextManager[object]]
 class LocoTrainer:
     """A PULSELoCo (or DiLoCo) trainer. ``await trainer.run(rounds)`` takes part until that round is done.
 
-    Why ~40 methods: one (or two) per step of the round in the module docstring, so that
-    :meth:`run_round` reads as that list and each step's ordering hazards sit beside its code. What
-    stands alone lives beside it as functions over plain inputs: agreement, repair, joining and
-    catch-up in ``recovery.py``, resume points and uploads in ``persist.py``, collecting in
-    ``collect.py``, the maths in ``algorithm.py``.
+    A round driver: :meth:`run_round` reads as the list in the module docstring, one call per step,
+    and each step's method holds the trainer's state and its ordering hazards; the work of a step
+    lives beside it: our update (encode, publish, settle) in ``update.py``, the inner phase run
+    ahead in ``overlap.py``, collecting in ``collect.py``, the maths in ``algorithm.py``,
+    agreement, repair, joining and catch-up in ``recovery.py``, resume points and uploads in
+    ``persist.py``, attempts and retries in ``progress.py``.
     """
 
     def __init__(
@@ -154,29 +155,14 @@ class LocoTrainer:
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[LocoTrainer]:
-        """Start (or resume) the trainer and hold the lifetime of its background uploads.
-
-        Background uploads live in a TaskGroup for the whole session: a typed store error in one is
-        logged (``persist.Background``), anything else fails the session, as itself, rather than vanishing.
-        Leaving the session waits for the uploads in flight (``drain``).
-        """
-        try:
-            async with asyncio.TaskGroup() as group:
-                self.background.group = group
-                if self.state is None:
-                    await self.start()
-                try:
-                    yield self
-                except BaseException:
-                    # Failing or cancelled (a node stopping): uploads that retry through an outage
-                    # must not hold the exit; what they were writing is rewritten on the next run.
-                    self.background.cancel()
-                    raise
-                await self.drain()
-        except BaseExceptionGroup as eg:
-            raise first_error(eg) from None
-        finally:
-            self.background.group = None
+        """Start (or resume) the trainer and hold the lifetime of its background uploads
+        (``persist.Background.running``): a typed store error in one is logged, anything else fails
+        the session, as itself, rather than vanishing. Leaving the session waits for the uploads in
+        flight; failing or cancelled (a node stopping), it cancels them."""
+        async with self.background.running():
+            if self.state is None:
+                await self.start()
+            yield self
 
     async def next_round(self, train: InnerPhase | None = None, *, until: int | None = None) -> RoundReport | None:
         """One round inside a ``session``: its report (trained, or caught up from the store), or None
