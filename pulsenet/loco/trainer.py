@@ -4,21 +4,22 @@
 Per round r, from the agreed global state (θ_{r-1}, m_{r-1}) and this trainer's error feedback e
 (:meth:`LocoTrainer.run_round` reads exactly like this)::
 
-    0. behind?   rounds/r/record exists without us -> catch up from the store
+    0. behind?   rounds/r/record exists without us -> catch up from the store     recovery.py
     1. train     H inner steps from θ_{r-1}            the caller's inner phase, or SelfTraining.train
-    2. encode    s = e + θ_{r-1} - θ_local, visibility gate, payload     algorithm, payload (thread)
-       publish   payload, then its signed manifest                       background task
+    2. encode    s = e + θ_{r-1} - θ_local, visibility gate, payload     update.encode (thread)
+       publish   payload, then its signed manifest                       update.publish (task)
     3. collect   peers' payloads as their manifests appear; the round    collect.py
                  record, written first-writer-wins or followed
     4. apply     mean of the record's payloads, outer Nesterov step:     algorithm (thread)
-                 θ_r, m_r; e keeps what was not sent
+                 θ_r, m_r; e keeps what was not sent                     update.settle
     5. agree     publish digest(θ_r, m_r), compare with the participants';
                  outside the majority: rebuild from the store            recovery.py
     6. persist   local resume point (atomic), every few rounds to the store,
-                 the agreed global state every ``state_every`` rounds    background tasks
+                 the agreed global state every ``state_every`` rounds    persist.py (background)
 
 With ``overlap`` (the one-round-delayed outer step) step 1 of round r+1 runs while steps 3-4 of
-round r run, and its progress is re-based onto θ_r: the same :meth:`LocoTrainer.run_round`.
+round r run, and its progress is re-based onto θ_r (``overlap.py``): the same
+:meth:`LocoTrainer.run_round`. A failed attempt is retried by the next call (``progress.Attempts``).
 
 What trains is an :class:`~pulsenet.loco.inner.InnerLoop` (supervised, GRPO: ``pulsenet.rl.inner``).
 Who drives it is the caller's choice, the way torchft's DiLoCo makes the outer sync a step the
