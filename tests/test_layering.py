@@ -126,3 +126,22 @@ def test_pulsenet_up_is_a_package_above_the_rest_of_nodes() -> None:
     assert not back, "nodes modules that import pulsenet up back:\n" + "\n".join(back)
     long = {m: n for m in graph if m.startswith(UP) and (n := len(_modules()[m].read_text().splitlines())) > 600}
     assert not long, f"pulsenet up modules over 600 lines: {long}"
+
+
+LOCO_STEPS = ("update", "collect", "recovery", "persist", "overlap", "progress", "algorithm")
+"""The modules whose functions the PULSELoCo round driver calls, one per step (or concern)."""
+
+
+def test_the_pulseloco_trainer_is_a_round_driver() -> None:
+    """``LocoTrainer`` reads as the round, one call per step; each step's work lives in its own
+    ``loco`` module (issue 31: it was 972 lines and 51 methods, with an overlapped copy of the round)."""
+    path = _modules()["pulsenet.loco.trainer"]
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LocoTrainer"]
+    methods = [n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    assert len(methods) <= 25, f"LocoTrainer has {len(methods)} methods: {methods}"
+    assert "run_round_overlapped" not in methods, "one round path: overlap is a step run_round calls"
+    assert len(path.read_text().splitlines()) < 600
+    assert {f"pulsenet.loco.{m}" for m in LOCO_STEPS} <= _graph()["pulsenet.loco.trainer"]
+    long = {m: n for m in _modules() if m.startswith("pulsenet.loco.") and (n := len(_modules()[m].read_text().splitlines())) > 650}
+    assert not long, f"loco modules over ~600 lines: {long}"
