@@ -42,8 +42,9 @@ from pulsenet.errors import ConfigError
 from pulsenet.rl.draw import boundary_margin, uniforms
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.sampling import SamplingParams
+from pulsenet.rollouts.intake import REPLAY_REASONS
 
-REASONS = ("replay_token", "replay_logprob", "replay_params")
+REASONS = REPLAY_REASONS
 """Why a batch is refused by replay (counted per node in /status ``rejected`` and /metrics)."""
 
 
