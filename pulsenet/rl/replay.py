@@ -8,7 +8,9 @@ token:
 (a) ``replay_token``: the token is the one the position's public uniform selects: its CDF interval
     (token-id order) contains u, up to ``cdf_tolerance`` of probability mass for kernel noise
     at a boundary (a trainer's forward and an engine's differ in batch shape, KV cache and kernels);
-(b) ``replay_logprob``: the reported log-prob is the trainer's within ``logprob_tolerance``;
+(b) ``replay_logprob``: the reported log-prob is the trainer's within ``logprob_tolerance``, and
+    within ``mean_logprob_tolerance`` on average over the batch's replayed tokens (noise averages
+    out; other weights shift every token);
 (c) ``replay_params``: the completion obeys the task's sampling parameters: at most
     ``max_new_tokens``, ended by a stop token or string exactly when it ends early, nothing
     after it (temperature and top-p are checked by (a) and (b): they shape the distribution).
@@ -54,6 +56,8 @@ class ReplayConfig:
 
     enabled: bool = True
     """Replay rows before training on them; off trusts every allowlisted node's rows as signed."""
+    top_p: float = 1.0
+    """The nucleus the inference nodes sample with (their ``top_p``); the temperature is GRPO's."""
     share: float = 0.25
     """Share of each batch's rows replayed (drawn by the trainer after the batch is committed)."""
     min_rows: int = 8
@@ -62,15 +66,20 @@ class ReplayConfig:
     """Probability mass a claimed token's uniform may lie outside its CDF interval (kernel noise)."""
     logprob_tolerance: float = 0.05
     """|reported − recomputed| log-prob allowed per token."""
+    mean_logprob_tolerance: float = 0.01
+    """Mean |reported − recomputed| log-prob allowed over a batch's replayed tokens: kernel noise
+    averages out, a model that is not the version's (stale, perturbed) shifts every token a little."""
     micro_batch_tokens: int = 4096
     """Padded tokens per replay forward at most."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"replay.top_p must be in (0, 1], got {self.top_p}")
         if not 0 < self.share <= 1:
             raise ConfigError(f"replay.share must be in (0, 1], got {self.share}")
         if self.min_rows < 1:
             raise ConfigError(f"replay.min_rows must be >= 1, got {self.min_rows}")
-        if not 0 <= self.cdf_tolerance < 0.5 or not self.logprob_tolerance >= 0:
+        if not 0 <= self.cdf_tolerance < 0.5 or not self.logprob_tolerance >= 0 or not self.mean_logprob_tolerance >= 0:
             raise ConfigError("replay tolerances must be >= 0 (cdf_tolerance < 0.5)")
         if self.micro_batch_tokens < 1:
             raise ConfigError("replay.micro_batch_tokens must be >= 1")
@@ -216,6 +225,9 @@ class Replayer:
             if d.numel() and float(d.max()) > c.logprob_tolerance:
                 t = int(d.argmax())
                 return self._count(_with(verdict, "replay_logprob", i, f"token {t}'s log-prob is off by {float(d[t]):.4f}"))
+        if verdict.logprob_diffs.numel() and float(verdict.logprob_diffs.mean()) > c.mean_logprob_tolerance:
+            return self._count(_with(verdict, "replay_logprob", None, f"the replayed tokens' log-probs are off by "
+                                     f"{float(verdict.logprob_diffs.mean()):.4f} on average"))  # fmt: skip
         return self._count(verdict)
 
     def _replay(self, rows: Sequence[ReplayRow]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -275,5 +287,5 @@ class Replayer:
         return v
 
 
-def _with(v: Verdict, reason: str, row: int, detail: str) -> Verdict:
+def _with(v: Verdict, reason: str, row: int | None, detail: str) -> Verdict:
     return Verdict(v.rows, reason, row, detail, v.margins, v.logprob_diffs)

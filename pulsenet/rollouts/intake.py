@@ -110,10 +110,12 @@ REASONS = (
     "step_failed",
     "rescore",
     *REPLAY_REASONS,
+    "unverifiable",
 )
 """Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``,
 ``rescore`` and ``REPLAY_REASONS`` by ``refused()`` (the trainer's re-scoring found no row it may
-train on; its replay found a row the policy did not sample: rl/replay.py)."""
+train on; its replay found a row the policy did not sample: rl/replay.py); ``unverifiable``: the
+trainer no longer holds the weights of the batch's version (a restart), not the node's doing."""
 
 @dataclass(frozen=True, slots=True)
 class RolloutSource:
