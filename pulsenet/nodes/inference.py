@@ -93,7 +93,8 @@ class InferenceConfig:
     """Batches generated per policy version at most, then wait for the next one: an engine faster
     than the trainer would otherwise fill the store with rollouts that go stale unread."""
     seed: int = 0
-    """Run seed: with the node id and version it fixes the problems and samples."""
+    """Run seed: with the node id, version and batch number it fixes the problems (the tokens are
+    drawn with the public draw: rl/draw.py)."""
     state_dir: Path = Path("state/i0")
     """Verified weights per channel (restart resumes from them), caches and the event log (events.jsonl)."""
     failover_s: float = 30.0
