@@ -240,6 +240,8 @@ class TrainerNode:
         """Evals run on a TorchEngine of their own, built from the first state scored."""
         self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
+        if self.replayer is not None:
+            self.state.replay = self.replayer.stats  # live: /status and /metrics
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         self.publisher = Publisher(store, key, c.publish, model_config=_architecture(model))
         self.digests: dict[int, str] = {}
