@@ -231,28 +231,30 @@ class Replayer:
         return self._count(verdict)
 
     def _replay(self, rows: Sequence[ReplayRow]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """One right-padded causal forward (padding after a row cannot reach it); per row, the CDF
-        margin and |Δ log-prob| of each completion token."""
+        """One right-padded causal forward (padding after a row cannot reach it), logits only from
+        the first completion position on; per row, the CDF margin and |Δ log-prob| of each
+        completion token, computed for all the rows' tokens at once."""
         width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+        first = min(len(r.prompt_ids) for r in rows) - 1  # the first position that predicts a completion token
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         for i, r in enumerate(rows):
             ids[i, : len(r.prompt_ids) + len(r.completion_ids)] = torch.tensor(r.prompt_ids + r.completion_ids)
-        logits = self.model(input_ids=ids, use_cache=False).logits.float()
+        logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=width - first).logits
+        at_row = torch.cat([torch.full((len(r.completion_ids),), i) for i, r in enumerate(rows)])
+        at_pos = torch.cat([torch.arange(len(r.prompt_ids) - 1 - first, len(r.prompt_ids) + len(r.completion_ids) - 1 - first) for r in rows])
+        at = logits[at_row, at_pos].float()  # [tokens, vocab]: the distribution each completion token was drawn from
+        tokens = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long)
+        reported = torch.tensor([x for r in rows for x in r.logprobs], dtype=torch.float32)
         p = self.params
-        margins, diffs = [], []
-        for i, r in enumerate(rows):
-            n, c = len(r.prompt_ids), len(r.completion_ids)
-            at = logits[i, n - 1 : n + c - 1]
-            tokens = torch.tensor(r.completion_ids, dtype=torch.long)
-            scaled = at if p.greedy else at / p.temperature
-            logp = torch.log_softmax(scaled, dim=-1).gather(1, tokens[:, None])[:, 0]
-            diffs.append((logp - torch.tensor(r.logprobs, dtype=torch.float32)).abs())
-            if p.greedy:  # no draw: the token must be the argmax, up to the same tolerance in log-prob
-                margins.append(logp - torch.log_softmax(scaled, dim=-1).max(dim=-1).values)
-            else:
-                u = torch.tensor(uniforms(r.key, 0, c), dtype=torch.float64)
-                margins.append(boundary_margin(at, tokens, u, p.temperature, p.top_p))
-        return margins, diffs
+        logp_all = torch.log_softmax(at if p.greedy else at / p.temperature, dim=-1)
+        logp = logp_all.gather(1, tokens[:, None])[:, 0]
+        if p.greedy:  # no draw: the token must be the argmax, up to the same tolerance in log-prob
+            margins = logp - logp_all.max(dim=-1).values
+        else:
+            u = torch.tensor([x for r in rows for x in uniforms(r.key, 0, len(r.completion_ids))], dtype=torch.float64)
+            margins = boundary_margin(at, tokens, u, p.temperature, p.top_p)
+        lengths = [len(r.completion_ids) for r in rows]
+        return list(margins.split(lengths)), list((logp - reported).abs().split(lengths))
 
     def _params_broken(self, r: ReplayRow) -> str | None:
         """(c): the completion's length and ending obey the task's sampling parameters."""
