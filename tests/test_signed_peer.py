@@ -33,6 +33,7 @@ from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
+from pulsenet.rl.replay import ReplayConfig
 from pulsenet.rl.tasks import TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.layout import BatchName
@@ -212,7 +213,10 @@ class Trainer:
         steps: int,
         *,
         policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
+        replay: bool = False,
     ) -> None:
+        """``replay``: replay rows before training (rl/replay.py); off by default here, because
+        ``_rows`` writes completions by hand (not the policy's draw) to reach the check under test."""
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
         self.node = TrainerNode(
             TrainerConfig(
@@ -222,6 +226,7 @@ class Trainer:
                 rows_per_step=8,  # one batch per step
                 state_dir=state_dir,
                 intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
+                replay=ReplayConfig(enabled=replay),
             ),
             store=net.store("t0"),
             key=net.keys["t0"],

@@ -137,6 +137,9 @@ class Site2:
             "PULSENET_STATE_DIR": "state/t0",
             "PULSENET_STATUS_PORT": str(self.port),
             "PULSENET_CACHE_DIR": str(self.tmp / "cache"),
+            # The batches are fixed rows written by hand (the reference step needs them fixed), not
+            # the policy's draw: the replay check (rl/replay.py) would refuse them.
+            "PULSENET_REPLAY__ENABLED": "false",
             "PULSENET_WARMUP_STEPS": str(WARMUP),
             "PULSENET_ROWS_PER_STEP": str(ROWS),
             "PULSENET_CONSUMER_POLL_S": "1",

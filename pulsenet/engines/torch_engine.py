@@ -16,8 +16,9 @@ digest the engine refuses to generate (EngineError) until an update repairs it.
 
 Sampling (``generate``): prompts are left-padded into one batch with an attention mask and
 explicit position ids, then decoded one token per step over ``past_key_values``. Each completion
-draws from its own CPU ``torch.Generator`` (``SamplingParams.seed + index``) by inverse CDF over
-the top-p nucleus, so draws are reproducible and independent of batch composition.
+draws with the public draw (rl/draw.py: its key's PRF uniforms, inverse CDF in token-id order over
+the top-p nucleus), so draws are reproducible, independent of batch composition, the same rule as
+the vLLM engine's, and replayable by a trainer (rl/replay.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pulsenet.codec.digest import model_digest_from_records, tensor_record, tens
 from pulsenet.codec.dtypes import dtype_name
 from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
 from pulsenet.errors import ConfigError, EngineError
+from pulsenet.rl.draw import choose, uniform
 from pulsenet.rl.models import unique_state_dict
 
 StateDict = Mapping[str, torch.Tensor]
@@ -352,7 +354,7 @@ class TorchEngine(Engine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         seeds = [params.seed + offset + i for i in range(n)]
-        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        keys = params.draw_keys(n, offset)
         stop = torch.tensor(
             sorted(set(params.stop_token_ids) | (set(self.eos_ids) if params.stop_at_eos else set())),
             dtype=torch.long,
@@ -367,7 +369,7 @@ class TorchEngine(Engine):
         texts = _StopStrings(params.stop, self.decode, n) if params.stop else None
         for t in range(params.max_new_tokens):
             logits, past = self._forward(ids, mask, positions, past)
-            tok, lp = _sample(logits, params, gens)
+            tok, lp = _sample(logits, params, [uniform(k, t) for k in keys])
             tokens[:, t], logps[:, t] = tok, lp
             steps = t + 1
             hit = torch.isin(tok, stop) & ~done
@@ -428,25 +430,9 @@ class _StopStrings:
         return hit
 
 
-def _sample(
-    logits: torch.Tensor, params: SamplingParams, gens: list[torch.Generator]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its log-prob under ``log_softmax(logits / T)`` (before top-p)."""
-    if params.greedy:
-        tok = logits.argmax(dim=-1)
-        return tok, torch.log_softmax(logits, dim=-1).gather(1, tok[:, None])[:, 0]
-    logp = torch.log_softmax(logits / params.temperature, dim=-1)
-    probs = logp.exp()
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-    if params.top_p < 1.0:
-        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more likely tokens
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)  # the first token always stays
-    cdf = sorted_p.cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(logits.device)
-    target = (u * cdf[:, -1].double()).to(cdf.dtype)[:, None]
-    idx = torch.searchsorted(cdf, target, right=True)
-    last_kept = (sorted_p > 0).sum(dim=-1, keepdim=True) - 1
-    idx = torch.minimum(idx, last_kept)
-    tok = order.gather(1, idx)[:, 0]
+def _sample(logits: torch.Tensor, params: SamplingParams, u: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row by the public draw's rule (``rl.draw.choose``) for the row's uniform, and
+    its log-prob under ``log_softmax(logits / T)`` (before top-p; greedy: T = 1)."""
+    tok = choose(logits, u, params.temperature, params.top_p)
+    logp = torch.log_softmax(logits if params.greedy else logits / params.temperature, dim=-1)
     return tok, logp.gather(1, tok[:, None])[:, 0]
-

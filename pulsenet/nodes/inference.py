@@ -43,6 +43,7 @@ from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
+from pulsenet.rl.draw import DrawId
 from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, assigned, batches_to_generate
@@ -92,7 +93,8 @@ class InferenceConfig:
     """Batches generated per policy version at most, then wait for the next one: an engine faster
     than the trainer would otherwise fill the store with rollouts that go stale unread."""
     seed: int = 0
-    """Run seed: with the node id and version it fixes the problems and samples."""
+    """Run seed: with the node id, version and batch number it fixes the problems (the tokens are
+    drawn with the public draw: rl/draw.py)."""
     state_dir: Path = Path("state/i0")
     """Verified weights per channel (restart resumes from them), caches and the event log (events.jsonl)."""
     failover_s: float = 30.0
@@ -454,7 +456,7 @@ class InferenceNode:
         """One batch at the engine's current version; returns the version it was generated with."""
         c, engine = self.config, self.engine
         assert engine is not None and engine.version is not None
-        version = engine.version
+        version, engine_digest = engine.version, engine.digest
         index = self._batches_at.get(version, 0)
         self._batches_at[version] = index + 1
         problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=self._assigned()[1], batch=index)
@@ -472,10 +474,19 @@ class InferenceNode:
             self.state.degraded = None  # prompts get through again
         self._dropping = None
         prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
-        params = self.prompter.sampling_params(
-            temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)
+        # Every token is drawn with the public draw of (run, digest, node, batch, problem, completion):
+        # what a trainer replays (rl/replay.py); the node chooses none of it.
+        draws = tuple(
+            DrawId(c.run, engine_digest, c.id, version, index, k, i).key() for k, _, _ in asked for i in range(c.group_size)
+        )
+        params = replace(
+            self.prompter.sampling_params(temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)),
+            draws=draws,
         )
         gens = await asyncio.to_thread(engine.generate, prompts, params)
+        if any(g.version != version or g.digest != engine_digest for g in gens):  # an update landed first
+            log.info("%s: the engine moved past v%d before batch %d ran: discarded", c.id, version, index)
+            return version
         groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
         texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
         scores = await asyncio.to_thread(

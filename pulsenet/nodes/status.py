@@ -67,6 +67,10 @@ class NodeState:
     loco: Any = None
     """A PULSELoCo trainer's live counters (``loco.progress.LocoStats``: ints and ``{reason: int}``
     dicts): in ``/status``, and ``pulsenet_loco_<field>_total`` in ``/metrics``."""
+    replay: Any = None
+    """A trainer's replay counters (``rl.replay.ReplayStats``): batches, rows and tokens replayed,
+    refusals by reason, unverifiable batches, seconds, the worst margins honest batches showed; in
+    ``/status``, and ``pulsenet_replay_<field>`` in ``/metrics``."""
     prompts_dropped: dict[str, int] = field(default_factory=dict)
     """Inference: prompts dropped before generation, per reason (``prompt_too_long``,
     ``context_too_long``: the prompter's live counters, ``rl.prompts.PromptStats.dropped``)."""
@@ -151,6 +155,8 @@ class _StateCollector(Collector):
         yield disagree
         if s.loco is not None:
             yield from _counter_metrics(s.loco, "loco_", labels, ids)
+        if s.replay is not None:
+            yield from _counter_metrics(s.replay, "replay_", labels, ids)
         dropped = CounterMetricFamily(
             "pulsenet_prompts_dropped", "Prompts dropped before generation, by reason", labels=[*labels, "reason"]
         )
@@ -169,9 +175,15 @@ class _StateCollector(Collector):
 
 def _counter_metrics(counters: Any, prefix: str, labels: list[str], ids: list[str]) -> Iterator[Any]:
     """Every int field of ``counters`` as ``pulsenet_<prefix><field>``; a ``{reason: int}`` field
-    with a ``reason`` label."""
+    with a ``reason`` label; a float (or None) field as a gauge (a duration, a worst value)."""
     for f in fields(counters):
         value = getattr(counters, f.name)
+        if value is None or isinstance(value, float):
+            gauge = GaugeMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=labels)
+            if value is not None:
+                gauge.add_metric(ids, value)
+            yield gauge
+            continue
         if isinstance(value, dict):
             family = CounterMetricFamily(f"pulsenet_{prefix}{f.name}", f.name.replace("_", " "), labels=[*labels, "reason"])
             for reason, n in value.items():

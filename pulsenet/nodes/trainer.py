@@ -53,13 +53,15 @@ from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
+from pulsenet.rl.draw import DrawId
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
 from pulsenet.rl.prompts import TextCodec
+from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Assignment, Task, TaskConfig
+from pulsenet.rl.tasks import Assignment, Task, TaskConfig, parse_group_id
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
 from pulsenet.rollouts.rows import RowLimits
@@ -157,6 +159,9 @@ class TrainerConfig:
     """The rollout intake: staleness bound, limits, polling."""
     publish: PublisherConfig = field(default_factory=PublisherConfig)
     """PULSESync publishing: channel, anchors, retention."""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """The replay of rollout rows in this trainer's forward before it trains on them (rl/replay.py):
+    rows sampled per batch, tolerances; on by default."""
 
     INHERITED: ClassVar[frozenset[str]] = frozenset({"loco.run", "intake.run", "publish.run"})
     """Set once here (``run``), copied into the components (``settings.inherit``)."""
@@ -183,6 +188,8 @@ class _Round:
     """In GRPO steps."""
     exchange_s: float = 0.0
     """Closing the round: with PULSELoCo the exchange with the peers, alone a checkpoint."""
+    replay_s: float = 0.0
+    """Replaying taken batches' rows (part of ``wait_s``: it runs while the next step's rows are gathered)."""
 
 
 class TrainerNode:
@@ -213,6 +220,18 @@ class TrainerNode:
         """The batch ids and problem numbers a node may answer (signed into the demand record)."""
         self.rescorer = Rescorer(task, prompter, seed=c.seed, assignment=self.assignment)
         """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
+        self.replayer = (
+            Replayer(
+                model.config,
+                prompter.sampling_params(temperature=c.grpo.temperature, top_p=c.replay.top_p),
+                c.replay,
+                keep=c.intake.max_staleness + 1,
+                stopped=prompter.stopped if prompter.config.stop else None,
+            )
+            if c.replay.enabled
+            else None
+        )
+        """Replays rows under the weights of their version before they are trained on (rl/replay.py)."""
         self.evaluator = (
             Evaluator(task, prompter, functools.partial(TorchEngine.from_state, model.config, decode=prompter.codec.decode))
             if c.eval_every
@@ -221,6 +240,8 @@ class TrainerNode:
         """Evals run on a TorchEngine of their own, built from the first state scored."""
         self.tracker = tracker or NoTracker()
         self.state = NodeState(role="trainer", node_id=c.id)
+        if self.replayer is not None:
+            self.state.replay = self.replayer.stats  # live: /status and /metrics
         self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
         self.publisher = Publisher(store, key, c.publish, model_config=_architecture(model))
         self.digests: dict[int, str] = {}
@@ -300,6 +321,8 @@ class TrainerNode:
             # a model that does not fit its own channel (another config since) stops here, named
             check_layout_matches(self.policy.grpo.local.model.config, self.publisher.state, what="this trainer's channel")
             published = (self.publisher.version, self.publisher.state)
+            if self.replayer is not None:  # rows of older versions are unverifiable after a restart
+                self.replayer.remember(*published)
         at = await self.rounds.start(published)
         # rollouts served by the versions still within the staleness bound stay acceptable
         self.digests.update(await self.publisher.recent_digests(self.config.intake.max_staleness + 1))
@@ -370,6 +393,9 @@ class TrainerNode:
             more = self.intake.take(self.version, max_batches=1)
             if more:
                 batch = more[0]
+                if not await self._replayed(batch):
+                    await asyncio.to_thread(self.rounds.record_consumed)  # never taken again, also after a restart
+                    continue
                 rows = await asyncio.to_thread(self._rescore, batch)
                 rnd.batches += 1
                 rnd.staleness.append(self.version - batch.version)
@@ -388,6 +414,29 @@ class TrainerNode:
             if deadline is not None and time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
+
+    async def _replayed(self, batch: RolloutBatch) -> bool:
+        """Whether ``batch`` passed replay (rl/replay.py): its rows drawn now, replayed under its
+        version's weights. A batch that fails is refused whole (counted per node and reason); one
+        whose version this trainer does not hold (published before a restart) is dropped as
+        ``unverifiable``, not held against its node."""
+        replayer = self.replayer
+        if replayer is None:
+            return True
+        if not replayer.holds(batch.version):
+            replayer.stats.unverifiable += 1
+            self.intake.refused(batch, "unverifiable", f"v{batch.version}'s weights are not held here (a restart)")
+            return False
+        t0 = time.perf_counter()
+        try:
+            verdict = await asyncio.to_thread(replayer.check, batch.version, replay_rows(batch, self.config.run, self.digests[batch.version]))
+        finally:
+            replayer.stats.seconds += time.perf_counter() - t0
+            self._round.replay_s += time.perf_counter() - t0
+        if verdict.ok:
+            return True
+        self.intake.refused(batch, verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}")
+        return False
 
     def _rescore(self, batch: RolloutBatch) -> list[Rollout]:
         """The batch's rows with this trainer's own rewards (``rl.rescore``: a row whose group or
@@ -438,6 +487,8 @@ class TrainerNode:
         published_at = time.time()
         self.version = record.version
         self.digests[record.version] = record.digest
+        if self.replayer is not None:
+            self.replayer.remember(record.version, state)
         for v in [v for v in self.digests if v < record.version - self.config.intake.max_staleness - 1]:
             del self.digests[v]
         rows = sum(m.completions for m in rnd.steps)
@@ -455,6 +506,7 @@ class TrainerNode:
                 "wait_rollouts": rnd.wait_s,
                 "train": rnd.train_s,
                 "exchange": rnd.exchange_s,
+                "replay": rnd.replay_s,
                 "publish": time.perf_counter() - t0,
             },
             bytes={
@@ -516,6 +568,23 @@ class TrainerNode:
 
         await runtime.every(1.0, done, step)
         self.state.degraded = None
+
+
+def replay_rows(batch: RolloutBatch, run: str, digest: str) -> list[ReplayRow]:
+    """The batch's rows with their public draw keys: completion ``i`` of a group is the group's
+    ``i``-th row in the batch's order, its problem index and batch number from its group id (the
+    intake checked them against the assignment: ``answer_of``)."""
+    seen: dict[str, int] = {}
+    out = []
+    for r in batch.columns.to_rows():  # the group ids as the node wrote them (``rows`` qualifies them)
+        parsed = parse_group_id(r.group)
+        if parsed is None or parsed[:2] != (batch.node, batch.version):  # the intake refuses such rows first
+            raise RolloutRowError("group_id", f"group id {r.group[:120]!r} is not one of {batch.node} v{batch.version}")
+        node, version, b, k = parsed
+        i = seen[r.group] = seen.get(r.group, -1) + 1
+        key = DrawId(run, digest, node, version, b, k, i).key()
+        out.append(ReplayRow(r.prompt_ids, r.completion_ids, r.logprobs, key))
+    return out
 
 
 def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:

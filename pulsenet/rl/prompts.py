@@ -182,6 +182,12 @@ class Prompter:
             seed=seed,
         )
 
+    def stopped(self, completion_ids: Sequence[int]) -> bool:
+        """Whether a completion's decoded text holds one of the task's stop strings (what ends an
+        engine's completion early, as the engines decode it: stop tokens included)."""
+        text = self.codec.decode(list(completion_ids))
+        return any(s in text for s in self.config.stop)
+
     def completion_text(self, completion_ids: Sequence[int]) -> str:
         """What rewards judge: the decoded completion without EOS ids, cut before the first stop string."""
         stops = set(self.codec.stop_ids)

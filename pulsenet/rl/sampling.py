@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from pulsenet.errors import ConfigError
+from pulsenet.rl.draw import seed_key
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
 """``[rows, tokens]`` int64 ids → ``[rows, tokens, vocab]`` logits (causal, no padding)."""
@@ -46,8 +47,12 @@ class SamplingParams:
     """Strings that end a completion once its decoded text contains one (needs the engine's
     tokenizer); the tokens that completed it are kept, as with stop tokens."""
     seed: int = 0
-    """Completion ``i`` of a call samples from its own generator seeded with ``seed + i``: the same
-    prompts, seed and weights give the same samples, whatever else runs."""
+    """Without ``draws``, completion ``i`` of a call draws with ``rl.draw.seed_key(seed + i)``: the
+    same prompts, seed and weights give the same samples on every engine, whatever else runs."""
+    draws: tuple[bytes, ...] = ()
+    """The public draw key of each prompt's completion (``rl.draw.DrawId.key``), one per prompt of
+    the call: its tokens are then drawn with that key's uniforms (rl/draw.py), which a trainer
+    replays (rl/replay.py). Empty: keys from ``seed``."""
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -58,12 +63,22 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if any(not isinstance(k, bytes) or len(k) != 32 for k in self.draws):
+            raise ConfigError("draws must be 32-byte keys (rl.draw.DrawId.key)")
         if any(not isinstance(x, str) or not x for x in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def draw_keys(self, n: int, offset: int = 0) -> list[bytes]:
+        """The draw keys of prompts ``offset .. offset + n - 1`` of a call."""
+        if self.draws:
+            if offset + n > len(self.draws):
+                raise ConfigError(f"{len(self.draws)} draw keys for a call of {offset + n} prompts")
+            return list(self.draws[offset : offset + n])
+        return [seed_key(self.seed + offset + i) for i in range(n)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,6 +87,9 @@ from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 
+REPLAY_REASONS = ("replay_token", "replay_logprob", "replay_params")
+"""What the trainer's replay of a batch's rows may refuse it for (``rl.replay``), via ``refused()``."""
+
 ANSWER_REASONS = ("group_id", "out_of_assignment", "mixed_batches", "group_size")
 """What ``answer_of`` may refuse a batch for (``rl.tasks.Assignment.batch_of``)."""
 
@@ -106,9 +109,13 @@ REASONS = (
     "batch_repeated",
     "step_failed",
     "rescore",
+    *REPLAY_REASONS,
+    "unverifiable",
 )
 """Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``,
-``rescore`` by ``refused()`` (the trainer's re-scoring found no row it may train on)."""
+``rescore`` and ``REPLAY_REASONS`` by ``refused()`` (the trainer's re-scoring found no row it may
+train on; its replay found a row the policy did not sample: rl/replay.py); ``unverifiable``: the
+trainer no longer holds the weights of the batch's version (a restart), not the node's doing."""
 
 @dataclass(frozen=True, slots=True)
 class RolloutSource:

@@ -1,0 +1,172 @@
+"""The public draw (rl/draw.py) and the trainer's replay of rows (rl/replay.py), on the torch engine.
+
+Honest rows, sampled by a TorchEngine serving a version's BF16 weights with the public draw, pass
+the replay a trainer makes in its own forward; each way of cheating refuses the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.errors import ConfigError
+from pulsenet.rl.draw import DOMAIN, DrawId, choose, seed_key, uniform
+from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
+from pulsenet.rl.sampling import SamplingParams
+
+G = 4
+PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def policy() -> tuple[torch.nn.Module, dict[str, torch.Tensor], str]:
+    model = build_tiny_model(0)
+    with torch.no_grad():  # a peakier policy than random init: a few likely tokens per position, as trained ones have
+        model.model.embed_tokens.weight.mul_(4.0)
+    state = bf16_state_dict(model)
+    return model, state, model_digest(state)
+
+
+def _keys(digest: str, node: str = "i0", version: int = 0, batch: int = 0) -> tuple[bytes, ...]:
+    return tuple(DrawId("run", digest, node, version, batch, k, i).key() for k in range(PROMPTS) for i in range(G))
+
+
+def _prompts() -> list[list[int]]:
+    return [[1 + k, 2, 3 + 2 * k] for k in range(PROMPTS) for _ in range(G)]
+
+
+def _params(**kw: object) -> SamplingParams:
+    return SamplingParams(**{"temperature": 1.0, "max_new_tokens": 16, "stop_token_ids": (0,), **kw})  # type: ignore[arg-type]
+
+
+def _sample(state: dict[str, torch.Tensor], digest: str, params: SamplingParams, config: object) -> list[ReplayRow]:
+    engine = TorchEngine.from_state(config, state, digest, version=0)  # type: ignore[arg-type]
+    gens = engine.generate(_prompts(), params)
+    keys = params.draws or _keys(digest)
+    return [ReplayRow(g.prompt_ids, g.completion_ids, g.logprobs, k) for g, k in zip(gens, keys, strict=True)]
+
+
+def _replayer(model: torch.nn.Module, state: dict[str, torch.Tensor], **kw: object) -> Replayer:
+    r = Replayer(model.config, _params(), ReplayConfig(**kw), keep=3)  # type: ignore[arg-type]
+    r.remember(0, state)
+    return r
+
+
+@pytest.fixture(scope="module")
+def honest(policy: tuple) -> list[ReplayRow]:
+    model, state, digest = policy
+    return _sample(state, digest, _params(draws=_keys(digest)), model.config)
+
+
+ALL = range(PROMPTS * G)
+
+
+def test_the_draw_key_and_uniform_are_the_documented_functions() -> None:
+    """The rule of docs/format.md, recomputed from its text, and its golden vector."""
+    d = DrawId("run", "ab" * 32, "i0", 3, 1, 2, 0)
+    fields = json.dumps(["run", "ab" * 32, "i0", 3, 1, 2, 0], separators=(",", ":")).encode()
+    assert d.key() == hashlib.sha256(DOMAIN + fields).digest()
+    h = hashlib.sha256(d.key() + (5).to_bytes(8, "little")).digest()
+    assert uniform(d.key(), 5) == (int.from_bytes(h[:8], "little") >> 11) / 2**53
+    assert d.key().hex() == "fc3eda8572771e5fba0418b1baf7bb58998e647cfd66f0d3eb6393bedb22feea"  # docs/format.md
+    assert (uniform(d.key(), 0), uniform(d.key(), 5)) == (0.22406950523685154, 0.3235959936078123)
+
+
+def test_choose_is_inverse_cdf_in_token_id_order() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    assert [int(choose(logits, [u], 1.0, 1.0)) for u in (0.05, 0.1, 0.29, 0.31, 0.61, 0.99)] == [0, 1, 1, 2, 3, 3]
+    # top-p 0.5 keeps the two most likely (0.4, 0.3): renormalised over {2, 3} in id order
+    assert [int(choose(logits, [u], 1.0, 0.5)) for u in (0.1, 0.5, 0.9)] == [2, 3, 3]
+    assert int(choose(logits, [0.0], 0.0, 1.0)) == 3  # greedy draws nothing
+
+
+def test_the_engine_draws_with_the_keys_it_is_given(policy: tuple) -> None:
+    """Same keys, same completions, whatever the batch holds; other keys, other completions."""
+    model, state, digest = policy
+    engine = TorchEngine.from_state(model.config, state, digest, version=0)
+    keys = _keys(digest)
+    full = engine.generate(_prompts(), _params(draws=keys))
+    alone = engine.generate(_prompts()[5:6], _params(draws=keys[5:6]))
+    assert alone[0].completion_ids == full[5].completion_ids
+    other = engine.generate(_prompts(), _params(draws=_keys(digest, batch=1)))
+    assert [g.completion_ids for g in other] != [g.completion_ids for g in full]
+    seeded = engine.generate(_prompts()[:2], _params(seed=7))
+    assert seeded[1].completion_ids == engine.generate(_prompts()[1:2], _params(draws=(seed_key(8),)))[0].completion_ids
+
+
+def test_honest_rows_pass_replay_with_their_margins(policy: tuple, honest: list[ReplayRow]) -> None:
+    model, state, _ = policy
+    v = _replayer(model, state).check(0, honest, picked=ALL)
+    assert v.ok, v.detail
+    assert v.margins.numel() == sum(len(r.completion_ids) for r in honest)
+    assert float(v.margins.min()) > 0 and float(v.logprob_diffs.max()) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "cheat, reason",
+    [
+        ("halved_logprobs", "replay_logprob"),
+        ("chosen_completions", "replay_token"),
+        ("other_temperature", "replay_token"),
+        ("perturbed_layer", "replay_token"),
+        ("copied_batch", "replay_token"),
+        ("cut_short", "replay_params"),
+        ("past_stop", "replay_params"),
+    ],
+)
+def test_each_cheat_is_refused(policy: tuple, honest: list[ReplayRow], cheat: str, reason: str) -> None:
+    """Every cheat touches every row; the trainer replays a sample of 8 and refuses the batch."""
+    model, state, digest = policy
+    rows = honest
+    if cheat == "halved_logprobs":
+        rows = [dataclasses.replace(r, logprobs=tuple(x / 2 for x in r.logprobs)) for r in honest]
+    elif cheat == "chosen_completions":  # the policy's own samples, but not the public draw's
+        rows = [dataclasses.replace(r, key=k) for r, k in zip(_sample(state, digest, _params(seed=99), model.config), _keys(digest), strict=True)]
+    elif cheat == "other_temperature":  # drawn at T = 0.7, log-probs honest at T = 1
+        hot = _sample(state, digest, _params(draws=_keys(digest), temperature=0.7), model.config)
+        rows = [dataclasses.replace(r, logprobs=tuple(TorchEngine.from_state(model.config, state, digest).score(r.prompt_ids, r.completion_ids))) for r in hot]
+    elif cheat == "perturbed_layer":
+        bad = {n: (t.float() * 1.05).to(t.dtype) if n == "model.norm.weight" else t for n, t in state.items()}
+        engine = TorchEngine(model.__class__(model.config), TorchEngineConfig(verify_updates=False))
+        engine.update(0, bad, digest)  # serves other weights under the version's digest
+        gens = engine.generate(_prompts(), _params(draws=_keys(digest)))
+        rows = [ReplayRow(g.prompt_ids, g.completion_ids, g.logprobs, k) for g, k in zip(gens, _keys(digest), strict=True)]
+    elif cheat == "copied_batch":  # node i1's batch, presented as i0's
+        rows = [dataclasses.replace(r, key=k) for r, k in zip(_sample(state, digest, _params(draws=_keys(digest, node="i1")), model.config), _keys(digest), strict=True)]
+    elif cheat == "cut_short":  # completions cut before their stop token, to keep a prefix that pays
+        rows = [dataclasses.replace(r, completion_ids=r.completion_ids[:1], logprobs=r.logprobs[:1]) for r in honest]
+    elif cheat == "past_stop":
+        rows = [dataclasses.replace(r, completion_ids=(0, *r.completion_ids), logprobs=(-1.0, *r.logprobs)) for r in honest]
+    v = _replayer(model, state).check(0, rows)
+    assert v.reason == reason, (v.reason, v.detail)
+    assert len(v.rows) == 8
+
+
+def test_a_cheat_on_every_row_is_caught_whatever_rows_are_drawn(policy: tuple, honest: list[ReplayRow]) -> None:
+    """The trainer draws the rows it replays after the batch is committed: 20 draws, 20 refusals."""
+    model, state, _ = policy
+    rows = [dataclasses.replace(r, logprobs=tuple(x / 2 for x in r.logprobs)) for r in honest]
+    r = _replayer(model, state)
+    assert all(r.check(0, rows).reason == "replay_logprob" for _ in range(20))
+    assert r.stats.refused == {"replay_logprob": 20}
+
+
+def test_replay_config_refuses_nonsense() -> None:
+    for bad in ({"share": 0.0}, {"share": 1.5}, {"min_rows": 0}, {"cdf_tolerance": 0.6}, {"logprob_tolerance": -1.0}, {"top_p": 0.0}):
+        with pytest.raises(ConfigError):
+            ReplayConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_only_the_last_versions_are_held(policy: tuple) -> None:
+    model, state, _ = policy
+    r = _replayer(model, state)
+    for v in (1, 2, 3):
+        r.remember(v, state)
+    assert not r.holds(0) and all(r.holds(v) for v in (1, 2, 3))
