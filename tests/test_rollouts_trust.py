@@ -268,3 +268,38 @@ async def test_an_open_nodes_key_that_changes_is_refused_also_after_a_restart(si
     await o.own.put("rollouts/key.pub", b"not a key", timeout=10)
     fourth = intake([a.source(), open_source(o)], open_inference=True)
     assert await fourth.poll(1) == 0 and rejected(fourth, o.node) == {"malformed": 1}
+
+
+def test_a_trainer_takes_a_source_without_a_key_only_with_open_inference(tmp_path) -> None:
+    """``build_trainer``: a node without a trusted key is a config error, unless open inference is
+    on, when it is an open source (and the allowlisted one keeps its key)."""
+    from pulsenet.errors import ConfigError
+    from pulsenet.nodes.run import build_trainer
+    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.signing import generate_keypair
+    from pulsenet.store import LocalStore
+
+    generate_keypair(tmp_path / "t0.key")
+    generate_keypair(tmp_path / "i1.key")
+
+    def config(**intake: object) -> TrainerConfig:
+        return TrainerConfig(
+            store=f"file://{tmp_path}/t0",
+            key=tmp_path / "t0.key",
+            inference=[f"i0=file://{tmp_path}/i0", f"i1=file://{tmp_path}/i1"],
+            trust_inference=[f"i1={tmp_path}/i1.key.pub"],
+            warmup_steps=0,
+            state_dir=tmp_path / "state",
+            intake=RolloutIntakeConfig(**intake),
+        )
+
+    def opened(url: str) -> LocalStore:
+        return LocalStore(url.removeprefix("file://"))
+
+    with pytest.raises(ConfigError, match=r"no trusted key for inference node\(s\) \['i0'\]"):
+        build_trainer(config(), open_store=opened)
+    node = build_trainer(config(open_inference=True), open_store=opened)
+    assert node.intake.trust.open_nodes == {"i0"}
+    c = config(open_inference=True)
+    c.trust_inference = []
+    assert build_trainer(c, open_store=opened).intake.trust.open_nodes == {"i0", "i1"}
