@@ -616,7 +616,7 @@ class RolloutIntake:
         seen = self._seen[node]
         keep, out = [], []
         budget = self.config.open_budget if self.trust.is_open(node) else None
-        used = collections.Counter(v for b, v in self._accepted.items() if b.startswith(f"{node}/"))
+        used = collections.Counter(v for b, v in self._accepted.items() if budget is not None and b.startswith(f"{node}/"))
         for info, name in self._pending[node]:
             if seen.get(info.key) == info.etag:
                 continue  # decided since it was listed
