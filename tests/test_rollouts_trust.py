@@ -14,10 +14,12 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from test_rollouts import DIGESTS, Site, make_rows, make_sites
 
+from pulsenet.nodes.rounds import load_consumed, save_consumed
 from pulsenet.nodes.trainer import answer_of
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.intake import REPLAY_REASONS
+from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.trust import Gaps, Trust
 from pulsenet.store.seaweed import SeaweedServer
 
@@ -242,7 +244,7 @@ async def test_an_open_node_is_pinned_budgeted_and_dropped_on_its_first_refusal(
     assert rejected(ti2, o.node) == {"wrong_digest": 1, "distrusted": 5}  # v2 b0, b1 queued; v1's three
 
 
-async def test_an_open_nodes_key_that_changes_is_refused_also_after_a_restart(sites: list[Site]) -> None:
+async def test_an_open_nodes_key_that_changes_is_refused_also_after_a_restart(sites: list[Site], tmp_path) -> None:
     a, o = sites
     wo = o.writer()
     await wo.write(batch(o.node, 1, 0))
@@ -255,10 +257,17 @@ async def test_an_open_nodes_key_that_changes_is_refused_also_after_a_restart(si
     await w2.write(batch(o.node, 1, 1))
     assert await ti.poll(1) == 0
     assert rejected(ti, o.node)["key_changed"] == 1 and o.node in ti.stats.distrusted
-    # a restarted trainer remembers the pinned key, not just the distrust
+    # a restarted trainer remembers the pinned key, not just the distrust (through its file)
+    save_consumed(tmp_path / "consumed.json", 7, record)  # from before the swap: pinned, not distrusted
     fresh = intake([a.source(), open_source(o)], open_inference=True)
-    fresh.skip_consumed(record)  # from before the swap: pinned, not distrusted
+    fresh.skip_consumed(load_consumed(tmp_path / "consumed.json", 7, "t0"))
     assert await fresh.poll(1) == 0 and rejected(fresh, o.node)["key_changed"] == 1
+    # unless the operator forgives it (after the node removed what its old key signed): the new
+    # key is pinned and its batch taken
+    await o.own.delete([RolloutLayout().manifest(1, o.node, 0)], timeout=10)
+    forgiven = intake([a.source(), open_source(o)], open_inference=True, forgive=[o.node])
+    forgiven.skip_consumed(fresh.consumed())
+    assert await forgiven.poll(1) == 1 and forgiven.trust.pinned[o.node] == w2.key_id
     # an open node that publishes an allowlisted node's key is refused
     raw = a.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     await o.own.put("rollouts/key.pub", raw, timeout=10)

@@ -177,7 +177,7 @@ class RolloutIntakeConfig:
     are no longer taken (trust.py; kept across restarts); 0: never."""
     forgive: list[str] = field(default_factory=list)
     """Nodes whose distrust and strikes are lifted when the intake resumes (an operator's call
-    after a node was fixed); their counted refusals stay."""
+    after a node was fixed; an open node's pinned key is forgotten too, and pinned again)."""
     open_inference: bool = False
     """Accept batches from sources configured without a trusted key (*open* nodes): each one's
     key is read from its own store (``layout.key``) and pinned on first read; it gets
@@ -465,7 +465,9 @@ class RolloutIntake:
         self.trust.restore(consumed)
         self.trust.forgive(self.config.forgive)
         for node in self.trust.distrusted:
-            self.stats.distrusted.setdefault(node, "distrusted before a restart")
+            if node not in self.stats.distrusted:
+                self.stats.distrusted[node] = "distrusted before a restart"
+                log.warning("rollout node %s is still distrusted (since v%d): its batches are not taken", node, self.trust.distrusted[node])
         for key, v in consumed.items():
             if key.startswith(ANSWERED):
                 self._answered[key.removeprefix(ANSWERED)] = v

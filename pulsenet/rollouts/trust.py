@@ -80,10 +80,11 @@ class Trust:
         return self.pinned[node] == kid
 
     def forgive(self, nodes: Iterable[str]) -> None:
-        """Lift distrust and strikes (an operator's decision, ``RolloutIntakeConfig.forgive``)."""
+        """Lift distrust and strikes, and unpin an open node's key (it is pinned again on its next
+        read): an operator's decision, ``RolloutIntakeConfig.forgive``."""
         for n in nodes:
-            self.distrusted.pop(n, None)
-            self.strikes.pop(n, None)
+            for record in (self.distrusted, self.strikes, self.pinned, self.pinned_at):
+                record.pop(n, None)
 
     def record(self) -> dict[str, int]:
         """What a restart must keep, as consumed-record entries (the prefixes above)."""
