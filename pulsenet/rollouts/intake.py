@@ -49,7 +49,8 @@ fetches only the batches it owns. A batch whose GRPO step failed is reported bac
 
 **Trust** (trust.py): a batch the trainer's replay refuses (``refused()`` with a
 ``REPLAY_REASONS`` reason) is a strike against its node; after ``refusals_to_distrust`` strikes the
-node is distrusted: its batches are skipped before any GET (counted under ``distrusted``), also
+node is distrusted: no GET of its store any more, its batches skipped from a listing made once per
+``relist_after_s`` (counted under ``distrusted``), also
 after a restart (the trust record is part of ``consumed()``). With ``open_inference``, a source
 configured without a key is an open node: its key is pinned from its own store, it gets
 ``open_budget`` batches per version (``over_budget`` past it), and its first refusal distrusts it.
@@ -506,9 +507,10 @@ class RolloutIntake:
         pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]] = {}
         for source in self.sources:
             try:
-                if self.trust.is_open(source.node) and not await self._open_key(source):
-                    continue  # no key to verify it with (yet), or distrusted now
-                if await self._head_moved(source):
+                wanted = await self._to_list(source)
+                if wanted is None:
+                    continue
+                if wanted:
                     listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
                     self.stats.lists += 1
                     self._heads[source.node].listed = time.monotonic()
@@ -520,6 +522,18 @@ class RolloutIntake:
         return await self._admit(pending, trainer_version)
 
     # --- one poll ----------------------------------------------------------------------------
+
+    async def _to_list(self, source: RolloutSource) -> bool | None:
+        """Whether to list ``source`` now; None: leave it out of this poll. A distrusted node costs
+        no GET at all: it is listed once per ``relist_after_s`` (never when that is None) only so
+        that its skipped batches are counted. An open node needs its key first (``_open_key``)."""
+        node = source.node
+        if node in self.trust.distrusted:
+            every = self.config.relist_after_s
+            return True if every is not None and time.monotonic() - self._heads[node].listed >= every else None
+        if self.trust.is_open(node) and not await self._open_key(source):
+            return None  # no key to verify it with (yet), or distrusted by this read
+        return await self._head_moved(source)
 
     async def _head_moved(self, source: RolloutSource) -> bool:
         """Whether to list ``source`` now: one conditional GET of its head decides (class docstring)."""
@@ -566,14 +580,15 @@ class RolloutIntake:
         unchanged) and pinned on first read. A key that is not one, one another node holds, or one
         other than the pinned: refused (which distrusts an open node). Store errors propagate."""
         node, cfg = source.node, self.config
-        if node in self.trust.distrusted:
-            return True  # its batches are skipped (counted) before any GET: no key needed
         try:
             got = await source.store.get_if_changed(
-                self.layout.key, self._key_etag.get(node), max_bytes=64, timeout=cfg.timeout_s
+                self.layout.key, self._key_etag.get(node) or None, max_bytes=64, timeout=cfg.timeout_s
             )
         except ObjectNotFound:
             got = None  # pinned before (perhaps before a restart): go on with the key we have
+            if not self._keys[node] and node not in self._key_etag:
+                self._key_etag[node] = ""  # said once
+                log.warning("open rollout node %s has no %s yet: nothing of it can be verified", node, self.layout.key)
         except ObjectTooLarge:
             self._reject(node, self.layout.key, "malformed", "a public key object over 64 bytes")
             return False
