@@ -12,9 +12,11 @@ import logging
 import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from prometheus_client import generate_latest
 from test_rollouts import DIGESTS, Site, make_rows, make_sites
 
 from pulsenet.nodes.rounds import load_consumed, save_consumed
+from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.nodes.trainer import answer_of
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
@@ -132,6 +134,12 @@ async def test_a_node_is_distrusted_after_k_replay_refusals_and_stays_so_after_a
     assert await restarted.poll(1) == 0
     assert rejected(restarted, a.node) == {"distrusted": 4}  # b = 5..8
     assert restarted.trust.strikes[b.node] == 1 and b.node not in restarted.trust.distrusted
+    # what the trainer's /status and /metrics show (its NodeState holds the intake's live counts)
+    state = NodeState(role="trainer", node_id="t0")
+    state.rejected = restarted.stats.rejected_by_node
+    assert state.to_json()["rejected"][a.node] == {"distrusted": 4}
+    metrics = generate_latest(StatusServer(state).registry).decode()
+    assert f'pulsenet_rollouts_rejected_total{{node="t0",reason="distrusted",role="trainer",source="{a.node}"}} 4.0' in metrics
     # an operator lifts it
     forgiven = intake([a.source(), b.source()], refusals_to_distrust=3, forgive=[a.node])
     forgiven.skip_consumed(ti.consumed())
