@@ -69,6 +69,7 @@ def test_strikes_distrust_after_k_and_rescore_is_no_strike() -> None:
     assert all(never.refused("n", "replay_token", v) is None for v in range(10)) and not never.distrusted
     opened = Trust(3, frozenset(REPLAY_REASONS), open_nodes=frozenset({"o"}))
     assert opened.refused("o", "step_failed", 1) is None and opened.refused("o", "over_budget", 1) is None
+    assert opened.refused("o", "unverifiable", 1) is None  # the trainer lacks the weights, not the node's doing
     assert opened.refused("o", "rescore", 1) is not None and "o" in opened.distrusted
     again = Trust(3, frozenset(REPLAY_REASONS))
     again.restore({**t.record(), "inf-a/rollouts/manifests/x.json": 3, "answered:inf-a/v1-b0": 1})

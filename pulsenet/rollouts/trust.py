@@ -12,7 +12,7 @@ consumed record (``record`` / ``restore``).
 - **Open nodes** (``open_inference``): a node the trainer holds no key for. Its key is read from its
   own store and pinned on first read (another key later: ``key_changed``); it gets ``open_budget``
   batches per version; its first refused batch, for any reason the node answers for (every reason
-  but ``step_failed``), distrusts it.
+  but ``NOT_THE_NODES_FAULT``), distrusts it.
 - **Gaps** (``Gaps``): a lower bound on the batch numbers a node generated and did not publish.
 """
 
@@ -27,8 +27,9 @@ TRUST_REASONS = ("distrusted", "over_budget", "key_changed", "withheld")
 is distrusted or over its open budget, an open node's key that changed after it was pinned, and
 batch numbers a node withheld (``Gaps``: a lower bound, counted once a version leaves the window)."""
 
-NOT_THE_NODES_FAULT = frozenset({"step_failed"})
-"""Refusals that say nothing about the node (the trainer's own GRPO step raised)."""
+NOT_THE_NODES_FAULT = frozenset({"step_failed", "unverifiable"})
+"""Refusals that say nothing about the node: the trainer's own GRPO step raised, or the trainer no
+longer holds the weights to replay the batch's version (after a restart)."""
 
 DISTRUSTED = "distrusted:"
 """Consumed-record prefix: ``distrusted:{node}`` -> the trainer version it was distrusted at."""
