@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import random
 
 import pytest
 from cryptography.hazmat.primitives import serialization
@@ -91,6 +92,39 @@ def test_gaps_are_a_lower_bound_from_this_processes_listings() -> None:
     assert g.settle(2) == {} and not g.listed and not g.accepted  # counted once, then forgotten
     g.saw_listing("far", {10**9: 50}, 0, 20)
     assert not g.listed  # a planted far version is not kept
+
+
+def test_gaps_never_blame_an_honest_node_and_never_exceed_what_was_withheld() -> None:
+    """2,000 random runs: a node makes batches 0..n-1 of each version in order and publishes each
+    (honest) or all but a random few (cheat); trainers list at random moments between writes and
+    accept a random share of what their listings show (the partition, deferrals). Every trainer's
+    count is 0 for the honest node and at most what the cheat withheld."""
+    rng = random.Random(30)
+    caught = 0
+    for _ in range(2000):
+        withheld: dict[int, set[int]] = {}
+        published: dict[int, int] = {}  # version -> names listed so far
+        gaps = [Gaps() for _ in range(rng.randint(1, 3))]
+        cheat = rng.random() < 0.5
+        for v in range(rng.randint(1, 4)):
+            n = rng.randint(1, 8)
+            withheld[v] = {b for b in range(n) if cheat and rng.random() < 0.3}
+            names: list[int] = []
+            for b in range(n):
+                if b not in withheld[v]:
+                    names.append(b)
+                    published[v] = len(names)
+                for g in gaps:
+                    if rng.random() < 0.4:  # this trainer lists now
+                        g.saw_listing("x", dict(published), 0, 100)
+                        for got in names:
+                            if rng.random() < 0.5:
+                                g.saw_accepted("x", v, got)
+        for g in gaps:
+            total = sum(g.settle(100).values())
+            assert total == 0 if not cheat else total <= sum(len(w) for w in withheld.values())
+            caught += total > 0
+    assert caught > 200  # and it is no empty bound
 
 
 # --- distrust after K replay refusals ---------------------------------------------------------
