@@ -355,3 +355,18 @@ def test_a_trainer_takes_a_source_without_a_key_only_with_open_inference(tmp_pat
     c = config(open_inference=True)
     c.trust_inference = []
     assert build_trainer(c, open_store=opened).intake.trust.open_nodes == {"i0", "i1"}
+
+
+def test_the_trust_settings_come_from_the_trainers_intake_table(tmp_path) -> None:
+    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.settings import load_settings
+
+    (tmp_path / "t.toml").write_text(
+        '[trainer.intake]\nrefusals_to_distrust = 5\nforgive = ["i0", "i1"]\nopen_inference = true\nopen_budget = 4\n'
+    )
+    c = load_settings(TrainerConfig, table="trainer", config=tmp_path / "t.toml", environ={}).intake
+    assert (c.refusals_to_distrust, c.forgive, c.open_inference, c.open_budget) == (5, ["i0", "i1"], True, 4)
+    d = RolloutIntakeConfig()
+    assert (d.refusals_to_distrust, d.forgive, d.open_inference, d.open_budget) == (3, [], False, 2)
+    with pytest.raises(ValueError, match="refusals_to_distrust"):
+        RolloutIntakeConfig(refusals_to_distrust=-1)
