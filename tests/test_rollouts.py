@@ -491,12 +491,12 @@ async def test_retention_keeps_storage_bounded(sites: list[Site]) -> None:
         for s in range(2):
             await w.write(make_rows(a.node, v, seed=s))
         await w.retain(v)
-        counts.append(len(await a.own.list("rollouts/", timeout=10)) - 1)  # less the head
+        counts.append(len(await a.own.list("rollouts/", timeout=10)) - 2)  # less the head and the key
     assert max(counts) <= 2 * 2 * 3  # (manifest + payload) x 2 batches x (max_staleness + 1) versions
     left = RolloutLayout()
     versions = {left.parse_manifest(i.key).version for i in await a.own.list(left.manifests, timeout=10)}
     assert versions == {9, 10, 11}
-    assert len(await b.own.list("rollouts/", timeout=10)) == 3  # another node's store is not touched (+ head)
+    assert len(await b.own.list("rollouts/", timeout=10)) == 4  # another node's store is not touched (+ head, key)
     ti = intake(sites)
     assert await ti.poll(11) == 6  # every manifest left names a payload that is still there
     assert ti.stats.rejected == {} and ti.stats.stale_in_flight == 1  # b's v0

@@ -47,9 +47,9 @@ async def test_an_idle_poll_is_one_conditional_get_per_source(sites: list[Site])
     await wb.start()
     await wa.write(make_rows(a.node, 1, seed=1))
     await wb.write(make_rows(b.node, 1, seed=1))
-    # a batch costs its node 3 PUTs (payload, manifest, head); start lists twice and writes the head
+    # a batch costs its node 3 PUTs (payload, manifest, head); start lists twice, writes the key and the head
     wrote = a.own.requests - before
-    assert (wrote.put, wrote.list, wrote.delete) == (1 + 3, 2, 0)
+    assert (wrote.put, wrote.list, wrote.delete) == (2 + 3, 2, 0)
     ti = intake(sites)
     assert await ti.poll(1) == 2
     for _ in range(3):

@@ -115,11 +115,12 @@ def build_trainer(
     if not c.store:
         raise ConfigError("trainer: set store (this site's bucket, e.g. s3://pulsenet-t0)")
     sources_urls = site_map(c.inference, "inference")
-    keys = key_map(c.trust_inference, "inference")
+    open_only = c.intake.open_inference and not c.trust_inference  # every node open: no keys to load
+    keys = {} if open_only else key_map(c.trust_inference, "inference")
     missing = sorted(set(sources_urls) - set(keys))
-    if missing:
+    if missing and not c.intake.open_inference:  # with it, a node without a key is open (rollouts/trust.py)
         raise ConfigError(f"trainer: no trusted key for inference node(s) {missing} (trust_inference ID=PATH)")
-    sources = [RolloutSource(n, open_store(url), keys[n]) for n, url in sources_urls.items()]
+    sources = [RolloutSource(n, open_store(url), keys.get(n, {})) for n, url in sources_urls.items()]
     text = text_codec(c.model)
     c.grpo.pad_id = text.pad_id
     task = make_task(c.task, c.seed)  # before the model: a bad task or reward fails fast

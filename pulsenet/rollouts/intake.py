@@ -46,6 +46,15 @@ fresh batches first and drops those that went stale while queued (counted apart 
 in flight). Several trainers share one pool by a deterministic partition (partition.py): each
 fetches only the batches it owns. A batch whose GRPO step failed is reported back with
 ``failed()``: counted, and kept in the consumed record so it is never trained on again.
+
+**Trust** (trust.py): a batch the trainer's replay refuses (``refused()`` with a
+``REPLAY_REASONS`` reason) is a strike against its node; after ``refusals_to_distrust`` strikes the
+node is distrusted: no GET of its store any more, its batches skipped from a listing made once per
+``relist_after_s`` (counted under ``distrusted``), also
+after a restart (the trust record is part of ``consumed()``). With ``open_inference``, a source
+configured without a key is an open node: its key is pinned from its own store, it gets
+``open_budget`` batches per version (``over_budget`` past it), and its first refusal distrusts it.
+Batch numbers a node withheld are counted under ``withheld`` (``trust.Gaps``: a lower bound).
 """
 
 from __future__ import annotations
@@ -81,8 +90,9 @@ from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import MAX_HEAD, BatchManifest, batch_manifest_from, head_from
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.rows import ROW_REASONS, RowLimits, check_rows
+from pulsenet.rollouts.trust import DISTRUSTED, PINNED, STRIKES, TRUST_REASONS, Gaps, Trust, answered_batch
 from pulsenet.signed import fetch_document, fetch_object
-from pulsenet.signing import MAX_DOCUMENT, verify_document
+from pulsenet.signing import MAX_DOCUMENT, key_id, verify_document
 from pulsenet.store.base import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
@@ -111,11 +121,17 @@ REASONS = (
     "rescore",
     *REPLAY_REASONS,
     "unverifiable",
+    *TRUST_REASONS,
 )
 """Why a batch is refused (``IntakeStats.rejected``); ``step_failed`` is counted by ``failed()``,
 ``rescore`` and ``REPLAY_REASONS`` by ``refused()`` (the trainer's re-scoring found no row it may
 train on; its replay found a row the policy did not sample: rl/replay.py); ``unverifiable``: the
-trainer no longer holds the weights of the batch's version (a restart), not the node's doing."""
+trainer no longer holds the weights of the batch's version (a restart), not the node's doing;
+``TRUST_REASONS`` by the trust rules (trust.py: batches of a distrusted node or over an open node's
+budget skipped, an open node's key that changed, batch numbers withheld)."""
+
+STRIKE_REASONS = REPLAY_REASONS
+"""Refusals that count towards ``refusals_to_distrust`` (trust.py says why ``rescore`` does not)."""
 
 @dataclass(frozen=True, slots=True)
 class RolloutSource:
@@ -159,12 +175,27 @@ class RolloutIntakeConfig:
     head write that failed cannot hide batches for longer); None: only when the head moves."""
     round_timeout_s: float | None = 600.0
     """Deadline of one whole poll in ``run()``."""
+    refusals_to_distrust: int = 3
+    """Batches refused by the trainer's replay (``REPLAY_REASONS``) after which a node's batches
+    are no longer taken (trust.py; kept across restarts); 0: never."""
+    forgive: list[str] = field(default_factory=list)
+    """Nodes whose distrust and strikes are lifted when the intake resumes (an operator's call
+    after a node was fixed; an open node's pinned key is forgotten too, and pinned again)."""
+    open_inference: bool = False
+    """Accept batches from sources configured without a trusted key (*open* nodes): each one's
+    key is read from its own store (``layout.key``) and pinned on first read; it gets
+    ``open_budget`` batches per version, and its first refused batch distrusts it. Needs the
+    trainer's replay on (a trainer checks that): rows are still replayed."""
+    open_budget: int = 2
+    """Batches per version this trainer takes from one open node; more are skipped before any GET."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.max_batch_bytes < 1:
             raise ValueError("max_staleness must be >= 0 and max_batch_bytes >= 1")
         if min(self.max_queued, self.max_queued_tokens, self.max_queued_bytes) < 1:
             raise ValueError("max_queued, max_queued_tokens and max_queued_bytes must be >= 1")
+        if self.refusals_to_distrust < 0 or self.open_budget < 0:
+            raise ValueError("refusals_to_distrust and open_budget must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +274,9 @@ class IntakeStats:
     """Heads older than one already verified (replayed): listed every poll until a newer one."""
     head_rejected: int = 0
     """Heads refused (bad signature, another node's, malformed, too large): listed every poll."""
+    distrusted: dict[str, str] = field(default_factory=dict)
+    """Node -> why its batches are no longer taken (trust.py); the batches skipped since are
+    counted in ``rejected_by_node`` under ``distrusted``."""
 
 
 @dataclass(slots=True)
@@ -306,6 +340,16 @@ class RolloutIntake:
         self.answer_of = answer_of
         self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once (``consumed``)
         self._queue: list[RolloutBatch] = []  # in arrival order; ``take`` hands out the newest first
+        self._keys: dict[str, dict[str, Ed25519PublicKey]] = {s.node: dict(s.trusted) for s in sources}
+        """Node -> the keys its documents verify under: configured, or an open node's pinned key."""
+        self.trust = Trust(
+            config.refusals_to_distrust,
+            frozenset(STRIKE_REASONS),
+            open_nodes=frozenset(s.node for s in sources if not s.trusted) if config.open_inference else frozenset(),
+        )
+        self.gaps = Gaps()
+        self._key_etag: dict[str, str] = {}  # open node -> ETag of the key object read last
+        self._version = 0  # the trainer version of the last poll: when a node was distrusted
         self._heads: dict[str, _Head] = {s.node: _Head() for s in sources}
         self._pending: dict[str, list[tuple[ObjectInfo, BatchName]]] = {s.node: [] for s in sources}
         """Per source: listed batches not decided yet (not reached, over a budget): no new listing needed."""
@@ -381,7 +425,7 @@ class RolloutIntake:
         floor = trainer_version - self.config.max_staleness
         nodes = [s.node for s in self.sources]
         known = None if live is None else set(live)
-        alive = [n for n in nodes if known is None or n in known] or nodes
+        alive = [n for n in nodes if (known is None or n in known) and n not in self.trust.distrusted] or nodes
         share = math.ceil(rows_in_flight / len(alive))
         taken = dict.fromkeys(nodes, 0)
         for bid, v in self._taken.items():
@@ -400,8 +444,11 @@ class RolloutIntake:
 
     def refused(self, batch: RolloutBatch, reason: str, why: str) -> None:
         """A batch ``take`` handed out that the trainer will not train on after all (``rescore``:
-        none of its rows passed re-scoring): counted per node under ``reason``, and kept in the
-        consumed record, so that it is never taken again, also after a restart."""
+        none of its rows passed re-scoring; a ``REPLAY_REASONS`` reason: its replay found a row the
+        policy did not sample): counted per node under ``reason``, and kept in the consumed
+        record, so that it is never taken again, also after a restart. A replay refusal is a
+        strike against the node (trust.py), any refusal of an open node distrusts it: call
+        ``record_consumed`` after this so that the distrust survives a restart too."""
         self._taken[batch.batch_id] = batch.version
         self._accepted[batch.batch_id] = batch.version
         self._count(batch.node, reason)
@@ -411,14 +458,24 @@ class RolloutIntake:
         """``batch id -> version`` of the batches ``take`` handed out (or ``failed`` reported) that
         are still within the staleness window, and ``ANSWERED + node/answer -> version`` of the
         batch ids answered: part of a trainer's resume state, so that a restarted trainer neither
-        trains on a batch twice nor accepts a batch id answered again (``skip_consumed``)."""
-        return {**self._taken, **{ANSWERED + a: v for a, v in self._answered.items()}}
+        trains on a batch twice nor accepts a batch id answered again (``skip_consumed``); and the
+        trust record (trust.py: strikes, distrusted nodes, open nodes' pinned keys)."""
+        return {**self._taken, **{ANSWERED + a: v for a, v in self._answered.items()}, **self.trust.record()}
 
     def skip_consumed(self, consumed: Mapping[str, int]) -> None:
-        """Never queue these batches (what ``consumed`` returned before a restart)."""
+        """Never queue these batches (what ``consumed`` returned before a restart), and take back
+        the trust record; then lift the distrust of the nodes in ``config.forgive``."""
+        self.trust.restore(consumed)
+        self.trust.forgive(self.config.forgive)
+        for node in self.trust.distrusted:
+            if node not in self.stats.distrusted:
+                self.stats.distrusted[node] = "distrusted before a restart"
+                log.warning("rollout node %s is still distrusted (since v%d): its batches are not taken", node, self.trust.distrusted[node])
         for key, v in consumed.items():
             if key.startswith(ANSWERED):
                 self._answered[key.removeprefix(ANSWERED)] = v
+            elif key.startswith((DISTRUSTED, STRIKES, PINNED)):
+                continue
             else:
                 self._taken[key] = v
                 self._accepted[key] = v
@@ -441,18 +498,25 @@ class RolloutIntake:
     async def poll(self, trainer_version: int) -> int:
         """One pass over every source; returns how many batches were accepted into the queue."""
         self.stats.polls += 1
+        self._version = trainer_version
         floor = trainer_version - self.config.max_staleness
+        for node, n in self.gaps.settle(floor).items():
+            self._count(node, "withheld", n)
+            log.warning("rollout node %s withheld at least %d batch number(s) of versions below v%d", node, n, floor)
         self._accepted = {b: v for b, v in self._accepted.items() if v >= floor}
         self._taken = {b: v for b, v in self._taken.items() if v >= floor}
         self._answered = {a: v for a, v in self._answered.items() if v >= floor}  # older: stale anyway
         pending: dict[str, collections.deque[tuple[ObjectInfo, BatchName]]] = {}
         for source in self.sources:
             try:
-                if await self._head_moved(source):
+                wanted = await self._to_list(source)
+                if wanted is None:
+                    continue
+                if wanted:
                     listing = await source.store.list(self.layout.manifests, timeout=self.config.timeout_s)
                     self.stats.lists += 1
                     self._heads[source.node].listed = time.monotonic()
-                    self._listed(source, listing)
+                    self._listed(source, listing, trainer_version)
             except (StoreError, TimeoutError) as e:
                 self._source_failed(source, e)
                 continue
@@ -460,6 +524,18 @@ class RolloutIntake:
         return await self._admit(pending, trainer_version)
 
     # --- one poll ----------------------------------------------------------------------------
+
+    async def _to_list(self, source: RolloutSource) -> bool | None:
+        """Whether to list ``source`` now; None: leave it out of this poll. A distrusted node costs
+        no GET at all: it is listed once per ``relist_after_s`` (never when that is None) only so
+        that its skipped batches are counted. An open node needs its key first (``_open_key``)."""
+        node = source.node
+        if node in self.trust.distrusted:
+            every = self.config.relist_after_s
+            return True if every is not None and time.monotonic() - self._heads[node].listed >= every else None
+        if self.trust.is_open(node) and not await self._open_key(source):
+            return None  # no key to verify it with (yet), or distrusted by this read
+        return await self._head_moved(source)
 
     async def _head_moved(self, source: RolloutSource) -> bool:
         """Whether to list ``source`` now: one conditional GET of its head decides (class docstring)."""
@@ -485,7 +561,7 @@ class RolloutIntake:
         st.etag = got.etag
         context = self.layout.head_context(cfg.run, source.store.url, source.node)
         try:
-            signed = await asyncio.to_thread(verify_document, got.data, source.trusted, context=context)
+            signed = await asyncio.to_thread(verify_document, got.data, self._keys[source.node], context=context)
             head = head_from(signed, source.node)
         except ManifestError as e:  # SignatureError included
             self.stats.head_rejected += 1
@@ -500,22 +576,67 @@ class RolloutIntake:
         st.seq, st.trusted = head.seq, True
         return True
 
-    def _listed(self, source: RolloutSource, listing: list[ObjectInfo]) -> None:
-        """Remember a listing's undecided batches; forget decisions on what is no longer listed."""
+    async def _open_key(self, source: RolloutSource) -> bool:
+        """Whether open ``source`` has a key to verify its documents with now: its ``layout.key``
+        (raw 32 bytes, in its own store), read with one conditional GET per poll (a 304 while
+        unchanged) and pinned on first read. A key that is not one, one another node holds, or one
+        other than the pinned: refused (which distrusts an open node). Store errors propagate."""
+        node, cfg = source.node, self.config
+        try:
+            got = await source.store.get_if_changed(
+                self.layout.key, self._key_etag.get(node) or None, max_bytes=64, timeout=cfg.timeout_s
+            )
+        except ObjectNotFound:
+            got = None  # pinned before (perhaps before a restart): go on with the key we have
+            if not self._keys[node] and node not in self._key_etag:
+                self._key_etag[node] = ""  # said once
+                log.warning("open rollout node %s has no %s yet: nothing of it can be verified", node, self.layout.key)
+        except ObjectTooLarge:
+            self._reject(node, self.layout.key, "malformed", "a public key object over 64 bytes")
+            return False
+        if got is not None:
+            self._key_etag[node] = got.etag
+            try:
+                public = Ed25519PublicKey.from_public_bytes(got.data)
+            except ValueError as e:
+                self._reject(node, self.layout.key, "malformed", f"not a raw Ed25519 public key: {e}")
+                return False
+            kid = key_id(public)
+            if any(kid in keys for other, keys in self._keys.items() if other != node):
+                self._reject(node, self.layout.key, "wrong_node_key", f"key {kid} is another node's")
+                return False
+            if not self.trust.pin(node, kid, self._version):
+                self._reject(node, self.layout.key, "key_changed", f"key {kid}; {self.trust.pinned[node]} was pinned")
+                return False
+            if kid not in self._keys[node]:
+                self._keys[node] = {kid: public}
+                self._any_node[kid] = public
+                log.info("open rollout node %s: key %s pinned", node, kid)
+        return bool(self._keys[node])
+
+    def _listed(self, source: RolloutSource, listing: list[ObjectInfo], trainer_version: int) -> None:
+        """Remember a listing's undecided batches; forget decisions on what is no longer listed;
+        count the node's names per version for the gap bound (trust.Gaps)."""
         seen = self._seen[source.node]
         listed = {i.key for i in listing}
         for k in [k for k in seen if k not in listed]:
             del seen[k]  # memory stays bounded by the listing
-        names = ((i, self.layout.parse_manifest(i.key)) for i in listing)
-        self._pending[source.node] = [(i, n) for i, n in names if n is not None and seen.get(i.key) != i.etag]
+        names = [(i, n) for i in listing if (n := self.layout.parse_manifest(i.key)) is not None]
+        self._pending[source.node] = [(i, n) for i, n in names if seen.get(i.key) != i.etag]
+        per_version = collections.Counter(n.version for _, n in names if n.node == source.node)
+        lag = self.config.max_staleness
+        self.gaps.saw_listing(source.node, per_version, trainer_version - lag, trainer_version + lag + 16)
 
     def _candidates(self, source: RolloutSource, trainer_version: int) -> list[tuple[ObjectInfo, BatchName]]:
         """The remembered batches this trainer may fetch now, newest version first (sequence order
         within a version); decides (and remembers)
         the stale ones and those another trainer owns without a GET."""
-        seen = self._seen[source.node]
+        node = source.node
+        seen = self._seen[node]
         keep, out = [], []
-        for info, name in self._pending[source.node]:
+        budget = self.config.open_budget if self.trust.is_open(node) else None
+        used = collections.Counter(v for b, v in self._accepted.items() if budget is not None and b.startswith(f"{node}/"))
+        for info, name in self._pending[node]:
             if seen.get(info.key) == info.etag:
                 continue  # decided since it was listed
             keep.append((info, name))
@@ -535,6 +656,11 @@ class RolloutIntake:
             if bid in self._accepted:
                 seen[info.key] = info.etag  # queued, taken or failed before (e.g. before a restart)
                 continue
+            if node in self.trust.distrusted or (budget is not None and used[name.version] >= budget):
+                self._count(node, "distrusted" if node in self.trust.distrusted else "over_budget")
+                seen[info.key] = info.etag  # skipped before any GET, counted once
+                continue
+            used[name.version] += 1
             out.append((info, name))
         self._pending[source.node] = [(i, n) for i, n in keep if seen.get(i.key) != i.etag]
         out.sort(key=lambda c: (-c[1].version, c[1].seq))  # newest version first, in order within one
@@ -554,6 +680,13 @@ class RolloutIntake:
                 if len(self._queue) >= self.config.max_queued:
                     self.stats.deferred += sum(len(pending[s.node]) for s in turn)
                     return accepted
+                if source.node in self.trust.distrusted:  # by a refusal earlier in this poll
+                    for info, _ in queue:
+                        self._count(source.node, "distrusted")
+                        self._seen[source.node][info.key] = info.etag
+                    queue.clear()
+                    turn.remove(source)
+                    continue
                 info, name = queue.popleft()
                 try:
                     outcome = await self._consider(source, info, name, trainer_version)
@@ -570,6 +703,8 @@ class RolloutIntake:
                     self._accepted[outcome.batch_id] = outcome.version
                     if outcome.answer is not None:
                         self._answered[f"{source.node}/{outcome.answer}"] = outcome.version
+                    if (vb := answered_batch(outcome.answer)) is not None:
+                        self.gaps.saw_accepted(source.node, *vb)
                     self._queue.append(outcome)
                     self.stats.accepted += 1
                     self.stats.rows_accepted += len(outcome.columns)
@@ -601,7 +736,7 @@ class RolloutIntake:
                 timeout=cfg.timeout_s,
                 listed_size=info.size,
             )
-            if signed.signer not in source.trusted:
+            if signed.signer not in self._keys[node]:
                 return self._reject(node, info.key, "wrong_node_key", f"signed by {signed.signer}, a key of another node")
             m = batch_manifest_from(signed, layout=self.layout, name=name)
         except ObjectNotFound:
@@ -665,10 +800,29 @@ class RolloutIntake:
         log.warning("rejected rollout batch %s of %s (%s): %s", key, node, reason, why)
         return None
 
-    def _count(self, node: str, reason: str) -> None:
-        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + 1
+    def _count(self, node: str, reason: str, n: int = 1) -> None:
+        """Count ``n`` refusals of ``node`` for ``reason``; one that distrusts the node (trust.py)
+        drops its queued batches."""
+        self.stats.rejected[reason] = self.stats.rejected.get(reason, 0) + n
         per = self.stats.rejected_by_node.setdefault(node, {})
-        per[reason] = per.get(reason, 0) + 1
+        per[reason] = per.get(reason, 0) + n
+        why = self.trust.refused(node, reason, self._version)
+        if why is not None:
+            self._distrust(node, why)
+
+    def _distrust(self, node: str, why: str) -> None:
+        """``node`` is distrusted from now on: said once, loudly; its queued batches are dropped
+        (counted under ``distrusted``) and nothing more of it is fetched."""
+        self.stats.distrusted[node] = why
+        log.error(
+            "DISTRUSTED rollout node %s: %s. None of its batches will be taken from now on, also after a "
+            "restart (lift it with [trainer.intake] forgive = [%r])", node, why, node,
+        )  # fmt: skip
+        dropped = [b for b in self._queue if b.node == node]
+        self._queue = [b for b in self._queue if b.node != node]
+        for b in dropped:
+            self._unqueued(b)
+            self._count(node, "distrusted")
 
     def _unqueued(self, b: RolloutBatch) -> None:
         self.stats.queued -= 1

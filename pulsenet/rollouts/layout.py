@@ -3,6 +3,7 @@
     {prefix}/batches/v{version:012d}-{node}-{seq:08d}-{sha256[:16]}.parquet   Parquet rows, create-only
     {prefix}/manifests/v{version:012d}-{node}-{seq:08d}.json                  signed manifest, create-only, last
     {prefix}/head.json                                                        signed head, overwritten after each batch
+    {prefix}/key.pub                                                          the node's Ed25519 public key, raw 32 bytes
 
 and inside each trainer's own store (the one its policy channel is in)::
 
@@ -72,6 +73,13 @@ class RolloutLayout:
         """The node's signed head record (manifest.py): rewritten after each batch, so a trainer
         polls it with one conditional GET and lists the manifests only when it moved."""
         return f"{self.prefix}/head.json"
+
+    @property
+    def key(self) -> str:
+        """The node's public key (raw 32 bytes), written by its writer at start: what a trainer
+        with ``open_inference`` pins for a node it holds no key for (intake.py). A claim until
+        pinned; an allowlisted node's key comes from the trainer's config, never from here."""
+        return f"{self.prefix}/key.pub"
 
     def head_context(self, run: str, store_url: str, node: str) -> str:
         """What ``node``'s head is signed for (like ``context``, another kind of document)."""

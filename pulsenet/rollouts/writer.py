@@ -1,6 +1,7 @@
 """Inference side of the rollout channel: upload batches to the node's own store, then sign them.
 
-Per batch: Parquet encode and SHA-256 in a thread, the payload put create-only under its
+``start()`` also publishes the node's public key (``layout.key``), for trainers that accept open
+nodes (intake.py). Per batch: Parquet encode and SHA-256 in a thread, the payload put create-only under its
 content-tagged key, then the signed manifest create-only (layout.py), then the signed head
 overwritten (manifest.py: trainers poll it with one conditional GET and list only when it moved;
 a failed head write is logged, counted and redone with the next batch, never fails the batch). Nothing is ever overwritten:
@@ -30,6 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from pulsenet.codec.rollout import ZSTD_LEVEL, Rollout, encode_batch
@@ -187,6 +189,7 @@ class RolloutWriter:
         self.stats.deleted += await self._delete_orphans(
             listings[self.layout.manifests], listings[self.layout.batches], floor=None
         )
+        await self.write_key()
         await self.write_head()
         log.info("rollout writer %s continues at seq %d", self.node, self.next_seq)
 
@@ -305,6 +308,13 @@ class RolloutWriter:
         while seq in taken:
             seq += 1
         return seq
+
+    async def write_key(self) -> None:
+        """Publish this node's public key (``layout.key``, raw 32 bytes): a trainer that accepts
+        open nodes pins it on first read. Rewritten at every start (the same bytes: trainers'
+        conditional GETs then answer 304); a store error fails the start."""
+        raw = self.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        await self.store.put(self.layout.key, raw, timeout=self.config.timeout_s)
 
     async def write_head(self) -> bool:
         """Overwrite the signed head with what this node has written; False (logged, counted) if
