@@ -19,7 +19,7 @@ from test_loco_grpo import WARM_STEPS, _batches
 from pulsenet.errors import ConfigError
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
-from pulsenet.nodes.run import build_trainer
+from pulsenet.nodes.build import build_trainer
 from pulsenet.nodes.trainer import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner

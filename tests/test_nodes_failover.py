@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from pulsenet.loco import LocoConfig
+from pulsenet.nodes.build import compose_inference, compose_trainer
 from pulsenet.nodes.common import initial_model, make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.nodes.inference import InferenceConfig
+from pulsenet.nodes.trainer import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.tasks import TaskConfig
@@ -40,7 +41,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
 
     text = text_codec("tiny")
     trainers = [
-        TrainerNode(
+        compose_trainer(
             TrainerConfig(
                 id=t,
                 run="failover",
@@ -62,7 +63,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
         )
         for t in TRAINERS
     ]
-    node = InferenceNode(
+    node = compose_inference(
         InferenceConfig(
             id="i0",
             run="failover",

@@ -26,10 +26,11 @@ import pytest
 import torch
 
 from pulsenet.codec.rollout import Rollout
+from pulsenet.nodes.build import compose_inference, compose_trainer
 from pulsenet.nodes.common import make_task, text_codec
 from pulsenet.nodes.inference import InferenceConfig, InferenceNode
 from pulsenet.nodes.rounds import finite
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.nodes.trainer import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
@@ -67,7 +68,7 @@ class Site:
 
     def inference_node(self, config: InferenceConfig) -> InferenceNode:
         """Node i0 (its own bucket and key) following t0's and t1's channels, on the arith task."""
-        return InferenceNode(
+        return compose_inference(
             config,
             store=self.store("i0"),
             policy_stores=[self.store("t0"), self.store("t1")],
@@ -214,7 +215,7 @@ class Trainer:
         policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
     ) -> None:
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
-        self.node = TrainerNode(
+        self.node = compose_trainer(
             TrainerConfig(
                 id="t0",
                 run=RUN,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from sync_support import perturbed_states
 
+from pulsenet.nodes.build import compose_inference
 from pulsenet.nodes.common import make_task, text_codec
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.inference import InferenceConfig, InferenceNode
@@ -48,7 +49,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
     state_dir = tmp_path / "state" / "i0"
 
     def node() -> InferenceNode:  # the same command, config and state directory every life
-        return InferenceNode(
+        return compose_inference(
             InferenceConfig(
                 id="i0",
                 run=RUN,

@@ -85,8 +85,8 @@ class _Network:
 
     def __init__(self, args: RLBenchSettings, workdir: Path, rundir: Path, server: Any) -> None:
         """``workdir`` keeps what runs may share (keys, the warm-up cache); ``rundir`` is this run's."""
+        from pulsenet.nodes.build import build_inference, build_trainer
         from pulsenet.nodes.plan import Site, plan_network
-        from pulsenet.nodes.run import build_inference, build_trainer
         from pulsenet.signing import generate_keypair
         from pulsenet.store import S3Store
 

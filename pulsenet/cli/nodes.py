@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.node == "trainer":
         node_run.run_trainer(c)  # also one rank of a torchrun site
     else:
-        node_run.run_node(node_run.build_inference(c), c.status_host, c.status_port, c.stuck_after_s)
+        node_run.run_inference(c)
     return 0
 
 

@@ -27,7 +27,8 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -35,20 +36,20 @@ import torch
 
 from pulsenet import runtime
 from pulsenet.engines.base import Engine
-from pulsenet.engines.factory import EngineName, make_engine
+from pulsenet.engines.factory import EngineName
 from pulsenet.engines.torch_engine import TorchEngineConfig
 from pulsenet.engines.vllm_engine import VLLMEngineConfig
 from pulsenet.errors import ConfigError, PulsenetError
-from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
 from pulsenet.nodes.status import NodeState, StatusServer
+from pulsenet.rl.prompts import Prompter
 from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
-from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, assigned, batches_to_generate
+from pulsenet.rollouts import RolloutWriter
+from pulsenet.rollouts.demand import DemandReader, assigned, batches_to_generate
 from pulsenet.settings import inherit
 from pulsenet.store.base import REQUEST_KINDS, ObjectStore
-from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
+from pulsenet.sync.subscriber import OnUpdate, Subscriber, SubscriberConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,53 +128,50 @@ class InferenceConfig:
 
 
 class InferenceNode:
-    """Wires subscribers, an engine and a rollout writer; ``await node.run(stop)``."""
+    """Subscribers, an engine and a rollout writer; ``await node.run(stop)``.
+
+    Built by ``nodes/build.py`` (``build_inference`` / ``compose_inference``), which makes every
+    component; this class keeps them and drives the loop."""
 
     def __init__(
         self,
         config: InferenceConfig,
         *,
+        state: NodeState,
         store: ObjectStore,
-        policy_stores: list[ObjectStore],
-        trusted: dict,
-        trainers: list[str | None] | None = None,
-        key: object,
+        key: Any,
         task: Task,
-        text: TextCodec,
+        prompter: Prompter,
+        writer: RolloutWriter,
+        channels: int,
+        subscriber: Callable[[int, OnUpdate], Subscriber],
+        demand: DemandReader,
+        engine: Callable[..., Engine],
+        stores: dict[str, ObjectStore],
     ) -> None:
-        """``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
-        self.config = c = config
-        self.task, self.text = task, text
-        self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
-        self.state = NodeState(role="inference", node_id=c.id)
-        self.state.prompts_dropped = self.prompter.stats.dropped  # live: /status and /metrics count drops per reason
+        """``subscriber(k, on_update)``: channel k's subscriber, delivering to ``on_update`` (this
+        node's own ``_on_update``, so it is made here); ``engine(state=, digest=, version=)``: the
+        engine, built from the first verified weights."""
+        self.config = config
+        self.state = state
+        """What /status and /metrics show (the prompter's drops among them, live)."""
+        self.task, self.prompter = task, prompter
         self.store, self.key = store, key
-        self.writer = RolloutWriter(
-            store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
-        )
-        self.subscribers = [
-            Subscriber(
-                s,
-                trusted,
-                replace(
-                    c.subscribe,
-                    state_dir=Path(c.state_dir) / f"policy-{k}",
-                    # One cache per channel: a subscriber prunes its cache, and must never prune
-                    # a payload another channel's subscriber has just downloaded.
-                    cache_dir=None if c.subscribe.cache_dir is None else Path(c.subscribe.cache_dir) / f"policy-{k}",
-                ),
-                on_update=functools.partial(self._on_update, k),
-            )
-            for k, s in enumerate(policy_stores)
-        ]
+        """This site's own store and key: rollout batches and the signed status object."""
+        self.writer = writer
+        self.subscribers = [subscriber(k, functools.partial(self._on_update, k)) for k in range(channels)]
+        self.demand = demand
+        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
+        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
+        self._make_engine = engine
+        self.stores = stores
+        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
         self._fatal: ConfigError | None = None
         """A channel whose weights do not fit this node's model: the node stops with it."""
         self._delivered: dict[int, int] = {}
         """Channel -> the version its subscriber last delivered (``_on_update``)."""
-        self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
-        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
         self.engine: Engine | None = None
-        self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
+        self.events = EventLog(Path(config.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
         self._downloaded = 0
         """PULSESync bytes downloaded when the last version was served."""
@@ -185,13 +183,6 @@ class InferenceNode:
         self._start_floor: int | None = None
         """The newest version a trusted channel announced and a verified manifest backed at start:
         generation waits until the engine serves at least this (``_floor_at_start``)."""
-        ids = trainers or [None] * len(policy_stores)
-        self.demand = DemandReader(
-            [DemandSource(t, st, trusted) for t, st in zip(ids, policy_stores, strict=True) if t is not None],
-            DemandConfig(run=c.run),
-        )
-        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
-        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
         self.time = {"generating": 0.0, "waiting_first": 0.0, "waiting_version": 0.0, "waiting_demand": 0.0}
         """Seconds the engine spent generating, waiting for its first version, for a newer one, or
         for demand (``engine_busy`` in a run's efficiency: generating over all but the first wait)."""
@@ -217,12 +208,8 @@ class InferenceNode:
                 return
             t = time.perf_counter()
             if self.engine is None:
-                c = self.config
                 try:
-                    self.engine = await asyncio.to_thread(
-                        make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
-                        codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
-                    )  # fmt: skip
+                    self.engine = await asyncio.to_thread(self._make_engine, state=state, digest=digest, version=version)
                 except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
                     self._fatal = e
                     self._newer.set()

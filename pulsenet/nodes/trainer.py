@@ -32,42 +32,35 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 import torch
 
 from pulsenet import runtime
 from pulsenet.codec.rollout import Rollout, RolloutColumns
-from pulsenet.engines.torch_engine import TorchEngine
-from pulsenet.errors import ConfigError, PolicyError, RolloutRowError
-from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
-from pulsenet.loco.documents import trainer_keys
+from pulsenet.errors import PolicyError, RolloutRowError
+from pulsenet.loco import LocoConfig, RoundReport
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
-from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Published, Rounds, finite
+from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
-from pulsenet.rl.prompts import TextCodec
 from pulsenet.rl.rescore import Rescorer
 from pulsenet.rl.tasks import Assignment, Task, TaskConfig
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
-from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
-from pulsenet.rollouts.rows import RowLimits
+from pulsenet.rollouts.demand import Demand, DemandWriter
 from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
-from pulsenet.sync.manifest import public_model_config
 from pulsenet.sync.publisher import Publisher, PublisherConfig
-from pulsenet.tracking import NoTracker, Tracker
+from pulsenet.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +158,18 @@ class TrainerConfig:
         for component in (self.loco, self.intake, self.publish):
             inherit(component, run=self.run)
 
-    def grpo_config(self) -> GRPOConfig:
-        """``grpo`` on this node's ``device``."""
-        return replace(self.grpo, device=self.device)
+    def grpo_config(self, *, pad_id: int | None = None) -> GRPOConfig:
+        """``grpo`` on this node's ``device``, padding with ``pad_id`` (the model's text codec's;
+        None: ``grpo.pad_id`` as configured). A new config: this one is never written."""
+        return replace(self.grpo, device=self.device, pad_id=self.grpo.pad_id if pad_id is None else pad_id)
 
 
 @dataclass(slots=True)
-class _Round:
-    """What the current round's inner phase did: the version event is built from it."""
+class RoundTally:
+    """What this trainer did in the round in hand (its GRPO steps, the batches they took, where the
+    time went), tallied as the round runs; its version event is built from it. Not ``RoundReport``
+    (how the round closed: round number, participants, payload bytes) nor ``Rounds`` (what closes a
+    round: alone or PULSELoCo)."""
 
     steps: list[GRPOMetrics] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
@@ -186,73 +183,58 @@ class _Round:
 
 
 class TrainerNode:
-    """One trainer: ``await node.run(stop)`` trains and publishes until ``config.steps`` versions."""
+    """One trainer: ``await node.run(stop)`` trains and publishes until ``config.steps`` versions.
+
+    Built by ``nodes/build.py`` (``build_trainer`` / ``compose_trainer``), which makes every
+    component; this class keeps them and drives the loop."""
 
     def __init__(
         self,
         config: TrainerConfig,
         *,
-        store: ObjectStore,
-        key: Any,
-        sources: list[RolloutSource],
+        state: NodeState,
         policy: GRPOInner,
         task: Task,
-        text: TextCodec,
-        loco_store: ObjectStore | None = None,
-        tracker: Tracker | None = None,
+        assignment: Assignment,
+        publisher: Publisher,
+        intake: RolloutIntake,
+        digests: dict[int, str],
+        rounds: Rounds,
+        demand: DemandWriter,
+        rescorer: Rescorer,
+        evaluator: Evaluator | None,
+        tracker: Tracker,
+        consumers: ConsumerTracker,
+        sources: list[RolloutSource],
+        stores: dict[str, ObjectStore],
     ) -> None:
-        """``policy``: the GRPO model this node trains; under torchrun, rank 0's
-        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks.
-        ``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
-        self.config = c = config
+        self.config = config
+        self.state = state
+        """What /status and /metrics show (its counters are the components' own, live)."""
         self.policy = policy
+        """The GRPO model this node trains (under torchrun rank 0's ``GroupGRPOInner``)."""
         self.task = task
-        model = policy.grpo.local.model
-        prompter = task.prompter(text, max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None))
-        self.assignment = Assignment(c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step)
+        self.assignment = assignment
         """The batch ids and problem numbers a node may answer (signed into the demand record)."""
-        self.rescorer = Rescorer(task, prompter, seed=c.seed, assignment=self.assignment)
-        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
-        self.evaluator = (
-            Evaluator(task, prompter, functools.partial(TorchEngine.from_state, model.config, decode=prompter.codec.decode))
-            if c.eval_every
-            else None
-        )
-        """Evals run on a TorchEngine of their own, built from the first state scored."""
-        self.tracker = tracker or NoTracker()
-        self.state = NodeState(role="trainer", node_id=c.id)
-        self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
-        self.publisher = Publisher(store, key, c.publish, model_config=_architecture(model))
-        self.digests: dict[int, str] = {}
-        """Published model digest per version: what a rollout batch must have been served with."""
-        peers = self._peer_keys() if loco_store is not None else {}
-        self.intake = RolloutIntake(
-            sources,
-            self.digests.get,
-            replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
-            trainer_id=c.id,
-            participants=tuple(sorted(peers)) or None,
-            answer_of=functools.partial(answer_of, self.assignment, ids=c.rescore),
-        )
-        self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
-        self.state.rescored = self.rescorer.stats.nodes  # live: reward disagreements per node
-        self.demand = DemandWriter(store, key, c.id, DemandConfig(run=c.run, prefix=c.intake.prefix))
+        self.publisher = publisher
+        self.intake = intake
+        self.digests = digests
+        """Published model digest per version: what a rollout batch must have been served with
+        (the intake checks every batch against it)."""
+        self.rounds = rounds
+        self.demand = demand
         """This trainer's signed demand record: what the inference nodes should generate for it."""
-        self.rounds: Rounds
-        if loco_store is not None:
-            loco = LocoTrainer(c.id, loco_store, key, peers, policy, c.loco, state_dir=Path(c.state_dir) / "loco")
-            self.rounds = LocoRounds(loco, self.intake, c.state_dir)
-            self.state.loco = loco.stats  # live: PULSELoCo's counters in /status and /metrics
-        else:
-            self.rounds = LocalRounds(c.id, policy, self.intake, c.state_dir)
+        self.rescorer = rescorer
+        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
+        self.evaluator = evaluator
+        self.tracker = tracker
+        self.consumers = consumers
         self.sources = sources
-        self.stores: dict[str, ObjectStore] = {"own": store, **{f"rollouts-{s.node}": s.store for s in sources}}
+        self.stores = stores
         """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
-        if loco_store is not None:
-            self.stores["loco"] = loco_store
-        self.consumers = ConsumerTracker(bound=c.consumer_bound, ttl_s=c.consumer_ttl_s)
+        self.events = EventLog(Path(config.state_dir) / EVENTS_FILE)
         self.version = -1
-        self._round = _Round()
+        self._round = RoundTally()
         self._rollout_bytes = 0
         """Rollout bytes downloaded when the last version was published."""
         self.failed_steps = 0
@@ -262,12 +244,6 @@ class TrainerNode:
         than ``rows_per_step`` rows feeds several steps (``_next_step``)."""
         self.stale_rows = 0
         """Rows of ``_ready`` that went stale before a step could take them."""
-
-    def _peer_keys(self) -> dict:
-        keys = trainer_keys(self.config.peers)
-        if self.config.id not in keys:
-            raise ConfigError(f"trainer {self.config.id!r}: peers must list its own public key too (ID=PATH)")
-        return keys
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -305,7 +281,7 @@ class TrainerNode:
         self.digests.update(await self.publisher.recent_digests(self.config.intake.max_staleness + 1))
         if published is None or published[0] < at:
             self.version = -1 if published is None else published[0]
-            await self.publish_version(RoundReport(round=at, trainer=self.config.id), _Round())
+            await self.publish_version(RoundReport(round=at, trainer=self.config.id), RoundTally())
         else:
             self.version = published[0]
             self.state.version, self.state.digest = self.version, self.digests.get(self.version)
@@ -319,7 +295,7 @@ class TrainerNode:
     async def _train(self, stop: asyncio.Event) -> None:
         """Rounds until ``steps`` versions are out; a stop abandons the round in hand."""
         while self.version < self.config.steps and not stop.is_set():
-            self._round = rnd = _Round()
+            self._round = rnd = RoundTally()
             t0 = time.perf_counter()
             report = await runtime.unless_stopped(self.rounds.next_round(self._inner_phase), stop)
             if report is None:  # stopped, or the round failed (logged by the round; retried)
@@ -421,7 +397,7 @@ class TrainerNode:
         a = self.assignment
         return self.intake.demand(self.version, rows, live=live, assignment=(a.batches_per_version, a.prompts_per_batch))
 
-    async def publish_version(self, report: RoundReport, rnd: _Round) -> VersionEvent | None:
+    async def publish_version(self, report: RoundReport, rnd: RoundTally) -> VersionEvent | None:
         """Publish the round's weights as the next version and emit its event. Non-finite weights
         never leave the node: they are logged and counted, and the version is not published (the
         rounds guard against them first: ``LocalRounds``, PULSELoCo's apply; this is the last line)."""
@@ -518,23 +494,6 @@ class TrainerNode:
         self.state.degraded = None
 
 
-def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
-    """``given`` (the configured limits) with what this trainer's model and task fix: its vocabulary
-    (embedding rows), context (``max_position_embeddings``) and rewards (the task's declared range),
-    never more than configured."""
-    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
-    return replace(
-        given,
-        vocab_size=min(given.vocab_size, vocab),
-        max_row_tokens=context if given.max_row_tokens is None else min(given.max_row_tokens, context),
-        max_prompt_tokens=min(given.max_prompt_tokens, (context or given.max_prompt_tokens + 1) - 1),
-        max_completion_tokens=min(given.max_completion_tokens, (context or given.max_completion_tokens + 1) - 1),
-        reward_min=max(given.reward_min, reward_range[0]),
-        reward_max=min(given.reward_max, reward_range[1]),
-    )
-
-
 def next_step(
     ready: collections.deque[tuple[RolloutBatch, list[Rollout]]], rows_per_step: int
 ) -> tuple[list[Rollout], list[RolloutBatch]]:
@@ -577,9 +536,3 @@ def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor
             bits = ints[t.element_size()]
             same += int((o.reshape(-1).view(bits) == t.reshape(-1).view(bits)).sum())
     return same / total if total else 1.0
-
-
-def _architecture(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's config.json contents, signed into every anchor so that ``pulsenet export``
-    rebuilds the architecture from the channel alone."""
-    return public_model_config(json.loads(model.config.to_json_string(use_diff=False)))  # type: ignore[union-attr]
