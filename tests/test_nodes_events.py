@@ -2,6 +2,8 @@
 
 - ``EventLog`` writes whole JSON lines that ``read_events`` gives back (a torn last line, from a
   kill mid-write, is skipped); ``NodeState.record`` is what /status shows of versions.
+- ``published_event`` / ``inference_event`` build every event the nodes emit: the events.jsonl
+  line of each is pinned, byte for byte (fields, order, derived figures).
 - ``summarize`` / ``efficiency`` / ``requests`` read nothing but the events.
 - ``TrainerConfig`` nests its components' settings; ``run`` is set once and copied, and a nested
   ``run`` is an unknown setting, not a value silently overwritten.
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.events import EventLog, VersionEvent, read_events
+from pulsenet.nodes.events import EventLog, VersionEvent, inference_event, published_event, read_events
 from pulsenet.nodes.status import NodeState
 from pulsenet.nodes.summary import efficiency, requests, run_totals, summarize
 
@@ -38,6 +40,44 @@ def test_events_round_trip_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
     line = json.dumps(e1.as_dict() | {"from_the_future": 1})
     (tmp_path / "f.jsonl").write_text(line + "\n")
     assert read_events(tmp_path / "f.jsonl") == [e1]
+
+
+PUBLISHED_LINE = (
+    '{"kind":"published","node":"t0","role":"trainer","version":3,"digest":"' + "ab" * 32 + '","at":1700000000.0,'
+    '"round":3,"patch":"patch","phases":{"wait_rollouts":1.0,"train":2.0,"exchange":0.5,"publish":0.25,"eval":0.125},'
+    '"bytes":{"pulsesync":100,"full":1000,"pulseloco":50,"diloco":1000,"ddp":2000,"rollouts":77},"reward":0.5,'
+    '"staleness":[0,1],"counts":{"steps":2,"rows":16,"batches":2},"totals":{"rows_accepted":16},"sparsity":0.99,'
+    '"steps":[{"loss":0.5,"reward_mean":0.25,"completions":8},{"loss":0.4,"reward_mean":0.75,"completions":8}],'
+    '"participants":["t0","t1"],"eval":{"version":3,"reward":0.5,"n":4},"weights_digest":null}\n'
+)
+"""What a trainer's events.jsonl held for such a version before ``published_event`` (7876ec8's inline event)."""
+STOPPED_LINE = (
+    '{"kind":"stopped","node":"i0","role":"inference","version":2,"digest":"' + "cd" * 32 + '","at":1700000001.0,'
+    '"round":null,"patch":null,"phases":{},"bytes":{"pulsesync":0},"reward":null,"staleness":[],'
+    '"counts":{"idle_poll:get":1},"totals":{"rows_produced":4},"sparsity":null,"steps":[],"participants":[],'
+    '"eval":null,"weights_digest":"' + "cd" * 32 + '"}\n'
+)
+
+
+def test_the_event_builders_write_the_lines_the_nodes_always_wrote(tmp_path: Path) -> None:
+    steps = [{"loss": 0.5, "reward_mean": 0.25, "completions": 8}, {"loss": 0.4, "reward_mean": 0.75, "completions": 8}]
+    published = published_event(
+        node="t0", version=3, digest="ab" * 32, round=3, patch="patch", wait_s=1.0, train_s=2.0, exchange_s=0.5,
+        publish_s=0.25, pulsesync_bytes=100, full_bytes=1000, pulseloco_bytes=50, model_numel=250, rollout_bytes=77,
+        steps=steps, staleness=[0, 1], batches=2, totals={"rows_accepted": 16}, sparsity=0.99, participants=["t0", "t1"],
+        at=1700000000.0, eval={"version": 3, "reward": 0.5, "n": 4}, eval_s=0.125,
+    )  # fmt: skip
+    stopped = inference_event(
+        "stopped", node="i0", version=2, digest="cd" * 32, pulsesync_bytes=0, totals={"rows_produced": 4},
+        counts={"idle_poll:get": 1}, weights_digest="cd" * 32,
+    )  # fmt: skip
+    stopped.at = 1700000001.0
+    served = inference_event("served", node="i0", version=2, digest="cd" * 32, pulsesync_bytes=10, totals={}, apply_s=0.5)
+    assert served.phases == {"apply": 0.5} and served.bytes == {"pulsesync": 10} and served.counts == {}
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit(published)
+    log.emit(stopped)
+    assert (tmp_path / "events.jsonl").read_text() == PUBLISHED_LINE + STOPPED_LINE
 
 
 def test_node_state_shows_what_the_events_say() -> None:

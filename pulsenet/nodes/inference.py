@@ -41,7 +41,7 @@ from pulsenet.engines.torch_engine import TorchEngineConfig
 from pulsenet.engines.vllm_engine import VLLMEngineConfig
 from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.consumers import write_status
-from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
+from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.prompts import Prompter
 from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
@@ -217,7 +217,7 @@ class InferenceNode:
             else:
                 same_base = since is not None and since == self.engine.version
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
-            self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
+            self._emit("served", version, digest, apply_s=time.perf_counter() - t)
             if self._start_floor is None or version >= self._start_floor:
                 if self._start_floor is not None and not self._first.is_set():
                     log.info("%s: caught up to v%d (at least v%d at start): generating", self.config.id, version, self._start_floor)
@@ -226,14 +226,14 @@ class InferenceNode:
             self._newer.set()
 
     def _emit(self, kind: str, version: int, digest: str, **fields: Any) -> VersionEvent:
+        """Emit this node's ``kind`` event (``events.inference_event``; ``fields``: its own)."""
         downloaded = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
-        event = VersionEvent(
-            kind=kind,
+        event = inference_event(
+            kind,
             node=self.config.id,
-            role="inference",
             version=version,
             digest=digest,
-            bytes={"pulsesync": downloaded - self._downloaded},
+            pulsesync_bytes=downloaded - self._downloaded,
             totals={
                 "rows_produced": self.state.rollouts["produced"],
                 "batches_produced": self.writer.stats.batches,

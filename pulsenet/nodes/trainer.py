@@ -46,7 +46,7 @@ from pulsenet.codec.rollout import Rollout, RolloutColumns
 from pulsenet.errors import PolicyError, RolloutRowError
 from pulsenet.loco import LocoConfig, RoundReport
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
-from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
+from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
 from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.eval import Evaluator
@@ -416,44 +416,36 @@ class TrainerNode:
         self.digests[record.version] = record.digest
         for v in [v for v in self.digests if v < record.version - self.config.intake.max_staleness - 1]:
             del self.digests[v]
-        rows = sum(m.completions for m in rnd.steps)
-        downloaded = self.intake.stats.bytes_downloaded
-        dense = 4 * report.total  # one FP32 pseudo-gradient: what a DiLoCo worker sends per round
-        event = VersionEvent(
-            kind="published",
+        publish_s = time.perf_counter() - t0
+        downloaded, totals = self.intake.stats.bytes_downloaded, self._totals()
+        result = None
+        if self.evaluator is not None and record.version % self.config.eval_every == 0:
+            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
+        event = published_event(
             node=self.config.id,
-            role="trainer",
             version=record.version,
             digest=record.digest,
             round=report.round,
             patch=record.kind,
-            phases={
-                "wait_rollouts": rnd.wait_s,
-                "train": rnd.train_s,
-                "exchange": rnd.exchange_s,
-                "publish": time.perf_counter() - t0,
-            },
-            bytes={
-                "pulsesync": sum(record.payload_bytes.values()),
-                "full": record.full_bytes,
-                "pulseloco": report.payload_bytes,
-                "diloco": dense,
-                "ddp": dense * len(rnd.steps),  # a dense gradient every inner step
-                "rollouts": downloaded - self._rollout_bytes,
-            },
-            reward=sum(m.reward_mean * m.completions for m in rnd.steps) / rows if rows else None,
-            staleness=rnd.staleness,
-            counts={"steps": len(rnd.steps), "rows": rows, "batches": rnd.batches},
-            totals=self._totals(),
-            sparsity=sparsity,
+            wait_s=rnd.wait_s,
+            train_s=rnd.train_s,
+            exchange_s=rnd.exchange_s,
+            publish_s=publish_s,
+            pulsesync_bytes=sum(record.payload_bytes.values()),
+            full_bytes=record.full_bytes,
+            pulseloco_bytes=report.payload_bytes,
+            model_numel=report.total,
+            rollout_bytes=downloaded - self._rollout_bytes,
             steps=[m.as_dict() for m in rnd.steps],
+            staleness=rnd.staleness,
+            batches=rnd.batches,
+            totals=totals,
+            sparsity=sparsity,
             participants=list(report.participants),
             at=published_at,
+            eval=None if result is None else result.as_dict(),
+            eval_s=None if result is None else result.wall_s,
         )
-        if self.evaluator is not None and record.version % self.config.eval_every == 0:
-            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
-            event.eval = result.as_dict()
-            event.phases["eval"] = result.wall_s
         self._rollout_bytes = downloaded
         self.state.record(self.events.emit(event))
         self.tracker.log(event.as_dict(), step=event.version)
