@@ -204,6 +204,38 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
     assert t[0].task == task
 
 
+def test_plan_reads_its_preset_once_and_writes_no_settings_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset is read once (7876ec8 parsed it three times, one per table); every node's config
+    is a new object with nested settings of its own, the run copied in by its own ``__post_init__``
+    (not called by hand); a derived setting (the GRPO step's ``pad_id``) goes into a new config."""
+    import pulsenet.nodes.plan as plan_mod
+    import pulsenet.settings as settings_mod
+    from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+    from pulsenet.nodes.trainer import TrainerConfig
+
+    reads: list[str] = []
+    real = settings_mod.load_toml
+
+    def counted(path: object) -> dict:
+        reads.append(str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(settings_mod, "load_toml", counted)
+    monkeypatch.setattr(plan_mod, "load_toml", counted, raising=False)
+    n = NetworkSettings(trainers=3, inference=2, max_staleness=4)
+    sites = {s: Site(f"s3://b-{s}", tmp_path / f"{s}.key", tmp_path / s) for s in ("t0", "t1", "t2", "i0", "i1")}
+    t, i = plan_network(n, run="r", sites=sites, public_keys=tmp_path, loco_store="s3://loco")
+    assert len(reads) == 1 and reads[0].endswith("tiny.toml"), reads
+    for a, b in ((t[0], t[1]), (t[1], t[2])):
+        assert a.loco is not b.loco and a.intake is not b.intake and a.publish is not b.publish and a.grpo is not b.grpo
+    assert all(c.loco.run == c.intake.run == c.publish.run == "r" and c.intake.max_staleness == 4 for c in t)
+    assert all(c.subscribe.run == "r" and c.subscribe is not i[0].subscribe for c in i[1:])
+    assert plan_network(n, run="r", sites=sites, public_keys=tmp_path, loco_store="s3://loco") == (t, i)
+    c = TrainerConfig(device="cpu")
+    g = c.grpo_config(pad_id=7)
+    assert (g.pad_id, c.grpo.pad_id, c.grpo_config().pad_id) == (7, 0, 0)
+
+
 async def test_a_lone_trainers_non_finite_round_rolls_back_to_its_start(tmp_path: Path) -> None:
     """Without a gradient-norm guard a step can leave NaN weights; the lone trainer's round checks
     before writing its resume point and rolls back to the one written at start, even in round 1."""

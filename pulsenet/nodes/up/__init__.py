@@ -13,7 +13,8 @@ What it does, in order:
    preset under this command's settings; ``up/sites.py`` writes each config with
    ``settings.write_toml``), each ``python -m pulsenet --log-format json -v <role>
    --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status port
-   and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
+   and its log in ``<workdir>/logs/<node>.log``. The tiny model is warmed up once, here, with the
+   planned trainers' settings, into the cache they all load it from. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
 4. the ``Supervisor`` (``up/supervisor.py``): a live table (``up/console.py``) polling each node's ``/status`` (its health and reasons in it);
    a node that exits unexpectedly is started again with the same command, config and credentials
@@ -80,10 +81,10 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
     sites = [f"t{k}" for k in range(config.trainers)] + [f"i{k}" for k in range(config.inference)]
     ensure_keys(workdir / "keys", sites)
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-    if config.model == "tiny":
-        warm_up_once(workdir / "cache", config.seed, err)
     with open_store(config, workdir, sites) as (creds, server):
         plan = plan_nodes(config, workdir, run_id, creds, injector)
+        if config.model == "tiny":
+            warm_up_once(plan.trainers[0], err)
         nodes, deadline = plan.nodes, plan.round_deadline_s
         err.print(
             f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "

@@ -6,9 +6,12 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pulsenet.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pulsenet.nodes.trainer import TrainerConfig
 
 MARKER = ".pulsenet-up"
 """Marks a work directory as ``pulsenet up``'s own: only then does a run wipe directories in it."""
@@ -42,15 +45,15 @@ def ensure_keys(keys: Path, sites: list[str]) -> None:
             generate_keypair(keys / f"{site}.key")
 
 
-def warm_up_once(cache: Path, seed: int, console: Any) -> None:
-    """Warm the tiny model up here, once, into the cache every trainer loads it from.
+def warm_up_once(trainer: TrainerConfig, console: Any) -> None:
+    """Warm the tiny model up here, once, into the cache every trainer loads it from (``trainer``:
+    a planned trainer's settings: its model, cache directory, seed and warm-up steps).
 
     Trainers warming it up at the same time oversubscribe a small machine's cores (measured: two
     250-step warm-ups with 2 torch threads each on 2 cores took 50 s each, one alone 3.5 s), and
     one cached copy is one genesis for all of them."""
     from pulsenet.nodes.common import initial_model
-    from pulsenet.nodes.trainer import TrainerConfig
 
     t0 = time.perf_counter()
-    initial_model("tiny", cache, seed=seed, warmup_steps=TrainerConfig().warmup_steps)
-    console.print(f"tiny model warmed up ({time.perf_counter() - t0:.1f} s, cached in {cache})")
+    initial_model(trainer.model, trainer.cache_dir, seed=trainer.seed, warmup_steps=trainer.warmup_steps)
+    console.print(f"tiny model warmed up ({time.perf_counter() - t0:.1f} s, cached in {trainer.cache_dir})")
