@@ -12,12 +12,13 @@ from prometheus_client import generate_latest
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.build import compose_inference
-from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.common import text_codec
 from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl import build_tiny_model
 from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.rescore import RescoreStats
+from pulsenet.rl.tasks import build_task
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
@@ -40,7 +41,7 @@ async def test_an_inference_node_whose_model_does_not_fit_the_channel_stops_nami
         policy_stores=[channel],
         trusted={key_id(pub): pub},
         key=load_private_key(tmp_path / "i0.key"),
-        task=make_task("arith", 0),
+        task=build_task("arith", seed=0),
         text=text_codec(model),
     )
     with pytest.raises(ExceptionGroup) as info:

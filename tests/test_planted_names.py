@@ -25,12 +25,13 @@ from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
 from pulsenet.nodes.build import compose_inference, compose_trainer
-from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.common import text_codec
 from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.trainer import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, bf16_state_dict, build_tiny_model, load_model
+from pulsenet.rl.tasks import build_task
 from pulsenet.rollouts import (
     Demand,
     RolloutLayout,
@@ -257,7 +258,7 @@ async def test_a_trainer_node_signs_its_models_architecture_into_its_anchors(tmp
     model.config._name_or_path = "/home/someone/models/secret"
     store = LocalStore(tmp_path / "store")
     key = Ed25519PrivateKey.generate()
-    task = make_task("arith", 0)
+    task = build_task("arith", seed=0)
     try:
         node = compose_trainer(
             TrainerConfig(id="t0", state_dir=tmp_path / "t0"),
@@ -416,7 +417,7 @@ async def test_an_inference_node_counts_planted_names_in_status(tmp_path: Path) 
     store = LocalStore(tmp_path / "i0")
     for seq in (5, 99_999_999):
         await store.put(LAYOUT.manifest(0, "i0", seq), b"junk")
-    task = make_task("arith", 0)
+    task = build_task("arith", seed=0)
     try:
         node = compose_inference(
             InferenceConfig(id="i0", run="test", state_dir=tmp_path / "state"),

@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.build import compose_inference
-from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.common import text_codec
 from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
 from pulsenet.nodes.status import StatusServer
@@ -82,7 +82,7 @@ async def test_an_inference_node_that_drops_every_prompt_reports_degraded_with_c
                              subscribe=SubscriberConfig(interval_s=0.1))  # fmt: skip
     node = compose_inference(
         config, store=LocalStore(tmp_path / "i0-store"), policy_stores=[channel], trusted={key_id(pub): pub},
-        key=load_private_key(tmp_path / "i0.key"), task=make_task(task, 0), text=text_codec("tiny"),
+        key=load_private_key(tmp_path / "i0.key"), task=build_task(task, seed=0), text=text_codec("tiny"),
     )  # fmt: skip
     status = StatusServer(node.state)
     stop = asyncio.Event()
