@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.build import compose_inference
 from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.inference import InferenceConfig
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl import build_tiny_model
 from pulsenet.rl.models import bf16_state_dict

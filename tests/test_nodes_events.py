@@ -154,8 +154,7 @@ def test_a_restarted_node_counts_from_zero_and_its_lives_add_up() -> None:
 
 
 def test_the_config_tree_sets_run_once(tmp_path: Path) -> None:
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings, to_toml_table
 
     cfg = tmp_path / "t.toml"
@@ -210,8 +209,8 @@ def test_plan_reads_its_preset_once_and_writes_no_settings_in_place(tmp_path: Pa
     (not called by hand); a derived setting (the GRPO step's ``pad_id``) goes into a new config."""
     import pulsenet.nodes.plan as plan_mod
     import pulsenet.settings as settings_mod
+    from pulsenet.nodes.config import TrainerConfig
     from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
-    from pulsenet.nodes.trainer import TrainerConfig
 
     reads: list[str] = []
     real = settings_mod.load_toml

@@ -14,8 +14,7 @@ import pytest
 from pulsenet.loco import LocoConfig
 from pulsenet.nodes.build import compose_inference, compose_trainer
 from pulsenet.nodes.common import initial_model, text_codec
-from pulsenet.nodes.inference import InferenceConfig
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.tasks import TaskConfig, build_task

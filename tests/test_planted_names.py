@@ -26,8 +26,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
 from pulsenet.nodes.build import compose_inference, compose_trainer
 from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.inference import InferenceConfig
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, bf16_state_dict, build_tiny_model, load_model

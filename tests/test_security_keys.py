@@ -84,7 +84,7 @@ def test_a_node_refuses_an_open_key(tmp_path: Path) -> None:
     """The node edge (``nodes/build.py``) loads its key strictly: an inference node with a 0644 key
     does not start."""
     from pulsenet.nodes.build import build_inference
-    from pulsenet.nodes.inference import InferenceConfig
+    from pulsenet.nodes.config import InferenceConfig
     from pulsenet.store import LocalStore
 
     for site in ("t0", "i0"):

@@ -28,9 +28,9 @@ import torch
 from pulsenet.codec.rollout import Rollout
 from pulsenet.nodes.build import compose_inference, compose_trainer
 from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import finite
-from pulsenet.nodes.trainer import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model

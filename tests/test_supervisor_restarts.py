@@ -14,8 +14,9 @@ from sync_support import perturbed_states
 
 from pulsenet.nodes.build import compose_inference
 from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.events import read_events
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 from pulsenet.rl.tasks import TaskConfig, build_task
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key

@@ -25,8 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from pulsenet.nodes import run as node_run
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings
 
     rest, config = _config_option(list(args.rest), args.config or os.environ.get("PULSENET_CONFIG"))

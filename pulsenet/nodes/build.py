@@ -31,11 +31,12 @@ from pulsenet.errors import ConfigError
 from pulsenet.loco import LocoTrainer
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.common import initial_model, key_map, open_site_store, site_map, text_codec
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Rounds
 from pulsenet.nodes.status import NodeState
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode, answer_of
+from pulsenet.nodes.trainer import TrainerNode, answer_of
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import model_hf_config, resolve_model

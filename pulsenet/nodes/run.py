@@ -16,9 +16,10 @@ import signal
 
 from pulsenet.nodes.build import build_inference, build_trainer
 from pulsenet.nodes.common import initial_model, stop_on_signals, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.status import StatusServer
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.nodes.trainer import TrainerNode
 
 log = logging.getLogger(__name__)
 

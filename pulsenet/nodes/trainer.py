@@ -36,7 +36,6 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar
 
 import numpy as np
 import torch
@@ -44,124 +43,25 @@ import torch
 from pulsenet import runtime
 from pulsenet.codec.rollout import Rollout, RolloutColumns
 from pulsenet.errors import PolicyError, RolloutRowError
-from pulsenet.loco import LocoConfig, RoundReport
+from pulsenet.loco import RoundReport
+from pulsenet.nodes.config import TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
 from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.eval import Evaluator
-from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
+from pulsenet.rl.grpo import GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Assignment, Task, TaskConfig
-from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
+from pulsenet.rl.tasks import Assignment, Task
+from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutSource
 from pulsenet.rollouts.demand import Demand, DemandWriter
-from pulsenet.settings import inherit
 from pulsenet.store.base import ObjectStore
-from pulsenet.sync.publisher import Publisher, PublisherConfig
+from pulsenet.sync.publisher import Publisher
 from pulsenet.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """A trainer node. Settings: the [trainer] table of --config FILE (nested tables for the
-    components: [trainer.grpo], [trainer.loco], [trainer.intake], [trainer.publish]), then
-    PULSENET_<FIELD> (nested: PULSENET_LOCO__INNER_STEPS), then --field (--loco.inner-steps)."""
-
-    id: str = "t0"
-    """This trainer's id."""
-    run: str = "default"
-    """Run id: part of every signature's context, shared by all nodes of one run (copied into
-    the components' settings)."""
-    store: str = ""
-    """This site's own store URL: its PULSESync channel is published here."""
-    key: Path = Path("keys/t0.key")
-    """This site's Ed25519 signing key (its public half goes to inference nodes and peers)."""
-    allow_open_key: bool = False
-    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
-    inference: list[str] = field(default_factory=list)
-    """Rollout sources as ID=STORE_URL, one per inference node (read-only credentials suffice)."""
-    trust_inference: list[str] = field(default_factory=list)
-    """Inference public keys as ID=PATH (or PATH named ID.key.pub): a node's slot takes only its key."""
-    model: str = "tiny"
-    """Initial policy: tiny (warmed up, cached under cache_dir) or smollm2."""
-    warmup_steps: int = 250
-    """Tiny model only: supervised warm-up steps before v0 (250: sampled reward ~0.6; tests use fewer)."""
-    cache_dir: Path | None = None
-    """Where the tiny warm-up is cached (keyed by everything it depends on); None: ~/.cache/pulsenet."""
-    steps: int = 20
-    """Policy versions to train and publish (rounds); the node exits after the last."""
-    rows_per_step: int = 32
-    """Completions (rollout rows) per GRPO step at most, whole groups: a taken batch with more is
-    split over several steps; a group with more is refused (the padded shape of a step is bounded
-    by this and the model's context)."""
-    batches_per_version: int = 16
-    """Batches an inference node may answer per policy version (batch numbers below this), signed
-    into this trainer's demand record (``rl.tasks.Assignment``); the inference nodes' setting must
-    not exceed it (``pulsenet up`` sets both)."""
-    prompts_per_batch: int = 64
-    """Problems per rollout batch at most (problem numbers below this); signed into the demand record."""
-    seed: int = 0
-    """Seeds the warm-up and the trainer's generators."""
-    state_dir: Path = Path("state/t0")
-    """Resume points, caches and the event log (events.jsonl) of this node."""
-    device: str = "cpu"
-    """Where the GRPO steps run: cpu, cuda (under torchrun each rank on cuda:LOCAL_RANK, alone
-    cuda:0) or cuda:N. Overrides grpo.device. Weights leave for the store through the CPU either way."""
-    status_host: str = "127.0.0.1"
-    """Address of /healthz, /status, /metrics."""
-    status_port: int = 0
-    """Port of /healthz, /status, /metrics (0: a free one)."""
-    stuck_after_s: float = 900.0
-    """/healthz answers 503 when the loop has made no progress for this long."""
-    consumer_bound: int = 50
-    """Retention keeps the chain from a live inference node's version (its signed status object)
-    when it is at most this many versions behind; further behind, it takes the newest anchor."""
-    consumer_ttl_s: float = 120.0
-    """A consumer whose status object has not changed for this long (trainer's clock) holds nothing."""
-    consumer_poll_s: float = 5.0
-    """Time between reads of the inference nodes' status objects."""
-    loco_store: str = ""
-    """The PULSELoCo run's store, writable by every trainer of the run; empty: a lone trainer
-    that publishes after every optimizer step."""
-    peers: list[str] = field(default_factory=list)
-    """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
-    rescore: bool = True
-    """Re-score every rollout with this trainer's task and rewards before training (the nodes'
-    reward column is advisory). False trains on the nodes' rewards as they are: only for rewards
-    the trainer cannot compute (then a node's rewards are its word: docs/security.md)."""
-    eval_every: int = 0
-    """Score the policy greedily on the task's held-out problems every this many versions (0: never)."""
-    tracker: str = "none"
-    """Log every version's event to an experiment tracker: none, wandb or trackio (offline unless
-    the tracker's own settings say otherwise)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The task, the same as the inference nodes': the trainer re-scores every completion with its
-    rewards (the nodes' reward column is advisory) and evaluates on its held-out problems."""
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
-    """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
-    loco: LocoConfig = field(default_factory=lambda: LocoConfig(deadline_s=120.0))
-    """PULSELoCo between the trainers (with loco_store): H = inner_steps GRPO steps a round, the
-    outer step, quorum and deadlines; every trainer of the run uses the same values."""
-    intake: RolloutIntakeConfig = field(default_factory=lambda: RolloutIntakeConfig(interval_s=0.5))
-    """The rollout intake: staleness bound, limits, polling."""
-    publish: PublisherConfig = field(default_factory=PublisherConfig)
-    """PULSESync publishing: channel, anchors, retention."""
-
-    INHERITED: ClassVar[frozenset[str]] = frozenset({"loco.run", "intake.run", "publish.run"})
-    """Set once here (``run``), copied into the components (``settings.inherit``)."""
-
-    def __post_init__(self) -> None:
-        for component in (self.loco, self.intake, self.publish):
-            inherit(component, run=self.run)
-
-    def grpo_config(self, *, pad_id: int | None = None) -> GRPOConfig:
-        """``grpo`` on this node's ``device``, padding with ``pad_id`` (the model's text codec's;
-        None: ``grpo.pad_id`` as configured). A new config: this one is never written."""
-        return replace(self.grpo, device=self.device, pad_id=self.grpo.pad_id if pad_id is None else pad_id)
 
 
 @dataclass(slots=True)

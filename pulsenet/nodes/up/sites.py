@@ -19,7 +19,7 @@ from pulsenet.nodes.up.node import Node
 from pulsenet.settings import to_toml_table, write_toml
 
 if TYPE_CHECKING:
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import TrainerConfig
     from pulsenet.nodes.up.config import UpConfig
     from pulsenet.nodes.up.supervisor import Injector
 

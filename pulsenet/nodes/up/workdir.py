@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pulsenet.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import TrainerConfig
 
 MARKER = ".pulsenet-up"
 """Marks a work directory as ``pulsenet up``'s own: only then does a run wipe directories in it."""
