@@ -174,7 +174,8 @@ def test_the_config_tree_sets_run_once(tmp_path: Path) -> None:
 
 
 def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> None:
-    from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+    from pulsenet.nodes.config import NetworkSettings
+    from pulsenet.nodes.plan import Site, plan_network
 
     def plan(**kw: object):
         n = NetworkSettings(**kw)  # type: ignore[arg-type]
@@ -191,7 +192,7 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
     assert t[0].rows_per_step == 512 and t[0].grpo.lr == 1e-2 and i[0].prompts == 4 and not t[0].loco_store
     t, i = plan(model="smollm2", trainers=1)
     assert t[0].grpo.lr == 3e-6 and (i[0].task.task, i[0].task.max_new_tokens) == ("arith-shots", 16)
-    from pulsenet.nodes.plan import TaskOptions
+    from pulsenet.nodes.config import TaskOptions
 
     # a user's dataset: none of the preset's task settings, the columns and rewards given
     t, i = plan(model="smollm2", trainers=1, task="my.jsonl", reward=["math"], max_new_tokens=32,
@@ -209,8 +210,8 @@ def test_plan_reads_its_preset_once_and_writes_no_settings_in_place(tmp_path: Pa
     (not called by hand); a derived setting (the GRPO step's ``pad_id``) goes into a new config."""
     import pulsenet.nodes.plan as plan_mod
     import pulsenet.settings as settings_mod
-    from pulsenet.nodes.config import TrainerConfig
-    from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+    from pulsenet.nodes.config import NetworkSettings, TrainerConfig
+    from pulsenet.nodes.plan import Site, plan_network
 
     reads: list[str] = []
     real = settings_mod.load_toml

@@ -20,8 +20,8 @@ from prometheus_client import generate_latest
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.build import compose_inference
 from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.config import InferenceConfig
-from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+from pulsenet.nodes.config import InferenceConfig, NetworkSettings
+from pulsenet.nodes.plan import Site, plan_network
 from pulsenet.nodes.status import StatusServer
 from pulsenet.nodes.supervisor import TrainerView, holdup, with_inference
 from pulsenet.rl import build_tiny_model

@@ -27,7 +27,7 @@ from typing import Any
 
 from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
-from pulsenet.nodes.plan import NetworkSettings
+from pulsenet.nodes.config import NetworkSettings
 
 SCHEMA = "pulsenet.bench.rl/1"
 

@@ -2,7 +2,8 @@
 
 Two steps per node, so that tests build the same node from stores and keys of their own:
 
-- ``build_trainer(config)`` / ``build_inference(config)``: what the config names, opened once
+- ``build_trainer(config)`` / ``build_inference(config)`` (and ``build_rank``, a torchrun rank
+  > 0's GRPO trainer): what the config names, opened once
   (the site's stores, its signing key, the trusted keys, the model, the task and its text codec);
   a setting derived from another component (the GRPO step's ``pad_id``, the model's) is passed
   into a new config object here, never written into the one given;
@@ -38,6 +39,7 @@ from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Rounds
 from pulsenet.nodes.status import NodeState
 from pulsenet.nodes.trainer import TrainerNode, answer_of
 from pulsenet.rl.eval import Evaluator
+from pulsenet.rl.grpo import GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.prompts import TextCodec
@@ -66,7 +68,6 @@ def build_trainer(c: TrainerConfig, *, ranks: bool = False, open_store: OpenStor
     process group is up, the other ranks run ``rl.distributed.serve_rank``). ``open_store``: a
     store URL with this site's credentials (default: from the environment's AWS_* variables)."""
     from pulsenet.rl.distributed import GroupGRPOInner, RankGroup
-    from pulsenet.rl.grpo import GRPOTrainer
     from pulsenet.rl.local import resolve_device
 
     resolve_device(c.device)  # a GPU-less host fails here, before the warm-up
@@ -93,6 +94,15 @@ def build_trainer(c: TrainerConfig, *, ranks: bool = False, open_store: OpenStor
         loco_store=open_store(c.loco_store) if c.loco_store else None,
         tracker=make_tracker(c.tracker, name=f"{c.run}-{c.id}", config=to_toml_table(c), directory=Path(c.state_dir) / "tracking"),
     )
+
+
+def build_rank(c: TrainerConfig) -> GRPOTrainer:
+    """The GRPO trainer of a rank > 0 of ``c``'s torchrun rank group (``rl.distributed.serve_rank``
+    runs it). Rank 0 sends its weights first: the tiny model needs no warm-up here, only its shape."""
+    from pulsenet.rl import build_tiny_model
+
+    model = build_tiny_model(c.seed) if c.model == "tiny" else initial_model(c.model, c.cache_dir, seed=c.seed)
+    return GRPOTrainer(model, c.grpo_config(pad_id=text_codec(c.model).pad_id))
 
 
 def compose_trainer(

