@@ -59,16 +59,18 @@ def load_settings(
     environ: Mapping[str, str] = os.environ,
     prog: str | None = None,
     aliases: Mapping[str, str] | None = None,
+    parsed: Mapping[str, Any] | None = None,
 ) -> T:
     """``cls`` filled from defaults, ``config``'s ``[table]``, ``environ`` and ``argv``, in that order.
 
     ``aliases`` maps older flag spellings to the schema's (``{"--H": "--inner-steps"}``); they are
-    accepted on the command line only."""
+    accepted on the command line only. ``parsed``: ``config``'s contents, already read
+    (``load_toml``), for a caller that takes several tables from one file."""
     fields = _flags(cls)
     argv = [_alias(a, aliases or {}) for a in argv]
     value: T = cls()
     if config is not None:
-        data = _table(load_toml(config), table, str(config))
+        data = _table(load_toml(config) if parsed is None else parsed, table, str(config))
         value = _parse(cls, value, _toml_args(data, fields, f"{config} [{table}]"), f"{config} [{table}]")
     for name, (flag, kind) in fields.items():
         var = ENV_PREFIX + name.upper().replace(".", "__")

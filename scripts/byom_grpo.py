@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from pulsenet.codec.digest import model_digest
     from pulsenet.engines import TorchEngineConfig, make_engine
-    from pulsenet.nodes.common import initial_model, model_config, text_codec
+    from pulsenet.nodes.common import initial_model, text_codec
     from pulsenet.rl.eval import Evaluator
     from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
-    from pulsenet.rl.models import smollm2_checkpoint
+    from pulsenet.rl.models import model_hf_config, resolve_model, smollm2_checkpoint
     from pulsenet.rl.rescore import Rescorer
     from pulsenet.rl.tasks import TaskConfig, assign_problems, build_task, group_id
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
     )
     codec = text_codec(model)
-    hf = model_config(model)
+    hf = model_hf_config(resolve_model(model))
     prompter = task.prompter(codec, max_positions=getattr(hf, "max_position_embeddings", None))
     policy = initial_model(model)
     grpo = GRPOTrainer(policy, GRPOConfig(lr=args.lr, pad_id=codec.pad_id, seed=args.seed, micro_batch_size=16))

@@ -30,9 +30,9 @@ import torch
 from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.loco.algorithm import outer_step
-from pulsenet.nodes.common import CACHE_DIR, initial_model, make_task, text_codec
+from pulsenet.nodes.common import CACHE_DIR, initial_model, text_codec
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
-from pulsenet.rl.tasks import assign_problems
+from pulsenet.rl.tasks import assign_problems, build_task
 
 
 def main() -> None:
@@ -53,7 +53,7 @@ def main() -> None:
     a = p.parse_args()
 
     torch.manual_seed(a.seed)
-    text, task = text_codec("tiny"), make_task("arith", a.seed)
+    text, task = text_codec("tiny"), build_task("arith", seed=a.seed)
     base = initial_model("tiny", a.cache_dir, seed=a.seed)
     engine_config = TorchEngineConfig(verify_updates=False, hash_threads=1)
     trainers = [GRPOTrainer(copy.deepcopy(base), GRPOConfig(lr=a.lr, seed=a.seed, pad_id=text.pad_id)) for _ in range(a.trainers)]

@@ -20,8 +20,7 @@ import yaml
 from pulsenet.cli import parse_cli
 from pulsenet.cli.nodes import _config_option
 from pulsenet.nodes.common import site_map
-from pulsenet.nodes.inference import InferenceConfig
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.settings import load_settings
 
 DOCKER = Path(__file__).resolve().parent.parent / "docker"

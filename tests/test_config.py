@@ -180,8 +180,7 @@ def test_command_help_is_the_field_docstrings(capsys):
 def test_shipped_node_tables_load_value_by_value(name, table):
     """``pulsenet trainer|inference --config configs/...``: every value of the table reaches the
     node's settings, typed, through the one schema (pulsenet.settings.load_settings)."""
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings
 
     cls = TrainerConfig if table == "trainer" else InferenceConfig
@@ -193,8 +192,7 @@ def test_shipped_node_tables_load_value_by_value(name, table):
 
 def test_node_table_site_overrides_by_env():
     """What docs/deploy.md and docker/compose.yaml set per site wins over the shipped file."""
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings
 
     env = {

@@ -19,8 +19,8 @@ from test_loco_grpo import WARM_STEPS, _batches
 from pulsenet.errors import ConfigError
 from pulsenet.loco import LocoConfig, LocoTrainer
 from pulsenet.loco.documents import trainer_keys
-from pulsenet.nodes.run import build_trainer
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.build import build_trainer
+from pulsenet.nodes.config import TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.local import LocalTrainer, LocalTrainerConfig

@@ -13,16 +13,15 @@ import torch
 from pulsenet.codec.digest import model_digest
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.common import model_config
 from pulsenet.rl.eval import EngineBuilder, Evaluator, evaluate
-from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+from pulsenet.rl.models import bf16_state_dict, build_tiny_model, model_hf_config, resolve_model
 from pulsenet.rl.prompts import byte_codec
 from pulsenet.rl.tasks import TaskConfig, build_task
 
 
 def _cpu_engine(decode: Callable[[Sequence[int]], str]) -> EngineBuilder:
     """What the trainer node passes its Evaluator (nodes/trainer.py), on the CPU."""
-    return functools.partial(TorchEngine.from_state, model_config("tiny"), config=TorchEngineConfig(device="cpu"), decode=decode)
+    return functools.partial(TorchEngine.from_state, model_hf_config(resolve_model("tiny")), config=TorchEngineConfig(device="cpu"), decode=decode)
 
 
 def test_evaluator_scores_versions_and_updates_in_place(tmp_path: Path) -> None:

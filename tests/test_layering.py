@@ -145,3 +145,36 @@ def test_the_pulseloco_trainer_is_a_round_driver() -> None:
     assert {f"pulsenet.loco.{m}" for m in LOCO_STEPS} <= _graph()["pulsenet.loco.trainer"]
     long = {m: n for m in _modules() if m.startswith("pulsenet.loco.") and (n := len(_modules()[m].read_text().splitlines())) > 650}
     assert not long, f"loco modules over ~600 lines: {long}"
+
+
+BUILD = "pulsenet.nodes.build"
+"""The one composition root of each node: every component of a trainer or inference node is made
+there and handed to ``TrainerNode`` / ``InferenceNode``, whose constructors only keep them."""
+
+
+def _calls(path: Path, names: set[str]) -> set[str]:
+    """Which of ``names`` a file calls (``Name(...)`` or ``module.Name(...)``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+            if name in names:
+                out.add(name)
+    return out
+
+
+def test_one_function_builds_each_node() -> None:
+    """Only ``nodes/build.py`` constructs a node, in the package and in the tests alike; the node
+    modules construct none of the components they are handed (7876ec8: ``TrainerNode.__init__``
+    made its publisher, intake, rounds and demand writer, and seven test files built nodes by hand)."""
+    nodes = {"TrainerNode", "InferenceNode"}
+    files = [*ROOT.rglob("*.py"), *(ROOT.parent / "tests").rglob("*.py")]
+    builders = sorted(str(p.relative_to(ROOT.parent)) for p in files if _calls(p, nodes))
+    assert builders == ["pulsenet/nodes/build.py"], builders
+    components = {"Publisher", "RolloutIntake", "LocoTrainer", "LocoRounds", "LocalRounds", "DemandWriter",
+                  "DemandReader", "Rescorer", "Replayer", "Evaluator", "RolloutWriter", "Subscriber", "ConsumerTracker"}  # fmt: skip
+    for node in ("trainer", "inference"):
+        made = _calls(ROOT / "nodes" / f"{node}.py", components)
+        assert not made, f"nodes/{node}.py builds {sorted(made)}: nodes/build.py makes every component"
+    assert BUILD in _graph()

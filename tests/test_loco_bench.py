@@ -161,7 +161,7 @@ def test_grpo_smollm2_few_shot_rollouts_on_policy() -> None:
     import argparse
 
     from pulsenet.bench.loco_grpo import grpo_bench
-    from pulsenet.nodes.common import SHOTS
+    from pulsenet.rl.tasks import SHOTS
 
     torch.set_num_threads(1)
     args = argparse.Namespace(

@@ -15,8 +15,14 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.engines.base import SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.common import initial_model, model_config, text_codec
-from pulsenet.rl.models import bf16_state_dict, check_layout_matches, resolve_model, served_layout
+from pulsenet.nodes.common import initial_model, text_codec
+from pulsenet.rl.models import (
+    bf16_state_dict,
+    check_layout_matches,
+    model_hf_config,
+    resolve_model,
+    served_layout,
+)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -24,7 +30,7 @@ def test_a_local_directory_is_a_model(tmp_path: Path, family: str) -> None:
     path = (llama_dir if family == "llama" else gpt2_dir)(tmp_path / family)
     name = str(path)
     assert resolve_model(name).path == path and resolve_model(name).has_tokenizer
-    config = model_config(name)
+    config = model_hf_config(resolve_model(name))
     assert config.model_type == family
     codec = text_codec(name)
     assert codec.eos_id == smollm2_tokenizer().eos_token_id and codec.decode(codec.encode("12+34=")) == "12+34="
@@ -48,7 +54,7 @@ def test_bad_model_settings_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"no config.json.*weights.bin"):
         resolve_model(str(tmp_path / "empty"))
     bare = model_dir(tmp_path / "bare", llama_config(smollm2_tokenizer()), None)  # no tokenizer files
-    assert model_config(str(bare)).model_type == "llama"
+    assert model_hf_config(resolve_model(str(bare))).model_type == "llama"
     with pytest.raises(ConfigError, match="no tokenizer files"):
         text_codec(str(bare))
     odd = tmp_path / "odd"
@@ -56,7 +62,7 @@ def test_bad_model_settings_are_config_errors(tmp_path: Path) -> None:
     cfg = json.loads((odd / "config.json").read_text())
     (odd / "config.json").write_text(json.dumps({**cfg, "model_type": "no-such-arch"}))
     with pytest.raises(ConfigError, match="cannot read"):
-        model_config(str(odd))
+        model_hf_config(resolve_model(str(odd)))
     small = model_dir(tmp_path / "small", llama_config(smollm2_tokenizer(), vocab_size=1000), smollm2_tokenizer())
     with pytest.raises(ConfigError, match=r"49152 tokens.*1000"):
         text_codec(str(small))

@@ -11,12 +11,14 @@ from model_dirs import llama_dir
 from prometheus_client import generate_latest
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.common import make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.build import compose_inference
+from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl import build_tiny_model
 from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.rescore import RescoreStats
+from pulsenet.rl.tasks import build_task
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
@@ -33,13 +35,13 @@ async def test_an_inference_node_whose_model_does_not_fit_the_channel_stops_nami
         await p.publish_now(bf16_state_dict(build_tiny_model(0)))  # the channel carries the tiny model
     model = str(llama_dir(tmp_path / "llama"))  # the node was configured with another architecture
     config = InferenceConfig(id="i0", run="r", model=model, state_dir=tmp_path / "i0", subscribe=SubscriberConfig(interval_s=0.1))
-    node = InferenceNode(
+    node = compose_inference(
         config,
         store=LocalStore(tmp_path / "i0-store"),
         policy_stores=[channel],
         trusted={key_id(pub): pub},
         key=load_private_key(tmp_path / "i0.key"),
-        task=make_task("arith", 0),
+        task=build_task("arith", seed=0),
         text=text_codec(model),
     )
     with pytest.raises(ExceptionGroup) as info:

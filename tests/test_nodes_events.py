@@ -2,6 +2,8 @@
 
 - ``EventLog`` writes whole JSON lines that ``read_events`` gives back (a torn last line, from a
   kill mid-write, is skipped); ``NodeState.record`` is what /status shows of versions.
+- ``published_event`` / ``inference_event`` build every event the nodes emit: the events.jsonl
+  line of each is pinned, byte for byte (fields, order, derived figures).
 - ``summarize`` / ``efficiency`` / ``requests`` read nothing but the events.
 - ``TrainerConfig`` nests its components' settings; ``run`` is set once and copied, and a nested
   ``run`` is an unknown setting, not a value silently overwritten.
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.events import EventLog, VersionEvent, read_events
+from pulsenet.nodes.events import EventLog, VersionEvent, inference_event, published_event, read_events
 from pulsenet.nodes.status import NodeState
 from pulsenet.nodes.summary import efficiency, requests, run_totals, summarize
 
@@ -38,6 +40,44 @@ def test_events_round_trip_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
     line = json.dumps(e1.as_dict() | {"from_the_future": 1})
     (tmp_path / "f.jsonl").write_text(line + "\n")
     assert read_events(tmp_path / "f.jsonl") == [e1]
+
+
+PUBLISHED_LINE = (
+    '{"kind":"published","node":"t0","role":"trainer","version":3,"digest":"' + "ab" * 32 + '","at":1700000000.0,'
+    '"round":3,"patch":"patch","phases":{"wait_rollouts":1.0,"train":2.0,"exchange":0.5,"publish":0.25,"eval":0.125},'
+    '"bytes":{"pulsesync":100,"full":1000,"pulseloco":50,"diloco":1000,"ddp":2000,"rollouts":77},"reward":0.5,'
+    '"staleness":[0,1],"counts":{"steps":2,"rows":16,"batches":2},"totals":{"rows_accepted":16},"sparsity":0.99,'
+    '"steps":[{"loss":0.5,"reward_mean":0.25,"completions":8},{"loss":0.4,"reward_mean":0.75,"completions":8}],'
+    '"participants":["t0","t1"],"eval":{"version":3,"reward":0.5,"n":4},"weights_digest":null}\n'
+)
+"""What a trainer's events.jsonl held for such a version before ``published_event`` (7876ec8's inline event)."""
+STOPPED_LINE = (
+    '{"kind":"stopped","node":"i0","role":"inference","version":2,"digest":"' + "cd" * 32 + '","at":1700000001.0,'
+    '"round":null,"patch":null,"phases":{},"bytes":{"pulsesync":0},"reward":null,"staleness":[],'
+    '"counts":{"idle_poll:get":1},"totals":{"rows_produced":4},"sparsity":null,"steps":[],"participants":[],'
+    '"eval":null,"weights_digest":"' + "cd" * 32 + '"}\n'
+)
+
+
+def test_the_event_builders_write_the_lines_the_nodes_always_wrote(tmp_path: Path) -> None:
+    steps = [{"loss": 0.5, "reward_mean": 0.25, "completions": 8}, {"loss": 0.4, "reward_mean": 0.75, "completions": 8}]
+    published = published_event(
+        node="t0", version=3, digest="ab" * 32, round=3, patch="patch", wait_s=1.0, train_s=2.0, exchange_s=0.5,
+        publish_s=0.25, pulsesync_bytes=100, full_bytes=1000, pulseloco_bytes=50, model_numel=250, rollout_bytes=77,
+        steps=steps, staleness=[0, 1], batches=2, totals={"rows_accepted": 16}, sparsity=0.99, participants=["t0", "t1"],
+        at=1700000000.0, eval={"version": 3, "reward": 0.5, "n": 4}, eval_s=0.125,
+    )  # fmt: skip
+    stopped = inference_event(
+        "stopped", node="i0", version=2, digest="cd" * 32, pulsesync_bytes=0, totals={"rows_produced": 4},
+        counts={"idle_poll:get": 1}, weights_digest="cd" * 32,
+    )  # fmt: skip
+    stopped.at = 1700000001.0
+    served = inference_event("served", node="i0", version=2, digest="cd" * 32, pulsesync_bytes=10, totals={}, apply_s=0.5)
+    assert served.phases == {"apply": 0.5} and served.bytes == {"pulsesync": 10} and served.counts == {}
+    log = EventLog(tmp_path / "events.jsonl")
+    log.emit(published)
+    log.emit(stopped)
+    assert (tmp_path / "events.jsonl").read_text() == PUBLISHED_LINE + STOPPED_LINE
 
 
 def test_node_state_shows_what_the_events_say() -> None:
@@ -114,8 +154,7 @@ def test_a_restarted_node_counts_from_zero_and_its_lives_add_up() -> None:
 
 
 def test_the_config_tree_sets_run_once(tmp_path: Path) -> None:
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings, to_toml_table
 
     cfg = tmp_path / "t.toml"
@@ -135,7 +174,8 @@ def test_the_config_tree_sets_run_once(tmp_path: Path) -> None:
 
 
 def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> None:
-    from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+    from pulsenet.nodes.config import NetworkSettings
+    from pulsenet.nodes.plan import Site, plan_network
 
     def plan(**kw: object):
         n = NetworkSettings(**kw)  # type: ignore[arg-type]
@@ -152,7 +192,7 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
     assert t[0].rows_per_step == 512 and t[0].grpo.lr == 1e-2 and i[0].prompts == 4 and not t[0].loco_store
     t, i = plan(model="smollm2", trainers=1)
     assert t[0].grpo.lr == 3e-6 and (i[0].task.task, i[0].task.max_new_tokens) == ("arith-shots", 16)
-    from pulsenet.nodes.plan import TaskOptions
+    from pulsenet.nodes.config import TaskOptions
 
     # a user's dataset: none of the preset's task settings, the columns and rewards given
     t, i = plan(model="smollm2", trainers=1, task="my.jsonl", reward=["math"], max_new_tokens=32,
@@ -162,6 +202,38 @@ def test_plan_takes_the_preset_under_the_commands_settings(tmp_path: Path) -> No
         "my.jsonl", ["math"], 32, "q", 0.1, None
     )
     assert t[0].task == task
+
+
+def test_plan_reads_its_preset_once_and_writes_no_settings_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset is read once (7876ec8 parsed it three times, one per table); every node's config
+    is a new object with nested settings of its own, the run copied in by its own ``__post_init__``
+    (not called by hand); a derived setting (the GRPO step's ``pad_id``) goes into a new config."""
+    import pulsenet.nodes.plan as plan_mod
+    import pulsenet.settings as settings_mod
+    from pulsenet.nodes.config import NetworkSettings, TrainerConfig
+    from pulsenet.nodes.plan import Site, plan_network
+
+    reads: list[str] = []
+    real = settings_mod.load_toml
+
+    def counted(path: object) -> dict:
+        reads.append(str(path))
+        return real(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(settings_mod, "load_toml", counted)
+    monkeypatch.setattr(plan_mod, "load_toml", counted, raising=False)
+    n = NetworkSettings(trainers=3, inference=2, max_staleness=4)
+    sites = {s: Site(f"s3://b-{s}", tmp_path / f"{s}.key", tmp_path / s) for s in ("t0", "t1", "t2", "i0", "i1")}
+    t, i = plan_network(n, run="r", sites=sites, public_keys=tmp_path, loco_store="s3://loco")
+    assert len(reads) == 1 and reads[0].endswith("tiny.toml"), reads
+    for a, b in ((t[0], t[1]), (t[1], t[2])):
+        assert a.loco is not b.loco and a.intake is not b.intake and a.publish is not b.publish and a.grpo is not b.grpo
+    assert all(c.loco.run == c.intake.run == c.publish.run == "r" and c.intake.max_staleness == 4 for c in t)
+    assert all(c.subscribe.run == "r" and c.subscribe is not i[0].subscribe for c in i[1:])
+    assert plan_network(n, run="r", sites=sites, public_keys=tmp_path, loco_store="s3://loco") == (t, i)
+    c = TrainerConfig(device="cpu")
+    g = c.grpo_config(pad_id=7)
+    assert (g.pad_id, c.grpo.pad_id, c.grpo_config().pad_id) == (7, 0, 0)
 
 
 async def test_a_lone_trainers_non_finite_round_rolls_back_to_its_start(tmp_path: Path) -> None:

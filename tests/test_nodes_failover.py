@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from pulsenet.loco import LocoConfig
-from pulsenet.nodes.common import initial_model, make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.nodes.build import compose_inference, compose_trainer
+from pulsenet.nodes.common import initial_model, text_codec
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
-from pulsenet.rl.tasks import TaskConfig
+from pulsenet.rl.tasks import TaskConfig, build_task
 from pulsenet.rollouts import RolloutSource
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
@@ -40,7 +40,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
 
     text = text_codec("tiny")
     trainers = [
-        TrainerNode(
+        compose_trainer(
             TrainerConfig(
                 id=t,
                 run="failover",
@@ -56,13 +56,13 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             key=keys[t][0],
             sources=[RolloutSource("i0", store("i0"), {key_id(keys["i0"][1]): keys["i0"][1]})],
             policy=GRPOInner(GRPOTrainer(initial_model("tiny", tmp_path / "cache", warmup_steps=20), GRPOConfig(lr=5e-4, pad_id=text.pad_id))),
-            task=make_task("arith", 0),
+            task=build_task("arith", seed=0),
             text=text,
             loco_store=store("loco"),
         )
         for t in TRAINERS
     ]
-    node = InferenceNode(
+    node = compose_inference(
         InferenceConfig(
             id="i0",
             run="failover",
@@ -79,7 +79,7 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
         policy_stores=[store(t) for t in TRAINERS],
         trusted={key_id(keys[t][1]): keys[t][1] for t in TRAINERS},
         key=keys["i0"][0],
-        task=make_task("arith", 0),
+        task=build_task("arith", seed=0),
         text=text,
     )
     stop_all, stop_inference = asyncio.Event(), asyncio.Event()

@@ -24,12 +24,13 @@ from test_sync_units import CountingStore
 from pulsenet.cli.export import export_version
 from pulsenet.codec.digest import model_digest
 from pulsenet.errors import ConfigError, ManifestError, ObjectNotFound, SignatureError
-from pulsenet.nodes.common import make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
+from pulsenet.nodes.build import compose_inference, compose_trainer
+from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, bf16_state_dict, build_tiny_model, load_model
+from pulsenet.rl.tasks import build_task
 from pulsenet.rollouts import (
     Demand,
     RolloutLayout,
@@ -256,9 +257,9 @@ async def test_a_trainer_node_signs_its_models_architecture_into_its_anchors(tmp
     model.config._name_or_path = "/home/someone/models/secret"
     store = LocalStore(tmp_path / "store")
     key = Ed25519PrivateKey.generate()
-    task = make_task("arith", 0)
+    task = build_task("arith", seed=0)
     try:
-        node = TrainerNode(
+        node = compose_trainer(
             TrainerConfig(id="t0", state_dir=tmp_path / "t0"),
             store=store,
             key=key,
@@ -415,9 +416,9 @@ async def test_an_inference_node_counts_planted_names_in_status(tmp_path: Path) 
     store = LocalStore(tmp_path / "i0")
     for seq in (5, 99_999_999):
         await store.put(LAYOUT.manifest(0, "i0", seq), b"junk")
-    task = make_task("arith", 0)
+    task = build_task("arith", seed=0)
     try:
-        node = InferenceNode(
+        node = compose_inference(
             InferenceConfig(id="i0", run="test", state_dir=tmp_path / "state"),
             store=store,
             policy_stores=[LocalStore(tmp_path / "t0")],

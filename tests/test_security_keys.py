@@ -81,10 +81,10 @@ def test_commands_refuse_an_open_key_unless_told_to_accept_it(tmp_path: Path, ca
 
 
 def test_a_node_refuses_an_open_key(tmp_path: Path) -> None:
-    """The node edge (``nodes/run.py``) loads its key strictly: an inference node with a 0644 key
+    """The node edge (``nodes/build.py``) loads its key strictly: an inference node with a 0644 key
     does not start."""
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.run import build_inference
+    from pulsenet.nodes.build import build_inference
+    from pulsenet.nodes.config import InferenceConfig
     from pulsenet.store import LocalStore
 
     for site in ("t0", "i0"):

@@ -26,15 +26,16 @@ import pytest
 import torch
 
 from pulsenet.codec.rollout import Rollout
-from pulsenet.nodes.common import make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.build import compose_inference, compose_trainer
+from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import finite
-from pulsenet.nodes.trainer import TrainerConfig, TrainerNode
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
 from pulsenet.rl.replay import ReplayConfig
-from pulsenet.rl.tasks import TaskConfig, assign_problems, group_id
+from pulsenet.rl.tasks import TaskConfig, assign_problems, build_task, group_id
 from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.layout import BatchName
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
@@ -68,13 +69,13 @@ class Site:
 
     def inference_node(self, config: InferenceConfig) -> InferenceNode:
         """Node i0 (its own bucket and key) following t0's and t1's channels, on the arith task."""
-        return InferenceNode(
+        return compose_inference(
             config,
             store=self.store("i0"),
             policy_stores=[self.store("t0"), self.store("t1")],
             trusted=self.trusted("t0", "t1"),
             key=self.keys["i0"],
-            task=make_task("arith", 0),
+            task=build_task("arith", seed=0),
             text=text_codec("tiny"),
         )
 
@@ -178,7 +179,7 @@ def _rows(version: int, digest: str, batch: int, *, reward: float | None = None,
     assigned problems with their prompts and group ids, 4 completions each (2 right answers, 2
     wrong), each claiming the reward the task gives it. ``reward``: claimed by the first row
     instead; ``token``: a completion id put in the first row (e.g. one past the vocabulary)."""
-    task, text = make_task(TASK, 0), text_codec("tiny")
+    task, text = build_task(TASK, seed=0), text_codec("tiny")
     try:
         prompter = task.prompter(text)
         problems = assign_problems(task, node="i0", version=version, seed=0, n=2, batch=batch)
@@ -218,7 +219,7 @@ class Trainer:
         """``replay``: replay rows before training (rl/replay.py); off by default here, because
         ``_rows`` writes completions by hand (not the policy's draw) to reach the check under test."""
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
-        self.node = TrainerNode(
+        self.node = compose_trainer(
             TrainerConfig(
                 id="t0",
                 run=RUN,
@@ -232,7 +233,7 @@ class Trainer:
             key=net.keys["t0"],
             sources=[RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
             policy=policy(self.grpo),
-            task=make_task(TASK, 0),
+            task=build_task(TASK, seed=0),
             text=text_codec("tiny"),
         )
         self.published: list[tuple[int, bool]] = []

@@ -18,9 +18,10 @@ from model_dirs import llama_config, model_dir, smollm2_tokenizer
 from prometheus_client import generate_latest
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.common import make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
+from pulsenet.nodes.build import compose_inference
+from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig, NetworkSettings
+from pulsenet.nodes.plan import Site, plan_network
 from pulsenet.nodes.status import StatusServer
 from pulsenet.nodes.supervisor import TrainerView, holdup, with_inference
 from pulsenet.rl import build_tiny_model
@@ -79,9 +80,9 @@ async def test_an_inference_node_that_drops_every_prompt_reports_degraded_with_c
     task = TaskConfig(max_prompt_tokens=2, max_new_tokens=2)  # every arith prompt ("3+4=") is longer
     config = InferenceConfig(id="i0", run="r", state_dir=tmp_path / "i0", task=task, batches_per_version=2,
                              subscribe=SubscriberConfig(interval_s=0.1))  # fmt: skip
-    node = InferenceNode(
+    node = compose_inference(
         config, store=LocalStore(tmp_path / "i0-store"), policy_stores=[channel], trusted={key_id(pub): pub},
-        key=load_private_key(tmp_path / "i0.key"), task=make_task(task, 0), text=text_codec("tiny"),
+        key=load_private_key(tmp_path / "i0.key"), task=build_task(task, seed=0), text=text_codec("tiny"),
     )  # fmt: skip
     status = StatusServer(node.state)
     stop = asyncio.Event()

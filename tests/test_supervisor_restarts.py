@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 from sync_support import perturbed_states
 
-from pulsenet.nodes.common import make_task, text_codec
+from pulsenet.nodes.build import compose_inference
+from pulsenet.nodes.common import text_codec
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.events import read_events
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.inference import InferenceNode
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
-from pulsenet.rl.tasks import TaskConfig
+from pulsenet.rl.tasks import TaskConfig, build_task
 from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
 from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
@@ -48,7 +50,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
     state_dir = tmp_path / "state" / "i0"
 
     def node() -> InferenceNode:  # the same command, config and state directory every life
-        return InferenceNode(
+        return compose_inference(
             InferenceConfig(
                 id="i0",
                 run=RUN,
@@ -64,7 +66,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
             policy_stores=[LocalStore(channel)],
             trusted={key_id(t_pub): t_pub},
             key=load_private_key(tmp_path / "keys" / "i0.key"),
-            task=make_task("arith", 0),
+            task=build_task("arith", seed=0),
             text=text_codec("tiny"),
         )
 

@@ -428,10 +428,9 @@ def test_the_planned_round_deadline_is_the_trainers_as_planned_not_read_back_fro
 def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path) -> None:
     """tiny answers its warm-up task; a pretrained model gets solved examples first and its
     completion ends at the newline after its answer (a bare ``3+4=`` gives it no reward signal)."""
-    from pulsenet.nodes.common import SHOTS, make_task
     from pulsenet.nodes.up import UpConfig
     from pulsenet.nodes.up.sites import Creds, plan_nodes
-    from pulsenet.rl.tasks import TaskConfig
+    from pulsenet.rl.tasks import SHOTS, TaskConfig, build_task
 
     sites = ["t0", "t1", "i0", "i1"]
     creds = Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
@@ -445,7 +444,7 @@ def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path
         config = TaskConfig(**{k.replace("-", "_"): v for k, v in t["task"].items()})
         assert (config.task, list(config.prompt_config().stop)) == want, t["task"]
 
-    task = make_task("arith-shots", 0)
+    task = build_task("arith-shots", seed=0)
     problem = task.draw(__import__("random").Random(1))
     lines = problem.prompt.split("\n")
     assert len(lines) == SHOTS + 1 and all("=" in line for line in lines)

@@ -9,7 +9,7 @@ Models and tasks:
 
 - ``tiny``: the warmed-up byte-level model on its own task (single-digit ``a±b=``), sampled with
   the trainer's own forward (``rl.sampling.sample_group``: no KV cache, nothing to sync).
-- ``smollm2``: SmolLM2-135M-Instruct on ``arith-shots`` (``nodes.common.make_task``, the inference
+- ``smollm2``: SmolLM2-135M-Instruct on ``arith-shots`` (``rl.tasks.build_task``, the inference
   nodes' smollm2 task: ``FewShotTask(ArithmeticTask(max_operand=9), k=4)``):
   four solved examples, one per line, then the problem (``"2+8=10\\n...\\n7-3="``), no chat
   template, as the inference nodes prompt it. A completion ends at its first newline; the
@@ -175,8 +175,8 @@ class GRPOBench:
 
 
 def grpo_bench(args: argparse.Namespace) -> GRPOBench:
-    from pulsenet.nodes.common import CACHE_DIR, make_task, text_codec
-    from pulsenet.rl.tasks import assign_problems
+    from pulsenet.nodes.common import CACHE_DIR, text_codec
+    from pulsenet.rl.tasks import assign_problems, build_task
     from pulsenet.rl.warmup import tiny_task, warm_tiny_model
 
     codec = text_codec(args.model)
@@ -188,7 +188,7 @@ def grpo_bench(args: argparse.Namespace) -> GRPOBench:
     else:
         from pulsenet.rl import load_model, smollm2_checkpoint
 
-        task = make_task("arith-shots", args.seed)  # what the inference nodes run for smollm2
+        task = build_task("arith-shots", seed=args.seed)  # what the inference nodes run for smollm2
         model = load_model(smollm2_checkpoint())
         stop_ids = tuple(codec.encode("\n"))
         lr = 3e-6

@@ -27,7 +27,7 @@ from typing import Any
 
 from pulsenet.bench import BenchSettings, config_of
 from pulsenet.bench import workdir as bench_workdir
-from pulsenet.nodes.plan import NetworkSettings
+from pulsenet.nodes.config import NetworkSettings
 
 SCHEMA = "pulsenet.bench.rl/1"
 
@@ -85,8 +85,8 @@ class _Network:
 
     def __init__(self, args: RLBenchSettings, workdir: Path, rundir: Path, server: Any) -> None:
         """``workdir`` keeps what runs may share (keys, the warm-up cache); ``rundir`` is this run's."""
+        from pulsenet.nodes.build import build_inference, build_trainer
         from pulsenet.nodes.plan import Site, plan_network
-        from pulsenet.nodes.run import build_inference, build_trainer
         from pulsenet.signing import generate_keypair
         from pulsenet.store import S3Store
 

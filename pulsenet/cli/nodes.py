@@ -25,8 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from pulsenet.nodes import run as node_run
-    from pulsenet.nodes.inference import InferenceConfig
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.settings import load_settings
 
     rest, config = _config_option(list(args.rest), args.config or os.environ.get("PULSENET_CONFIG"))
@@ -35,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.node == "trainer":
         node_run.run_trainer(c)  # also one rank of a torchrun site
     else:
-        node_run.run_node(node_run.build_inference(c), c.status_host, c.status_port, c.stuck_after_s)
+        node_run.run_inference(c)
     return 0
 
 

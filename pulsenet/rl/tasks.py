@@ -432,8 +432,14 @@ class Task:
         self.rewards.close()
 
 
-def build_task(config: TaskConfig, *, seed: int = 0) -> Task:
-    """The Task of ``config``: generated problems or a dataset (ConfigError naming what is wrong)."""
+def build_task(config: TaskConfig | str, *, seed: int = 0) -> Task:
+    """The Task of ``config``: generated problems or a dataset (ConfigError naming what is wrong).
+    A bare name is ``TaskConfig(task=name)``: ``arith`` (single-digit +/-: what the tiny model is
+    warmed up on), ``arith-shots`` (the same after four solved examples, one per line, stopped at
+    a newline: what a pretrained model answers), ``chain`` (multi-step), or a dataset
+    file/directory (rl/data.py). ``close()`` the task when done (its reward worker process)."""
+    if isinstance(config, str):
+        config = TaskConfig(task=config)
     name = config.task
     if name in GENERATED:
         if config.eval_task or config.eval_fraction:

@@ -13,7 +13,8 @@ What it does, in order:
    preset under this command's settings; ``up/sites.py`` writes each config with
    ``settings.write_toml``), each ``python -m pulsenet --log-format json -v <role>
    --config <workdir>/config/<node>.toml`` with its site's credentials in AWS_*, its own status port
-   and its log in ``<workdir>/logs/<node>.log``. Children are tied to this process
+   and its log in ``<workdir>/logs/<node>.log``. The tiny model is warmed up once, here, with the
+   planned trainers' settings, into the cache they all load it from. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
 4. the ``Supervisor`` (``up/supervisor.py``): a live table (``up/console.py``) polling each node's ``/status`` (its health and reasons in it);
    a node that exits unexpectedly is started again with the same command, config and credentials
@@ -44,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.supervisor import JOURNAL_FILE, Journal
@@ -53,7 +54,10 @@ from pulsenet.nodes.up.console import report_outcome, summarize_up
 from pulsenet.nodes.up.node import Outcome
 from pulsenet.nodes.up.sites import open_store, plan_nodes
 from pulsenet.nodes.up.supervisor import Injector, Supervisor
-from pulsenet.nodes.up.workdir import ensure_keys, fresh_run_dirs, warm_up_once
+from pulsenet.nodes.up.workdir import ensure_keys, fresh_run_dirs
+
+if TYPE_CHECKING:
+    from pulsenet.nodes.config import TrainerConfig
 
 __all__ = ["UpConfig", "run_network", "run_up"]
 
@@ -80,10 +84,10 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
     sites = [f"t{k}" for k in range(config.trainers)] + [f"i{k}" for k in range(config.inference)]
     ensure_keys(workdir / "keys", sites)
     run_id = f"up-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
-    if config.model == "tiny":
-        warm_up_once(workdir / "cache", config.seed, err)
     with open_store(config, workdir, sites) as (creds, server):
         plan = plan_nodes(config, workdir, run_id, creds, injector)
+        if config.model == "tiny":
+            warm_up_once(plan.trainers[0], err)
         nodes, deadline = plan.nodes, plan.round_deadline_s
         err.print(
             f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
@@ -94,6 +98,20 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
         sup = Supervisor(config, nodes, err, server=server, journal=journal, injector=injector, round_deadline_s=deadline)
         outcome = asyncio.run(sup.run())
     return outcome, summarize_up(config, outcome)
+
+
+def warm_up_once(trainer: TrainerConfig, console: Any) -> None:
+    """Warm the tiny model up here, once, into the cache every trainer loads it from (``trainer``:
+    a planned trainer's settings: its model, cache directory, seed and warm-up steps).
+
+    Trainers warming it up at the same time oversubscribe a small machine's cores (measured: two
+    250-step warm-ups with 2 torch threads each on 2 cores took 50 s each, one alone 3.5 s), and
+    one cached copy is one genesis for all of them."""
+    from pulsenet.nodes.common import initial_model
+
+    t0 = time.perf_counter()
+    initial_model(trainer.model, trainer.cache_dir, seed=trainer.seed, warmup_steps=trainer.warmup_steps)
+    console.print(f"tiny model warmed up ({time.perf_counter() - t0:.1f} s, cached in {trainer.cache_dir})")
 
 
 def _check(c: UpConfig) -> None:

@@ -1,11 +1,11 @@
-"""``pulsenet up``'s settings: the network (``nodes/plan.NetworkSettings``) plus where and how it runs."""
+"""``pulsenet up``'s settings: the network (``nodes/config.NetworkSettings``) plus where and how it runs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pulsenet.nodes.plan import NetworkSettings
+from pulsenet.nodes.config import NetworkSettings
 from pulsenet.nodes.supervisor import SuperviseConfig
 
 

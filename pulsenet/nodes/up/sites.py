@@ -8,7 +8,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from pulsenet.nodes.up.node import Node
 from pulsenet.settings import to_toml_table, write_toml
 
 if TYPE_CHECKING:
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import TrainerConfig
     from pulsenet.nodes.up.config import UpConfig
     from pulsenet.nodes.up.supervisor import Injector
 
@@ -92,6 +92,9 @@ class Plan:
 
     nodes: list[Node]
     round_deadline_s: float
+    trainers: list[TrainerConfig]
+    """The trainers' planned settings, as written to their config files (the warm-up takes the
+    model, its cache and its steps from them)."""
 
 
 def round_deadline(trainers: list[TrainerConfig]) -> float:
@@ -119,13 +122,13 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
     nodes = []
     for role, configs in (("trainer", trainers), ("inference", inference)):
-        for nc in configs:
-            nc.status_port = _free_port()
+        for planned in configs:
+            nc = replace(planned, status_port=_free_port())
             env = base | creds.env[nc.id]
             if injector is not None and env.get("AWS_ENDPOINT_URL"):
                 env["AWS_ENDPOINT_URL"] = injector.endpoint(nc.id, env["AWS_ENDPOINT_URL"])
             nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, env, nc.status_port))
-    return Plan(nodes, c.supervise.round_deadline_s or round_deadline(trainers))
+    return Plan(nodes, c.supervise.round_deadline_s or round_deadline(trainers), trainers)
 
 
 def _node(workdir: Path, name: str, role: str, table: dict[str, Any], env: dict[str, str], port: int) -> Node:

@@ -1,12 +1,10 @@
 """``pulsenet up``'s work directory: its marker, the run directories wiped per run, the signing
-keys and the warm-up cache kept across runs."""
+keys kept across runs (the tiny warm-up cache, ``cache/``, is kept too: ``up.warm_up_once``)."""
 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
-from typing import Any
 
 from pulsenet.errors import ConfigError
 
@@ -40,17 +38,3 @@ def ensure_keys(keys: Path, sites: list[str]) -> None:
     for site in sites:
         if not (keys / f"{site}.key").exists() or not (keys / f"{site}.key.pub").exists():
             generate_keypair(keys / f"{site}.key")
-
-
-def warm_up_once(cache: Path, seed: int, console: Any) -> None:
-    """Warm the tiny model up here, once, into the cache every trainer loads it from.
-
-    Trainers warming it up at the same time oversubscribe a small machine's cores (measured: two
-    250-step warm-ups with 2 torch threads each on 2 cores took 50 s each, one alone 3.5 s), and
-    one cached copy is one genesis for all of them."""
-    from pulsenet.nodes.common import initial_model
-    from pulsenet.nodes.trainer import TrainerConfig
-
-    t0 = time.perf_counter()
-    initial_model("tiny", cache, seed=seed, warmup_steps=TrainerConfig().warmup_steps)
-    console.print(f"tiny model warmed up ({time.perf_counter() - t0:.1f} s, cached in {cache})")
