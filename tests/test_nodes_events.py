@@ -42,9 +42,10 @@ def test_events_round_trip_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
     assert read_events(tmp_path / "f.jsonl") == [e1]
 
 
+# The lines the nodes wrote before the builders existed; issue 30 added the "replay" phase (rl/replay.py).
 PUBLISHED_LINE = (
     '{"kind":"published","node":"t0","role":"trainer","version":3,"digest":"' + "ab" * 32 + '","at":1700000000.0,'
-    '"round":3,"patch":"patch","phases":{"wait_rollouts":1.0,"train":2.0,"exchange":0.5,"publish":0.25,"eval":0.125},'
+    '"round":3,"patch":"patch","phases":{"wait_rollouts":1.0,"train":2.0,"exchange":0.5,"replay":0.0,"publish":0.25,"eval":0.125},'
     '"bytes":{"pulsesync":100,"full":1000,"pulseloco":50,"diloco":1000,"ddp":2000,"rollouts":77},"reward":0.5,'
     '"staleness":[0,1],"counts":{"steps":2,"rows":16,"batches":2},"totals":{"rows_accepted":16},"sparsity":0.99,'
     '"steps":[{"loss":0.5,"reward_mean":0.25,"completions":8},{"loss":0.4,"reward_mean":0.75,"completions":8}],'
