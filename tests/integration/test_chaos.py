@@ -26,7 +26,7 @@ ALL_KINDS = ["kill-inference", "kill-trainer", "kill-store", "stall-store", "cut
 
 @pytest.fixture
 def workdir(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    cached = getattr(request.config, "cache", None)  # the tiny warm-up, shared with tests/test_up.py
+    cached = getattr(request.config, "cache", None)  # the tiny warm-up, shared with tests/integration/test_up.py
     cache = cached.mkdir("pulsenet-up-cache") if cached is not None else tmp_path / "cache"
     cache.mkdir(exist_ok=True)
     work = tmp_path / "chaos"

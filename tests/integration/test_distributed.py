@@ -1,7 +1,7 @@
 """A 2-rank site on CPU (gloo): data-parallel inner steps and a PULSELoCo round spoken for by rank 0,
 bit-equal to the single-process reference (``GroupInner(reference_world=2)``, see pulsenet/rl/distributed.py).
 
-The ranks are this file run by ``torchrun`` (``torchrun --nproc-per-node 2 tests/test_distributed.py
+The ranks are this file run by ``torchrun`` (``torchrun --nproc-per-node 2 tests/integration/test_distributed.py
 MODE OUT``), the launch path of a real site. Only CPU and gloo were tested here (no GPU, no NCCL).
 """
 

@@ -78,7 +78,7 @@ class Recorder:
 
 
 class HelperProcess:
-    """``tests/sync_subscriber.py`` in its own process; its JSON events are collected as they come."""
+    """``tests/support/sync_subscriber.py`` in its own process; its JSON events are collected as they come."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc

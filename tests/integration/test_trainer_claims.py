@@ -8,7 +8,7 @@
   at most ``micro_batch_tokens`` padded tokens, whatever the rows' lengths.
 
 Hostile batches go through a node's own writer, signed with its own trusted key, into its own
-bucket of the real SeaweedFS, as in tests/test_rollouts_intake.py.
+bucket of the real SeaweedFS, as in tests/integration/test_rollouts_intake.py.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def test_a_step_on_the_issues_batch_stays_small() -> None:
     assert r["rows"] == 1025 and r["grew_mib"] < 400, r
 
 
-# --- items 1 and 12 on a real trainer node (tests/test_signed_peer.py's harness) ----------------
+# --- items 1 and 12 on a real trainer node (tests/unit/test_signed_peer.py's harness) ----------------
 
 
 @pytest.mark.timeout(240)

@@ -308,7 +308,7 @@ def test_up_reports_a_stuck_network_and_restarts_killed_nodes_and_store(workdir:
     report = tmp_path / "report"
     small = ["--prompts", "8", "--group-size", "4", "--rows-per-step", "32", "--inner-steps", "2"]
     # liveness off: t1 is frozen on purpose until the STUCK report, which a loaded machine may take
-    # longer to make than liveness takes to restart it (tests/test_supervisor_liveness.py covers that)
+    # longer to make than liveness takes to restart it (tests/integration/test_supervisor_liveness.py covers that)
     supervise = ["--supervise.round-deadline-s", "8", "--supervise.backoff-s", "0.5", "--supervise.liveness-failures", "0"]
     proc = _up(workdir, "--rounds", "12", "--report", str(report), *small, *supervise)
     try:

