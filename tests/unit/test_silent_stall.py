@@ -18,18 +18,14 @@ from prometheus_client import generate_latest
 
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.common import make_task, text_codec
-from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+from pulsenet.nodes.inference import InferenceConfig
 from pulsenet.nodes.plan import NetworkSettings, Site, plan_network
 from pulsenet.nodes.status import StatusServer
 from pulsenet.nodes.supervisor import TrainerView, holdup, with_inference
-from pulsenet.rl import build_tiny_model
-from pulsenet.rl.models import bf16_state_dict
 from pulsenet.rl.prompts import byte_codec
 from pulsenet.rl.tasks import TaskConfig, build_task
-from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
-from pulsenet.store import LocalStore
-from pulsenet.sync.publisher import Publisher, PublisherConfig
 from pulsenet.sync.subscriber import SubscriberConfig
+from tests.support.channel import node_on_a_tiny_channel
 from tests.support.model_dirs import llama_config, model_dir, smollm2_tokenizer
 
 
@@ -70,19 +66,10 @@ def test_up_gives_the_nodes_a_completion_length_that_fits_the_model(tmp_path: Pa
 
 @pytest.mark.timeout(120)
 async def test_an_inference_node_that_drops_every_prompt_reports_degraded_with_counts(tmp_path: Path) -> None:
-    generate_keypair(tmp_path / "t0.key")
-    generate_keypair(tmp_path / "i0.key")
-    pub = load_public_key(tmp_path / "t0.key.pub")
-    channel = LocalStore(tmp_path / "t0")
-    async with Publisher(channel, load_private_key(tmp_path / "t0.key"), PublisherConfig(run="r")) as p:
-        await p.publish_now(bf16_state_dict(build_tiny_model(0)))
     task = TaskConfig(max_prompt_tokens=2, max_new_tokens=2)  # every arith prompt ("3+4=") is longer
     config = InferenceConfig(id="i0", run="r", state_dir=tmp_path / "i0", task=task, batches_per_version=2,
                              subscribe=SubscriberConfig(interval_s=0.1))  # fmt: skip
-    node = InferenceNode(
-        config, store=LocalStore(tmp_path / "i0-store"), policy_stores=[channel], trusted={key_id(pub): pub},
-        key=load_private_key(tmp_path / "i0.key"), task=make_task(task, 0), text=text_codec("tiny"),
-    )  # fmt: skip
+    node = await node_on_a_tiny_channel(tmp_path, config, task=make_task(task, 0), text=text_codec("tiny"))
     status = StatusServer(node.state)
     stop = asyncio.Event()
     run = asyncio.create_task(node.run(stop))
