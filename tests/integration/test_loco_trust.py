@@ -367,11 +367,21 @@ async def test_compromised_record_writer_cannot_average_an_outsized_payload(
     evil = tiny_trainer("e", s3_factory(), priv, pubs, screens_nothing)
     forge_payloads(evil, outsized)
     honest = [tiny_trainer(t, s3_factory(), priv, pubs, cfg) for t in ("h1", "h2")]
-    for h in honest:  # let e's record win the race
+    written = asyncio.Event()  # e's record is in the store (or e's write failed): the others' may follow
+    propose_e = evil.rs.propose_record
+
+    async def first(record: Record) -> Any:
+        try:
+            return await propose_e(record)
+        finally:
+            written.set()
+
+    evil.rs.propose_record = first  # type: ignore[method-assign]
+    for h in honest:  # let e's record win the race: by waiting for it, not for a head start of 3 s
         propose = h.rs.propose_record
 
         async def late(record: Record, propose: Any = propose) -> Any:
-            await asyncio.sleep(3)
+            await asyncio.wait_for(written.wait(), 120)
             return await propose(record)
 
         h.rs.propose_record = late  # type: ignore[method-assign]

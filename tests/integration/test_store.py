@@ -35,6 +35,7 @@ from pulsenet.store import (
 from pulsenet.store import s3 as s3_module
 from pulsenet.store.local import TMP_PREFIX
 from tests.support.store import StoreFactory
+from tests.support.sync_support import wait_until
 
 MiB = 1024 * 1024
 # Small multipart sizes so a ~20 MB object takes several parts and ranges.
@@ -223,7 +224,9 @@ async def test_s3_get_file_refuses_to_mix_versions(s3_factory: StoreFactory, tmp
     await fast.put("obj", os.urandom(15 * MiB))
     slow = s3_factory(**SMALL_PARTS, link_mbps=40, max_concurrency=1)  # three 5 MiB ranges, ~1 s each
     download = asyncio.create_task(slow.get_file("obj", tmp_path / "out"))
-    await asyncio.sleep(0.2)
+    # the version is pinned (HEAD answered) once the first range is asked for: not a fixed 0.2 s,
+    # which a loaded machine can spend before the HEAD, so the download would get the new version whole
+    await wait_until(lambda: slow.requests.get >= 1 or download.done(), 30, "the first range request")
     await fast.put("obj", os.urandom(15 * MiB))  # lands while the first range is being paid for
     with pytest.raises(ConditionFailed):
         await download

@@ -451,6 +451,8 @@ async def test_publisher_and_subscriber_survive_s3_restart(tmp_path: Path) -> No
             for s in states[4:8]:  # published while the server is down: queued, retried
                 pub.publish(s)
                 await asyncio.sleep(0.3)
+            # down until both have seen it (asserted below), not for a fixed 1.2 s a loaded machine may not act in
+            await wait_until(lambda: pub.failures >= 1 and sub.stats.rounds_failed >= 1, 60, "both to see the outage")
             await asyncio.to_thread(server.start)
             for s in states[8:]:
                 pub.publish(s)

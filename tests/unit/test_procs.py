@@ -25,7 +25,9 @@ def test_descendants_finds_children_and_grandchildren_and_drops_the_dead() -> No
         for pid in procs.descendants(child.pid):
             os.kill(pid, 9)
         child.kill()
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # SIGKILL takes effect when the kernel gets to it: poll, never a fixed wait
+    while procs.alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not procs.alive(child.pid)  # a zombie until reaped: not alive
     child.wait()
     assert procs.stat(child.pid) is None and procs.rss_bytes(child.pid) == 0

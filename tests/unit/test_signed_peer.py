@@ -423,11 +423,13 @@ async def test_a_batch_whose_step_failed_is_not_taken_by_a_trainer_restarted_at_
 
     async def feed_more(task: asyncio.Task[Any]) -> None:
         await second.writer.write(_rows(0, second.node.digests[0], 1))
-        await _until(lambda: second.node.intake.stats.polls >= 3, task, 60, "3 polls")
+        # wait for the event asserted below (the take), not for a count of polls; a node that ends
+        # without it (it trained on the failed batch instead) fails here, saying so
+        await _until(lambda: second.batch_id(1) in second.node.intake.consumed(), task, 120, "batch 1 taken")
 
     await second.run(feed_more)
     # The failed batch comes first in sequence order: taken (and trained on) unless remembered.
-    assert second.batch_id(1) in second.node.intake.consumed()
+    assert second.batch_id(1) in second.node.intake.consumed(), second.node.intake.consumed()
 
 
 def _batches(consumed: dict[str, int]) -> set[str]:

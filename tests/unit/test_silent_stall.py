@@ -27,6 +27,7 @@ from pulsenet.rl.tasks import TaskConfig, build_task
 from pulsenet.sync.subscriber import SubscriberConfig
 from tests.support.channel import node_on_a_tiny_channel
 from tests.support.model_dirs import llama_config, model_dir, smollm2_tokenizer
+from tests.support.sync_support import wait_until
 
 
 def _sums(tmp_path: Path) -> Path:
@@ -73,10 +74,13 @@ async def test_an_inference_node_that_drops_every_prompt_reports_degraded_with_c
     status = StatusServer(node.state)
     stop = asyncio.Event()
     run = asyncio.create_task(node.run(stop))
-    async with asyncio.timeout(60):
-        while not node.state.prompts_dropped:
-            await asyncio.sleep(0.1)
-        await asyncio.sleep(0.5)
+
+    def dropped_a_batch() -> bool:  # the events asserted below, not a fixed half second after the first drop
+        dropped = node.state.to_json()["prompts_dropped"].get("prompt_too_long", 0)
+        return dropped >= 8 and status.health()["status"] == "degraded"
+
+    await wait_until(lambda: dropped_a_batch() or run.done(), 60, "8 prompts dropped and /healthz degraded")
+    assert not run.done(), run.exception()
     health = status.health()
     assert health["status"] == "degraded", health  # 7876ec8: "ok" while it generated nothing
     assert any("every prompt" in r and "prompt_too_long" in r for r in health["reasons"]), health
