@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install everything the tests need (from this repo's own files) and run lint + the whole suite.
 # Servers (the embedded SeaweedFS S3) are started by the pytest fixtures on 127.0.0.1.
+# Layout: tests/unit (in one process, no servers), tests/integration (SeaweedFS, node and CLI processes,
+# `pulsenet up`, torchrun, vLLM), tests/fuzz, tests/golden; helpers in tests/support (`tests.support.x`),
+# fixtures in tests/conftest.py. Arguments go to pytest: `scripts/test.sh tests/unit` runs the unit tests.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" dev
 echo ">> ruff"
 ruff check pulsenet tests

@@ -6,9 +6,7 @@ a bucket per test would make SeaweedFS grow volumes for each). Nothing here fake
 
 from __future__ import annotations
 
-import re
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -16,11 +14,9 @@ import pytest
 from pulsenet.errors import ConfigError
 from pulsenet.store import LocalStore, ObjectStore, S3Store
 from pulsenet.store.seaweed import SeaweedServer
+from tests.support.store import TEST_BUCKET, StoreFactory, unique_prefix
 
-TEST_BUCKET = "pulsenet-test"
 SITES = ("a", "b")
-
-StoreFactory = Callable[..., ObjectStore]
 
 
 @pytest.fixture(scope="session")
@@ -34,11 +30,6 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
     with server:
         server.create_buckets(*(server.bucket(s) for s in (*SITES, "run")), TEST_BUCKET)
         yield server
-
-
-def unique_prefix(request: pytest.FixtureRequest) -> str:
-    name = re.sub(r"[^a-zA-Z0-9-]+", "-", request.node.name).strip("-")[:60]
-    return f"{name}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ skipped.
   ``sweep`` and ``prune`` unless the cache wrote them. Was: ``--cache ~`` deleted ``.bashrc``.
 
 Every case ends in the honest outcome, so these targets refuse nothing (``rejects``: False), and as
-each case runs a node against a store, ``tests/test_fuzz.py`` caps their cases (``max_cases``);
+each case runs a node against a store, ``tests/fuzz/test_fuzz.py`` caps their cases (``max_cases``);
 ``python tests/fuzz/run.py --target names --cases N`` runs long. Shared interface: see
 ``tests/fuzz/harness.py``. Standard library and pulsenet only at module level.
 """
