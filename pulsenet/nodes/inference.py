@@ -251,6 +251,8 @@ class InferenceNode:
             bytes={"pulsesync": downloaded - self._downloaded},
             totals={
                 "rows_produced": self.state.rollouts["produced"],
+                "rows_discarded_moved": self.state.rollouts["discarded_moved"],
+                "rows_discarded_spanning": self.state.rollouts["discarded_spanning"],
                 "batches_produced": self.writer.stats.batches,
                 "rollout_bytes": self.writer.stats.bytes_uploaded,
                 "pulsesync_bytes": downloaded,
