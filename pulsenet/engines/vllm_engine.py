@@ -54,9 +54,10 @@ the rule on each row's FP32 logits, for the request's draw key, temperature and 
 ``extra_args``), and leaves only the chosen token finite, valued at its log-prob under
 ``log_softmax(logits / T)`` before top-p; the request itself is greedy, and vLLM runs with
 ``logprobs_mode="processed_logits"``, so it takes that token and returns that value as its
-logprob: exactly what ``Generation.logprobs`` documents, top-p or not. vLLM computes the logits in
-BF16 where a trainer's replay forward is FP32 on the same BF16 values: the tokens agree except
-where that noise straddles a CDF boundary, inside replay's tolerances (measured: docs/engines.md).
+logprob: exactly what ``Generation.logprobs`` documents, top-p or not. The tokens agree with a
+trainer's replay forward (FP32 on the same BF16 values) except where kernel noise straddles a CDF
+boundary: on CPU vLLM computes in FP32 too (``VLLMEngineConfig.dtype``) and that noise is ~1e-6;
+in BF16 it exceeds replay's default tolerances (measured: docs/engines.md).
 
 vLLM is imported only when an engine is built: this module imports without it.
 """
