@@ -397,6 +397,18 @@ def test_the_memory_budget_is_named_and_checked_per_platform() -> None:
         VLLMEngineConfig(memory_fraction=1.5)
 
 
+def test_vllm_computes_in_fp32_on_cpu_unless_told() -> None:
+    """On CPU vLLM computes in FP32 by default, the arithmetic of the trainer's replay forward
+    (in BF16 honest rows miss replay's tolerances: docs/engines.md); BF16 on CUDA."""
+    from pulsenet.errors import ConfigError
+
+    assert VLLMEngineConfig().compute_dtype("cpu") == "float32"
+    assert VLLMEngineConfig().compute_dtype("cuda") == "bfloat16"
+    assert VLLMEngineConfig(dtype="bfloat16").compute_dtype("cpu") == "bfloat16"
+    with pytest.raises(ConfigError, match="dtype"):
+        VLLMEngineConfig(dtype="float16")  # type: ignore[arg-type]
+
+
 def test_a_handoff_that_does_not_match_its_records_is_refused(tmp_path: Path) -> None:
     """What a worker reads must be exactly the tensors the engine verified, bit for bit."""
     from safetensors.torch import save_file
