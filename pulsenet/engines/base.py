@@ -19,11 +19,14 @@ import torch
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import EngineError
+from pulsenet.rl.draw import choose
 from pulsenet.rl.sampling import SamplingParams
 
 FinishReason = Literal["stop", "length"]
 
-__all__ = ["Engine", "EngineStats", "FinishReason", "Generation", "SamplingParams", "check_layout", "same_bits"]
+__all__ = [
+    "Engine", "EngineStats", "FinishReason", "Generation", "SamplingParams", "check_layout", "draw_token", "same_bits"
+]  # fmt: skip
 """``SamplingParams`` lives in rl/sampling.py (rl sits below engines and builds its params); it
 is re-exported here, where every engine's ``generate`` takes it."""
 
@@ -47,6 +50,10 @@ class Generation:
     """Model digest (codec/digest.py) of those weights."""
     seed: int
     """The seed of this completion's own generator (``SamplingParams.seed + index``)."""
+    spans_update: bool = False
+    """An update went live while this completion was sampled (vLLM ``in_flight="keep"``): its
+    later tokens come from newer weights than ``version``'s, so no replay under one version can
+    pass it (rl/replay.py); an inference node discards a batch holding one."""
 
     def to_rollout(self, *, group: str, reward: float, node: str) -> Rollout:
         """The rollout row (codec/rollout.py) for this completion, once it is scored."""
@@ -84,7 +91,7 @@ class EngineStats:
     """Deferred updates replaced by a newer one before they were applied."""
     mixed_version_completions: int = 0
     """Completions during which an update went live (vLLM ``in_flight="keep"`` only); labelled with
-    the version that started them."""
+    the version that started them and flagged ``Generation.spans_update``."""
     batches: int = 0
     completions: int = 0
     tokens_generated: int = 0
@@ -153,3 +160,16 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() and a.element_size() == 2:
         return torch.equal(a.view(torch.int16), b.view(torch.int16))
     return torch.equal(a, b)
+
+
+def draw_token(
+    logits: torch.Tensor, u: Sequence[float], temperature: float, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token of each row of ``logits`` ``[rows, vocab]`` by the public draw's rule
+    (``rl.draw.choose``) for the row's uniform ``u``, and its log-prob under
+    ``log_softmax(logits / T)`` in FP32, before top-p (greedy: T = 1): what every engine samples
+    and records (``Generation.logprobs``), the torch engine's sampler and vLLM's logits processor alike."""
+    logits = logits.float()
+    tok = choose(logits, u, temperature, top_p)
+    logp = torch.log_softmax(logits if temperature == 0 else logits / temperature, dim=-1)
+    return tok, logp.gather(1, tok[:, None])[:, 0]

@@ -36,9 +36,17 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from pulsenet.codec.digest import model_digest_from_records, tensor_record, tensor_sha256
 from pulsenet.codec.dtypes import dtype_name
-from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
+from pulsenet.engines.base import (
+    Engine,
+    EngineStats,
+    Generation,
+    SamplingParams,
+    check_layout,
+    draw_token,
+    same_bits,
+)
 from pulsenet.errors import ConfigError, EngineError
-from pulsenet.rl.draw import choose, uniform
+from pulsenet.rl.draw import uniform
 from pulsenet.rl.models import unique_state_dict
 
 StateDict = Mapping[str, torch.Tensor]
@@ -431,8 +439,6 @@ class _StopStrings:
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, u: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row by the public draw's rule (``rl.draw.choose``) for the row's uniform, and
-    its log-prob under ``log_softmax(logits / T)`` (before top-p; greedy: T = 1)."""
-    tok = choose(logits, u, params.temperature, params.top_p)
-    logp = torch.log_softmax(logits if params.greedy else logits / params.temperature, dim=-1)
-    return tok, logp.gather(1, tok[:, None])[:, 0]
+    """One token per row by the public draw (``engines.base.draw_token``: the rule ``rl.draw.choose``
+    for the row's uniform) and its log-prob under ``log_softmax(logits / T)`` (before top-p; greedy: T = 1)."""
+    return draw_token(logits, u, params.temperature, params.top_p)

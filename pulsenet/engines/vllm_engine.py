@@ -24,10 +24,11 @@ Updates and requests (``VLLMEngineConfig.in_flight``):
 - ``"keep"``: ``AsyncLLM.pause_generation(mode="keep")`` freezes requests in flight, the weights
   change, the prefix cache is reset, ``resume_generation()`` continues them on the new weights
   (no wait for long completions; what PipelineRL calls in-flight updates). A completion that
-  spans an update is labelled with the version that *started* it (staleness is then counted
-  conservatively); its later tokens and their logprobs come from the newer weights, which the
-  trainer's importance ratio against the recorded logprobs accounts for. They are counted in
-  ``stats.mixed_version_completions``.
+  spans an update is labelled with the version that *started* it and flagged
+  (``Generation.spans_update``, counted in ``stats.mixed_version_completions``): its later tokens
+  come from the newer weights, so no replay under one version passes it (rl/replay.py), and an
+  inference node discards its batch (``rollouts.discarded_spanning`` in ``/status``). With replay
+  on, "keep" therefore costs the batches in flight at each update.
 
 Weights from a channel: given ``state`` (a Subscriber's verified weights), vLLM starts with
 ``load_format="dummy"`` (no checkpoint read: the directory needs only config.json and, for stop
@@ -45,9 +46,18 @@ vLLM's engine core is a child process; it is made to die with the process that b
 forked from the engine's thread: a script that builds an engine needs ``if __name__ == "__main__":``.
 
 Either way the prefix cache is reset after every update, so no KV computed by old weights is
-reused for a new request. Logprobs: vLLM is run with ``logprobs_mode="processed_logprobs"``,
-i.e. after temperature; vLLM applies top-p before it computes them, so the engine refuses
-``top_p < 1`` rather than record a distribution other than the one ``Generation`` documents.
+reused for a new request.
+
+Sampling: every token is the public draw's (rl/draw.py), the same function of the same uniforms
+as the torch engine's. vLLM's own sampler picks nothing: a logits processor (vllm_draw.py) runs
+the rule on each row's FP32 logits, for the request's draw key, temperature and top-p (sent in
+``extra_args``), and leaves only the chosen token finite, valued at its log-prob under
+``log_softmax(logits / T)`` before top-p; the request itself is greedy, and vLLM runs with
+``logprobs_mode="processed_logits"``, so it takes that token and returns that value as its
+logprob: exactly what ``Generation.logprobs`` documents, top-p or not. The tokens agree with a
+trainer's replay forward (FP32 on the same BF16 values) except where kernel noise straddles a CDF
+boundary: on CPU vLLM computes in FP32 too (``VLLMEngineConfig.dtype``) and that noise is ~1e-6;
+in BF16 it exceeds replay's default tolerances (measured: docs/engines.md).
 
 vLLM is imported only when an engine is built: this module imports without it.
 """
@@ -78,6 +88,8 @@ from pulsenet.errors import ConfigError, EngineError
 from pulsenet.logs import suppressed
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
+DRAW_PROCESSOR = "pulsenet.engines.vllm_draw:PublicDraw"
+"""The logits processor that samples every token with the public draw (vllm_draw.py, imports vLLM)."""
 StateDict = Mapping[str, torch.Tensor]
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -98,13 +110,20 @@ def import_vllm() -> Any:
 @dataclass(kw_only=True, slots=True)
 class VLLMEngineConfig:
     in_flight: Literal["wait", "keep"] = "wait"
-    """What an update does to requests in flight; see the module docstring."""
+    """What an update does to requests in flight; see the module docstring ("keep" skips the drain,
+    but an inference node discards each batch a completion of which spanned an update)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """What vLLM computes in; the served weights are BF16 values either way (FP32 holds them
+    exactly). "auto": float32 on CPU, bfloat16 elsewhere. On CPU FP32 is the torch engine's and the
+    trainer's replay forward's arithmetic, so honest rows replay with kernel noise ~1e-6; BF16
+    compute moves log-probs by up to ~0.3 on SmolLM2-135M, beyond replay's default tolerances,
+    and is only ~15% faster there (measured: docs/engines.md)."""
     tensor_parallel_size: int = 1
     """GPUs per engine; the worker extension applies updates on every rank (CUDA only: vLLM-CPU
     runs one rank per engine here)."""
     kv_cache_gib: float | None = None
     """KV-cache budget in GiB (vLLM's ``kv_cache_memory_bytes``). None: 1 GiB on CPU (SmolLM2-135M
-    needs 23 KiB per token: ~46k tokens); on CUDA ``memory_fraction`` decides."""
+    needs 23 KiB per token in BF16, 46 KiB in FP32: ~23k tokens); on CUDA ``memory_fraction`` decides."""
     memory_fraction: float | None = None
     """vLLM's ``gpu_memory_utilization``: on CUDA the fraction of GPU memory vLLM may take (weights
     + KV cache), default 0.5 (room for a trainer on the same GPU); on CPU the fraction of host RAM,
@@ -123,6 +142,8 @@ class VLLMEngineConfig:
     """Deadline of one ``generate`` call."""
 
     def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "bfloat16", "float32"):
+            raise ConfigError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
         if self.in_flight not in ("wait", "keep"):
             raise ConfigError(f"in_flight must be 'wait' or 'keep', got {self.in_flight!r}")
         if self.tensor_parallel_size < 1:
@@ -131,6 +152,10 @@ class VLLMEngineConfig:
             raise ConfigError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {self.kv_cache_gib}")
+
+    def compute_dtype(self, device_type: str) -> str:
+        """vLLM's ``dtype`` on ``device_type``."""
+        return self.dtype if self.dtype != "auto" else "float32" if device_type == "cpu" else "bfloat16"
 
     def memory_args(self, device_type: str, available_bytes: int | None) -> dict[str, Any]:
         """vLLM's memory arguments on ``device_type`` ("cpu", "cuda", ...); ConfigError naming the
@@ -309,14 +334,20 @@ class VLLMEngine(Engine):
         cfg = self.config
         args = AsyncEngineArgs(
             model=str(model_dir),
-            dtype="bfloat16",
+            dtype=cfg.compute_dtype(self.device_type),
             tensor_parallel_size=cfg.tensor_parallel_size,
             **self._memory_args,
             max_model_len=cfg.max_model_len,
             enable_prefix_caching=cfg.enable_prefix_caching,
             enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else self.device_type == "cpu",
             worker_extension_cls=WORKER_EXTENSION,
-            logprobs_mode="processed_logprobs",
+            # Every token is the public draw's (vllm_draw.py): the processor writes it as the only
+            # finite logit, valued at its log-prob, which processed_logits mode returns as is.
+            logits_processors=[DRAW_PROCESSOR],
+            logprobs_mode="processed_logits",
+            # The lm_head in FP32 also when the body computes in BF16 (vLLM's advice for RL): BF16
+            # logits would add a rounding of up to |logit| * 2^-9 to every log-prob.
+            hf_overrides={"head_dtype": "float32"},
             seed=0,
             # Weights from a channel are pushed right after start: reading the directory's would be wasted.
             load_format="dummy" if from_channel else "auto",
@@ -502,11 +533,6 @@ class VLLMEngine(Engine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
         if self._broken is not None:
             raise EngineError(f"refusing to generate: {self._broken}")
-        if params.top_p < 1:
-            raise EngineError(
-                "the vLLM engine records logprobs after top-p truncation; use top_p=1.0 "
-                "(Generation.logprobs are defined before truncation)"
-            )
         if any(len(p) == 0 for p in prompts):
             raise EngineError("every prompt needs at least one token")
         if params.stop and not self._has_tokenizer:
@@ -520,28 +546,29 @@ class VLLMEngine(Engine):
         return out
 
     async def _generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
-        return list(
-            await asyncio.gather(*(self._one(p, params, params.seed + i) for i, p in enumerate(prompts)))
-        )
+        keys = params.draw_keys(len(prompts))
+        runs = (self._one(p, params, params.seed + i, keys[i]) for i, p in enumerate(prompts))
+        return list(await asyncio.gather(*runs))
 
-    async def _one(self, prompt: Sequence[int], params: SamplingParams, seed: int) -> Generation:
+    async def _one(self, prompt: Sequence[int], params: SamplingParams, seed: int, key: bytes) -> Generation:
+        from pulsenet.engines.vllm_draw import draw_args
+
         await self._gate.wait()
         version, digest, epoch = self._version, self._digest, self._epoch
         self._in_flight += 1
         try:
             sp = self._vllm_sampling(
                 n=1,
-                temperature=params.temperature,
-                top_p=1.0,
+                temperature=0.0,  # vLLM takes the token the draw wrote (vllm_draw.py); it samples nothing itself
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
                 stop=list(params.stop) or None,
                 include_stop_str_in_output=True,
                 ignore_eos=not params.stop_at_eos,
-                logprobs=0,  # the sampled token's own logprob only
-                seed=seed,
+                logprobs=0,  # the sampled token's own "logprob": the value the draw wrote
                 detokenize=bool(params.stop),  # stop strings are matched on text
                 output_kind=self._final_only,
+                extra_args=draw_args(key, params.temperature, params.top_p),
             )
             final = None
             async for out in self._llm.generate(
@@ -554,7 +581,8 @@ class VLLMEngine(Engine):
                 self._idle.notify_all()
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output for a request")
-        if self._epoch != epoch:
+        spans = self._epoch != epoch
+        if spans:
             self.stats.mixed_version_completions += 1
         c = final.outputs[0]
         ids = tuple(int(t) for t in c.token_ids)
@@ -569,6 +597,7 @@ class VLLMEngine(Engine):
             version=version,
             digest=digest,
             seed=seed,
+            spans_update=spans,
         )
 
 

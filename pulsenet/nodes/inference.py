@@ -81,6 +81,7 @@ class InferenceNode:
         self.state = state
         """What /status and /metrics show (the prompter's drops among them, live)."""
         self.task, self.prompter = task, prompter
+        self.state.rollouts |= {"discarded_moved": 0, "discarded_spanning": 0}  # generate_batch
         self.store, self.key = store, key
         """This site's own store and key: rollout batches and the signed status object."""
         self.writer = writer
@@ -161,6 +162,8 @@ class InferenceNode:
             pulsesync_bytes=downloaded - self._downloaded,
             totals={
                 "rows_produced": self.state.rollouts["produced"],
+                "rows_discarded_moved": self.state.rollouts["discarded_moved"],
+                "rows_discarded_spanning": self.state.rollouts["discarded_spanning"],
                 "batches_produced": self.writer.stats.batches,
                 "rollout_bytes": self.writer.stats.bytes_uploaded,
                 "pulsesync_bytes": downloaded,
@@ -396,6 +399,11 @@ class InferenceNode:
         gens = await asyncio.to_thread(engine.generate, prompts, params)
         if any(g.version != version or g.digest != engine_digest for g in gens):  # an update landed first
             log.info("%s: the engine moved past v%d before batch %d ran: discarded", c.id, version, index)
+            self._discard("discarded_moved", len(gens))
+            return version
+        if any(g.spans_update for g in gens):  # vLLM in_flight="keep": tokens of two versions, no replay passes
+            log.info("%s: an update went live during v%d batch %d: discarded", c.id, version, index)
+            self._discard("discarded_spanning", len(gens))
             return version
         groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
         texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
@@ -418,6 +426,11 @@ class InferenceNode:
         s.beat()
         log.info("%s: v%d batch %d, %d rows, reward %.3f (%s)", c.id, version, index, len(rows), s.reward, manifest)
         return version
+
+
+    def _discard(self, outcome: str, rows: int) -> None:
+        """Count rows generated and thrown away (``/status`` ``rollouts``, ``/metrics`` ``pulsenet_rollouts``)."""
+        self.state.rollouts[outcome] = self.state.rollouts.get(outcome, 0) + rows
 
 
 def _sample_seed(seed: int, node: str, version: int, index: int) -> int:

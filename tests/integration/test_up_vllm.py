@@ -4,7 +4,9 @@ one trainer, one vLLM inference node with ``in_flight = "keep"`` (the default "w
 tests/integration/test_vllm_engine.py and by hand on SmolLM2, docs/engines.md). Mid-run the inference node is
 SIGKILLed: its vLLM engine core and worker die with it (no orphans), the supervisor restarts it,
 and the run ends with every node on the last version's digest and every rollout batch accepted
-by the trainer (each labelled with the version and digest whose weights made it).
+by the trainer (each labelled with the version and digest whose weights made it). In "keep" mode a
+batch a completion of which spanned an update is discarded by the node, counted, never written
+(no replay under one version could pass it).
 """
 
 from __future__ import annotations
@@ -101,3 +103,7 @@ def test_up_with_the_vllm_engine_on_cpu_survives_a_killed_inference_node(tmp_pat
     published = [e for e in read_events(work / "state" / "t0" / "events.jsonl") if e.kind == "published"]
     totals = published[-1].totals
     assert totals["batches_accepted"] > 0 and totals["batches_rejected"] == 0, totals
+    served = [e.totals for e in read_events(work / "state" / "i0" / "events.jsonl") if e.kind == "served"]
+    assert all(t["rows_discarded_spanning"] >= 0 for t in served), served[-1]  # counted, in /status too
+    print(f"i0 (since its restart): {served[-1]['rows_produced']} rows written, "
+          f"{served[-1]['rows_discarded_spanning']} discarded (a completion spanned an update)")  # fmt: skip

@@ -439,3 +439,37 @@ def test_the_changed_hint_spares_comparing_and_hashing_the_rest(monkeypatch: pyt
     compared.clear()
     mirror.stage(state, digest)  # no hint: every tensor is compared (bits, not hashes)
     assert len(compared) == len(state)
+
+
+async def test_an_inference_node_discards_a_batch_with_a_completion_that_spans_an_update(tmp_path: Path) -> None:
+    """A completion flagged ``spans_update`` (vLLM ``in_flight="keep"``: tokens of two versions)
+    can never pass replay: the node writes none of its batch and counts the rows it threw away in
+    ``/status`` (``rollouts.discarded_spanning``); the next, clean batch is written. The flag is
+    set on one real PyTorch-engine completion here (vLLM sets it: tests/test_vllm_engine.py)."""
+    import dataclasses
+
+    from pulsenet.nodes.common import make_task, text_codec
+    from pulsenet.nodes.inference import InferenceConfig, InferenceNode
+    from pulsenet.rl.tasks import TaskConfig
+
+    key, trusted = keypair()
+    node = InferenceNode(
+        InferenceConfig(id="i0", run="spans", prompts=2, group_size=2, task=TaskConfig(max_new_tokens=2),
+                        state_dir=tmp_path / "i0"),
+        store=LocalStore(tmp_path / "i0s"), policy_stores=[LocalStore(tmp_path / "t0")], trusted=trusted, key=key,
+        task=make_task("arith", 0), text=text_codec("tiny"),
+    )  # fmt: skip
+    eng = engine()
+    real = eng.generate
+
+    def one_spans(prompts: list[list[int]], params: SamplingParams) -> list:
+        return [dataclasses.replace(g, spans_update=i == 1) for i, g in enumerate(real(prompts, params))]
+
+    node.engine = eng
+    eng.generate = one_spans  # type: ignore[method-assign]
+    await node.generate_batch()
+    assert node.writer.stats.batches == 0 and node.state.rollouts["produced"] == 0
+    assert node.state.rollouts["discarded_spanning"] == 4 and node.state.to_json()["rollouts"]["discarded_spanning"] == 4
+    eng.generate = real  # type: ignore[method-assign]
+    await node.generate_batch()
+    assert node.writer.stats.batches == 1 and node.state.rollouts["produced"] == 4
