@@ -326,8 +326,8 @@ def test_a_trainer_takes_a_source_without_a_key_only_with_open_inference(tmp_pat
     """``build_trainer``: a node without a trusted key is a config error, unless open inference is
     on, when it is an open source (and the allowlisted one keeps its key)."""
     from pulsenet.errors import ConfigError
+    from pulsenet.nodes.config import TrainerConfig
     from pulsenet.nodes.run import build_trainer
-    from pulsenet.nodes.trainer import TrainerConfig
     from pulsenet.signing import generate_keypair
     from pulsenet.store import LocalStore
 
@@ -358,7 +358,7 @@ def test_a_trainer_takes_a_source_without_a_key_only_with_open_inference(tmp_pat
 
 
 def test_the_trust_settings_come_from_the_trainers_intake_table(tmp_path) -> None:
-    from pulsenet.nodes.trainer import TrainerConfig
+    from pulsenet.nodes.config import TrainerConfig
     from pulsenet.settings import load_settings
 
     (tmp_path / "t.toml").write_text(

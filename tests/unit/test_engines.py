@@ -448,16 +448,17 @@ async def test_an_inference_node_discards_a_batch_with_a_completion_that_spans_a
     set on one real PyTorch-engine completion here (vLLM sets it: tests/test_vllm_engine.py)."""
     import dataclasses
 
-    from pulsenet.nodes.common import make_task, text_codec
-    from pulsenet.nodes.inference import InferenceConfig, InferenceNode
-    from pulsenet.rl.tasks import TaskConfig
+    from pulsenet.nodes.build import compose_inference
+    from pulsenet.nodes.common import text_codec
+    from pulsenet.nodes.config import InferenceConfig
+    from pulsenet.rl.tasks import TaskConfig, build_task
 
     key, trusted = keypair()
-    node = InferenceNode(
+    node = compose_inference(
         InferenceConfig(id="i0", run="spans", prompts=2, group_size=2, task=TaskConfig(max_new_tokens=2),
                         state_dir=tmp_path / "i0"),
         store=LocalStore(tmp_path / "i0s"), policy_stores=[LocalStore(tmp_path / "t0")], trusted=trusted, key=key,
-        task=make_task("arith", 0), text=text_codec("tiny"),
+        task=build_task("arith", seed=0), text=text_codec("tiny"),
     )  # fmt: skip
     eng = engine()
     real = eng.generate
