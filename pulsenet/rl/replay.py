@@ -52,7 +52,16 @@ REASONS = REPLAY_REASONS
 
 @dataclass(kw_only=True, slots=True)
 class ReplayConfig:
-    """The trainer's replay of the rows it takes ([trainer.replay])."""
+    """The trainer's replay of the rows it takes ([trainer.replay]).
+
+    The default tolerances fit engines that compute in FP32 on the BF16 weights, as both engines do
+    on CPU (measured: |Δ log-prob| at most 7e-5 and CDF margins above -5e-6 over 10,000+ honest rows
+    per engine; docs/rollouts.md). An engine computing in BF16 (vLLM and the torch engine on CUDA)
+    differs from the trainer's FP32 replay by far more: on vLLM-CPU in BF16 every SmolLM2 batch
+    was refused at these defaults (|Δ log-prob| up to 0.3, CDF margins down to -0.045,
+    docs/engines.md). A run with BF16 engines either computes in FP32 (``vllm.dtype``,
+    ``torch.compute_dtype``) or loosens these three settings, and what a node may then hide grows
+    with them (docs/security.md); BF16 margins on a GPU are not measured yet."""
 
     enabled: bool = True
     """Replay rows before training on them; off trusts every allowlisted node's rows as signed."""
