@@ -27,6 +27,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -34,7 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from pulsenet import runtime
-from pulsenet.engines.base import Engine
+from pulsenet.engines.base import Engine, Generation
 from pulsenet.engines.factory import EngineName, make_engine
 from pulsenet.engines.torch_engine import TorchEngineConfig
 from pulsenet.engines.vllm_engine import VLLMEngineConfig
@@ -42,6 +43,7 @@ from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.common import TextCodec, model_config
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent
+from pulsenet.nodes.hostile import Hostile, HostileConfig
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.tasks import Task, TaskConfig, assign_problems, group_id
@@ -119,6 +121,10 @@ class InferenceConfig:
     """The vLLM engine (engine = vllm)."""
     subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
     """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
+    hostile: str = ""
+    """For tests and ``pulsenet chaos --hostile``: a hostile behaviour this node plays
+    (nodes/hostile.py: chosen, best-of-n, scaled-logprobs, wrong-temperature, stale, perturbed,
+    copy, withhold; ``NAME:KEY=VALUE,...``). Empty: an honest node."""
 
     INHERITED: ClassVar[frozenset[str]] = frozenset({"subscribe.run", "subscribe.state_dir"})
     """Set once here (``run``; ``state_dir``/policy-K per channel), copied into the subscribers."""
@@ -201,6 +207,12 @@ class InferenceNode:
         self._dropping: str | None = None
         """Why /healthz says degraded while every prompt of the last batch was dropped (``generate_batch``)."""
 
+    @functools.cached_property
+    def hostile(self) -> Hostile | None:
+        """The hostile behaviour this node plays (``InferenceConfig.hostile``), or None: honest."""
+        c = self.config
+        return Hostile(HostileConfig.parse(c.hostile), model_config(c.model), self.text.decode) if c.hostile else None
+
     # --- policy ---------------------------------------------------------------------------------
 
     async def _on_update(
@@ -216,6 +228,8 @@ class InferenceNode:
             since, self._delivered[channel] = self._delivered.get(channel), version
             if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
                 return
+            if self.hostile is not None:
+                self.hostile.observe(version, state, digest)
             t = time.perf_counter()
             if self.engine is None:
                 c = self.config
@@ -475,23 +489,29 @@ class InferenceNode:
         prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
         # Every token is drawn with the public draw of (run, digest, node, batch, problem, completion):
         # what a trainer replays (rl/replay.py); the node chooses none of it.
-        draws = tuple(
-            DrawId(c.run, engine_digest, c.id, version, index, k, i).key() for k, _, _ in asked for i in range(c.group_size)
-        )
+        ids = [DrawId(c.run, engine_digest, c.id, version, index, k, i) for k, _, _ in asked for i in range(c.group_size)]
         params = replace(
             self.prompter.sampling_params(temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)),
-            draws=draws,
+            draws=tuple(d.key() for d in ids),
         )
-        gens = await asyncio.to_thread(engine.generate, prompts, params)
+        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
+        problems = [p for _, p, _ in asked for _ in range(c.group_size)]
+
+        def score(gens: Sequence[Generation]) -> list[float]:
+            texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
+            return list(self.task.score_texts(problems, texts, groups).total)
+
+        if self.hostile is None:
+            gens = await asyncio.to_thread(engine.generate, prompts, params)
+        else:
+            gens = await asyncio.to_thread(self.hostile.generate, engine, prompts, params, ids, score)
         if any(g.version != version or g.digest != engine_digest for g in gens):  # an update landed first
             log.info("%s: the engine moved past v%d before batch %d ran: discarded", c.id, version, index)
             return version
-        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
-        texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
-        scores = await asyncio.to_thread(
-            self.task.score_texts, [p for _, p, _ in asked for _ in range(c.group_size)], texts, groups
-        )
-        rewards = list(scores.total)
+        rewards = await asyncio.to_thread(score, gens)
+        if self.hostile is not None and not self.hostile.publish(rewards):
+            log.warning("%s: hostile: v%d batch %d withheld (reward %.3f)", c.id, version, index, sum(rewards) / len(rewards))
+            return version
         rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
         if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
             raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
