@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.engines.torch_engine import TorchEngine
@@ -40,15 +41,23 @@ VERSIONS = 3
 
 
 class _Trained(GRPOInner):
-    """The GRPO step, recording (node, version) of every row it trains on."""
+    """The GRPO step, recording (node, version) of every row it trains on. ``move``: then scale each
+    weight by 1 + move·N(0, 1) (seeded), so consecutive versions differ as a learning run's do: on
+    arith the tiny model earns no reward, GRPO's advantages are 0 and its versions barely move."""
 
-    def __init__(self, grpo: Any) -> None:
+    def __init__(self, grpo: Any, move: float = 0.0) -> None:
         super().__init__(grpo)
         self.rows: list[tuple[str, int]] = []
+        self.move, self.gen = move, torch.Generator().manual_seed(0)
 
     def step(self, batch: Any) -> Any:
         self.rows += [(r.node, r.version) for r in batch]
-        return super().step(batch)
+        metrics = super().step(batch)
+        if self.move:
+            with torch.no_grad():
+                for p in self.grpo.local.model.parameters():
+                    p.mul_(1 + self.move * torch.randn(p.shape, generator=self.gen))
+        return metrics
 
 
 def _honest(t: Trainer, version: int, batch: int = 0) -> list[Rollout]:
@@ -81,17 +90,20 @@ def _looked_at(t: Trainer, node: str) -> int:
     return s.taken_by_node.get(node, 0) + early
 
 
-async def _run(tmp_path: Path, behaviour: str, *, batches_per_version: int = 1) -> tuple[Trainer, InferenceNode, _Trained]:
-    """A trainer making ``VERSIONS`` versions; at each, it decides on i1's batch(es) first, then
-    gets i0's honest batch (unless i1's moved it on already: an untouched batch is trained on)."""
+async def _run(tmp_path: Path, behaviour: str, *, batches_per_version: int = 1, move: float = 0.0, versions: int = VERSIONS) -> tuple[Trainer, InferenceNode, _Trained, list[int]]:
+    """A trainer making ``versions`` versions; at each, it decides on i1's batch(es) first, then
+    gets i0's honest batch (unless i1's moved it on already: an untouched batch is trained on).
+    Returns the trainer, i1, its GRPO step and the versions of i0's batches."""
     net = Site(tmp_path, "t0", "t1", "i0", "i1")
     policies: list[_Trained] = []
 
     def policy(grpo: Any) -> _Trained:
-        policies.append(_Trained(grpo))
+        policies.append(_Trained(grpo, move))
         return policies[-1]
 
-    t = Trainer(net, tmp_path / "t0", steps=VERSIONS, replay=True, nodes=("i0", "i1"), policy=policy)
+    t = Trainer(net, tmp_path / "t0", steps=versions, replay=True, nodes=("i0", "i1"), policy=policy)
+    with torch.no_grad():  # a peaked policy, as trained ones are (tests/test_replay.py): a random init is
+        t.grpo.local.model.model.embed_tokens.weight.mul_(4.0)  # near-uniform, within the CDF tolerance of a mild cheat
     hostile = InferenceNode(
         InferenceConfig(
             id="i1", run=RUN, prompts=PROMPTS, group_size=G, batches_per_version=batches_per_version, max_staleness=3,
@@ -101,26 +113,31 @@ async def _run(tmp_path: Path, behaviour: str, *, batches_per_version: int = 1) 
         key=net.keys["i1"], task=make_task(TASK, 0), text=text_codec("tiny"),
     )  # fmt: skip
     writer = RolloutWriter(net.store("i0"), net.keys["i0"], "i0", RolloutWriterConfig(run=RUN, max_staleness=3))
+    written: list[int] = []
 
     async def feed(task: asyncio.Task[Any]) -> None:
         stop = asyncio.Event()
         node = asyncio.create_task(hostile.run(stop))
         try:
-            for v in range(VERSIONS):
+            for v in range(versions):
                 if t.node.version != v:  # i1's untouched batch made this version
                     continue
-                seen = _looked_at(t, "i1")
-                await _until(lambda seen=seen, v=v: _looked_at(t, "i1") >= seen + batches_per_version or t.node.version != v or node.done(), task, 60, f"i1's batch at v{v}")
+                def decided(v: int = v) -> bool:  # i1 made its batches at v, the trainer decided on all it published
+                    made = hostile._batches_at.get(v, 0) >= batches_per_version and _looked_at(t, "i1") >= hostile.writer.stats.batches
+                    return made or t.node.version != v or node.done()
+
+                await _until(decided, task, 60, f"i1's batches at v{v}")
                 if node.done():
                     await node
                 if t.node.version == v:
                     await writer.write(_honest(t, v))
+                    written.append(v)
                     await _until(lambda v=v: t.node.version != v, task, 60, f"v{v + 1}")
         finally:
             await _stop(stop, node)
 
     await t.run(feed)
-    return t, hostile, policies[0]
+    return t, hostile, policies[0], written
 
 
 TOUCHING = [b for b in BEHAVIOURS if b != "withhold"]
@@ -128,7 +145,9 @@ TOUCHING = [b for b in BEHAVIOURS if b != "withhold"]
 
 @pytest.mark.parametrize("behaviour", TOUCHING)
 async def test_every_batch_a_hostile_behaviour_touches_is_refused_and_no_honest_one(tmp_path: Path, behaviour: str) -> None:
-    t, hostile, trained = await _run(tmp_path, behaviour)
+    # stale: versions that move (``_Trained``), by 5% per weight per version: v0's weights served as v1
+    stale = behaviour == "stale"  # its v0 batch is honest (no older weights yet): one more version
+    t, hostile, trained, written = await _run(tmp_path, behaviour, move=0.05 if stale else 0.0, versions=VERSIONS + stale)
     assert hostile.hostile is not None
     stats = hostile.hostile.stats
     refused = t.node.intake.stats.rejected_by_node.get("i1", {})
@@ -138,21 +157,22 @@ async def test_every_batch_a_hostile_behaviour_touches_is_refused_and_no_honest_
     untouched_trained = {v for n, v in trained.rows if n == "i1"}
     decided = _looked_at(t, "i1")
     assert sum(refused.values()) + len(untouched_trained) == decided, (refused, untouched_trained, decided)
-    assert sum(refused.values()) >= 2 and stats.touched >= sum(refused.values())
+    assert sum(refused.values()) >= 1 + (not stale) and stats.touched >= sum(refused.values())
     if behaviour == "stale":
         assert untouched_trained <= {0}  # only v0's batch, served with v0's own weights
     else:
         assert not untouched_trained and stats.touched == stats.batches
     # The honest node: every batch taken and trained on, none refused.
     assert t.node.intake.stats.rejected_by_node.get("i0", {}) == {}
-    assert {v for n, v in trained.rows if n == "i0"} == set(range(VERSIONS)) - untouched_trained
+    honest = [v for n, v in trained.rows if n == "i0"]
+    assert set(honest) <= set(written) and len(honest) == len(written) * PROMPTS * G  # every honest batch trained on
     assert t.node.state.rejected.get("i1") == refused  # what /status and /metrics show
 
 
 async def test_withholding_passes_replay_and_leaves_gaps_in_its_batch_numbers(tmp_path: Path) -> None:
     """A node that publishes a batch only when its reward suits it sends honest rows: replay passes
     them (no refusal), and the batches it withheld are the holes in the batch numbers it answered."""
-    t, hostile, trained = await _run(tmp_path, "withhold", batches_per_version=4)
+    t, hostile, trained, _ = await _run(tmp_path, "withhold", batches_per_version=4)
     assert hostile.hostile is not None
     assert t.node.intake.stats.rejected_by_node == {}
     answered = {k.removeprefix(ANSWERED) for k in t.node.intake.consumed() if k.startswith(ANSWERED) and "i1" in k}

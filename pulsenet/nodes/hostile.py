@@ -19,9 +19,9 @@ touches (docs/rollouts.md, "Adversaries and what catches them"):
 - ``perturbed``: the served weights with tensor ``layer`` times ``factor`` (1.05), same label;
 - ``copy``: the rows node ``victim`` draws for these problems (its public draw keys), presented
   as this node's (what a node that copies another's batch of the same problems sends);
-- ``withhold``: honest batches, published only when their mean reward is at least the mean of
-  the batches generated before (the others are a gap in its batch numbers: a replay cannot see a
-  batch it never gets; gaps are counted by the intake).
+- ``withhold``: honest batches, published only when their mean reward beats the mean of the
+  batches generated before (the first is published; the others are a gap in its batch numbers:
+  a replay cannot see a batch it never gets; gaps are counted by the intake).
 
 Lives in ``nodes`` (not ``chaos``): the inference node calls it, and nodes may not import chaos.
 Runs on the torch engine (a stale or perturbed model is a second ``TorchEngine`` beside it).
@@ -160,10 +160,10 @@ class Hostile:
 
     def publish(self, rewards: Sequence[float]) -> bool:
         """Whether the node publishes a batch it scored ``rewards`` (withhold: only a batch whose mean
-        reward is at least the mean of the batches generated before it; the first is published)."""
+        reward beats the mean of the batches generated before it; the first is published)."""
         mean = sum(rewards) / max(len(rewards), 1)
         before, self.stats.rewards = self.stats.rewards, [*self.stats.rewards, mean]
-        if self.config.behaviour != "withhold" or not before or mean >= sum(before) / len(before):
+        if self.config.behaviour != "withhold" or not before or mean > sum(before) / len(before):
             return True
         self.stats.withheld += 1
         self.stats.touched += 1
