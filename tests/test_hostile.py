@@ -189,3 +189,35 @@ def test_a_behaviour_is_one_flag() -> None:
     for bad in ("nice", "stale:lag=x", "stale:lag", "stale:nope=1", "stale:lag=0"):
         with pytest.raises(ConfigError):
             HostileConfig.parse(bad)
+
+
+# --- pulsenet chaos --hostile ------------------------------------------------------------------
+
+
+def test_chaos_takes_one_behaviour_per_node_and_sets_it_on_that_node() -> None:
+    from pulsenet.chaos.faults import Chaos, ChaosConfig
+
+    c = ChaosConfig(hostile=["i1=stale:lag=2"], count=0)
+    nodes = [InferenceConfig(id="i0"), InferenceConfig(id="i1")]
+    Chaos(c).adjust([], nodes)
+    assert [n.hostile for n in nodes] == ["", "stale:lag=2"]
+    for bad in (["i7=chosen"], ["i1=nice"], ["i1"], ["i0=chosen", "i1=copy"]):  # the last: no honest node left
+        with pytest.raises(ConfigError):
+            ChaosConfig(hostile=bad, count=0)
+
+
+def test_the_chaos_audit_checks_replay_refused_the_hostile_node_and_no_honest_one() -> None:
+    from pulsenet.chaos.check import audit
+    from pulsenet.nodes.events import VersionEvent
+
+    def run(refusals: dict[str, float]) -> dict[str, Any]:
+        events = {
+            "t0": [VersionEvent(kind="published", node="t0", role="trainer", version=v, digest=f"{v:064x}", totals=dict(refusals)) for v in range(2)],
+        }
+        roles = {"t0": "trainer", "i0": "inference", "i1": "inference"}
+        settings = {"i0": {"hostile": ""}, "i1": {"hostile": "best-of-n"}}
+        return audit(events=events, roles=roles, settings=settings)["checks"]["hostile"]
+
+    assert run({"rejected:i1:replay_token": 2, "rejected:i0:stale": 1})["ok"]
+    assert not run({"rejected:i1:reward_range": 2})["ok"]  # refused, but not by replay
+    assert not run({"rejected:i1:replay_token": 2, "rejected:i0:replay_logprob": 1})["ok"]  # a false refusal
