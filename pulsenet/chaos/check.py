@@ -25,6 +25,8 @@ Checks:
   staleness bound), each trainer's own PULSELoCo rounds and the shared global states
   (``retain_rounds``). Kinds no retention covers (the PULSELoCo round records, kept by design) are
   listed under ``store`` as unbounded, not judged;
+- ``hostile`` (when a node plays a hostile behaviour: ``--hostile``): the trainers' replay refused
+  batches of each hostile node but a ``withhold`` one, and no batch of an honest node;
 - ``resources``: each node life of at least ``min_life_s`` kept its RSS slope (second half of the
   life, least squares) and its descriptor growth within the limits; shorter lives and the store are
   reported only.
