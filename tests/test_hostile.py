@@ -200,11 +200,13 @@ def test_a_behaviour_is_one_flag() -> None:
 
 def test_chaos_takes_one_behaviour_per_node_and_sets_it_on_that_node() -> None:
     from pulsenet.chaos.faults import Chaos, ChaosConfig
+    from pulsenet.settings import load_settings, to_toml_table
 
-    c = ChaosConfig(hostile=["i1=stale:lag=2"], count=0)
+    c = load_settings(ChaosConfig, table="chaos", argv=["--hostile", "i1=stale:lag=2", "--count", "0"], environ={})
     nodes = [InferenceConfig(id="i0"), InferenceConfig(id="i1")]
     Chaos(c).adjust([], nodes)
     assert [n.hostile for n in nodes] == ["", "stale:lag=2"]
+    assert to_toml_table(nodes[1])["hostile"] == "stale:lag=2"  # what the launcher writes into i1's config
     for bad in (["i7=chosen"], ["i1=nice"], ["i1"], ["i0=chosen", "i1=copy"]):  # the last: no honest node left
         with pytest.raises(ConfigError):
             ChaosConfig(hostile=bad, count=0)
