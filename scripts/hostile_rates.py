@@ -165,12 +165,15 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t1, 1),
         }
         r = results[name]
+        if a.out:  # after each behaviour: a long run's figures so far
+            a.out.write_text(json.dumps(summary(a, lr, V, changed, weak, results), indent=1) + "\n")
         print(f"{name:40s} refused {n_ref:3d}/{published:3d} ({(r['rate'] or 0):6.1%}) {refused}  min margin {r['min_margin']:+.4f}  "
               f"|dlogp| mean {r['mean_dlogprob']:.4f} max {r['max_dlogprob']:.4f}  {r['seconds']} s", flush=True)  # fmt: skip
-    out = {"model": a.model, "lr": lr, "lag": V, "changed_per_version": changed, "prompts": a.prompts, "group": a.group,
-           "replay": dataclasses.asdict(ReplayConfig()), "weak_layer": weak, "results": results}  # fmt: skip
-    if a.out:
-        a.out.write_text(json.dumps(out, indent=1) + "\n")
+
+
+def summary(a: argparse.Namespace, lr: float, lag: int, changed: list[float], weak: str, results: dict) -> dict:
+    return {"model": a.model, "lr": lr, "lag": lag, "changed_per_version": changed, "prompts": a.prompts, "group": a.group,
+            "replay": dataclasses.asdict(ReplayConfig()), "weak_layer": weak, "results": results}  # fmt: skip
 
 
 if __name__ == "__main__":
