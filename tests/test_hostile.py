@@ -6,7 +6,7 @@ trainer's published state, with the public draw keys of ``replay_rows``), and i1
 ``InferenceNode`` playing one behaviour of nodes/hostile.py. Every batch of i1 the behaviour
 touched is refused under a replay reason, counted for i1; none of i0's is (0 false refusals).
 Withholding publishes honest rows: replay passes them, and what is left is the gap in i1's batch
-numbers (counted by the intake). docs/rollouts.md, "Adversaries and what catches them".
+numbers (counting them per node is the intake's, issue 30 item 2). docs/rollouts.md, "Adversaries and what catches them".
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ touches (docs/rollouts.md, "Adversaries and what catches them"):
   as this node's (what a node that copies another's batch of the same problems sends);
 - ``withhold``: honest batches, published only when their mean reward beats the mean of the
   batches generated before (the first is published; the others are a gap in its batch numbers:
-  a replay cannot see a batch it never gets; gaps are counted by the intake).
+  a replay cannot see a batch it never gets; counting gaps per node is the intake's, issue 30 item 2).
 
 Lives in ``nodes`` (not ``chaos``): the inference node calls it, and nodes may not import chaos.
 Runs on the torch engine (a stale or perturbed model is a second ``TorchEngine`` beside it).
