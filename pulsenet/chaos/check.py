@@ -25,6 +25,8 @@ Checks:
   staleness bound), each trainer's own PULSELoCo rounds and the shared global states
   (``retain_rounds``). Kinds no retention covers (the PULSELoCo round records, kept by design) are
   listed under ``store`` as unbounded, not judged;
+- ``hostile`` (when a node plays a hostile behaviour: ``--hostile``): the trainers' replay refused
+  batches of each hostile node but a ``withhold`` one, and no batch of an honest node;
 - ``resources``: each node life of at least ``min_life_s`` kept its RSS slope (second half of the
   life, least squares) and its descriptor growth within the limits; shorter lives and the store are
   reported only.
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pulsenet.nodes.events import VersionEvent
+from pulsenet.rollouts.intake import REPLAY_REASONS
 
 _POLICY_MANIFEST = re.compile(r"(?:^|/)policy/manifests/v(\d{12})\.json$")
 _POLICY_PAYLOAD = re.compile(r"(?:^|/)policy/payloads/v(\d{12})-(anchor|patch)-[0-9a-f]{16}\.pnp$")
@@ -112,6 +115,10 @@ def audit(
     )
 
     check("no_orphans", not orphans, list(orphans)[:10])
+
+    hostile = {n: str(s["hostile"]) for n, s in (settings or {}).items() if n in inference and s.get("hostile")}
+    if hostile:
+        check("hostile", *_hostile(events, trainers, inference, hostile))
 
     store = _store(listing or {}, stores or {}, settings or {}) if listing is not None else {}
     over = [f"{url} {kind}: {d['present']} > {d['bound']}" for url, kinds in store.items() for kind, d in kinds.items() if d.get("bound") is not None and d["present"] > d["bound"]]
@@ -338,3 +345,28 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
     if sxx == 0:
         return None
     return sum((x - mx) * (y - my) for x, y in points) / sxx
+
+
+
+def _hostile(
+    events: Mapping[str, Sequence[VersionEvent]], trainers: Sequence[str], inference: Sequence[str], hostile: Mapping[str, str]
+) -> tuple[bool, dict[str, Any]]:
+    """The trainers' replay refused batches of every hostile node that sends touched rows (all but
+    ``withhold``, whose rows are honest), and none of an honest node's. From the trainers' version
+    events (``rejected:NODE:REASON`` totals, per life: each life's last count, summed)."""
+    refused: dict[str, int] = defaultdict(int)
+    for t in trainers:
+        life: dict[str, float] = {}
+        for e in events.get(t, ()):
+            for key, n in e.totals.items():
+                parts = key.split(":")
+                if len(parts) != 3 or parts[0] != "rejected" or parts[2] not in REPLAY_REASONS:
+                    continue
+                if n < life.get(key, 0):  # a new life: its counts start again
+                    refused[parts[1]] += int(life[key])
+                life[key] = n
+        for key, n in life.items():
+            refused[key.split(":")[1]] += int(n)
+    wrong = [f"{n} ({hostile[n]}): no batch refused by replay" for n in hostile if not hostile[n].startswith("withhold") and not refused.get(n)]
+    wrong += [f"{n} (honest): {refused[n]} batches refused by replay" for n in inference if n not in hostile and refused.get(n)]
+    return not wrong, {"refused_by_replay": dict(refused), "hostile": dict(hostile), "wrong": wrong}

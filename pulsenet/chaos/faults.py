@@ -17,6 +17,9 @@ versions since the last fault's recovery:
   launcher between that node and the store) stops moving bytes, or is paced to
   ``throttle_mbps``, for ``link_s``.
 
+Besides the faults, ``hostile`` makes inference nodes cheat (nodes/hostile.py, one behaviour each:
+``--hostile i1=best-of-n``); the audit then checks that the trainers refused their batches by replay.
+
 After each fault the schedule waits for the recovery: every node running and past the version the
 network had when the fault hit (trainers published a newer one, inference nodes serve one in their
 current life), or at the run's final version. The time from the fault's end to that moment is its
@@ -42,6 +45,7 @@ from typing import Any
 
 from pulsenet.chaos.link import LinkProxy
 from pulsenet.errors import ConfigError
+from pulsenet.nodes.hostile import HostileConfig
 from pulsenet.nodes.up import UpConfig
 from pulsenet.nodes.up.node import Node, node_version, serving_version
 from pulsenet.nodes.up.supervisor import Supervisor
@@ -96,6 +100,11 @@ class ChaosConfig(UpConfig):
     """... or whose open descriptors grow by more than this from start to end."""
     resource_min_life_s: float = 600.0
     """Lives shorter than this are reported, not judged (start-up and warm-up dominate them)."""
+    hostile: list[str] = field(default_factory=list)
+    """Inference nodes that cheat, as NODE=BEHAVIOUR (nodes/hostile.py: chosen, best-of-n,
+    scaled-logprobs, wrong-temperature, stale, perturbed, copy, withhold; knobs as
+    ``stale:lag=3``), e.g. ``--hostile i1=best-of-n``. The audit's ``hostile`` check: the trainers'
+    replay refused each one's batches, and no honest node's."""
 
     def __post_init__(self) -> None:
         bad = sorted({*self.faults, *self.kinds} - set(KINDS))
@@ -105,6 +114,22 @@ class ChaosConfig(UpConfig):
             raise ConfigError("chaos: give --faults, or --count >= 0 and --kinds")
         if self.stall_s < 0 or self.link_s < 0 or not self.throttle_mbps > 0 or self.sample_s <= 0:
             raise ConfigError("chaos: stall_s, link_s >= 0, throttle_mbps > 0 and sample_s > 0")
+        hostile_nodes(self)
+
+
+def hostile_nodes(c: ChaosConfig) -> dict[str, HostileConfig]:
+    """``c.hostile`` by node (ConfigError: not NODE=BEHAVIOUR, a node not in the network, or no honest
+    inference node left to feed the trainers)."""
+    out = {}
+    nodes = [f"i{k}" for k in range(c.inference)]
+    for item in c.hostile:
+        node, eq, spec = item.partition("=")
+        if not eq or node not in nodes:
+            raise ConfigError(f"chaos: --hostile {item!r} is not NODE=BEHAVIOUR with NODE one of {nodes}")
+        out[node] = HostileConfig.parse(spec)
+    if out and len(out) == len(nodes):
+        raise ConfigError("chaos: every inference node is hostile: leave one honest, or the trainers get nothing to train on")
+    return out
 
 
 @dataclass(slots=True)
@@ -185,8 +210,12 @@ class Chaos:
             self.stores[t.id] = t.store
             if t.loco_store:
                 self.stores["loco"] = t.loco_store
+        hostile_nodes(self.c)  # checked at config time; the raw spec is the node's setting
+        hostile = dict(item.split("=", 1) for item in self.c.hostile)
         for i in inference:
             self.stores[i.id] = i.store
+            if i.id in hostile:
+                i.hostile = hostile[i.id]
 
     def endpoint(self, node: str, url: str) -> str:
         """A relay for each node a link fault targets; the others talk to the store directly."""

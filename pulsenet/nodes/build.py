@@ -34,6 +34,7 @@ from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.common import initial_model, key_map, open_site_store, site_map, text_codec
 from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker
+from pulsenet.nodes.hostile import Hostile, HostileConfig
 from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Rounds
 from pulsenet.nodes.status import NodeState
@@ -260,8 +261,8 @@ def compose_inference(
 
     ``policy_stores``: the trainer channels to follow, ``trainers`` their trainer ids where known
     (their demand records are read there); ``trusted``: the trainers' public keys by key id."""
-    max_positions = getattr(model_hf_config(resolve_model(c.model)), "max_position_embeddings", None)
-    prompter = task.prompter(text, max_positions=max_positions)
+    hf_config = model_hf_config(resolve_model(c.model))
+    prompter = task.prompter(text, max_positions=getattr(hf_config, "max_position_embeddings", None))
     state = NodeState(role="inference", node_id=c.id)
     state.prompts_dropped = prompter.stats.dropped  # live: /status and /metrics count drops per reason
     ids = trainers or [None] * len(policy_stores)
@@ -284,6 +285,7 @@ def compose_inference(
             make_engine, c.engine, model=c.model, codec=text, torch_config=c.torch, vllm_config=c.vllm
         ),
         stores={"own": store, **{f"policy-{k}": s for k, s in enumerate(policy_stores)}},
+        hostile=Hostile(HostileConfig.parse(c.hostile), hf_config, text.decode) if c.hostile else None,
     )
 
 

@@ -203,6 +203,10 @@ class InferenceConfig:
     """The vLLM engine (engine = vllm)."""
     subscribe: SubscriberConfig = field(default_factory=lambda: SubscriberConfig(interval_s=1.0))
     """PULSESync: the channel followed in each trainer store, polling, catch-up limits."""
+    hostile: str = ""
+    """For tests and ``pulsenet chaos --hostile``: a hostile behaviour this node plays
+    (nodes/hostile.py: chosen, best-of-n, scaled-logprobs, wrong-temperature, stale, perturbed,
+    copy, withhold; ``NAME:KEY=VALUE,...``). Empty: an honest node."""
 
     INHERITED: ClassVar[frozenset[str]] = frozenset({"subscribe.run", "subscribe.state_dir"})
     """Set once here (``run``; ``state_dir``/policy-K per channel), copied into the subscribers."""

@@ -27,7 +27,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,11 +35,12 @@ from typing import Any
 import torch
 
 from pulsenet import runtime
-from pulsenet.engines.base import Engine
+from pulsenet.engines.base import Engine, Generation
 from pulsenet.errors import ConfigError, PulsenetError
 from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
+from pulsenet.nodes.hostile import Hostile
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.prompts import Prompter
@@ -73,6 +74,7 @@ class InferenceNode:
         demand: DemandReader,
         engine: Callable[..., Engine],
         stores: dict[str, ObjectStore],
+        hostile: Hostile | None = None,
     ) -> None:
         """``subscriber(k, on_update)``: channel k's subscriber, delivering to ``on_update`` (this
         node's own ``_on_update``, so it is made here); ``engine(state=, digest=, version=)``: the
@@ -116,6 +118,9 @@ class InferenceNode:
         """The channel followed now (``_follow``)."""
         self._dropping: str | None = None
         """Why /healthz says degraded while every prompt of the last batch was dropped (``generate_batch``)."""
+        self.hostile = hostile
+        """A hostile behaviour this node plays (``InferenceConfig.hostile``: tests, ``pulsenet chaos
+        --hostile``; nodes/hostile.py), or None: an honest node."""
 
     # --- policy ---------------------------------------------------------------------------------
 
@@ -132,6 +137,8 @@ class InferenceNode:
             since, self._delivered[channel] = self._delivered.get(channel), version
             if self.engine is not None and self.engine.version is not None and version <= self.engine.version:
                 return
+            if self.hostile is not None:
+                self.hostile.observe(version, state, digest)
             t = time.perf_counter()
             if self.engine is None:
                 try:
@@ -389,14 +396,22 @@ class InferenceNode:
         prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
         # Every token is drawn with the public draw of (run, digest, node, batch, problem, completion):
         # what a trainer replays (rl/replay.py); the node chooses none of it.
-        draws = tuple(
-            DrawId(c.run, engine_digest, c.id, version, index, k, i).key() for k, _, _ in asked for i in range(c.group_size)
-        )
+        ids = [DrawId(c.run, engine_digest, c.id, version, index, k, i) for k, _, _ in asked for i in range(c.group_size)]
         params = replace(
             self.prompter.sampling_params(temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)),
-            draws=draws,
+            draws=tuple(d.key() for d in ids),
         )
-        gens = await asyncio.to_thread(engine.generate, prompts, params)
+        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
+        problems = [p for _, p, _ in asked for _ in range(c.group_size)]
+
+        def score(gens: Sequence[Generation]) -> list[float]:
+            texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
+            return list(self.task.score_texts(problems, texts, groups).total)
+
+        if self.hostile is None:
+            gens = await asyncio.to_thread(engine.generate, prompts, params)
+        else:
+            gens = await asyncio.to_thread(self.hostile.generate, engine, prompts, params, ids, score)
         if any(g.version != version or g.digest != engine_digest for g in gens):  # an update landed first
             log.info("%s: the engine moved past v%d before batch %d ran: discarded", c.id, version, index)
             self._discard("discarded_moved", len(gens))
@@ -405,12 +420,10 @@ class InferenceNode:
             log.info("%s: an update went live during v%d batch %d: discarded", c.id, version, index)
             self._discard("discarded_spanning", len(gens))
             return version
-        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
-        texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
-        scores = await asyncio.to_thread(
-            self.task.score_texts, [p for _, p, _ in asked for _ in range(c.group_size)], texts, groups
-        )
-        rewards = list(scores.total)
+        rewards = await asyncio.to_thread(score, gens)
+        if self.hostile is not None and not self.hostile.publish(rewards):
+            log.warning("%s: hostile: v%d batch %d withheld (reward %.3f)", c.id, version, index, sum(rewards) / len(rewards))
+            return version
         rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
         if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
             raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
@@ -426,7 +439,6 @@ class InferenceNode:
         s.beat()
         log.info("%s: v%d batch %d, %d rows, reward %.3f (%s)", c.id, version, index, len(rows), s.reward, manifest)
         return version
-
 
     def _discard(self, outcome: str, rows: int) -> None:
         """Count rows generated and thrown away (``/status`` ``rollouts``, ``/metrics`` ``pulsenet_rollouts``)."""

@@ -215,9 +215,11 @@ class Trainer:
         *,
         policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
         replay: bool = False,
+        nodes: tuple[str, ...] = ("i0",),
     ) -> None:
         """``replay``: replay rows before training (rl/replay.py); off by default here, because
-        ``_rows`` writes completions by hand (not the policy's draw) to reach the check under test."""
+        ``_rows`` writes completions by hand (not the policy's draw) to reach the check under test.
+        ``nodes``: the inference sources (each its own bucket and key in ``net``); ``writer`` is i0's."""
         self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
         self.node = compose_trainer(
             TrainerConfig(
@@ -231,7 +233,7 @@ class Trainer:
             ),
             store=net.store("t0"),
             key=net.keys["t0"],
-            sources=[RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
+            sources=[RolloutSource(n, net.store(n), net.trusted(n)) for n in nodes],
             policy=policy(self.grpo),
             task=build_task(TASK, seed=0),
             text=text_codec("tiny"),
