@@ -92,7 +92,9 @@ def test_bench_replay_tiny(tmp_path):
     assert all(x > 0 for x in t.values()) and all(len(v) == 2 for v in c["all_s"].values())
     assert c["ratio"]["replay"] == pytest.approx(t["replay_s"] / t["step_s"], rel=1e-2)
     assert c["ratio"]["replay_all"] == pytest.approx(t["replay_all_s"] / t["step_s"], rel=1e-2)
-    assert 0 < c["share_for_10pct"] <= 1 and c["detect_one_row_default"] == 0.5
+    assert c["detect_one_row_default"] == 0.5
+    for b in (c["budget_10pct"], c["budget_10pct_cpu"]):
+        assert 0 <= b["rows"] <= b["rows_if_loaded"] <= 16 and b["share"] == round(b["rows"] / 16, 4) and b["per_row_s"] > 0
     m = result["margins"]
     assert m["rows"] >= 96 and m["batches"] == m["rows"] // 16 and m["tokens"] >= m["rows"]
     assert m["refused"] == {} and m["refusals"] == []

@@ -25,8 +25,8 @@ same batch:
   ratios to it.
 
 ``ratio`` = replay_s / step_s (the issue's bound: <= 0.10), ``ratio_all`` = replay_all_s /
-step_s; ``share_for_10pct`` the share whose replay would cost 10% of a step (replay time taken
-as linear in rows: all-rows time x share) and what a smaller share does to detection.
+step_s; ``budget_10pct`` the rows a replay can take within 10% of a step (the version's load,
+once per version, plus a per-row cost) and so the share a cheat touching one row is caught with.
 
 Margins (``margins``): ``rows`` honest rows (whole batches, at versions cycling over the cost
 phase's) replayed in full (every row picked) with the default tolerances; refusals by reason
@@ -248,8 +248,7 @@ def _cost(setup: _Setup, s: ReplayBenchSettings) -> tuple[dict[str, Any], list[t
     low = {k: min(x) for k, x in wall.items()}
     cpu_med = {k: statistics.median(x) for k, x in cpu.items()}
     n = statistics.median(rows_n)
-    share_10 = min(1.0, 0.10 * med["step_s"] / med["replay_all_s"])
-    rows_10 = max(1, int(share_10 * n))
+    k = statistics.median(replayed)
 
     def ratios(t: dict[str, float]) -> dict[str, float]:
         return {
@@ -273,11 +272,22 @@ def _cost(setup: _Setup, s: ReplayBenchSettings) -> tuple[dict[str, Any], list[t
         "ratio_min": ratios(low),
         "ratio_cpu": ratios(cpu_med),
         "all_s": {k: [round(x, 4) for x in v] for k, v in wall.items()},
-        "share_for_10pct": round(share_10, 4),
-        "rows_for_10pct": rows_10,
-        "detect_one_row_default": round(statistics.median(replayed) / n, 4),
-        "detect_one_row_at_10pct": round(min(rows_10, n) / n, 4),
+        "budget_10pct": _budget(med, n, k),
+        "budget_10pct_cpu": _budget(cpu_med, n, k),
+        "detect_one_row_default": round(k / n, 4),
     }, states, verdicts
+
+
+def _budget(t: dict[str, float], n: float, k: float) -> dict[str, float]:
+    """The rows of an ``n``-row batch a replay can take within 10% of a step (``k`` rows replayed
+    by default): the version's load (``replay_s`` - ``replay_loaded_s``, paid once per version) plus
+    a per-row cost (``replay_all_s`` / n, linear in rows), and the share of rows a cheat touching
+    one row is caught with then. ``rows`` 0: the load alone is over 10%."""
+    load = max(0.0, t["replay_s"] - t["replay_loaded_s"])
+    per_row = t["replay_all_s"] / n
+    rows = max(0, min(int(n), int((0.10 * t["step_s"] - load) / per_row)))
+    return {"load_s": round(load, 4), "per_row_s": round(per_row, 5), "rows": rows, "share": round(rows / n, 4),
+            "rows_if_loaded": max(0, min(int(n), int(0.10 * t["step_s"] / per_row)))}
 
 
 def _timed(fn: Any, *args: Any, **kw: Any) -> tuple[Any, tuple[float, float]]:
@@ -388,8 +398,8 @@ def _print(r: dict[str, Any]) -> None:
             f"cost ({r['model']['name']}, {c['rows_per_batch']:g} rows/batch, median of {c['batches']}): "
             f"step {t['step_s']:.3f} s, replay {t['replay_s']:.3f} s ({c['rows_replayed']:g} rows) = {q['replay']:.1%} "
             f"of a step (CPU time: {c['ratio_cpu']['replay']:.1%}), all rows {t['replay_all_s']:.3f} s = "
-            f"{q['replay_all']:.1%}; floor (one forward) {t['forward_s']:.3f} s; 10% of a step replays share "
-            f"{c['share_for_10pct']:.2f}"
+            f"{q['replay_all']:.1%}; floor (one forward) {t['forward_s']:.3f} s; 10% of a step replays "
+            f"{c['budget_10pct']['rows']} rows (CPU time: {c['budget_10pct_cpu']['rows']})"
         )
     if m:
         print(
