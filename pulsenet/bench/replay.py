@@ -53,6 +53,8 @@ import torch
 from pulsenet.bench import BenchSettings, config_of
 
 SCHEMA = "pulsenet.bench.replay/1"
+THRESHOLDS = (1e-6, 1e-5, 1e-4, 1e-3, 1e-2)
+"""Tokens counted with a CDF margin below / a |Δ log-prob| above each: what a tighter tolerance would refuse or allow."""
 RUN, NODE = "bench", "i0"
 """The run and node the draw keys name (any strings: they only have to be the same on both sides)."""
 
@@ -360,11 +362,15 @@ def _margins(
         "versions": len(states),
         "refused": refused,
         "refusals": details[:20],
-        "logprob_diff": _quantiles(d, (0.5, 0.99, 0.999)) | {"mean": _round(float(d.mean())) if d.numel() else None},
+        "logprob_diff": _quantiles(d, (0.5, 0.99, 0.999)) | {
+            "mean": _round(float(d.mean())) if d.numel() else None,
+            "above": {f"{x:g}": int((d > x).sum()) for x in THRESHOLDS},
+        },
         "cdf_margin": _quantiles(m, (0.0001, 0.001, 0.01, 0.5)) | {
             "min": _round(float(m.min())) if m.numel() else None,
             "negative": int((m < 0).sum()),
             "near_boundary": int((m < c.cdf_tolerance).sum()),
+            "below": {f"{x:g}": int((m < x).sum()) for x in THRESHOLDS},
         },
         "batch_mean_logprob_diff": _quantiles(torch.tensor(means, dtype=torch.float64), (0.5, 0.99)),
         "tolerances": {"cdf": c.cdf_tolerance, "logprob": c.logprob_tolerance, "mean_logprob": c.mean_logprob_tolerance},
