@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale|engines``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines|replay``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
@@ -35,6 +35,10 @@ BENCHES = {
     "engines": (
         "the PyTorch engine vs vLLM on one machine: start, update->first token, tokens/s, memory",
         "EnginesBenchSettings",
+    ),
+    "replay": (
+        "the trainer's replay of rollout rows on the torch engine: cost vs the GRPO step, honest rows' margins",
+        "ReplayBenchSettings",
     ),
 }
 """name -> (help, the settings class in ``pulsenet.bench.<name>``)."""

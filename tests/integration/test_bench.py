@@ -76,6 +76,33 @@ def test_bench_rl_two_trainers_pulseloco(tmp_path):
     assert 0 < b["pulsesync"] <= 2 * b["pulsesync_published"]  # 2 engines x each version once
 
 
+def test_bench_replay_tiny(tmp_path):
+    """The replay's cost against the GRPO step on the same batches, and honest rows replayed in full:
+    every figure measured (not zero), ratios consistent with the times, 0 refusals, every replayed
+    token's margins within the default tolerances."""
+    result = run_bench(tmp_path, "replay", "--model", "tiny", "--rows", "96", "--repeats", "2", "--rows-per-step", "16")
+    assert result["schema"] == "pulsenet.bench.replay/1"
+    assert result["replay_config"] == {"share": 0.25, "min_rows": 8, "cdf_tolerance": 0.02, "logprob_tolerance": 0.05,
+                                       "mean_logprob_tolerance": 0.01}  # fmt: skip
+    c = result["cost"]
+    assert c["batches"] == 2 and c["rows_per_batch"] == 16 and c["rows_replayed"] == 8  # min_rows of a 16-row batch
+    assert c["sample_refused"] == 0
+    t = c["median_s"]
+    assert set(t) == {"gen_s", "step_s", "replay_s", "replay_loaded_s", "replay_all_s", "forward_s"}
+    assert all(x > 0 for x in t.values()) and all(len(v) == 2 for v in c["all_s"].values())
+    assert c["ratio"]["replay"] == pytest.approx(t["replay_s"] / t["step_s"], rel=1e-2)
+    assert c["ratio"]["replay_all"] == pytest.approx(t["replay_all_s"] / t["step_s"], rel=1e-2)
+    assert c["detect_one_row_default"] == 0.5
+    for b in (c["budget_10pct"], c["budget_10pct_cpu"]):
+        assert 0 <= b["rows"] <= b["rows_if_loaded"] <= 16 and b["share"] == round(b["rows"] / 16, 4) and b["per_row_s"] > 0
+    m = result["margins"]
+    assert m["rows"] >= 96 and m["batches"] == m["rows"] // 16 and m["tokens"] >= m["rows"]
+    assert m["refused"] == {} and m["refusals"] == []
+    assert 0 <= m["logprob_diff"]["q50"] <= m["logprob_diff"]["q99.9"] <= m["logprob_diff"]["max"] < 0.05
+    assert -0.02 < m["cdf_margin"]["min"] <= m["cdf_margin"]["q0.1"] <= m["cdf_margin"]["q50"] <= 0.5
+    assert m["batch_mean_logprob_diff"]["max"] < 0.01
+
+
 def test_bench_settings_from_config_env_and_flags(tmp_path, capsys):
     """``bench loco`` (like every bench) is one schema: ``[bench.loco]`` of --config, then
     PULSENET_*, then flags, with LoCo train's inner loop and LocoConfig's outer-step settings under
