@@ -133,13 +133,12 @@ def _build(s: ReplayBenchSettings) -> _Setup:
     """The preset's task, GRPO settings and model, as ``pulsenet up`` plans a trainer and a node."""
     from pulsenet.codec.digest import model_digest
     from pulsenet.engines.factory import make_engine
-    from pulsenet.nodes.common import initial_model, make_task, text_codec
-    from pulsenet.nodes.inference import InferenceConfig
+    from pulsenet.nodes.common import initial_model, text_codec
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.nodes.plan import fit_completions, model_context, preset
-    from pulsenet.nodes.trainer import TrainerConfig
     from pulsenet.rl.grpo import GRPOTrainer
     from pulsenet.rl.replay import Replayer
-    from pulsenet.rl.tasks import TaskConfig
+    from pulsenet.rl.tasks import TaskConfig, build_task
     from pulsenet.settings import load_settings
 
     if s.rows_per_step % s.group_size:
@@ -148,11 +147,11 @@ def _build(s: ReplayBenchSettings) -> _Setup:
     node = load_settings(InferenceConfig, table="inference", config=preset(s.model), environ={})
     task_config = load_settings(TaskConfig, table="task", config=preset(s.model), environ={})
     if s.max_new_tokens:
-        task_config.max_new_tokens = s.max_new_tokens
-    fit_completions(task_config, model_context(s.model), given=bool(s.max_new_tokens))
+        task_config = replace(task_config, max_new_tokens=s.max_new_tokens)
+    task_config = fit_completions(task_config, model_context(s.model), given=bool(s.max_new_tokens))
     text = text_codec(s.model)
-    task = make_task(task_config, s.seed)
-    grpo_config = replace(trainer.grpo_config(), pad_id=text.pad_id, seed=s.seed, lr=s.lr or trainer.grpo.lr)
+    task = build_task(task_config, seed=s.seed)
+    grpo_config = replace(trainer.grpo_config(pad_id=text.pad_id), seed=s.seed, lr=s.lr or trainer.grpo.lr)
     grpo = GRPOTrainer(initial_model(s.model, s.cache_dir, seed=s.seed, warmup_steps=s.warmup_steps), grpo_config)
     model = grpo.local.model
     prompter = task.prompter(text, max_positions=getattr(model.config, "max_position_embeddings", None))
