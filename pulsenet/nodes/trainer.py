@@ -571,12 +571,11 @@ class TrainerNode:
 def replay_rows(batch: RolloutBatch, run: str, digest: str) -> list[ReplayRow]:
     """The batch's rows with their public draw keys: completion ``i`` of a group is the group's
     ``i``-th row in the batch's order, its problem index and batch number from its group id (the
-    intake checked them against the assignment: ``answer_of``). ``batch.rows`` qualify each group
-    id with ``group_prefix``: the id the node signed is what follows it."""
+    intake checked them against the assignment: ``answer_of``)."""
     seen: dict[str, int] = {}
     out = []
     for r in batch.rows:
-        parsed = parse_group_id(r.group.removeprefix(batch.group_prefix))
+        parsed = parse_group_id(r.group)
         if parsed is None:  # the intake refuses such rows (group_id) before a batch is taken
             raise RolloutRowError("group_id", f"group id {r.group[:120]!r} is not one")
         node, version, b, k = parsed
