@@ -574,10 +574,10 @@ def replay_rows(batch: RolloutBatch, run: str, digest: str) -> list[ReplayRow]:
     intake checked them against the assignment: ``answer_of``)."""
     seen: dict[str, int] = {}
     out = []
-    for r in batch.rows:
+    for r in batch.columns.to_rows():  # the group ids as the node wrote them (``rows`` qualifies them)
         parsed = parse_group_id(r.group)
-        if parsed is None:  # the intake refuses such rows (group_id) before a batch is taken
-            raise RolloutRowError("group_id", f"group id {r.group[:120]!r} is not one")
+        if parsed is None or parsed[:2] != (batch.node, batch.version):  # the intake refuses such rows first
+            raise RolloutRowError("group_id", f"group id {r.group[:120]!r} is not one of {batch.node} v{batch.version}")
         node, version, b, k = parsed
         i = seen[r.group] = seen.get(r.group, -1) + 1
         key = DrawId(run, digest, node, version, b, k, i).key()
