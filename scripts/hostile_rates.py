@@ -79,7 +79,11 @@ def main() -> None:
     weak = f"model.layers.{layers // 2}.self_attn.o_proj.weight"
 
     def problems(node: str, version: int, b: int) -> list:
-        return [q for q in assign_problems(task, node=node, version=version, seed=0, n=a.prompts, batch=b) for _ in range(a.group)]
+        return [
+            q
+            for q in assign_problems(task, node=node, version=version, seed=0, n=a.prompts, batch=b)
+            for _ in range(a.group)
+        ]
 
     def score_for(probs: list) -> object:
         return lambda gens: list(task.score_texts(probs, [prompter.completion_text(g.completion_ids) for g in gens]).total)
@@ -98,20 +102,24 @@ def main() -> None:
         engine = TorchEngine.from_state(hf, states[v], digests[v], version=v, decode=codec.decode)
         probs = problems("t", v, 0)
         ids = ids_for("t", v, digests[v], 0)
-        gens = engine.generate([prompter.encode(q.prompt) for q in probs], dataclasses.replace(params0, draws=tuple(d.key() for d in ids)))
+        gens = engine.generate(
+            [prompter.encode(q.prompt) for q in probs], dataclasses.replace(params0, draws=tuple(d.key() for d in ids))
+        )
         rewards = score_for(probs)(gens)
         rows = []
         for j, (g, r) in enumerate(zip(gens, rewards, strict=True)):
             text = prompter.completion_text(g.completion_ids)
             shaped = r + sum(ch.isdigit() for ch in text) / max(len(text), 1)
-            rows.append(Rollout(group=group_id("t", v, 0, j // a.group), prompt_ids=g.prompt_ids, completion_ids=g.completion_ids,
-                                logprobs=g.logprobs, reward=shaped, version=v, model_digest=digests[v], node="t", seed=j))  # fmt: skip
+            rows.append(Rollout(group=group_id("t", v, 0, j // a.group), prompt_ids=g.prompt_ids,
+                                completion_ids=g.completion_ids, logprobs=g.logprobs, reward=shaped, version=v,
+                                model_digest=digests[v], node="t", seed=j))  # fmt: skip
         grpo.step(rows)
         states.append(grpo.bf16_state())
         digests.append(model_digest(states[-1]))
     V = a.lag
     changed = [
-        sum(int((states[v + 1][n].view(torch.int16) != states[v][n].view(torch.int16)).sum()) for n in states[v]) / sum(t.numel() for t in states[v].values())
+        sum(int((states[v + 1][n].view(torch.int16) != states[v][n].view(torch.int16)).sum()) for n in states[v])
+        / sum(t.numel() for t in states[v].values())
         for v in range(V)
     ]  # fmt: skip
     print(f"{a.model}: {V} GRPO steps at lr {lr} in {time.perf_counter() - t0:.0f} s; BF16 weights changed per version: "
@@ -167,7 +175,8 @@ def main() -> None:
         r = results[name]
         if a.out:  # after each behaviour: a long run's figures so far
             a.out.write_text(json.dumps(summary(a, lr, V, changed, weak, results), indent=1) + "\n")
-        print(f"{name:40s} refused {n_ref:3d}/{published:3d} ({(r['rate'] or 0):6.1%}) {refused}  min margin {r['min_margin']:+.4f}  "
+        print(f"{name:40s} refused {n_ref:3d}/{published:3d} ({(r['rate'] or 0):6.1%}) {refused}  "
+              f"min margin {r['min_margin']:+.4f}  "
               f"|dlogp| mean {r['mean_dlogprob']:.4f} max {r['max_dlogprob']:.4f}  {r['seconds']} s", flush=True)  # fmt: skip
 
 

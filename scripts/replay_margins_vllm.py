@@ -154,7 +154,8 @@ def main() -> None:
     m, d = torch.cat(margins), torch.cat(diffs)
     c = ReplayConfig()
     summary = {
-        "model": args.model, "dtype": engine.config.compute_dtype(engine.device_type), "temperature": args.temperature, "top_p": args.top_p,
+        "model": args.model, "dtype": engine.config.compute_dtype(engine.device_type),
+        "temperature": args.temperature, "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens, "rows": rows, "tokens": tokens, "batches": batches,
         "batches_refused": refused, "tolerances": {"cdf": c.cdf_tolerance, "logprob": c.logprob_tolerance},
         "tokens_over_cdf_tolerance": int((m < -c.cdf_tolerance).sum()),

@@ -367,7 +367,9 @@ def project(measured: dict[str, Any], args: ScaleBenchSettings, nodes: int) -> d
         + 2 * t * args.loco_payload_bytes  # the current and the previous round
     ) / 1e9
     rates = {
-        "get_head_per_s_mean": per_channel * (get_head(idle) * (1 / args.poll_interval_s) + get_head(per_version) / args.version_interval_s),
+        "get_head_per_s_mean": per_channel * (
+            get_head(idle) * (1 / args.poll_interval_s) + get_head(per_version) / args.version_interval_s
+        ),
         # Every node of the channel fetches a new version within one poll interval.
         "get_head_per_s_burst": per_channel * get_head(per_version) / args.poll_interval_s,
         "list_per_s_mean": per_channel * (idle["list"] / args.poll_interval_s + per_version["list"] / args.version_interval_s),
@@ -470,7 +472,9 @@ def _print_table(result: dict[str, Any], console: Any) -> None:
         f"{_fmt_counts(m['per_version_per_inference_node'])} ({m['source']})"
     )
     table = Table(title="per month, 7B model (S3 us-east-1 / R2)")
-    for col in ("nodes", "GET/s burst", "LIST/s", "LIST/s before", "sync egress/version", "S3 $", "S3 $ before", "R2 $", "R2 $ before"):
+    for col in (
+        "nodes", "GET/s burst", "LIST/s", "LIST/s before", "sync egress/version", "S3 $", "S3 $ before", "R2 $", "R2 $ before"
+    ):
         table.add_column(col, justify="right")
     for row in result["scale"]:
         rates, usd = row["per_channel_prefix"], row["monthly_usd"]

@@ -224,7 +224,8 @@ def _print_table(result: dict) -> None:
     console.print(t)
     s = result["summary"]
     Console().print(
-        f"mean per step: {100 * s['per_step_changed_fraction_mean']:.2f}% changed, v1 {s['per_step_bytes_mean']['pulsenet_v1'] / mb:.2f} MB "
+        f"mean per step: {100 * s['per_step_changed_fraction_mean']:.2f}% changed, "
+        f"v1 {s['per_step_bytes_mean']['pulsenet_v1'] / mb:.2f} MB "
         f"vs paper {s['per_step_bytes_mean']['paper'] / mb:.2f} MB ({s['per_step_paper_over_v1_mean']:.2f}x); "
         f"bit-exact: {s['bit_exact']}; peak RSS {s['peak_rss_bytes'] / 2**30:.2f} GiB"
     )

@@ -121,11 +121,22 @@ def audit(
         check("hostile", *_hostile(events, trainers, inference, hostile))
 
     store = _store(listing or {}, stores or {}, settings or {}) if listing is not None else {}
-    over = [f"{url} {kind}: {d['present']} > {d['bound']}" for url, kinds in store.items() for kind, d in kinds.items() if d.get("bound") is not None and d["present"] > d["bound"]]
+    over = [
+        f"{url} {kind}: {d['present']} > {d['bound']}"
+        for url, kinds in store.items()
+        for kind, d in kinds.items()
+        if d.get("bound") is not None and d["present"] > d["bound"]
+    ]
     check("store_bounded", listing is not None and not over, over or ("listed" if listing is not None else "not listed"))
 
     resources = _resources(samples, limits)
-    too_big = [f"{node} pid {life['pid']}: {why}" for node, info in resources.items() if node not in ("store", "up") for life in info["lives"] for why in life.get("over", ())]
+    too_big = [
+        f"{node} pid {life['pid']}: {why}"
+        for node, info in resources.items()
+        if node not in ("store", "up")
+        for life in info["lives"]
+        for why in life.get("over", ())
+    ]
     check("resources", not too_big, too_big or "within limits (or lives too short to judge)")
 
     restarts = defaultdict(int)
@@ -155,7 +166,9 @@ def audit(
     }
 
 
-def _lives(events: Mapping[str, Sequence[VersionEvent]], journal: Sequence[Mapping[str, Any]]) -> dict[str, list[list[VersionEvent]]]:
+def _lives(
+    events: Mapping[str, Sequence[VersionEvent]], journal: Sequence[Mapping[str, Any]]
+) -> dict[str, list[list[VersionEvent]]]:
     """Each node's events split into its lives at the journal's restart times."""
     starts: dict[str, list[float]] = defaultdict(list)
     for r in journal:
@@ -191,7 +204,13 @@ def _trainer_outages(
         before = max((a for a in firsts if a <= at), default=at)
         after = [a for a in firsts if a > at]
         gaps = [b - a for a, b in itertools.pairwise([before, *after]) if a < until]
-        others = sorted({e.version for n in trainers if n != t for e in events.get(n, ()) if e.kind == "published" and at < e.at < until})
+        others = sorted({
+            e.version
+            for n in trainers
+            if n != t
+            for e in events.get(n, ())
+            if e.kind == "published" and at < e.at < until
+        })
         out.append({
             "target": t, "down_s": None if back is None else round(back - at, 1),
             "versions_while_down": len(others), "max_gap_s": round(max(gaps), 1) if gaps else None,
@@ -239,7 +258,9 @@ def _converged(
     for n in inference:
         stop = next((e for e in reversed(events.get(n, ())) if e.kind == "stopped"), None)
         if stop is not None and stop.version == last and (stop.digest not in digests or stop.weights_digest != stop.digest):
-            problems.append(f"{n}: stopped at v{last} with digest {stop.digest[:12]}, own weights {str(stop.weights_digest)[:12]}")
+            problems.append(
+                f"{n}: stopped at v{last} with digest {stop.digest[:12]}, own weights {str(stop.weights_digest)[:12]}"
+            )
     if exit_code != 0:
         problems.append(f"the run did not complete (exit code {exit_code})")
     return not problems, problems or f"every node at v{last} ({sorted(digests)[0][:16]}…)"
@@ -367,6 +388,10 @@ def _hostile(
                 life[key] = n
         for key, n in life.items():
             refused[key.split(":")[1]] += int(n)
-    wrong = [f"{n} ({hostile[n]}): no batch refused by replay" for n in hostile if not hostile[n].startswith("withhold") and not refused.get(n)]
+    wrong = [
+        f"{n} ({hostile[n]}): no batch refused by replay"
+        for n in hostile
+        if not hostile[n].startswith("withhold") and not refused.get(n)
+    ]
     wrong += [f"{n} (honest): {refused[n]} batches refused by replay" for n in inference if n not in hostile and refused.get(n)]
     return not wrong, {"refused_by_replay": dict(refused), "hostile": dict(hostile), "wrong": wrong}

@@ -73,7 +73,9 @@ def _group_members(typingctx, a, i, magmask, lo, span):
         def splat(k):
             x = context.cast(builder, args[k], sig.args[k], sig.args[0].dtype)
             one = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), GROUP), [0] * GROUP))
+            return builder.shuffle_vector(
+                one, ir.Constant(vt, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), GROUP), [0] * GROUP)
+            )
 
         d = builder.sub(builder.and_(v, splat(2)), splat(3))
         return builder.bitcast(builder.icmp_unsigned("<", d, splat(4)), ir.IntType(GROUP))

@@ -289,7 +289,9 @@ class Collector:
         proposal = self._proposal(ctx, fetches, unreadable)
         complete = len(fetches) >= self.config.expected
         now = asyncio.get_running_loop().time()
-        if proposal is None or not (complete or now >= deadline or (now >= early and await self._only_absent(ctx, fetches, unreadable))):
+        if proposal is None or not (
+            complete or now >= deadline or (now >= early and await self._only_absent(ctx, fetches, unreadable))
+        ):
             return None
         record, won = await self.rs.propose_record(proposal)
         if won:

@@ -95,7 +95,9 @@ def build_trainer(c: TrainerConfig, *, ranks: bool = False, open_store: OpenStor
         task=task,
         text=text,
         loco_store=open_store(c.loco_store) if c.loco_store else None,
-        tracker=make_tracker(c.tracker, name=f"{c.run}-{c.id}", config=to_toml_table(c), directory=Path(c.state_dir) / "tracking"),
+        tracker=make_tracker(
+            c.tracker, name=f"{c.run}-{c.id}", config=to_toml_table(c), directory=Path(c.state_dir) / "tracking"
+        ),
     )
 
 

@@ -117,7 +117,10 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
         async with pub_store, sub_store:
             publisher = Publisher(pub_store, key, PublisherConfig(anchor_every=10))
             await publisher.resume()
-            sub = Subscriber(sub_store, trusted, SubscriberConfig(interval_s=0.2), on_update=lambda v, s, d: asyncio.to_thread(on_update, v, s, d))
+            sub = Subscriber(
+                sub_store, trusted, SubscriberConfig(interval_s=0.2),
+                on_update=lambda v, s, d: asyncio.to_thread(on_update, v, s, d),
+            )
             async with sub:
                 state = {n: t.to(torch.bfloat16) for n, t in master.items()}
                 t0 = time.perf_counter()

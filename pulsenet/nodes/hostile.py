@@ -113,7 +113,9 @@ class Hostile:
     """One node's hostile behaviour: ``observe`` each verified update, ``generate`` each batch,
     ``publish`` (or not) what it scored."""
 
-    def __init__(self, config: HostileConfig, hf_config: PretrainedConfig, decode: Callable[[Sequence[int]], str] | None = None) -> None:
+    def __init__(
+        self, config: HostileConfig, hf_config: PretrainedConfig, decode: Callable[[Sequence[int]], str] | None = None
+    ) -> None:
         self.config, self.hf_config, self.decode = config, hf_config, decode
         self.stats = HostileStats()
         self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
@@ -134,25 +136,34 @@ class Hostile:
 
     # --- the batch ------------------------------------------------------------------------------
 
-    def generate(self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, ids: Sequence[DrawId], score: Score) -> list[Generation]:
+    def generate(
+        self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, ids: Sequence[DrawId], score: Score
+    ) -> list[Generation]:
         """What the node sends for ``prompts`` (one per completion, public draw ids ``ids`` and their
         keys in ``params.draws``), labelled with ``engine``'s version and digest."""
         c, b = self.config, self.config.behaviour
         self.stats.batches += 1
         touched = True
         if b == "chosen":
-            gens = self._teacher_forced(engine, engine.generate(prompts, dataclasses.replace(params, draws=_other(ids, 0))), params.temperature)
+            gens = self._teacher_forced(
+                engine, engine.generate(prompts, dataclasses.replace(params, draws=_other(ids, 0))), params.temperature
+            )
         elif b == "best-of-n":
             gens = self._best_of(engine, prompts, params, ids, score)
         elif b == "scaled-logprobs":
-            gens = [dataclasses.replace(g, logprobs=tuple(x * c.scale for x in g.logprobs)) for g in engine.generate(prompts, params)]
+            gens = [
+                dataclasses.replace(g, logprobs=tuple(x * c.scale for x in g.logprobs))
+                for g in engine.generate(prompts, params)
+            ]
         elif b == "wrong-temperature":
             hot = engine.generate(prompts, dataclasses.replace(params, temperature=c.temperature))
             gens = self._teacher_forced(engine, hot, params.temperature)
         elif b in ("stale", "perturbed"):
             gens, touched = self._shadowed(engine, prompts, params)
         elif b == "copy":
-            gens = engine.generate(prompts, dataclasses.replace(params, draws=tuple(dataclasses.replace(d, node=c.victim).key() for d in ids)))
+            gens = engine.generate(
+                prompts, dataclasses.replace(params, draws=tuple(dataclasses.replace(d, node=c.victim).key() for d in ids))
+            )
         else:  # withhold: honest rows; ``publish`` decides
             gens, touched = engine.generate(prompts, params), False
         self.stats.touched += touched
@@ -171,7 +182,9 @@ class Hostile:
 
     # --- the behaviours --------------------------------------------------------------------------
 
-    def _best_of(self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, ids: Sequence[DrawId], score: Score) -> list[Generation]:
+    def _best_of(
+        self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, ids: Sequence[DrawId], score: Score
+    ) -> list[Generation]:
         """Per row, the best-rewarded of ``n`` draws with other randomness (the first on a tie)."""
         best: list[Generation] = []
         best_r: list[float] = []
@@ -191,7 +204,9 @@ class Hostile:
         scorer = _torch(engine)
         return [dataclasses.replace(g, logprobs=tuple(scorer.score(g.prompt_ids, g.completion_ids, temperature))) for g in gens]
 
-    def _shadowed(self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> tuple[list[Generation], bool]:
+    def _shadowed(
+        self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> tuple[list[Generation], bool]:
         """stale / perturbed: sample with other weights under the served version and digest."""
         version, digest = engine.version, engine.digest
         assert version is not None
@@ -212,12 +227,16 @@ class Hostile:
                 state = {**state, c.layer: (state[c.layer].float() * c.factor).to(state[c.layer].dtype)}
             if self._shadow is None:
                 self._shadow = TorchEngine.from_state(
-                    self.hf_config, state, digest, version=version, config=TorchEngineConfig(verify_updates=False), decode=self.decode
+                    self.hf_config, state, digest, version=version,
+                    config=TorchEngineConfig(verify_updates=False), decode=self.decode,
                 )
             else:
                 self._shadow.update(version, state, digest)  # verify off: the label is the served one's
             self._shadow_for = (version, source)
-            log.warning("hostile %s: serving v%d's weights%s as v%d", c.behaviour, source, " perturbed" * (c.behaviour == "perturbed"), version)
+            log.warning(
+                "hostile %s: serving v%d's weights%s as v%d",
+                c.behaviour, source, " perturbed" * (c.behaviour == "perturbed"), version,
+            )
         return self._shadow.generate(prompts, params), True
 
 

@@ -153,7 +153,9 @@ class InferenceNode:
             self._emit("served", version, digest, apply_s=time.perf_counter() - t)
             if self._start_floor is None or version >= self._start_floor:
                 if self._start_floor is not None and not self._first.is_set():
-                    log.info("%s: caught up to v%d (at least v%d at start): generating", self.config.id, version, self._start_floor)
+                    log.info(
+                        "%s: caught up to v%d (at least v%d at start): generating", self.config.id, version, self._start_floor
+                    )
                     self.state.degraded = None
                 self._first.set()
             self._newer.set()
@@ -266,7 +268,10 @@ class InferenceNode:
                 for k in (*range(active + 1, len(self.subscribers)), *range(active)):
                     announced = await self.subscribers[k].announced()  # store errors: None (logged there)
                     if announced is not None and announced > mine:
-                        log.warning("%s: channel %d stalled at v%s; following channel %d (v%d)", self.config.id, active, seen, k, announced)
+                        log.warning(
+                            "%s: channel %d stalled at v%s; following channel %d (v%d)",
+                            self.config.id, active, seen, k, announced,
+                        )
                         return k
                 since = time.monotonic()
         if task.done() and not task.cancelled() and task.exception() is not None:
@@ -398,7 +403,9 @@ class InferenceNode:
         # what a trainer replays (rl/replay.py); the node chooses none of it.
         ids = [DrawId(c.run, engine_digest, c.id, version, index, k, i) for k, _, _ in asked for i in range(c.group_size)]
         params = replace(
-            self.prompter.sampling_params(temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)),
+            self.prompter.sampling_params(
+                temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)
+            ),
             draws=tuple(d.key() for d in ids),
         )
         groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]

@@ -125,7 +125,9 @@ def plan_network(
         rows_per_step = max(32, rows_per_step // n.inner_steps)  # a round then costs about one lone step
     group_size = n.group_size or base_i.group_size
     if group_size > rows_per_step:  # the trainers would refuse every group (group_size): say so now
-        raise ConfigError(f"--group-size {group_size} is larger than --rows-per-step {rows_per_step}: a GRPO step takes whole groups")
+        raise ConfigError(
+            f"--group-size {group_size} is larger than --rows-per-step {rows_per_step}: a GRPO step takes whole groups"
+        )
     prompts = n.prompts or (max(1, rows_per_step // group_size) if several else base_i.prompts)
     batches_per_version = n.batches_per_version or base_i.batches_per_version
     if several and not n.batches_per_version:

@@ -148,7 +148,8 @@ class _StateCollector(Collector):
         errors.add_metric(ids, s.errors)
         yield errors
         disagree = CounterMetricFamily(
-            "pulsenet_reward_disagreements", "Rewards a node claimed that the trainer's own differ from", labels=[*labels, "source"]
+            "pulsenet_reward_disagreements", "Rewards a node claimed that the trainer's own differ from",
+            labels=[*labels, "source"],
         )
         for node, stats in s.rescored.items():
             disagree.add_metric([*ids, node], stats.disagreements)
@@ -164,7 +165,8 @@ class _StateCollector(Collector):
             dropped.add_metric([*ids, why], n)
         yield dropped
         rejected = CounterMetricFamily(
-            "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason", labels=[*labels, "source", "reason"]
+            "pulsenet_rollouts_rejected", "Rollout batches refused, by source node and reason",
+            labels=[*labels, "source", "reason"],
         )
         for node, reasons in s.rejected.items():
             for why, n in reasons.items():

@@ -289,7 +289,11 @@ def with_inference(line: str, inference: Sequence[tuple[str, str, Sequence[str]]
     the inference nodes that do: ``(name, health, reasons)`` of each. A node that drops every
     prompt it is asked to generate reports degraded with why; naming it beats "no trainer reports
     a fault" (issue 29)."""
-    unwell = [f"{name} is {health}: {'; '.join(reasons) or 'no reason given'}" for name, health, reasons in inference if health != "ok"]
+    unwell = [
+        f"{name} is {health}: {'; '.join(reasons) or 'no reason given'}"
+        for name, health, reasons in inference
+        if health != "ok"
+    ]
     if not unwell or not line.startswith("no trainer reports a fault"):
         return line
     return "; ".join(unwell) + f" ({line})"

@@ -292,7 +292,9 @@ class TrainerNode:
             return False
         t0 = time.perf_counter()
         try:
-            verdict = await asyncio.to_thread(replayer.check, batch.version, replay_rows(batch, self.config.run, self.digests[batch.version]))
+            verdict = await asyncio.to_thread(
+                replayer.check, batch.version, replay_rows(batch, self.config.run, self.digests[batch.version])
+            )
         finally:
             replayer.stats.seconds += time.perf_counter() - t0
             self._round.replay_s += time.perf_counter() - t0

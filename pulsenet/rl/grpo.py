@@ -314,7 +314,9 @@ class GRPOTrainer:
         slices = []  # (share, row indices of one micro-batch, its padded width), shares in rank order
         for r in shares:
             mine = list(range(r, rows, world))
-            slices += [(r, torch.tensor(s), w) for s, w in micro_batches(mine, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)]
+            slices += [
+                (r, torch.tensor(s), w) for s, w in micro_batches(mine, lengths, cfg.micro_batch_size, cfg.micro_batch_tokens)
+            ]
         old: list[torch.Tensor] = []
         # loss at step 0, entropy, k3 to the reference, clipped tokens: sums over this process's rows
         sums = torch.zeros(4, dtype=torch.float64)

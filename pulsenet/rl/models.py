@@ -237,10 +237,14 @@ def resolve_model(model: str, *, hub_cache: Path | None = None) -> ModelRef:
     if path.is_dir():
         if not (path / "config.json").is_file():
             have = sorted(p.name for p in path.iterdir())[:12]
-            raise ConfigError(f"model {model!r}: {path} has no config.json, so it is not a Hugging Face model directory (it holds {have})")
+            raise ConfigError(
+                f"model {model!r}: {path} has no config.json, so it is not a Hugging Face model directory (it holds {have})"
+            )
         return ModelRef(model, path)
     if not _HUB_ID.fullmatch(model):
-        raise ConfigError(f"model must be tiny, smollm2, a Hugging Face model directory or a hub id (org/name); {model!r} is none of these")
+        raise ConfigError(
+            f"model must be tiny, smollm2, a Hugging Face model directory or a hub id (org/name); {model!r} is none of these"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -230,7 +230,8 @@ class Replayer:
             if m.numel() and float(m.min()) < -c.cdf_tolerance:
                 t = int(m.argmin())
                 return self._count(_with(verdict, "replay_token", i, f"token {t} is not the public draw's "
-                                         f"(its uniform lies {-float(m[t]):.4f} of mass outside the token's CDF interval)"))  # fmt: skip
+                                         f"(its uniform lies {-float(m[t]):.4f} of mass outside "
+                                         "the token's CDF interval)"))  # fmt: skip
             if d.numel() and float(d.max()) > c.logprob_tolerance:
                 t = int(d.argmax())
                 return self._count(_with(verdict, "replay_logprob", i, f"token {t}'s log-prob is off by {float(d[t]):.4f}"))
@@ -250,7 +251,9 @@ class Replayer:
             ids[i, : len(r.prompt_ids) + len(r.completion_ids)] = torch.tensor(r.prompt_ids + r.completion_ids)
         logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=width - first).logits
         at_row = torch.cat([torch.full((len(r.completion_ids),), i) for i, r in enumerate(rows)])
-        at_pos = torch.cat([torch.arange(len(r.prompt_ids) - 1 - first, len(r.prompt_ids) + len(r.completion_ids) - 1 - first) for r in rows])
+        at_pos = torch.cat([
+            torch.arange(len(r.prompt_ids) - 1 - first, len(r.prompt_ids) + len(r.completion_ids) - 1 - first) for r in rows
+        ])
         at = logits[at_row, at_pos].float()  # [tokens, vocab]: the distribution each completion token was drawn from
         tokens = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long)
         reported = torch.tensor([x for r in rows for x in r.logprobs], dtype=torch.float32)

@@ -31,7 +31,8 @@ per-call deadline: ``numeric`` (it parses numbers with ``Fraction``, and ``Fract
 computes 10**999999999 in C holding the GIL: in-process it froze a trainer's event loop and
 /healthz for minutes; ``_as_number`` now refuses such exponents too), ``math`` (sympy can take
 unbounded time) and every custom function. A thread cannot be killed, nor can it run while C code
-holds the GIL; a process can be killed, and the parent waits for it without holding the GIL. A call past ``timeout_s`` kills the worker, scores 0 for that completion and is counted; the
+holds the GIL; a process can be killed, and the parent waits for it without holding the GIL. A call
+past ``timeout_s`` kills the worker, scores 0 for that completion and is counted; the
 worker restarts on the next call (about half a second). A call that raises scores 0, is counted
 and logged with its row's tag. ``max_timeouts`` timeouts of one reward in one batch skip that
 reward for the rest of the batch (scored 0, counted), so a reward that always hangs costs a few

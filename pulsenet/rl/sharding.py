@@ -136,7 +136,9 @@ def chunk_norms(grads: Sequence[torch.Tensor | None], world: int, rank: int | No
         return torch.zeros((), dtype=torch.float32) if g is None else torch.linalg.vector_norm(g.float()).cpu()
 
     if rank is None:
-        return torch.stack([torch.stack([norm(None if g is None else chunk_of(g, r, world)) for g in grads]) for r in range(world)])
+        return torch.stack(
+            [torch.stack([norm(None if g is None else chunk_of(g, r, world)) for g in grads]) for r in range(world)]
+        )
     mine = torch.stack([norm(None if g is None else local(g)) for g in grads])
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine)

@@ -431,7 +431,9 @@ class DemandReader:
         cfg = self.config
         key = self.layout.demand(source.trainer)
         try:
-            got = await source.store.get_if_changed(key, self._etag.get(source.trainer), max_bytes=MAX_DEMAND, timeout=cfg.timeout_s)
+            got = await source.store.get_if_changed(
+                key, self._etag.get(source.trainer), max_bytes=MAX_DEMAND, timeout=cfg.timeout_s
+            )
         except ObjectNotFound:
             self.stats.missing += 1
             self._etag.pop(source.trainer, None)

@@ -470,7 +470,10 @@ class RolloutIntake:
         for node in self.trust.distrusted:
             if node not in self.stats.distrusted:
                 self.stats.distrusted[node] = "distrusted before a restart"
-                log.warning("rollout node %s is still distrusted (since v%d): its batches are not taken", node, self.trust.distrusted[node])
+                log.warning(
+                    "rollout node %s is still distrusted (since v%d): its batches are not taken",
+                    node, self.trust.distrusted[node],
+                )
         for key, v in consumed.items():
             if key.startswith(ANSWERED):
                 self._answered[key.removeprefix(ANSWERED)] = v

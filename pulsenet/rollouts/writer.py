@@ -205,7 +205,10 @@ class RolloutWriter:
         skipped = listed[self.config.verify_at_start :]
         if skipped:
             self.stats.junk_names += len(skipped)
-            log.warning("rollout writer %s: %d listed manifests past the newest %d not checked", self.node, len(skipped), self.config.verify_at_start)
+            log.warning(
+                "rollout writer %s: %d listed manifests past the newest %d not checked",
+                self.node, len(skipped), self.config.verify_at_start,
+            )
         gate = asyncio.Semaphore(8)
 
         async def check(name: BatchName, info: ObjectInfo) -> BatchName | None:
@@ -303,7 +306,9 @@ class RolloutWriter:
         ``version`` holds."""
         listing = await self.store.list(self.layout.manifests, timeout=self.config.timeout_s)
         taken = {
-            n.seq for i in listing if (n := self.layout.parse_manifest(i.key)) is not None and n.node == self.node and n.version == version
+            n.seq
+            for i in listing
+            if (n := self.layout.parse_manifest(i.key)) is not None and n.node == self.node and n.version == version
         }
         while seq in taken:
             seq += 1
@@ -328,7 +333,9 @@ class RolloutWriter:
             publisher=self.key_id,
             created=now_iso(),
         )
-        data = sign_document(head.to_body(), self.key, context=self.layout.head_context(self.config.run, self.store.url, self.node))
+        data = sign_document(
+            head.to_body(), self.key, context=self.layout.head_context(self.config.run, self.store.url, self.node)
+        )
         try:
             await self.store.put(self.layout.head, data, timeout=self.config.timeout_s)
         except (StoreError, TimeoutError) as e:

@@ -12,8 +12,9 @@ may lag by one version after a crash; it is rewritten from the weights file on t
 
 On load the metadata is never trusted on its own: the values are hashed and must give the recorded
 digest, and the version must match the header's check value (a SHA-256 over format, version and
-digest: it catches a corrupted version number, which no digest covers), or the state is refused (VerificationError) and the subscriber starts from an anchor. Any
-malformed file (either one) ends in a VerificationError, never another exception.
+digest: it catches a corrupted version number, which no digest covers), or the state is refused
+(VerificationError) and the subscriber starts from an anchor. Any malformed file (either one) ends
+in a VerificationError, never another exception.
 """
 
 from __future__ import annotations

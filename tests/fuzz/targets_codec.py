@@ -418,7 +418,8 @@ def _pack(head: list, sections: list[dict], *, sizes_as_given: bool = False) -> 
         tail = list(s["tail"])
         if not sizes_as_given:
             tail[2], tail[7], tail[8] = (len(f) for f in s["frames"])
-        parts += [struct.pack("<H", len(s["name"])), s["name"], struct.pack(f"<B{len(s['shape'])}Q", len(s["shape"]), *s["shape"]),
+        parts += [struct.pack("<H", len(s["name"])), s["name"],
+                  struct.pack(f"<B{len(s['shape'])}Q", len(s["shape"]), *s["shape"]),
                   _TAIL.pack(*tail), *s["frames"]]  # fmt: skip
     return b"".join(parts)
 

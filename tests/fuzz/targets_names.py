@@ -229,7 +229,8 @@ def _cache(data: bytes) -> bool:
         owned = path.parent == cache.dir and (
             (path.name.startswith(TMP_PREFIX) and len(path.name) == len(TMP_PREFIX) + 16
             and all(c in "0123456789abcdef" for c in path.name[len(TMP_PREFIX):]))
-            or (path.name[:1].isascii() and path.name[:1].isalnum() and all(c.isascii() and (c.isalnum() or c in "._-") for c in path.name))
+            or (path.name[:1].isascii() and path.name[:1].isalnum()
+                and all(c.isascii() and (c.isalnum() or c in "._-") for c in path.name))
         )  # fmt: skip
         if kept == owned:
             raise AssertionError(f"{path.name!r} in {path.parent.name}: {'kept' if kept else 'deleted'}")

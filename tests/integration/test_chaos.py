@@ -87,7 +87,12 @@ def test_bounded_chaos_run_recovers_from_every_fault_and_passes_the_audit(workdi
     cut = next(f for f in faults if f["kind"] == "cut-link")
     assert result["config"]["links"][cut["target"]]["up"] > 0  # its traffic went through the relay
     stores = result["store"]
-    assert any(k == "policy versions" and v["present"] <= v["bound"] for s in stores.values() for k, v in s.items() if v.get("bound"))
+    assert any(
+        k == "policy versions" and v["present"] <= v["bound"]
+        for s in stores.values()
+        for k, v in s.items()
+        if v.get("bound")
+    )
     nodes = {"t0", "t1", "i0", "i1"}
     assert nodes <= set(result["resources"]) and all(result["resources"][n]["lives"] for n in nodes)
 

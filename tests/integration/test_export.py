@@ -41,12 +41,17 @@ def _export(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
     )
 
 
-def test_export_writes_a_loadable_verified_directory(seaweed: SeaweedServer, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+def test_export_writes_a_loadable_verified_directory(
+    seaweed: SeaweedServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     src = llama_dir(tmp_path / "src")
     states = [bf16_state_dict(load_model(src))]
     gen = torch.Generator().manual_seed(0)
     for _ in range(2):  # two RL-sized steps: a few entries of every tensor move
-        states.append({n: (t.float() + (torch.rand(t.shape, generator=gen) < 0.05) * 0.05).to(torch.bfloat16) for n, t in states[-1].items()})
+        states.append({
+            n: (t.float() + (torch.rand(t.shape, generator=gen) < 0.05) * 0.05).to(torch.bfloat16)
+            for n, t in states[-1].items()
+        })
     digests = [model_digest(s) for s in states]
     key = tmp_path / "t0.key"
     generate_keypair(key)

@@ -71,7 +71,9 @@ def _honest(t: Trainer, version: int, batch: int = 0) -> list[Rollout]:
         problems = assign_problems(task, node="i0", version=version, seed=0, n=PROMPTS, batch=batch)
         assert t.node.replayer is not None
         digest = t.node.digests[version]
-        engine = TorchEngine.from_state(t.grpo.local.model.config, t.node.replayer.states[version], digest, version=version, decode=text.decode)
+        engine = TorchEngine.from_state(
+            t.grpo.local.model.config, t.node.replayer.states[version], digest, version=version, decode=text.decode
+        )
         prompts = [prompter.encode(p.prompt) for p in problems for _ in range(G)]
         keys = tuple(DrawId(RUN, digest, "i0", version, batch, k, i).key() for k in range(PROMPTS) for i in range(G))
         gens = engine.generate(prompts, replace(prompter.sampling_params(), draws=keys))  # type: ignore[arg-type]
@@ -92,7 +94,9 @@ def _looked_at(t: Trainer, node: str) -> int:
     return s.taken_by_node.get(node, 0) + early
 
 
-async def _run(tmp_path: Path, behaviour: str, *, batches_per_version: int = 1, move: float = 0.0, versions: int = VERSIONS) -> tuple[Trainer, InferenceNode, _Trained, list[int]]:
+async def _run(
+    tmp_path: Path, behaviour: str, *, batches_per_version: int = 1, move: float = 0.0, versions: int = VERSIONS
+) -> tuple[Trainer, InferenceNode, _Trained, list[int]]:
     """A trainer making ``versions`` versions; at each, it decides on i1's batch(es) first, then
     gets i0's honest batch (unless i1's moved it on already: an untouched batch is trained on).
     Returns the trainer, i1, its GRPO step and the versions of i0's batches."""
@@ -125,7 +129,10 @@ async def _run(tmp_path: Path, behaviour: str, *, batches_per_version: int = 1, 
                 if t.node.version != v:  # i1's untouched batch made this version
                     continue
                 def decided(v: int = v) -> bool:  # i1 made its batches at v, the trainer decided on all it published
-                    made = hostile._batches_at.get(v, 0) >= batches_per_version and _looked_at(t, "i1") >= hostile.writer.stats.batches
+                    made = (
+                        hostile._batches_at.get(v, 0) >= batches_per_version
+                        and _looked_at(t, "i1") >= hostile.writer.stats.batches
+                    )
                     return made or t.node.version != v or node.done()
 
                 await _until(decided, task, 60, f"i1's batches at v{v}")
@@ -220,7 +227,10 @@ def test_the_chaos_audit_checks_replay_refused_the_hostile_node_and_no_honest_on
 
     def run(refusals: dict[str, float]) -> dict[str, Any]:
         events = {
-            "t0": [VersionEvent(kind="published", node="t0", role="trainer", version=v, digest=f"{v:064x}", totals=dict(refusals)) for v in range(2)],
+            "t0": [
+                VersionEvent(kind="published", node="t0", role="trainer", version=v, digest=f"{v:064x}", totals=dict(refusals))
+                for v in range(2)
+            ],
         }
         roles = {"t0": "trainer", "i0": "inference", "i1": "inference"}
         settings = {"i0": {"hostile": ""}, "i1": {"hostile": "best-of-n"}}

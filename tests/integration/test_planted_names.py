@@ -186,7 +186,10 @@ def _states(model: torch.nn.Module, n: int) -> list[dict[str, torch.Tensor]]:
     states = [bf16_state_dict(model)]
     gen = torch.Generator().manual_seed(0)
     for _ in range(n - 1):
-        states.append({k: (t.float() + (torch.rand(t.shape, generator=gen) < 0.05) * 0.05).to(torch.bfloat16) for k, t in states[-1].items()})
+        states.append({
+            k: (t.float() + (torch.rand(t.shape, generator=gen) < 0.05) * 0.05).to(torch.bfloat16)
+            for k, t in states[-1].items()
+        })
     return states
 
 
@@ -337,7 +340,9 @@ def test_pull_refuses_a_cache_that_is_or_holds_its_output(tmp_path: Path) -> Non
     out = tmp_path / "model"
     base = ["pull", "--store", f"file://{store}", "--trust", f"{key}.pub", "--out", str(out)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | {"XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    r = subprocess.run([sys.executable, "-m", "pulsenet", *base], env=env, capture_output=True, text=True, timeout=180, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "pulsenet", *base], env=env, capture_output=True, text=True, timeout=180, check=False
+    )
     assert r.returncode == 0, r.stderr
     before = sorted(p.name for p in out.iterdir())
     assert "model.safetensors" in before
@@ -347,9 +352,13 @@ def test_pull_refuses_a_cache_that_is_or_holds_its_output(tmp_path: Path) -> Non
         assert r.returncode != 0 and "ConfigError" in r.stderr and "--cache" in r.stderr and "--out" in r.stderr, r.stderr
         assert sorted(p.name for p in out.iterdir()) == before
     with pytest.raises(ConfigError, match=r"--cache .* is --out"):
-        asyncio.run(export_version(LocalStore(store), trusted_keys([f"{key}.pub"]), out=tmp_path / "e", model="tiny", cache_dir=tmp_path / "e"))
+        asyncio.run(export_version(
+            LocalStore(store), trusted_keys([f"{key}.pub"]), out=tmp_path / "e", model="tiny", cache_dir=tmp_path / "e"
+        ))
     with pytest.raises(ConfigError, match=r"cache_dir .* contains state_dir"):
-        asyncio.run(Subscriber(LocalStore(store), trusted_keys([f"{key}.pub"]), SubscriberConfig(state_dir=out, cache_dir=tmp_path)).start())
+        asyncio.run(Subscriber(
+            LocalStore(store), trusted_keys([f"{key}.pub"]), SubscriberConfig(state_dir=out, cache_dir=tmp_path)
+        ).start())
 
 
 # --- other names that steered: PULSESync retention --------------------------------------------------
@@ -371,7 +380,9 @@ async def test_publisher_retention_never_fetches_names_above_its_own_version(tmp
         for s in states[1:]:
             await pub.publish_now(s)
     assert planted not in store.read_bytes
-    assert sorted(v for i in await store.list(layout.manifests) if (v := layout.parse_manifest(i.key)) is not None) == [3, 500_000]
+    assert sorted(
+        v for i in await store.list(layout.manifests) if (v := layout.parse_manifest(i.key)) is not None
+    ) == [3, 500_000]
 
 
 def test_publish_cli_carries_a_model_directorys_architecture(tmp_path: Path) -> None:
@@ -384,7 +395,9 @@ def test_publish_cli_carries_a_model_directorys_architecture(tmp_path: Path) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "pulsenet", *args], env=env, capture_output=True, text=True, timeout=180, check=False)
+        return subprocess.run(
+            [sys.executable, "-m", "pulsenet", *args], env=env, capture_output=True, text=True, timeout=180, check=False
+        )
 
     r = cli("publish", str(tmp_path / "m"), "--store", store, "--key", str(tmp_path / "k"))
     assert r.returncode == 0, r.stderr

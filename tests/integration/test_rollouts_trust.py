@@ -157,7 +157,10 @@ async def test_a_node_is_distrusted_after_k_replay_refusals_and_stays_so_after_a
     assert await ti.poll(1) == 1
     spent = a.read.requests - before
     assert spent.get == 0 and spent.list == 1  # one listing (once per relist_after_s): no head, manifest or payload
-    assert rejected(ti, a.node)["distrusted"] == 3 and ti.stats.bytes_downloaded - down == (await b.read.list("rollouts/batches/", timeout=10))[-1].size
+    assert (
+        rejected(ti, a.node)["distrusted"] == 3
+        and ti.stats.bytes_downloaded - down == (await b.read.list("rollouts/batches/", timeout=10))[-1].size
+    )
     assert rejected(ti, a.node)["replay_token"] == 2 and rejected(ti, a.node)["rescore"] == 1
     # distrusted nodes get no share of the demand
     assert ti.demand(1, 8).grants == {a.node: 0, b.node: 8}

@@ -323,7 +323,9 @@ def test_up_reports_a_stuck_network_and_restarts_killed_nodes_and_store(workdir:
         os.kill(_pid(workdir, "config/i1.toml"), signal.SIGKILL)
         os.kill(_pid(workdir, str(workdir / "s3")), signal.SIGKILL)
         _wait_for(lambda: any(r["kind"] == "store_restart" for r in _journal(workdir)), 120, "the store back", proc)
-        _wait_for(lambda: any(e.version > v for e in _events(workdir, "t0") if e.kind == "published"), 300, "a version after", proc)
+        _wait_for(
+            lambda: any(e.version > v for e in _events(workdir, "t0") if e.kind == "published"), 300, "a version after", proc
+        )
         out = _finish(proc)
     finally:
         proc.kill()
@@ -361,7 +363,10 @@ def test_a_crash_loop_ends_the_run_naming_the_node_its_exits_and_its_last_error(
     assert proc.returncode == 1, out[-3000:]
     loop = next(r for r in _journal(workdir) if r["kind"] == "crash_loop")
     assert loop["node"] == "i1"
-    assert "i1 is in a crash loop: 3 exits within 600 s (2 restarts in all; killed by SIGKILL, exit code 2, exit code 2)" in loop["reason"]
+    assert (
+        "i1 is in a crash loop: 3 exits within 600 s (2 restarts in all; killed by SIGKILL, exit code 2, exit code 2)"
+        in loop["reason"]
+    )
     assert "no_such_setting" in loop["reason"]  # its last error: what the node said when it failed to start
     assert "i1 is in a crash loop" in out
     assert _gone(workdir, timeout=10.0) == []

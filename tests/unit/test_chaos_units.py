@@ -88,7 +88,10 @@ def _pub(node: str, v: int, digest: str | None = None, at: float = 0.0) -> Versi
 
 def _inf(kind: str, v: int, digest: str | None = None, at: float = 0.0, own: str | None = None) -> VersionEvent:
     d = digest or D[v]
-    return VersionEvent(kind=kind, node="i0", role="inference", version=v, digest=d, at=at, weights_digest=own or (d if kind == "stopped" else None))
+    return VersionEvent(
+        kind=kind, node="i0", role="inference", version=v, digest=d, at=at,
+        weights_digest=own or (d if kind == "stopped" else None),
+    )
 
 
 def _good() -> dict[str, list[VersionEvent]]:
@@ -100,7 +103,10 @@ def _good() -> dict[str, list[VersionEvent]]:
 
 
 def test_a_clean_history_passes() -> None:
-    r = audit(events=_good(), roles=ROLES, listing={}, faults=[{"injected": True, "kind": "kill-node", "target": "i0", "recovery_s": 3.0}])
+    r = audit(
+        events=_good(), roles=ROLES, listing={},
+        faults=[{"injected": True, "kind": "kill-node", "target": "i0", "recovery_s": 3.0}],
+    )
     assert r["verdict"] == "pass", r["checks"]
     assert r["figures"]["max_recovery_s"] == 3.0 and r["figures"]["unverified_served"] == 0
 
@@ -120,7 +126,10 @@ def test_the_checker_catches_each_violation() -> None:
     ev["i0"].insert(3, _inf("served", 2, at=3.2))  # v3 then v2 within one life
     assert not audit(events=ev, roles=ROLES, listing={})["checks"]["monotonic"]["ok"]
     restart = [{"kind": "restart", "node": "i0", "at": 3.1}]  # ... but a new life may resume an older saved version
-    ev["i0"] = [_inf("served", 0, at=0.5), _inf("served", 3, at=3.0), _inf("served", 2, at=3.2), _inf("served", 3, at=3.3), _inf("stopped", 3, at=4)]
+    ev["i0"] = [
+        _inf("served", 0, at=0.5), _inf("served", 3, at=3.0), _inf("served", 2, at=3.2), _inf("served", 3, at=3.3),
+        _inf("stopped", 3, at=4),
+    ]
     assert audit(events=ev, roles=ROLES, journal=restart, listing={})["checks"]["monotonic"]["ok"]
     ev = _good()
     ev["t0"].append(_pub("t0", 3, at=5))  # published twice, across a restart
@@ -160,7 +169,10 @@ def test_store_retention_bounds_are_checked() -> None:
 
 
 def test_resources_judge_long_lives_by_their_second_half() -> None:
-    flat = [{"t": t, "node": "i0", "pid": 7, "rss_mb": 500 + (300 if t < 60 else 0.01 * t), "fds": 18} for t in range(0, 1200, 10)]
+    flat = [
+        {"t": t, "node": "i0", "pid": 7, "rss_mb": 500 + (300 if t < 60 else 0.01 * t), "fds": 18}
+        for t in range(0, 1200, 10)
+    ]
     leak = [{"t": t, "node": "t0", "pid": 8, "rss_mb": 500 + 0.2 * t, "fds": 18 + t // 30} for t in range(0, 1200, 10)]
     short = [{"t": t, "node": "t1", "pid": 9, "rss_mb": 100 + 5 * t, "fds": 3 + t} for t in range(0, 100, 10)]
     r = audit(events=_good(), roles=ROLES, listing={}, samples=flat + leak + short, limits=Limits(4.0, 16, 600))

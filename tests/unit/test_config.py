@@ -207,5 +207,8 @@ def test_node_table_site_overrides_by_env():
     assert c.trust == [Path("keys/t0.key.pub"), Path("keys/t1.key.pub")]
     t = load_settings(TrainerConfig, table="trainer", config=CONFIGS / "trainer.toml", environ={"PULSENET_GRPO__LR": "3e-6"})
     assert t.grpo.lr == 3e-6 and t.model == "tiny"
-    t = load_settings(TrainerConfig, table="trainer", config=CONFIGS / "trainer.toml", argv=["--grpo.lr", "1e-5"], environ={"PULSENET_GRPO__LR": "3e-6"})
+    t = load_settings(
+        TrainerConfig, table="trainer", config=CONFIGS / "trainer.toml", argv=["--grpo.lr", "1e-5"],
+        environ={"PULSENET_GRPO__LR": "3e-6"},
+    )
     assert t.grpo.lr == 1e-5

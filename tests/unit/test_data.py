@@ -39,7 +39,10 @@ def test_every_format_loads_the_same_rows(tmp_path: Path) -> None:
 def test_column_mapping_and_missing_columns(tmp_path: Path) -> None:
     rows = [{"q": "2+2=", "gold": "4", "extra": 1}]
     path = _jsonl(tmp_path / "custom.jsonl", rows)
-    with pytest.raises(ConfigError, match=r"custom\.jsonl: no prompt column \(prompt / question / problem\); its columns are \['q', 'gold', 'extra'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"custom\.jsonl: no prompt column \(prompt / question / problem\); its columns are \['q', 'gold', 'extra'\]",
+    ):
         load_problem_set(path)
     with pytest.raises(ConfigError, match=r"custom\.jsonl: no answer column 'answer'; its columns are \['q', 'gold', 'extra'\]"):
         load_problem_set(path, prompt_column="q", answer_column="answer")

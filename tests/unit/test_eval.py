@@ -21,7 +21,9 @@ from pulsenet.rl.tasks import TaskConfig, build_task
 
 def _cpu_engine(decode: Callable[[Sequence[int]], str]) -> EngineBuilder:
     """What the trainer node passes its Evaluator (nodes/trainer.py), on the CPU."""
-    return functools.partial(TorchEngine.from_state, model_hf_config(resolve_model("tiny")), config=TorchEngineConfig(device="cpu"), decode=decode)
+    return functools.partial(
+        TorchEngine.from_state, model_hf_config(resolve_model("tiny")), config=TorchEngineConfig(device="cpu"), decode=decode
+    )
 
 
 def test_evaluator_scores_versions_and_updates_in_place(tmp_path: Path) -> None:

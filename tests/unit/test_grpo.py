@@ -332,7 +332,8 @@ def test_a_bf16_engine_shows_up_as_mismatch(cache_dir: Path) -> None:
     )
     m = trainer.step(rolls)
     print(
-        f"\nBF16 engine vs bf16-weights trainer: mismatch k3 KL {m.mismatch_kl:.2e}, max |dlogp| {m.mismatch_max:.3f}, TIS-truncated {m.tis_frac:.4f}"
+        f"\nBF16 engine vs bf16-weights trainer: mismatch k3 KL {m.mismatch_kl:.2e}, max |dlogp| {m.mismatch_max:.3f}, "
+        f"TIS-truncated {m.tis_frac:.4f}"
     )
     assert 0 < m.mismatch_kl < 0.05 and m.mismatch_max > 0
 

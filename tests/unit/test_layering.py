@@ -6,8 +6,8 @@ Layers, lowest first (README "Architecture"; DESIGN.md):
 codec and store know nothing of each other; sync, loco and rollouts are three channels on top of
 them that share only ``signed``; rl sits above the channels and engines above rl (engines build on
 rl's models and take rl's ``SamplingParams``; rl's eval samples through whatever engine nodes/
-hands it, never importing one); nodes wire everything; bench, chaos (``pulsenet up``'s network under faults) and cli are the edges,
-and neither bench nor chaos imports cli.
+hands it, never importing one); nodes wire everything; bench, chaos (``pulsenet up``'s network
+under faults) and cli are the edges, and neither bench nor chaos imports cli.
 """
 
 from __future__ import annotations
@@ -122,7 +122,12 @@ def test_pulsenet_up_is_a_package_above_the_rest_of_nodes() -> None:
     assert not (ROOT / "nodes" / "launcher.py").exists(), "pulsenet up lives in nodes/up/, not one launcher module"
     graph = _graph()
     assert {f"{UP}.{m}" for m in ("workdir", "sites", "supervisor", "console")} <= set(graph)
-    back = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if m.startswith("pulsenet.nodes.") and not m.startswith(UP) and d.startswith(UP))
+    back = sorted(
+        f"{m} -> {d}"
+        for m, deps in graph.items()
+        for d in deps
+        if m.startswith("pulsenet.nodes.") and not m.startswith(UP) and d.startswith(UP)
+    )
     assert not back, "nodes modules that import pulsenet up back:\n" + "\n".join(back)
     long = {m: n for m in graph if m.startswith(UP) and (n := len(_modules()[m].read_text().splitlines())) > 600}
     assert not long, f"pulsenet up modules over 600 lines: {long}"
@@ -143,7 +148,11 @@ def test_the_pulseloco_trainer_is_a_round_driver() -> None:
     assert "run_round_overlapped" not in methods, "one round path: overlap is a step run_round calls"
     assert len(path.read_text().splitlines()) < 600
     assert {f"pulsenet.loco.{m}" for m in LOCO_STEPS} <= _graph()["pulsenet.loco.trainer"]
-    long = {m: n for m in _modules() if m.startswith("pulsenet.loco.") and (n := len(_modules()[m].read_text().splitlines())) > 650}
+    long = {
+        m: n
+        for m in _modules()
+        if m.startswith("pulsenet.loco.") and (n := len(_modules()[m].read_text().splitlines())) > 650
+    }
     assert not long, f"loco modules over ~600 lines: {long}"
 
 
@@ -173,7 +182,8 @@ def test_one_function_builds_each_node() -> None:
     builders = sorted(str(p.relative_to(ROOT.parent)) for p in files if _calls(p, nodes))
     assert builders == ["pulsenet/nodes/build.py"], builders
     components = {"Publisher", "RolloutIntake", "LocoTrainer", "LocoRounds", "LocalRounds", "DemandWriter",
-                  "DemandReader", "Rescorer", "Replayer", "Evaluator", "RolloutWriter", "Subscriber", "ConsumerTracker"}  # fmt: skip
+                  "DemandReader", "Rescorer", "Replayer", "Evaluator", "RolloutWriter", "Subscriber",
+                  "ConsumerTracker"}  # fmt: skip
     for node in ("trainer", "inference"):
         made = _calls(ROOT / "nodes" / f"{node}.py", components)
         assert not made, f"nodes/{node}.py builds {sorted(made)}: nodes/build.py makes every component"

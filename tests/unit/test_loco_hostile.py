@@ -172,7 +172,10 @@ def test_max_size_bounds_every_payload_the_encoder_writes() -> None:
             tensors = {}
             for n, s in shapes.items():
                 k = int(np.prod(s))
-                values = (theta[n].numpy().reshape(-1) * np.float32(scale) + rng.standard_normal(k).astype(np.float32) * np.float32(scale))
+                values = (
+                    theta[n].numpy().reshape(-1) * np.float32(scale)
+                    + rng.standard_normal(k).astype(np.float32) * np.float32(scale)
+                )
                 idx = np.arange(k, dtype=np.int64) if mode == wire.SPARSE else None
                 tensors[n] = wire.SparseTensor(s, idx, values.astype(np.float32))
             for base in (None, theta):

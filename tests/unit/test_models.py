@@ -46,7 +46,9 @@ def test_a_local_directory_is_a_model(tmp_path: Path, family: str) -> None:
     state = bf16_state_dict(model)
     check_layout_matches(config, state)  # an inference node's architecture fits the channel
     assert list(served_layout(config)) == list(state)
-    engine = TorchEngine.from_state(config, state, model_digest(state), version=0, config=TorchEngineConfig(device="cpu"), decode=codec.decode)
+    engine = TorchEngine.from_state(
+        config, state, model_digest(state), version=0, config=TorchEngineConfig(device="cpu"), decode=codec.decode
+    )
     out = engine.generate([codec.encode("Hello")] * 2, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3))
     assert all(g.digest == model_digest(state) and 1 <= len(g.completion_ids) <= 6 for g in out)
 

@@ -55,7 +55,9 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
             store=store(t),
             key=keys[t][0],
             sources=[RolloutSource("i0", store("i0"), {key_id(keys["i0"][1]): keys["i0"][1]})],
-            policy=GRPOInner(GRPOTrainer(initial_model("tiny", tmp_path / "cache", warmup_steps=20), GRPOConfig(lr=5e-4, pad_id=text.pad_id))),
+            policy=GRPOInner(GRPOTrainer(
+                initial_model("tiny", tmp_path / "cache", warmup_steps=20), GRPOConfig(lr=5e-4, pad_id=text.pad_id)
+            )),
             task=build_task("arith", seed=0),
             text=text,
             loco_store=store("loco"),

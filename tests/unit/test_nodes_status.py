@@ -69,10 +69,15 @@ def test_report_writes_summary_and_plots(tmp_path) -> None:
          "bytes": {"pulsesync": 1000, "full_sync": 100000, "pulseloco": 500, "diloco": 9000, "ddp": 70000, "rollouts": 300}}
         for r in (1, 2, 3)
     ]  # fmt: skip
-    nodes = {"t0": {"role": "trainer", "version": 3, "digest": "d" * 64}, "i0": {"role": "inference", "version": 3, "digest": "d" * 64}}
+    nodes = {
+        "t0": {"role": "trainer", "version": 3, "digest": "d" * 64},
+        "i0": {"role": "inference", "version": 3, "digest": "d" * 64},
+    }
     summary = write_report(tmp_path, rounds=rounds, nodes=nodes)
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk["bytes"] == {"pulsesync": 3000, "full_sync": 300000, "pulseloco": 1500, "diloco": 27000, "ddp": 210000, "rollouts": 900}
+    assert on_disk["bytes"] == {
+        "pulsesync": 3000, "full_sync": 300000, "pulseloco": 1500, "diloco": 27000, "ddp": 210000, "rollouts": 900
+    }
     assert on_disk["ratios"]["full_sync_over_pulsesync"] == 100.0 and on_disk["staleness"] == 1
     assert on_disk["nodes"]["i0"]["role"] == "inference" and summary["reward"] == [0.1, 0.2, 0.30000000000000004]
     for name in ("reward.png", "bytes.png", "sparsity.png"):

@@ -128,10 +128,18 @@ def test_each_cheat_is_refused(policy: tuple, honest: list[ReplayRow], cheat: st
     if cheat == "halved_logprobs":
         rows = [dataclasses.replace(r, logprobs=tuple(x / 2 for x in r.logprobs)) for r in honest]
     elif cheat == "chosen_completions":  # the policy's own samples, but not the public draw's
-        rows = [dataclasses.replace(r, key=k) for r, k in zip(_sample(state, digest, _params(seed=99), model.config), _keys(digest), strict=True)]
+        rows = [
+            dataclasses.replace(r, key=k)
+            for r, k in zip(_sample(state, digest, _params(seed=99), model.config), _keys(digest), strict=True)
+        ]
     elif cheat == "other_temperature":  # drawn at T = 0.7, log-probs honest at T = 1
         hot = _sample(state, digest, _params(draws=_keys(digest), temperature=0.7), model.config)
-        rows = [dataclasses.replace(r, logprobs=tuple(TorchEngine.from_state(model.config, state, digest).score(r.prompt_ids, r.completion_ids))) for r in hot]
+        rows = [
+            dataclasses.replace(
+                r, logprobs=tuple(TorchEngine.from_state(model.config, state, digest).score(r.prompt_ids, r.completion_ids))
+            )
+            for r in hot
+        ]
     elif cheat == "perturbed_layer":
         bad = {n: (t.float() * 1.05).to(t.dtype) if n == "model.norm.weight" else t for n, t in state.items()}
         engine = TorchEngine(model.__class__(model.config), TorchEngineConfig(verify_updates=False))
@@ -139,7 +147,12 @@ def test_each_cheat_is_refused(policy: tuple, honest: list[ReplayRow], cheat: st
         gens = engine.generate(_prompts(), _params(draws=_keys(digest)))
         rows = [ReplayRow(g.prompt_ids, g.completion_ids, g.logprobs, k) for g, k in zip(gens, _keys(digest), strict=True)]
     elif cheat == "copied_batch":  # node i1's batch, presented as i0's
-        rows = [dataclasses.replace(r, key=k) for r, k in zip(_sample(state, digest, _params(draws=_keys(digest, node="i1")), model.config), _keys(digest), strict=True)]
+        rows = [
+            dataclasses.replace(r, key=k)
+            for r, k in zip(
+                _sample(state, digest, _params(draws=_keys(digest, node="i1")), model.config), _keys(digest), strict=True
+            )
+        ]
     elif cheat == "cut_short":  # completions cut before their stop token, to keep a prefix that pays
         rows = [dataclasses.replace(r, completion_ids=r.completion_ids[:1], logprobs=r.logprobs[:1]) for r in honest]
     elif cheat == "past_stop":
@@ -159,7 +172,9 @@ def test_a_cheat_on_every_row_is_caught_whatever_rows_are_drawn(policy: tuple, h
 
 
 def test_replay_config_refuses_nonsense() -> None:
-    for bad in ({"share": 0.0}, {"share": 1.5}, {"min_rows": 0}, {"cdf_tolerance": 0.6}, {"logprob_tolerance": -1.0}, {"top_p": 0.0}):
+    for bad in (
+        {"share": 0.0}, {"share": 1.5}, {"min_rows": 0}, {"cdf_tolerance": 0.6}, {"logprob_tolerance": -1.0}, {"top_p": 0.0}
+    ):
         with pytest.raises(ConfigError):
             ReplayConfig(**bad)  # type: ignore[arg-type]
 

@@ -50,7 +50,10 @@ def test_honest_and_lying_nodes_on_sampled_rollouts() -> None:
     garbage = replace(honest[2], group="whatever")
     out = rescorer.rescore([other_prompt, wrong_node, garbage, honest[3]])
     assert [why for _, why in out.rejected] == ["prompt", "group", "group"] and len(out.rows) == 1
-    assert rescorer.stats.nodes["i0"].rejected == {"prompt": 1, "group": 1} and rescorer.stats.nodes["i1"].rejected == {"group": 1}
+    assert (
+        rescorer.stats.nodes["i0"].rejected == {"prompt": 1, "group": 1}
+        and rescorer.stats.nodes["i1"].rejected == {"group": 1}
+    )
     task.close()
 
 

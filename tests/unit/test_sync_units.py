@@ -535,7 +535,13 @@ async def test_planted_and_stale_heads_are_still_caught_under_conditional_pollin
             alarms = sub.stats.head_alarms
             # Planted: an unsigned head, then one signed by another key. Refused on every poll (its ETag
             # is never kept as "unchanged"), each poll then lists; v2 keeps serving.
-            for planted in (b'{"body": {}}', sign_head(dataclasses.replace(old, publisher=key_id((other := keypair()[0]).public_key())), other, context=layout.context)):
+            for planted in (
+                b'{"body": {}}',
+                sign_head(
+                    dataclasses.replace(old, publisher=key_id((other := keypair()[0]).public_key())), other,
+                    context=layout.context,
+                ),
+            ):
                 await store.put(layout.head, planted)
                 for _ in range(2):
                     before = store.requests.snapshot()
@@ -591,7 +597,9 @@ async def test_announced_reports_only_versions_a_verified_manifest_backs(tmp_pat
         assert await sub.announced() == 2 and sub.stats.announced_unverified == 2
         # A manifest signed by an untrusted key does not back it either.
         other, _ = keypair()
-        await store.put(layout.manifest(999_999_999_999), sign_manifest(_manifest(other, 999_999_999_999), other, context=layout.context))
+        await store.put(
+            layout.manifest(999_999_999_999), sign_manifest(_manifest(other, 999_999_999_999), other, context=layout.context)
+        )
         assert await sub.announced() == 2 and sub.stats.announced_unverified == 3
         # The head itself moves on in the polls (alarms), but what the subscriber serves is v2.
         assert await sub.sync_once() == 2
@@ -681,7 +689,10 @@ async def test_hostile_local_state_files_are_refused_not_fatal(tmp_path: Path, s
     meta = {"pulsenet.format": localstate.META_FORMAT, "pulsenet.digest": digest}
     for version in ("-5", "1" + "0" * 5000, "٣", "3 "):  # negative, huge, a non-ASCII digit, padded
         check = localstate._check(version, digest)
-        save_file(dict(state), str(tmp_path / localstate.WEIGHTS), metadata=meta | {"pulsenet.version": version, "pulsenet.check": check})
+        save_file(
+            dict(state), str(tmp_path / localstate.WEIGHTS),
+            metadata=meta | {"pulsenet.version": version, "pulsenet.check": check},
+        )
         with pytest.raises(VerificationError):
             localstate.load(tmp_path)
     # A corrupted version number (7 -> 6, one bit) is caught by the header check, not resumed from.

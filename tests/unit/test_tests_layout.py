@@ -28,11 +28,15 @@ def test_tests_are_split_into_folders_with_no_helpers_among_them() -> None:
     folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
     assert folders == FOLDERS, f"tests/ holds {sorted(folders)}"
     top = sorted(p.name for p in TESTS.glob("*.py"))
-    assert top == ["__init__.py", "conftest.py"], f"Python files at tests/ top level: {top} (tests go in a folder, helpers in support/)"
+    assert top == ["__init__.py", "conftest.py"], (
+        f"Python files at tests/ top level: {top} (tests go in a folder, helpers in support/)"
+    )
     for folder in FOLDERS:
         assert (TESTS / folder / "__init__.py").is_file(), f"tests/{folder} is not a package"
     for folder in ("unit", "integration"):
-        strays = sorted(p.name for p in (TESTS / folder).glob("*.py") if p.name != "__init__.py" and not p.name.startswith("test_"))
+        strays = sorted(
+            p.name for p in (TESTS / folder).glob("*.py") if p.name != "__init__.py" and not p.name.startswith("test_")
+        )
         assert not strays, f"helpers among the tests in tests/{folder}: {strays} (move them to tests/support)"
     assert not list((TESTS / "support").glob("test_*.py")), "tests in tests/support"
 

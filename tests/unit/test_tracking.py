@@ -12,7 +12,9 @@ from pulsenet.tracking import NoTracker, flatten, make_tracker
 
 
 def test_flatten_and_none() -> None:
-    assert flatten({"version": 3, "reward": 0.5, "eval": {"reward": 0.25, "n": 32}, "digest": "ab", "ok": True, "x": float("nan")}) == {
+    assert flatten(
+        {"version": 3, "reward": 0.5, "eval": {"reward": 0.25, "n": 32}, "digest": "ab", "ok": True, "x": float("nan")}
+    ) == {
         "version": 3.0, "reward": 0.5, "eval/reward": 0.25, "eval/n": 32.0
     }
     t = make_tracker("none")

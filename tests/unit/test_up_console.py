@@ -39,7 +39,9 @@ def _nodes(tmp_path: Path) -> list[Node]:
 def _summary(nodes: list[Node]) -> dict[str, Any]:
     bytes_ = {"pulsesync": BIG, "full_sync": 10 * BIG, "pulseloco": BIG, "diloco": 8 * BIG, "ddp": 16 * BIG, "rollouts": BIG}
     digest = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-    detail = {"version": 12345, "digest": digest, "restarts": 123, "served": True, "served_verified": True, "weights_digest": digest}
+    detail = {
+        "version": 12345, "digest": digest, "restarts": 123, "served": True, "served_verified": True, "weights_digest": digest
+    }
     return {
         "rounds": [{"reward": 0.5, "sparsity": 0.97, "bytes": bytes_}] * 3,
         "eval": [],

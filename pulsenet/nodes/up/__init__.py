@@ -16,7 +16,8 @@ What it does, in order:
    and its log in ``<workdir>/logs/<node>.log``. The tiny model is warmed up once, here, with the
    planned trainers' settings, into the cache they all load it from. Children are tied to this process
    (``runtime.spawn_tied``: PR_SET_PDEATHSIG), so none outlives it, even if it is SIGKILLed;
-4. the ``Supervisor`` (``up/supervisor.py``): a live table (``up/console.py``) polling each node's ``/status`` (its health and reasons in it);
+4. the ``Supervisor`` (``up/supervisor.py``): a live table (``up/console.py``) polling each node's
+   ``/status`` (its health and reasons in it);
    a node that exits unexpectedly is started again with the same command, config and credentials
    after an exponential backoff, and so is the embedded store (same directory, ports and keys); a
    node whose own ``/healthz`` says stuck is restarted; a network that makes no new version within

@@ -22,7 +22,10 @@ COMPACT_BELOW = 100
 """Console widths below this get the compact tables."""
 
 
-WIDE = ("node", "health", "restarts", "version", "reward", "staleness", "rollouts", "pulsesync B", "pulseloco B", "rollout B", "errors")
+WIDE = (
+    "node", "health", "restarts", "version", "reward", "staleness", "rollouts", "pulsesync B", "pulseloco B", "rollout B",
+    "errors",
+)
 COMPACT = ("node", "health", "rst", "ver", "reward", "stale", "rolls", "sync B", "loco B", "roll B", "err")
 """The live table's headers: in full where they fit, short where they do not (same columns)."""
 
@@ -86,7 +89,8 @@ def line_key(version: int, holdup: str, nodes: list[Node]) -> tuple[Any, ...]:
 def status_line(nodes: list[Node], holdup: str) -> str:
     """One line for the whole network (``--no-live``)."""
     line = "  ".join(
-        f"{n.name}: v{_fmt(node_version(n) if node_version(n) >= 0 else None)} r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
+        f"{n.name}: v{_fmt(node_version(n) if node_version(n) >= 0 else None)} "
+        f"r={_fmt(n.status.get('reward'), '{:.3f}')} {n.health}"
         + (f" ({n.restarts.count} restarts)" if n.restarts.count else "")
         for n in nodes
     )
@@ -102,7 +106,9 @@ def report_outcome(out: Any, config: UpConfig, outcome: Outcome, summary: dict[s
     if config.report is not None:
         from pulsenet.nodes.report import write_report
 
-        write_report(config.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"])
+        write_report(
+            config.report, rounds=summary["rounds"], nodes=summary["nodes"], extra=summary["extra"], evals=summary["eval"]
+        )
         out.print(f"report: {config.report.absolute()}/summary.json, reward.png, bytes.png, sparsity.png")
 
 
@@ -171,7 +177,9 @@ def print_summary(out: Any, config: UpConfig, outcome: Outcome, summary: dict[st
             )
         out.print(f"rollouts: {total['rollouts']:,} B")
         if summary["eval"]:
-            out.print("greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in summary["eval"]))
+            out.print(
+                "greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in summary["eval"])
+            )
         e = summary["efficiency"]
         out.print(
             f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "
@@ -182,7 +190,11 @@ def print_summary(out: Any, config: UpConfig, outcome: Outcome, summary: dict[st
         )
     compact = out.width < COMPACT_BELOW
     t = Table(title="verified versions and digests")
-    cols = ("node", "role", "rst", "ver", "digest", "checks") if compact else ("node", "role", "restarts", "version", "digest", "checks")
+    cols = (
+        ("node", "role", "rst", "ver", "digest", "checks")
+        if compact
+        else ("node", "role", "restarts", "version", "digest", "checks")
+    )
     for col in cols:  # checks wraps at spaces; the rest keep whole headers, names and numbers
         t.add_column(col, no_wrap=col != "checks", min_width=len(col) if col != "checks" else None)
     for name, d in summary["nodes"].items():

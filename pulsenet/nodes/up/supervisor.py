@@ -430,7 +430,9 @@ class Supervisor:
             line = f"network at v{self.version}, last version {age:.0f} s ago"
         store = self.store_state()
         if self.server is not None:
-            line += f"; store {store or 'ok'}" + (f", {self.store_restarts.count} restart(s)" if self.store_restarts.count else "")
+            line += f"; store {store or 'ok'}" + (
+                f", {self.store_restarts.count} restart(s)" if self.store_restarts.count else ""
+            )
         return line
 
 
