@@ -13,7 +13,7 @@ Honest batches give the false-refusal count and the margins (worst CDF margin, |
     python scripts/hostile_rates.py --model tiny --batches 50
     python scripts/hostile_rates.py --model smollm2 --batches 12 --prompts 4
 
-``tiny``: the tiny model peaked as tests/test_replay.py's fixture (embeddings x4); ``tiny-warm``:
+``tiny``: the tiny model peaked as tests/unit/test_replay.py's fixture (embeddings x4); ``tiny-warm``:
 the warmed-up tiny model runs start from; ``smollm2``: SmolLM2-135M-Instruct on arith-shots (its
 preset: lr 3e-6, 16 new tokens). Figures: docs/rollouts.md, "Adversaries and what catches them".
 """

@@ -11,7 +11,7 @@ the torch engine samples the same draws and the per-token agreement of the two e
     PYTHONPATH=. python scripts/replay_margins_vllm.py --model tiny --rows 10000
     PYTHONPATH=. python scripts/replay_margins_vllm.py --model smollm2 --seconds 900
 
-``tiny``: the random tiny Llama of tests/test_vllm_engine.py (head size 32; layers x6, final norm
+``tiny``: the random tiny Llama of tests/integration/test_vllm_engine.py (head size 32; layers x6, final norm
 x2 so its distributions depend on the context), byte-level prompts. ``smollm2``: SmolLM2-135M
 (``rl.models.smollm2_checkpoint``), arithmetic questions through its tokenizer. Needs vLLM.
 """
@@ -51,7 +51,7 @@ def tiny_dir(path: Path) -> tuple[Path, dict[str, torch.Tensor], list[list[int]]
     from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 
     model = build_tiny_model(0, **VLLM_TINY)
-    with torch.no_grad():  # as tests/test_vllm_engine.py initial_state
+    with torch.no_grad():  # as tests/integration/test_vllm_engine.py initial_state
         for name, p in model.named_parameters():
             if ".layers." in name and p.dim() == 2:
                 p.mul_(6.0)

@@ -19,7 +19,7 @@ them unrounded), then FSDP2 frees them; ``reshard`` also frees them after an opt
 load, so no forward ever sees stale weights. FSDP2's own ``MixedPrecisionPolicy(param_dtype=
 bfloat16)`` is a different mode (BF16 matmuls and BF16 gradients: ``autocast-bf16`` is closer).
 
-Exactness, checked by tests/integration/test_distributed.py and tests/test_site_trainer.py: with 2 ranks a
+Exactness, checked by tests/integration/test_distributed.py and tests/integration/test_torchrun_trainer.py: with 2 ranks a
 reduce-scatter is one FP32 addition per element, ``g0 + g1``, so the sharded step equals the
 single-process reference (``rl.parallel.DataParallel(reference_world=2)``) to the bit, the
 clipping norm included (``grad_norm``: both sides take the norm chunk by chunk, the way the shards
