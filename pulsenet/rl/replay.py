@@ -288,7 +288,8 @@ class Replayer:
         early = next((t for t, tok in enumerate(ids[:-1]) if tok in stops), None)
         if early is not None:
             return f"a stop token at {early} of {len(ids)}: the completion goes on past its end"
-        if p.stop and self.stopped is not None and any(self.stopped(ids[:t]) for t in range(1, len(ids))):
+        # The text of every shorter prefix is a prefix of this one's: one decode, not one per token.
+        if p.stop and self.stopped is not None and len(ids) > 1 and self.stopped(ids[:-1]):
             return "a stop string ends the completion before its last token"
         if len(ids) < p.max_new_tokens and ids[-1] not in stops and not (p.stop and self.stopped and self.stopped(ids)):
             return f"ended at {len(ids)} tokens (< max_new_tokens {p.max_new_tokens}) without a stop token or string"

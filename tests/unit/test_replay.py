@@ -185,3 +185,15 @@ def test_only_the_last_versions_are_held(policy: tuple) -> None:
     for v in (1, 2, 3):
         r.remember(v, state)
     assert not r.holds(0) and all(r.holds(v) for v in (1, 2, 3))
+
+
+def test_a_stop_string_before_the_last_token_is_refused(policy: tuple) -> None:
+    """With stop strings the completion must end at the first one: text past it is the node's."""
+    model, state, _ = policy
+    params = _params(stop=("\n",))
+    r = Replayer(model.config, params, ReplayConfig(), keep=1, stopped=lambda ids: "\n" in bytes(ids).decode(errors="replace"))
+    r.remember(0, state)
+    row = ReplayRow((1, 2, 3), tuple(b"12\n34"), (-1.0,) * 5, b"k" * 32)
+    assert r.check(0, [row], picked=[0]).reason == "replay_params"
+    ends = ReplayRow((1, 2, 3), tuple(b"12\n"), (-1.0,) * 3, b"k" * 32)
+    assert r._params_broken(ends) is None
