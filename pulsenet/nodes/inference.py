@@ -432,8 +432,6 @@ class InferenceNode:
             log.warning("%s: hostile: v%d batch %d withheld (reward %.3f)", c.id, version, index, sum(rewards) / len(rewards))
             return version
         rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
-        if any(r.version != rows[0].version for r in rows):  # the engine never mixes; refuse if it did
-            raise PulsenetError(f"{c.id}: one batch spans versions {sorted({r.version for r in rows})}")
         manifest = await self.writer.write(rows)
         newest = self.newest_verified()
         if newest is not None:
