@@ -140,6 +140,7 @@ class Site2:
             # The batches are fixed rows written by hand (the reference step needs them fixed), not
             # the policy's draw: the replay check (rl/replay.py) would refuse them.
             "PULSENET_REPLAY__ENABLED": "false",
+            "PYTHONFAULTHANDLER": "1",  # a rank that dies of a signal (a SIGSEGV seen once) leaves its stack
             "PULSENET_WARMUP_STEPS": str(WARMUP),
             "PULSENET_ROWS_PER_STEP": str(ROWS),
             "PULSENET_CONSUMER_POLL_S": "1",
