@@ -119,8 +119,8 @@ def published_event(
     eval_s: float | None = None,
 ) -> VersionEvent:
     """A trainer's ``published`` event, from plain values: the round's phases (``wait_rollouts``,
-    ``train``, ``exchange``, ``replay`` (part of the wait: rl/replay.py), ``publish``, and ``eval``
-    when it ran), its bytes by channel and what a
+    ``train``, ``exchange``, ``replay`` (rl/replay.py), ``publish``, and ``eval`` when it ran: each
+    second in one of them), its bytes by channel and what a
     dense exchange would have cost for comparison (``model_numel`` FP32 values: one DiLoCo
     pseudo-gradient a round, one DDP gradient a step), and the mean reward of the rows its GRPO
     ``steps`` (``GRPOMetrics.as_dict()``) trained on."""

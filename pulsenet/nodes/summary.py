@@ -115,6 +115,9 @@ def efficiency(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str,
       batch trained on, mean and histogram;
     - ``engine_busy``: generating over generating plus waiting (for a newer version or for demand),
       after each engine's first version; ``trainer_busy``: in GRPO steps over the trainers' rounds;
+    - ``replay_cost``: the trainers' replay of rollout rows (rl/replay.py) over their GRPO steps
+      (``of_train``: what it adds to the compute) and over their rounds' wall time
+      (``of_rounds``: what it adds to a step as the run lived it, waits included);
     - ``round_s``: mean time between versions; ``update_latency_s``: from a version's publication
       (the first trainer's publish returned) to each inference node serving it, p50/p95/max, and
       ``update_latency_fraction``: the same over ``round_s``.
@@ -133,6 +136,7 @@ def efficiency(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str,
     generating = sum(t.get("generating_s", 0.0) for t in last_i)
     waiting = sum(t.get("waiting_version_s", 0.0) + t.get("waiting_demand_s", 0.0) for t in last_i)
     busy = sum(e.phases.get("train", 0.0) for e in published)
+    replay = sum(e.phases.get("replay", 0.0) for e in published)
     spent = sum(sum(e.phases.values()) for e in published)
     first = sorted((e for e in published if e.node == min(trainers)), key=lambda e: e.version)
     gaps = [b.at - a.at for a, b in itertools.pairwise(first)]  # from v1 on: v0 waits for the start-up
@@ -156,6 +160,7 @@ def efficiency(events: Mapping[str, Sequence[VersionEvent]], roles: Mapping[str,
         "staleness": {str(k): lags.count(k) for k in sorted(set(lags))},
         "engine_busy": _ratio(generating, generating + waiting),
         "trainer_busy": _ratio(busy, spent),
+        "replay_cost": {"of_train": _ratio(replay, busy), "of_rounds": _ratio(replay, spent)},
         "round_s": round_s,
         "update_latency_s": quantiles,
         "update_latency_fraction": {k: _ratio(v, round_s) for k, v in quantiles.items()},

@@ -83,7 +83,7 @@ class RoundTally:
     exchange_s: float = 0.0
     """Closing the round: with PULSELoCo the exchange with the peers, alone a checkpoint."""
     replay_s: float = 0.0
-    """Replaying taken batches' rows (part of ``wait_s``: it runs while the next step's rows are gathered)."""
+    """Replaying taken batches' rows (not in ``wait_s``, though it runs while a step's rows are gathered)."""
 
 
 class TrainerNode:
@@ -212,7 +212,7 @@ class TrainerNode:
                 continue
             if report.round <= self.version:  # caught up through a round already published
                 continue
-            rnd.exchange_s = time.perf_counter() - t0 - rnd.wait_s - rnd.train_s
+            rnd.exchange_s = time.perf_counter() - t0 - rnd.wait_s - rnd.train_s - rnd.replay_s
             await self.publish_version(report, rnd)
 
     async def _inner_phase(self, r: int) -> list[float]:
@@ -220,8 +220,9 @@ class TrainerNode:
         rnd = self._round
         for _ in range(self.rounds.inner_steps):
             t0 = time.perf_counter()
+            replayed = rnd.replay_s
             rows, batches = await self._next_step(self.rounds.step_wait_s)
-            rnd.wait_s += time.perf_counter() - t0
+            rnd.wait_s += time.perf_counter() - t0 - (rnd.replay_s - replayed)
             if not rows:
                 break  # gave up waiting: the round goes on with the steps it made
             t0 = time.perf_counter()

@@ -213,7 +213,7 @@ class Replayer:
         k = min(n, max(c.min_rows, round(c.share * n)))
         return sorted(self.rng.sample(range(n), k))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def check(self, version: int, rows: Sequence[ReplayRow], picked: Sequence[int] | None = None) -> Verdict:
         """Replay ``picked`` rows of a batch served at ``version`` (default: ``pick``). The version
         must be held (``holds``)."""
@@ -223,45 +223,51 @@ class Replayer:
             if why is not None:
                 return self._count(Verdict(chosen, "replay_params", i, why))
         self._load(version)
-        margins, diffs, owners = [], [], []
-        lengths = [len(r.prompt_ids) + len(r.completion_ids) for r in rows]
-        for part, _ in micro_batches(chosen, lengths, None, self.config.micro_batch_tokens):
-            m, d = self._replay([rows[i] for i in part])
-            margins += m
-            diffs += d
-            owners += part
-        verdict = Verdict(chosen, margins=torch.cat(margins) if margins else torch.zeros(0),
-                          logprob_diffs=torch.cat(diffs) if diffs else torch.zeros(0))  # fmt: skip
+        parts = [self._replay([rows[i] for i in part]) for part, _ in micro_batches(
+            chosen, [len(r.prompt_ids) + len(r.completion_ids) for r in rows], None, self.config.micro_batch_tokens)]  # fmt: skip
+        margins = torch.cat([m for m, _ in parts]) if parts else torch.zeros(0)
+        diffs = torch.cat([d for _, d in parts]) if parts else torch.zeros(0)
+        verdict = Verdict(chosen, margins=margins, logprob_diffs=diffs)
+        if not margins.numel():
+            return self._count(verdict)
+        # Every token at once; the first row with a failing token is named (micro-batches keep
+        # ``chosen``'s order), by its first token not the draw's, else its first log-prob off.
+        owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor([len(rows[i].completion_ids) for i in chosen]))
         c = self.config
-        for i, m, d in zip(owners, margins, diffs, strict=True):
-            if m.numel() and float(m.min()) < -c.cdf_tolerance:
-                t = int(m.argmin())
-                return self._count(_with(verdict, "replay_token", i, f"token {t} is not the public draw's "
-                                         f"(its uniform lies {-float(m[t]):.4f} of mass outside "
+        bad_token, bad_logprob = margins < -c.cdf_tolerance, diffs > c.logprob_tolerance
+        failing = bad_token | bad_logprob
+        if bool(failing.any()):
+            row = int(owner[int(failing.nonzero()[0, 0])])
+            mine = (owner == row).nonzero()[:, 0]
+            if bool(bad_token[mine].any()):
+                t = int(bad_token[mine].nonzero()[0, 0])
+                return self._count(_with(verdict, "replay_token", row, f"token {t} is not the public draw's "
+                                         f"(its uniform lies {-float(margins[mine[t]]):.4f} of mass outside "
                                          "the token's CDF interval)"))  # fmt: skip
-            if d.numel() and float(d.max()) > c.logprob_tolerance:
-                t = int(d.argmax())
-                return self._count(_with(verdict, "replay_logprob", i, f"token {t}'s log-prob is off by {float(d[t]):.4f}"))
-        if verdict.logprob_diffs.numel() and float(verdict.logprob_diffs.mean()) > c.mean_logprob_tolerance:
+            t = int(bad_logprob[mine].nonzero()[0, 0])
+            off = float(diffs[mine[t]])
+            return self._count(_with(verdict, "replay_logprob", row, f"token {t}'s log-prob is off by {off:.4f}"))
+        mean = float(diffs.mean())
+        if mean > c.mean_logprob_tolerance:
             return self._count(_with(verdict, "replay_logprob", None, f"the replayed tokens' log-probs are off by "
-                                     f"{float(verdict.logprob_diffs.mean()):.4f} on average"))  # fmt: skip
+                                     f"{mean:.4f} on average"))  # fmt: skip
         return self._count(verdict)
 
-    def _replay(self, rows: Sequence[ReplayRow]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _replay(self, rows: Sequence[ReplayRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """One right-padded causal forward (padding after a row cannot reach it), logits only from
-        the first completion position on; per row, the CDF margin and |Δ log-prob| of each
-        completion token, computed for all the rows' tokens at once."""
-        width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+        the first completion position on; the CDF margin and |Δ log-prob| of each completion token,
+        rows in order, computed for all the rows' tokens at once."""
+        seqs = [r.prompt_ids + r.completion_ids for r in rows]
+        width = max(map(len, seqs))
         first = min(len(r.prompt_ids) for r in rows) - 1  # the first position that predicts a completion token
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r.prompt_ids) + len(r.completion_ids)] = torch.tensor(r.prompt_ids + r.completion_ids)
+        ids = torch.tensor([q + (0,) * (width - len(q)) for q in seqs], dtype=torch.long)
         logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=width - first).logits
-        at_row = torch.cat([torch.full((len(r.completion_ids),), i) for i, r in enumerate(rows)])
-        at_pos = torch.cat([
-            torch.arange(len(r.prompt_ids) - 1 - first, len(r.prompt_ids) + len(r.completion_ids) - 1 - first) for r in rows
-        ])
-        at = logits[at_row, at_pos].float()  # [tokens, vocab]: the distribution each completion token was drawn from
+        lengths = torch.tensor([len(r.completion_ids) for r in rows])
+        at_row = torch.repeat_interleave(torch.arange(len(rows)), lengths)
+        starts = torch.tensor([len(r.prompt_ids) - 1 - first for r in rows])  # each row's first completion position
+        offsets = torch.arange(len(at_row)) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        # [tokens, vocab]: the distribution each completion token was drawn from
+        at = logits[at_row, torch.repeat_interleave(starts, lengths) + offsets].float()
         tokens = torch.tensor([t for r in rows for t in r.completion_ids], dtype=torch.long)
         reported = torch.tensor([x for r in rows for x in r.logprobs], dtype=torch.float32)
         p = self.params
@@ -272,8 +278,7 @@ class Replayer:
         else:
             u = torch.tensor([x for r in rows for x in uniforms(r.key, 0, len(r.completion_ids))], dtype=torch.float64)
             margins = boundary_margin(at, tokens, u, p.temperature, p.top_p)
-        lengths = [len(r.completion_ids) for r in rows]
-        return list(margins.split(lengths)), list((logp - reported).abs().split(lengths))
+        return margins, (logp - reported).abs()
 
     def _params_broken(self, r: ReplayRow) -> str | None:
         """(c): the completion's length and ending obey the task's sampling parameters."""

@@ -174,7 +174,11 @@ async def test_every_batch_a_hostile_behaviour_touches_is_refused_and_no_honest_
     # The honest node: every batch taken and trained on, none refused.
     assert t.node.intake.stats.rejected_by_node.get("i0", {}) == {}
     honest = [v for n, v in trained.rows if n == "i0"]
-    assert set(honest) <= set(written) and len(honest) == len(written) * PROMPTS * G  # every honest batch trained on
+    assert set(honest) <= set(written)
+    # Every honest batch trained on; but a stale node's untouched v0 batch can take a step first, so
+    # the run may reach its last version before i0's last batch is taken (seen under load).
+    untaken = len(written) * PROMPTS * G - len(honest)
+    assert untaken == 0 or (stale and untaken == PROMPTS * G and t.node.version == VERSIONS + 1), (honest, written)
     assert t.node.state.rejected.get("i1") == refused  # what /status and /metrics show
 
 

@@ -97,7 +97,7 @@ def test_summary_and_efficiency_come_from_the_events_alone() -> None:
             _published("t0", 0, 10.0),
             _published("t0", 1, 20.0, staleness=[0, 1], reward=0.5, counts={"rows": 10, "batches": 2},
                        bytes={"pulsesync": 4, "full": 40, "pulseloco": 3, "diloco": 30, "ddp": 60, "rollouts": 5},
-                       phases={"wait_rollouts": 1.0, "train": 3.0, "exchange": 1.0}),
+                       phases={"wait_rollouts": 1.0, "train": 3.0, "exchange": 1.0, "replay": 0.5}),
             _published("t0", 2, 30.0, staleness=[1], reward=1.0, counts={"rows": 10, "batches": 1},
                        phases={"wait_rollouts": 2.0, "train": 2.0}, totals={"stale_queued": 1}),
         ],
@@ -126,6 +126,8 @@ def test_summary_and_efficiency_come_from_the_events_alone() -> None:
     assert e["trained_fraction"] == pytest.approx(50 / 80) and e["dropped_fraction"] == pytest.approx(1 / 8)
     assert e["staleness_mean"] == pytest.approx(4 / 4) and e["staleness"] == {"0": 1, "1": 2, "2": 1}
     assert e["engine_busy"] == pytest.approx(0.9)  # the wait for the first version does not count
+    assert e["trainer_busy"] == pytest.approx(5.0 / 9.5, abs=1e-4)  # rounded to 4 places
+    assert e["replay_cost"] == {"of_train": pytest.approx(0.1), "of_rounds": pytest.approx(0.5 / 9.5, abs=1e-4)}
     assert e["round_s"] == pytest.approx(10.0) and e["update_latency_s"]["max"] == pytest.approx(3.0)
     assert e["update_latency_fraction"]["max"] == pytest.approx(0.3)
     rq = requests(ev, roles)
