@@ -170,14 +170,10 @@ class RoundStore:
 
     ``keys``: ``trainer id -> public key`` of every trainer of the run (:func:`trainer_keys`).
 
-    Why 34 methods in one class: a signing and trust core (``sign``, ``_read``, ``_verify``,
-    ``_trusted``, ``_check``), then for each of the run's seven document kinds (member, joining,
-    payload manifest, round record, digest, state manifest, checkpoint manifest) its write, its read
-    and its body check, plus the retention that deletes what they name. Every read passes the one
-    trust rule in ``_check`` (run, kind, author, the author's own key), which needs the run's keys,
-    context and layout held here; split by kind, seven classes would each hold the same four things
-    and the rule would have seven doors. The body checks are the fuzz and golden entry points
-    (``_verify`` then ``_manifest``, ``_record``, ...).
+    Why 34 methods in one class: one signing and trust core (``sign``, ``_read``, ``_verify``,
+    ``_trusted``, ``_check``: run, kind, author, the author's own key), then each of the seven
+    document kinds' write, read and body check, and retention. Split by kind, seven classes would
+    each hold the run's keys, context and layout, and the one trust rule would have seven doors.
     """
 
     def __init__(
