@@ -6,6 +6,7 @@ Waiting (torchft's ``futures.py``: one helper owns the timeout and failure polic
 the poll loop every daemon runs (a step, then a jittered wait), with the failure policy in one
 place: a step's exception goes to the caller's ``on_error`` (log and count; re-raise to end the
 loop), ``CancelledError`` is never caught; :func:`unless_stopped` abandons one piece of work at a stop.
+:func:`all_of` awaits several things at once and raises the first failure as itself.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -177,3 +178,28 @@ async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T | None:
             task.cancel()
             await asyncio.wait({task})  # its end, without its CancelledError (ours still reaches us)
     return task.result() if not task.cancelled() else None
+
+
+async def all_of(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await all, in a TaskGroup: the first failure cancels the rest and is raised as itself (not
+    an ExceptionGroup), so callers keep catching typed errors and nothing is left running."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(_awaited(a)) for a in aws]
+    except BaseExceptionGroup as eg:
+        raise first_error(eg) from None
+    return [t.result() for t in tasks]
+
+
+async def _awaited(a: Awaitable[T]) -> T:
+    return await a
+
+
+def first_error(eg: BaseExceptionGroup) -> BaseException:
+    """What the caller of a TaskGroup should see: the first error in it that is not a cancellation."""
+    for e in eg.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            return first_error(e)
+        if not isinstance(e, asyncio.CancelledError):
+            return e
+    return eg.exceptions[0]

@@ -86,7 +86,8 @@ def main() -> None:
 
     from pulsenet.codec.digest import model_digest
     from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
-    from pulsenet.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from pulsenet.engines.vllm_config import VLLMEngineConfig
+    from pulsenet.engines.vllm_engine import VLLMEngine
     from pulsenet.rl.draw import DrawId
     from pulsenet.rl.models import smollm2_checkpoint
     from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow

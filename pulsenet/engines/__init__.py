@@ -1,7 +1,8 @@
 """Inference engines: sample completions from verified weights and take PULSESync updates in place.
 
 ``TorchEngine`` (transformers, CPU and CUDA) is the default; ``VLLMEngine`` (extra ``vllm``) lives in
-``pulsenet.engines.vllm_engine`` and imports vLLM only when it is built. ``make_engine(name, ...)``
+``pulsenet.engines.vllm_engine`` (its settings, ``VLLMEngineConfig``, in ``vllm_config``) and imports
+vLLM only when it is built. ``make_engine(name, ...)``
 (engines/factory.py) builds either from a channel's verified weights.
 """
 

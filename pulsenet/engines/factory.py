@@ -56,7 +56,8 @@ def make_engine(
         return TorchEngine.from_state(
             hf_config, state, digest, version=version, config=torch_config, decode=codec.decode if codec else None
         )
-    from pulsenet.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from pulsenet.engines.vllm_config import VLLMEngineConfig
+    from pulsenet.engines.vllm_engine import VLLMEngine
 
     if vllm_config is not None and not isinstance(vllm_config, VLLMEngineConfig):
         raise ConfigError("vllm_config must be a VLLMEngineConfig")

@@ -73,7 +73,7 @@ def require(engines: list[str], device: str) -> None:
             f"--device {device} needs a CUDA device; none is visible (torch {torch.__version__})"
         )
     if "vllm" in engines:
-        from pulsenet.engines.vllm_engine import import_vllm, vllm_device_type
+        from pulsenet.engines.vllm_config import import_vllm, vllm_device_type
 
         import_vllm()
         found = vllm_device_type()
@@ -138,7 +138,8 @@ def compare(
 def build(kind: str, model_dir: Path, device: str, state: dict[str, torch.Tensor], digest: str) -> Engine:
     if kind == "torch":
         return TorchEngine.from_pretrained(model_dir, version=0, config=TorchEngineConfig(device=device))
-    from pulsenet.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from pulsenet.engines.vllm_config import VLLMEngineConfig
+    from pulsenet.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(model_dir, VLLMEngineConfig(enforce_eager=True), state=state, version=0, digest=digest)
 

@@ -43,8 +43,9 @@ from pulsenet.errors import (
 )
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco.config import MODES, LocoConfig
-from pulsenet.loco.documents import Manifest, Record, RoundStore, all_of
+from pulsenet.loco.documents import Manifest, Record, RoundStore
 from pulsenet.loco.progress import LocoStats, Progress, transient
+from pulsenet.runtime import all_of
 from pulsenet.signed import ObjectRef
 
 log = logging.getLogger(__name__)

@@ -22,10 +22,10 @@ import asyncio
 import hashlib
 import logging
 import tempfile
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -45,7 +45,6 @@ from pulsenet.signing import Signed, key_id, load_public_key, sign_document, ver
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MAX_DOCUMENT = 1 << 20
 """Largest round document read (records are the largest: ~200 bytes per trainer)."""
@@ -77,31 +76,6 @@ def trainer_keys(specs: Iterable[str | Path]) -> dict[str, Ed25519PublicKey]:
     if not keys:
         raise ConfigError("no trainer public keys given")
     return keys
-
-
-async def all_of(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """Await all, in a TaskGroup: the first failure cancels the rest and is raised as itself (not
-    an ExceptionGroup), so callers keep catching typed errors and nothing is left running."""
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(_awaited(a)) for a in aws]
-    except BaseExceptionGroup as eg:
-        raise first_error(eg) from None
-    return [t.result() for t in tasks]
-
-
-async def _awaited(a: Awaitable[T]) -> T:
-    return await a
-
-
-def first_error(eg: BaseExceptionGroup) -> BaseException:
-    """What the caller of a TaskGroup should see: the first error in it that is not a cancellation."""
-    for e in eg.exceptions:
-        if isinstance(e, BaseExceptionGroup):
-            return first_error(e)
-        if not isinstance(e, asyncio.CancelledError):
-            return e
-    return eg.exceptions[0]
 
 
 def _int(body: Mapping[str, Any], name: str, where: str, *, limit: int = MAX_ROUND) -> int:
@@ -195,6 +169,11 @@ class RoundStore:
     """One trainer's view of a PULSELoCo run in an object store: it signs what it writes, verifies what it reads.
 
     ``keys``: ``trainer id -> public key`` of every trainer of the run (:func:`trainer_keys`).
+
+    Why 34 methods in one class: one signing and trust core (``sign``, ``_read``, ``_verify``,
+    ``_trusted``, ``_check``: run, kind, author, the author's own key), then each of the seven
+    document kinds' write, read and body check, and retention. Split by kind, seven classes would
+    each hold the run's keys, context and layout, and the one trust rule would have seven doors.
     """
 
     def __init__(

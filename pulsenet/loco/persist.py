@@ -25,10 +25,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 
 from pulsenet.errors import PulsenetError, VerificationError
-from pulsenet.loco.documents import RoundStore, first_error
+from pulsenet.loco.documents import RoundStore
 from pulsenet.loco.inner import InnerLoop
 from pulsenet.loco.progress import Retry
 from pulsenet.loco.state import GlobalState, TrainerState
+from pulsenet.runtime import first_error
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import tyro
 
 from pulsenet.engines.factory import EngineName
 from pulsenet.engines.torch_engine import TorchEngineConfig
-from pulsenet.engines.vllm_engine import VLLMEngineConfig
+from pulsenet.engines.vllm_config import VLLMEngineConfig
 from pulsenet.errors import ConfigError
 from pulsenet.loco import LocoConfig
 from pulsenet.rl.grpo import GRPOConfig

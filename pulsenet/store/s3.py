@@ -4,10 +4,11 @@ boto3 is synchronous, so every call runs in this store's own thread pool (sized 
 concurrency, unlike the loop's default executor) and the event loop never blocks. botocore's own
 retries are off: one retry loop here, with exponential backoff and full jitter, retries transient
 failures (5xx, throttling, dropped connections, timeouts) and never a 4xx that means "no" or a
-cancellation; when they are exhausted the call raises StoreUnavailable or StoreTimeout. The whole
-call, backoff included, sits under one ``asyncio.timeout`` (see ``ObjectStore``). Every request is
-counted (``requests``) and its outcome recorded (``health``), so a node sees an outage as it
-happens, not only when a call gives up.
+cancellation (``s3_errors.py`` says which is which, and which typed error each becomes); when they
+are exhausted the call raises StoreUnavailable or StoreTimeout. The whole call, backoff included,
+sits under one ``asyncio.timeout`` (see ``ObjectStore``). Every request is counted (``requests``)
+and its outcome recorded (``health``), so a node sees an outage as it happens, not only when a call
+gives up.
 
 Multipart uploads and ranged parallel downloads are done here rather than by boto3's TransferManager:
 s3transfer cannot send ``If-None-Match`` with CompleteMultipartUpload, and its worker threads ignore
@@ -30,7 +31,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,17 +43,16 @@ from botocore.config import Config as BotoConfig
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import (
     AccessDenied,
-    BucketNotFound,
     ConditionFailed,
     ConfigError,
     ObjectNotFound,
     StoreError,
-    StoreTimeout,
-    StoreUnavailable,
 )
+from pulsenet.runtime import all_of
 from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, backoff_delay, too_large
 from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
 from pulsenet.store.ratelimit import RateLimiter, charge
+from pulsenet.store.s3_errors import http_status, is_transient, typed_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,24 +62,6 @@ DELETE_BATCH = 1000
 """DeleteObjects takes at most 1000 keys per request."""
 MAX_PARTS = 10_000
 """S3's limit on parts per multipart upload; the part size grows to stay under it."""
-
-# Error codes worth retrying even though some come with a 4xx status.
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "RequestThrottled",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "OperationAborted",
-        "ConditionalRequestConflict",  # AWS 409: a racing conditional write; retry resolves it to 200 or 412
-    }
-)
-
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class S3Config:
@@ -282,7 +264,7 @@ class S3Store(ObjectStore):
                     # By path, not a shared descriptor: see LocalStore._copy for why.
                     await asyncio.to_thread(write_at, tmp, byte_range[0], data)
 
-            await _all_or_first_error(fetch(r) for r in ranges)
+            await all_of(fetch(r) for r in ranges)
             await asyncio.to_thread(fsync_path, tmp)
             await asyncio.to_thread(os.replace, tmp, dest)
             await asyncio.to_thread(fsync_path, dest.parent)
@@ -388,7 +370,7 @@ class S3Store(ObjectStore):
                     if "ChecksumCRC32" in resp:
                         parts[i]["ChecksumCRC32"] = resp["ChecksumCRC32"]
 
-            await _all_or_first_error(upload(i) for i in range(n_parts))
+            await all_of(upload(i) for i in range(n_parts))
 
             extra = {"IfNoneMatch": "*"} if if_none_match else {}
             attempts = 0
@@ -474,9 +456,9 @@ class S3Store(ObjectStore):
         try:
             resp = self._client.get_object(**kwargs)
         except bex.ClientError as e:
-            if if_none_match is not None and _status(e) == 304:
+            if if_none_match is not None and http_status(e) == 304:
                 return None  # botocore raises on 304 Not Modified: the object is unchanged
-            if byte_range is not None and _status(e) == 416:
+            if byte_range is not None and http_status(e) == 416:
                 return Fetched(b"", "")  # start at or past the end: slice semantics, like LocalStore
             raise
         etag = str(resp.get("ETag", "")).strip('"')
@@ -514,13 +496,21 @@ class S3Store(ObjectStore):
             try:
                 result = await once()
             except (bex.ClientError, bex.BotoCoreError) as e:
-                transient = _is_transient(e)
+                transient = is_transient(e)
                 if transient:
                     self.health.failed(e)
                 else:
                     self.health.ok()  # a 4xx is an answer
                 if not transient or attempt >= self.config.max_retries:
-                    raise self._typed(e, op, key, conditional, attempt + 1) from e
+                    raise typed_error(
+                        e,
+                        where=f"{op} {key!r} in {self.url} ({self.config.endpoint_url or 'AWS'})",
+                        op=op,
+                        bucket=self.bucket,
+                        conditional=conditional,
+                        attempts=attempt + 1,
+                        read_timeout_s=self.config.read_timeout_s,
+                    ) from e
                 # "Full jitter" (AWS Architecture Blog, "Exponential Backoff And Jitter"): a uniform
                 # draw below the exponential bound, so a thousand nodes that lost the store at the
                 # same moment do not come back in lockstep. The bound doubles to backoff_cap_s.
@@ -531,39 +521,6 @@ class S3Store(ObjectStore):
                 return result
             await asyncio.sleep(delay)
             attempt += 1
-
-    def _typed(self, e: Exception, op: str, key: str, conditional: bool, attempts: int) -> StoreError:
-        where = f"{op} {key!r} in {self.url} ({self.config.endpoint_url or 'AWS'})"
-        if isinstance(e, bex.ClientError):
-            status, code = _status(e), e.response.get("Error", {}).get("Code", "")
-            msg = e.response.get("Error", {}).get("Message", "")
-            if status == 412 or code == "PreconditionFailed":
-                return ConditionFailed(f"{where}: precondition failed ({code or status})")
-            if code == "NoSuchBucket":
-                return BucketNotFound(f"{where}: bucket {self.bucket!r} does not exist; create it or fix the URL")
-            if status == 404 and conditional:
-                # moto (and some gateways) answer a failed condition with 404 rather than 412.
-                return ConditionFailed(f"{where}: precondition failed ({code or status})")
-            if status == 404 or code in ("NoSuchKey", "NotFound"):
-                return ObjectNotFound(f"{where}: no such key")
-            if _is_transient(e):
-                return StoreUnavailable(f"{where}: {code} (HTTP {status}) after {attempts} attempts")
-            if status == 403:
-                return AccessDenied(
-                    f"{where}: {code or 'AccessDenied'} (HTTP 403): these credentials may not {op} here"
-                )
-            return StoreError(f"{where}: {code} (HTTP {status}): {msg}")
-        if isinstance(e, bex.ReadTimeoutError):
-            return StoreTimeout(
-                f"{where}: no response within {self.config.read_timeout_s:g} s, {attempts} attempts"
-            )
-        if _is_transient(e):
-            return StoreUnavailable(f"{where}: {e} ({attempts} attempts)")
-        if isinstance(e, bex.NoCredentialsError):
-            return StoreError(
-                f"{where}: no credentials; set S3Config keys (or AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
-            )
-        return StoreError(f"{where}: {e}")
 
     async def _is_ours(self, key: str, etag: str) -> bool:
         """After a retried create-only write failed its condition: did our own first attempt land?
@@ -593,36 +550,6 @@ class S3Store(ObjectStore):
         if info.etag == etag:
             return True
         return not create_only and info.size == size and not re.fullmatch(r"[0-9a-f]{32}-\d+", info.etag)
-
-
-async def _all_or_first_error(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
-    """Run concurrently; on the first failure cancel the rest and raise that error itself.
-
-    Callers catch typed store errors (ConditionFailed, StoreTimeout...), not an ExceptionGroup.
-    """
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for coro in coros:
-                tg.create_task(coro)
-    except BaseExceptionGroup as group:
-        raise group.exceptions[0] from None
-
-
-def _status(e: bex.ClientError) -> int:
-    return int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
-
-
-def _is_transient(e: Exception) -> bool:
-    if isinstance(e, bex.ClientError):
-        status = _status(e)
-        # 501 NotImplemented is a missing feature, not a passing fault.
-        return (
-            (status >= 500 and status != 501)
-            or status == 429
-            or e.response.get("Error", {}).get("Code") in _TRANSIENT_CODES
-        )
-    # Connection refused/reset/closed, connect and read timeouts, truncated bodies.
-    return isinstance(e, bex.ConnectionError | bex.HTTPClientError | bex.IncompleteReadError)
 
 
 def _multipart_etag(parts: list[dict[str, str | int]]) -> str:

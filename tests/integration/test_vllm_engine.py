@@ -27,7 +27,8 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.engines.base import Generation, SamplingParams
 from pulsenet.engines.gpu_check import VLLM_TINY
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
-from pulsenet.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from pulsenet.engines.vllm_config import VLLMEngineConfig
+from pulsenet.engines.vllm_engine import VLLMEngine
 from pulsenet.errors import EngineError
 from pulsenet.rl.draw import DrawId, uniform
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
@@ -469,7 +470,7 @@ def test_bench_engines_reports_each_figure(tmp_path: Path) -> None:
 def test_a_head_size_vllm_cpu_cannot_run_is_a_config_error_before_start(tmp_path: Path) -> None:
     """The built-in tiny model (head size 16) on vLLM-CPU: a ConfigError naming the fix, not an
     engine core that dies with the reason only in its log."""
-    from pulsenet.engines.vllm_engine import vllm_device_type
+    from pulsenet.engines.vllm_config import vllm_device_type
     from pulsenet.errors import ConfigError
 
     build_tiny_model(0).config.save_pretrained(tmp_path)
