@@ -9,18 +9,13 @@ from pulsenet.rollouts.demand import (
     DemandWriter,
     batches_to_generate,
 )
-from pulsenet.rollouts.intake import (
-    REASONS,
-    IntakeStats,
-    RolloutBatch,
-    RolloutIntake,
-    RolloutIntakeConfig,
-    RolloutSource,
-)
+from pulsenet.rollouts.intake import REASONS, RolloutIntake
+from pulsenet.rollouts.intake_types import IntakeStats, RolloutBatch, RolloutIntakeConfig
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.rows import ROW_REASONS, RowLimits, check_rows
+from pulsenet.rollouts.sources import RolloutSource
 from pulsenet.rollouts.writer import RolloutWriter, RolloutWriterConfig, WriterStats
 
 __all__ = [

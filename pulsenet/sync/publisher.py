@@ -4,31 +4,29 @@ published one, with a full anchor every K versions, uploaded in the background.
 ``publish(state)`` returns at once; a worker task encodes (in a thread) and uploads while the caller
 keeps training. At most ``pending`` states wait: when uploads fall behind, the oldest waiting state
 is dropped, never the one being uploaded. A patch is always encoded against the last *published*
-state (the one subscribers can hold), so a dropped state leaves no hole in the chain.
+state (the one subscribers can hold), so a dropped state leaves no hole in the chain. The queue,
+the encoding and the upload are in outbox.py.
 
 Per version: payloads first (content-addressed keys, see layout.py), then the signed manifest,
 create-only. If the manifest write finds the version taken (another publisher, a forged or
 replayed object), the publisher moves to the next free number and uploads again; subscribers follow
 ``base_version`` pointers, so a skipped number is no gap. Then retention: everything older than the
 ``keep_anchors``-th newest anchor goes (manifests first, so no manifest ever names a deleted payload),
-and so do payloads no manifest will ever name (a crash between payload and manifest).
+and so do payloads no manifest will ever name (a crash between payload and manifest): retention.py.
 
 Anchor versions carry two payloads: the anchor (for nodes that join late or fall behind) and the
 patch from the previous version (so nodes that are following never download the full weights).
 
 Restart: ``start()`` reads the newest manifest this publisher trusts and rebuilds its weights from
-the store (anchor + patches, verified), or takes them from the caller if their digest matches.
+the store (anchor + patches, verified), or takes them from the caller if their digest matches
+(resume.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -38,9 +36,8 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from pulsenet.codec.digest import model_digest
 from pulsenet.codec.mask import MAX_ZONES
-from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder, parse_patch
+from pulsenet.codec.patch import PATCH_ZSTD_LEVEL, PatchEncoder
 from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ConditionFailed,
@@ -50,20 +47,11 @@ from pulsenet.errors import (
     StoreError,
     StoreTimeout,
     StoreUnavailable,
-    VerificationError,
 )
 from pulsenet.signed import ObjectRef, fetch_document
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectStore, backoff_delay
-from pulsenet.sync.chain import (
-    EMPTY_DIGEST,
-    ChainPath,
-    ManifestReader,
-    PayloadCache,
-    candidate_paths,
-    primary_error,
-    rebuild,
-)
+from pulsenet.sync.chain import ManifestReader, candidate_paths
 from pulsenet.sync.layout import DEFAULT_RUN, MAX_VERSION, Layout
 from pulsenet.sync.manifest import (
     Head,
@@ -74,10 +62,12 @@ from pulsenet.sync.manifest import (
     sign_head,
     sign_manifest,
 )
+from pulsenet.sync.outbox import Encoded, Latest, Pending, StateDict, encode_payloads, upload_payloads
+from pulsenet.sync.resume import newest_trusted, weights_of
+from pulsenet.sync.retention import retain
 
 log = logging.getLogger(__name__)
 
-StateDict = Mapping[str, torch.Tensor]
 MiB = 1 << 20
 _TAKEN_RETRIES = 8
 
@@ -152,62 +142,6 @@ class PublishRecord:
     """Objects retention removed after this version."""
 
 
-@dataclass(slots=True)
-class _Item:
-    state: StateDict
-    step: int | None
-    submitted: float
-    superseded: int = 0
-
-
-class _Latest:
-    """A bounded FIFO that keeps the newest items: putting into a full one drops the oldest."""
-
-    def __init__(self, size: int) -> None:
-        self._items: collections.deque[_Item] = collections.deque()
-        self._size = size
-        self._ready = asyncio.Event()
-
-    def put(self, item: _Item) -> int:
-        """Add ``item``; returns how many older items were dropped to make room."""
-        dropped = 0
-        while len(self._items) >= self._size:
-            item.superseded += self._items.popleft().superseded + 1
-            dropped += 1
-        self._items.append(item)
-        self._ready.set()
-        return dropped
-
-    def put_back(self, item: _Item) -> None:
-        """Return a failed item to the front, unless something newer is already waiting."""
-        if not self._items:
-            self._items.append(item)
-            self._ready.set()
-
-    async def get(self) -> _Item:
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._items.popleft()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
-@dataclass(frozen=True, slots=True)
-class _Encoded:
-    """One version's payloads as encoded (``Publisher._encode_item``)."""
-
-    blobs: dict[str, bytes]
-    """Payload bytes by role (``patch``, ``anchor``)."""
-    hashes: dict[str, str]
-    """Their SHA-256 by role."""
-    digest: str
-    """The model digest the payloads rebuild."""
-    full_bytes: int
-    """The state's size in memory (for the compression ratio)."""
-
-
 class Publisher:
     """Publishes versions of one channel; use as ``async with Publisher(...) as pub``."""
 
@@ -253,7 +187,7 @@ class Publisher:
         self._encoder = PatchEncoder(
             level=config.zstd_level, threads=config.threads, max_zones=config.max_zones
         )
-        self._queue = _Latest(config.pending)
+        self._queue = Latest(config.pending)
         self._lock = asyncio.Lock()  # one version at a time: the worker and publish_now share state
         self._idle = asyncio.Condition()
         self._busy = False
@@ -317,20 +251,7 @@ class Publisher:
         if not listing:
             log.info("channel %s is empty: the first version will be v0", self.layout.channel)
             return
-        # Never act on a listed name alone: anyone who can write the bucket can plant
-        # "v999999999999.json". The newest version is the newest manifest a trusted key signed.
-        newest: Manifest | None = None
-        ignored: list[int] = []
-        for v in sorted(listing, reverse=True):
-            try:
-                newest = await self._reader.get(v, info=listing[v])
-                break
-            except (ManifestError, ObjectNotFound) as e:  # not ours, or deleted meanwhile
-                ignored.append(v)
-                if len(ignored) <= 3:
-                    log.warning("resume: ignoring manifest v%d, not ours: %s", v, e)
-        if len(ignored) > 3:
-            log.warning("resume: ignored %d manifest names that are not ours in all", len(ignored))
+        newest = await newest_trusted(self._reader, listing)
         self._next = max(newest.version + 1 if newest is not None else 0, self._next)
         if newest is None:
             log.warning(
@@ -341,21 +262,14 @@ class Publisher:
             return
         paths = await candidate_paths(self._reader, newest, None, set(), max_anchors=1)
         self._anchor_version = paths[0].steps[0].manifest.version if paths else None
-        if state is not None:
-            digest = await asyncio.to_thread(model_digest, state, self.config.threads)
-            if digest != newest.model_digest:
-                raise ManifestError(
-                    f"the given state (digest {digest[:16]}…) is not the newest published v{newest.version} "
-                    f"({newest.model_digest[:16]}…): start without a state to rebuild it from the store"
-                )
-            self._state = dict(state)
-        else:
-            try:
-                self._state = await self._rebuild(paths, newest)
-            except VerificationError as e:
-                # The chain is broken (retired or corrupt): the next version will be a plain anchor.
-                log.error("resume: %s; the next version will be an anchor without a patch", e)
-                self._state = None
+        self._state = await weights_of(
+            newest,
+            paths,
+            state,
+            store=self.store,
+            threads=self.config.threads,
+            timeout_s=self.config.transfer_timeout_s,
+        )
         self.version, self.digest = newest.version, newest.model_digest
         log.info(
             "resumed at v%d (%s…), next version v%d", newest.version, newest.model_digest[:16], self._next
@@ -377,20 +291,6 @@ class Publisher:
                 log.info("no verified manifest for v%d: %s", v, e)
         return out
 
-    async def _rebuild(self, paths: list[ChainPath], newest: Manifest) -> dict[str, torch.Tensor]:
-        bad: set[str] = set()
-        with tempfile.TemporaryDirectory(prefix="pulsenet-publisher-") as tmp:
-            cache = PayloadCache(self.store, Path(tmp), timeout_s=self.config.transfer_timeout_s)
-            errors = []
-            for path in paths:
-                try:
-                    return await rebuild(path, cache, None, threads=self.config.threads, bad=bad)
-                except (VerificationError, ObjectNotFound) as e:
-                    errors.append(f"{path.describe()}: {e}")
-        raise VerificationError(
-            f"cannot rebuild the newest published v{newest.version} from the store: {'; '.join(errors) or 'no anchor'}"
-        )
-
     # --- publishing ----------------------------------------------------------------------------
 
     def publish(self, state: StateDict, *, step: int | None = None) -> None:
@@ -401,14 +301,14 @@ class Publisher:
         """
         if self._worker is None or self._worker.done():
             raise RuntimeError("Publisher is not running: call start() or use 'async with'")
-        dropped = self._queue.put(_Item(state, step, time.perf_counter()))
+        dropped = self._queue.put(Pending(state, step, time.perf_counter()))
         if dropped:
             self.dropped += dropped
             log.info("uploads are behind: dropped %d waiting state(s) for a newer one", dropped)
 
     async def publish_now(self, state: StateDict, *, step: int | None = None) -> PublishRecord:
         """Publish ``state`` in the caller's task and return its record (errors are raised)."""
-        return await self._publish(_Item(state, step, time.perf_counter()))
+        return await self._publish(Pending(state, step, time.perf_counter()))
 
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every queued state is published; re-raise the error of one that was given up."""
@@ -443,7 +343,7 @@ class Publisher:
                 async with self._idle:
                     self._idle.notify_all()
 
-    async def _publish(self, item: _Item) -> PublishRecord:
+    async def _publish(self, item: Pending) -> PublishRecord:
         """One version: encode → claim → commit → write_head → retain → record, under the lock
         (versions go out one at a time, each a patch against the one before)."""
         async with self._lock:
@@ -457,18 +357,16 @@ class Publisher:
             deleted = await self._retain_after(manifest)
         return self._record(item, manifest, enc, (started, encoded, done), deleted)
 
-    async def _encode_item(self, item: _Item) -> _Encoded:
+    async def _encode_item(self, item: Pending) -> Encoded:
         """The payloads (a patch against the last version, an anchor when one is due), in a thread."""
         anchor_due = (
             self.version is None
             or self._anchor_version is None
             or self._next - self._anchor_version >= self.config.anchor_every
         )
-        blobs, hashes, digest = await asyncio.to_thread(self._encode, item.state, anchor_due)
-        full_bytes = sum(t.numel() * t.element_size() for t in item.state.values())
-        return _Encoded(blobs, hashes, digest, full_bytes)
+        return await asyncio.to_thread(encode_payloads, self._encoder, self._state, self.digest, item.state, anchor_due)
 
-    async def _claim(self, item: _Item, enc: _Encoded) -> Manifest:
+    async def _claim(self, item: Pending, enc: Encoded) -> Manifest:
         """Upload the payloads and put their signed manifest under the next free version number
         (create-only); a number someone else holds moves us on, at most ``_TAKEN_RETRIES`` times."""
         for attempt in range(_TAKEN_RETRIES):
@@ -477,7 +375,14 @@ class Publisher:
                 role: ObjectRef(self.layout.payload(version, role, enc.hashes[role]), len(b), enc.hashes[role])
                 for role, b in enc.blobs.items()
             }
-            await self._upload_all(refs, enc.blobs)
+            await upload_payloads(
+                self.store,
+                refs,
+                enc.blobs,
+                timeout=self.config.transfer_timeout_s,
+                spool_threshold=self.config.spool_threshold,
+                spool_dir=self.config.spool_dir,
+            )
             manifest = self._manifest(version, item, enc, refs)
             if await self._put_manifest(manifest):
                 return manifest
@@ -491,7 +396,7 @@ class Publisher:
             )
         raise ConditionFailed(f"could not claim a version in {self.layout.channel} after {_TAKEN_RETRIES} tries")
 
-    def _manifest(self, version: int, item: _Item, enc: _Encoded, refs: dict[str, ObjectRef]) -> Manifest:
+    def _manifest(self, version: int, item: Pending, enc: Encoded, refs: dict[str, ObjectRef]) -> Manifest:
         """The manifest of ``version`` naming the uploaded payloads ``refs`` (unsigned)."""
         return Manifest(
             version=version,
@@ -533,7 +438,7 @@ class Publisher:
             raise ConditionFailed(f"no free version number above v{version} in {self.layout.channel}")
         return nxt
 
-    def _commit(self, item: _Item, manifest: Manifest) -> None:
+    def _commit(self, item: Pending, manifest: Manifest) -> None:
         """The claimed version is now the last published one: the base of the next patch."""
         self._state, self.version, self.digest, self._next = (
             dict(item.state),
@@ -544,16 +449,26 @@ class Publisher:
         self._reader.remember(manifest)
 
     async def _retain_after(self, manifest: Manifest) -> int:
-        """Retention after a version (``_retain``); how many objects it deleted."""
+        """Retention after a version (retention.py); how many objects it deleted."""
         if manifest.kind == "anchor":
             self._anchor_version = manifest.version
-        deleted = await self._retain()
-        if self.config.keep_anchors is None and self._anchor_version is not None:
-            self._reader.forget_below(self._anchor_version)  # keep the manifest cache small
-        return deleted
+        keep = self.config.keep_anchors
+        if keep is None:
+            if self._anchor_version is not None:
+                self._reader.forget_below(self._anchor_version)  # keep the manifest cache small
+            return 0
+        return await retain(
+            self.store,
+            self.layout,
+            self._reader,
+            keep=keep,
+            newest=self.version if self.version is not None else -1,  # ours: never a listed name
+            keep_from=self.keep_from,
+            timeout=self.config.timeout_s,
+        )
 
     def _record(
-        self, item: _Item, manifest: Manifest, enc: _Encoded, times: tuple[float, float, float], deleted: int
+        self, item: Pending, manifest: Manifest, enc: Encoded, times: tuple[float, float, float], deleted: int
     ) -> PublishRecord:
         """The version's :class:`PublishRecord`: kept, handed to ``on_record``, logged."""
         started, encoded, done = times
@@ -642,94 +557,3 @@ class Publisher:
             manifest.roles(),
             manifest.base_version,
         )
-
-    def _encode(self, state: StateDict, anchor: bool) -> tuple[dict[str, bytes], dict[str, str], str]:
-        """Payload bytes and SHA-256 by role, and the model digest (blocking: runs in a thread)."""
-        blobs: dict[str, bytes] = {}
-        if self._state is not None:
-            blobs["patch"] = self._encoder.encode(self._state, state, base_digest=self.digest)
-        if anchor or self._state is None:
-            blobs["anchor"] = self._encoder.encode({}, state, base_digest=EMPTY_DIGEST)
-        hashes = {role: hashlib.sha256(b).hexdigest() for role, b in blobs.items()}
-        return blobs, hashes, parse_patch(next(iter(blobs.values()))).target_digest
-
-    async def _upload_all(self, refs: dict[str, ObjectRef], blobs: dict[str, bytes]) -> None:
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for role, ref in refs.items():
-                    tg.create_task(self._upload(ref.key, blobs[role]))
-        except BaseExceptionGroup as eg:
-            raise primary_error(eg) from None
-
-    async def _upload(self, key: str, data: bytes) -> None:
-        timeout = self.config.transfer_timeout_s
-        if len(data) < self.config.spool_threshold:
-            await self.store.put(key, data, timeout=timeout)
-            return
-        fd, tmp = tempfile.mkstemp(prefix="pulsenet-payload-", dir=self.config.spool_dir)
-        try:
-            await asyncio.to_thread(_write_fd, fd, data)
-            await self.store.put_file(key, tmp, timeout=timeout)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-
-    # --- retention -----------------------------------------------------------------------------
-
-    async def _retain(self) -> int:
-        """Delete what no kept chain needs; returns how many objects went. Failures are logged only."""
-        if self.config.keep_anchors is None:
-            return 0
-        try:
-            return await self._retain_once(self.config.keep_anchors)
-        except (StoreError, ManifestError) as e:
-            log.warning("retention skipped this time: %s: %s", type(e).__name__, e)
-            return 0
-
-    async def _retain_once(self, keep: int) -> int:
-        infos = await self.store.list(f"{self.layout.channel}/", timeout=self.config.timeout_s)
-        manifests: dict[int, str] = {}
-        payloads: list[tuple[int, str]] = []
-        anchor_keys: set[str] = set()
-        for info in infos:
-            if (v := self.layout.parse_manifest(info.key)) is not None:
-                manifests[v] = info.key
-            elif (parsed := self.layout.parse_payload(info.key)) is not None:
-                payloads.append((parsed[0], info.key))
-                if parsed[1] == "anchor":
-                    anchor_keys.add(info.key)
-        if not manifests:
-            return 0
-        anchor_keys = {key for v, key in payloads if key in anchor_keys and v in manifests}
-        newest = self.version if self.version is not None else -1  # ours: never a listed name
-        anchors = []
-        # A name above our own version is no anchor of ours (planted): not even fetched.
-        for v in sorted({v for v, key in payloads if key in anchor_keys and v <= newest}, reverse=True):
-            if len(anchors) >= keep:
-                break
-            with contextlib.suppress(ManifestError, ObjectNotFound):  # untrusted or vanished: not a chain we keep
-                m = await self._reader.get(v)
-                if m.anchor is not None and m.anchor.key in anchor_keys:
-                    anchors.append(v)
-        cutoff = anchors[-1] if len(anchors) >= keep else 0
-        if self.keep_from is not None:  # a live consumer still follows the chain from there
-            cutoff = max(0, min(cutoff, self.keep_from))
-        old_manifests = [key for v, key in manifests.items() if v < cutoff]
-        old_payloads = [key for v, key in payloads if v < cutoff or (v not in manifests and v < newest)]
-        # Manifests first: a manifest must never name a deleted payload.
-        await self.store.delete(old_manifests, timeout=self.config.timeout_s)
-        await self.store.delete(old_payloads, timeout=self.config.timeout_s)
-        self._reader.forget_below(cutoff)
-        if old_manifests or old_payloads:
-            log.info(
-                "retention: kept v%d.. (anchors %s), deleted %d objects",
-                cutoff,
-                anchors,
-                len(old_manifests) + len(old_payloads),
-            )
-        return len(old_manifests) + len(old_payloads)
-
-
-def _write_fd(fd: int, data: bytes) -> None:
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)

@@ -45,7 +45,7 @@ from pulsenet.errors import RolloutError, RolloutRowError
 from pulsenet.nodes.trainer import answer_of, next_step
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.tasks import Assignment, group_id
-from pulsenet.rollouts.intake import RolloutBatch
+from pulsenet.rollouts import RolloutBatch
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import (
     BatchManifest,

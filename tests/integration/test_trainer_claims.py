@@ -158,7 +158,7 @@ def test_micro_batches_bound_the_padded_tokens() -> None:
 
 
 def test_a_taken_batch_is_split_into_steps_of_whole_groups() -> None:
-    from pulsenet.rollouts.intake import RolloutBatch
+    from pulsenet.rollouts import RolloutBatch
 
     rows = _issue_rows()
     batch = RolloutBatch(manifest=None, columns=None, batch_id="i0/x")  # type: ignore[arg-type]

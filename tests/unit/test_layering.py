@@ -229,3 +229,39 @@ def test_store_codec_and_engine_modules_are_small_and_big_classes_say_why() -> N
     assert not big, "classes over 25 methods whose docstring does not say why: " + ", ".join(big)
     split = ("store.seaweed_security", "store.s3_errors", "codec.parquet_footer", "engines.vllm_config")
     assert {f"pulsenet.{m}" for m in split} <= set(mods)
+
+
+def _methods(module: str, cls: str) -> list[str]:
+    tree = ast.parse(_modules()[module].read_text())
+    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls]
+    return [n.name for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+CHANNEL_ROOMS = {
+    "pulsenet.rollouts.intake": ("RolloutIntake", {"checks", "batch_queue", "sources", "intake_types"}),
+    "pulsenet.sync.publisher": ("Publisher", {"outbox", "retention", "resume"}),
+}
+"""The two channel classes a reader meets most, and the modules holding the work they call: the
+intake's numbered check ladder, its queue and each source's head; the publisher's outgoing
+versions, retention and restart."""
+
+
+def test_the_intake_and_the_publisher_are_split_by_idea() -> None:
+    """Issue 31: intake.py was 855 lines (config, stats, the check ladder, heads, the queue and the
+    class in one), publisher.py 735 with a 31-method class. No rollouts or sync module is over
+    ~600 lines, each class keeps at most 25 methods, and the ladder's functions never import the
+    intake back."""
+    graph = _graph()
+    for module, (cls, rooms) in CHANNEL_ROOMS.items():
+        methods = _methods(module, cls)
+        assert len(methods) <= 25, f"{cls} has {len(methods)} methods: {methods}"
+        package = module.rsplit(".", 1)[0]
+        assert {f"{package}.{m}" for m in rooms} <= graph[module], f"{module} should call into {sorted(rooms)}"
+        below = {d for m in rooms for d in graph[f"{package}.{m}"]}
+        assert module not in below, f"a module {module} calls into imports it back"
+    long = {
+        m: n
+        for m, p in _modules().items()
+        if m.startswith(("pulsenet.rollouts.", "pulsenet.sync.")) and (n := len(p.read_text().splitlines())) > 600
+    }
+    assert not long, f"rollouts/sync modules over ~600 lines: {long}"
