@@ -214,10 +214,6 @@ class TorchEngine(Engine):
         else:
             self.stats.deferred_updates += 1
 
-    @property
-    def update_pending(self) -> bool:
-        return self._pending is not None
-
     def _apply_pending(self, *, deferred: bool = False) -> None:
         """Apply the parked update, if any. Caller holds ``self._lock``.
 
