@@ -213,9 +213,10 @@ def test_chaos_takes_one_behaviour_per_node_and_sets_it_on_that_node() -> None:
 
     c = load_settings(ChaosConfig, table="chaos", argv=["--hostile", "i1=stale:lag=2", "--count", "0"], environ={})
     nodes = [InferenceConfig(id="i0"), InferenceConfig(id="i1")]
-    Chaos(c).adjust([], nodes)
-    assert [n.hostile for n in nodes] == ["", "stale:lag=2"]
-    assert to_toml_table(nodes[1])["hostile"] == "stale:lag=2"  # what the launcher writes into i1's config
+    _, written = Chaos(c).adjust([], nodes)
+    assert [n.hostile for n in written] == ["", "stale:lag=2"]
+    assert [n.hostile for n in nodes] == ["", ""]  # new settings: the planned ones are left as they are
+    assert to_toml_table(written[1])["hostile"] == "stale:lag=2"  # what the launcher writes into i1's config
     for bad in (["i7=chosen"], ["i1=nice"], ["i1"], ["i0=chosen", "i1=copy"]):  # the last: no honest node left
         with pytest.raises(ConfigError):
             ChaosConfig(hostile=bad, count=0)

@@ -17,6 +17,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
@@ -405,9 +406,8 @@ def test_the_planned_round_deadline_is_the_trainers_as_planned_not_read_back_fro
     from pulsenet.nodes.up.sites import Creds, plan_nodes
 
     class Adjust:
-        def adjust(self, trainers: list, inference: list) -> None:
-            for t in trainers:
-                t.loco.deadline_s = 45.0
+        def adjust(self, trainers: list, inference: list) -> tuple[list, list]:
+            return [replace(t, loco=replace(t.loco, deadline_s=45.0)) for t in trainers], inference
 
         def endpoint(self, node: str, url: str) -> str:
             return url
