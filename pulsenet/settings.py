@@ -224,7 +224,8 @@ def _flags(cls: type, prefix: str = "", hidden: frozenset[str] | None = None) ->
 
 def _field_docs(cls: type) -> dict[str, str]:
     """``field name -> docstring`` (the string under the field in ``cls``'s source), what tyro shows."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    body = tree.body if isinstance(tree, ast.ClassDef) else []  # a class's source is a ClassDef
     docs = {}
     for node, after in itertools.pairwise(body):
         if (

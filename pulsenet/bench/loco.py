@@ -95,6 +95,7 @@ class LocoBenchSettings(BenchSettings):
     plot: Path | None = None
     """Write a PNG here: the learning metric and the bytes per worker, per round and mode."""
     inner: Annotated[BenchInner, tyro.conf.arg(name="")] = field(default_factory=lambda: BenchInner(batch=2))
+    # a dataclass made at import time (settings.fields_of): a type checker has no static class to name
     outer: Annotated[OuterStep, tyro.conf.arg(name="")] = field(default_factory=OuterStep)  # type: ignore[valid-type]
 
 
@@ -238,7 +239,9 @@ async def _run_mode(args: argparse.Namespace, mode: str, tmp: Path) -> dict[str,
 
     await asyncio.gather(*(drive(t, k == 0) for k, t in enumerate(trainers)))
     wall = time.perf_counter() - t0
-    n_params = sum(v.numel() for v in trainers[0].state.theta.values())  # type: ignore[union-attr]
+    state = trainers[0].state
+    assert state is not None  # set by start() above
+    n_params = sum(v.numel() for v in state.theta.values())
     rounds = []
     for r in range(1, args.rounds + 1):
         reps = [next(x for x in t.reports if x.round == r) for t in trainers]

@@ -36,12 +36,11 @@ import itertools
 import logging
 import os
 import random
-import signal
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pulsenet.chaos.link import LinkProxy
 from pulsenet.errors import ConfigError
@@ -49,7 +48,9 @@ from pulsenet.nodes.hostile import HostileConfig
 from pulsenet.nodes.up import UpConfig
 from pulsenet.nodes.up.node import Node, node_version, serving_version
 from pulsenet.nodes.up.supervisor import Supervisor
-from pulsenet.runtime import signal_group
+
+if TYPE_CHECKING:
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -200,22 +201,30 @@ class Chaos:
 
     # --- the launcher's hooks -------------------------------------------------------------------
 
-    def adjust(self, trainers: list[Any], inference: list[Any]) -> None:
-        """Retention on, so the audit can hold the store to it; remember every node's store."""
+    def adjust(
+        self, trainers: list[TrainerConfig], inference: list[InferenceConfig]
+    ) -> tuple[list[TrainerConfig], list[InferenceConfig]]:
+        """The settings to write: retention on, so the audit can hold the store to it, and the
+        hostile behaviours; new objects, the planned ones are left as they are. Remembers every
+        node's store."""
+        new_t = []
         for t in trainers:
+            changes: dict[str, Any] = {}
             if self.c.anchor_every:
-                t.publish.anchor_every = self.c.anchor_every
+                changes["publish"] = replace(t.publish, anchor_every=self.c.anchor_every)
             if self.c.retain_rounds and t.loco_store:
-                t.loco.retain_rounds = self.c.retain_rounds
+                changes["loco"] = replace(t.loco, retain_rounds=self.c.retain_rounds)
+            new_t.append(replace(t, **changes) if changes else t)
             self.stores[t.id] = t.store
             if t.loco_store:
                 self.stores["loco"] = t.loco_store
         hostile_nodes(self.c)  # checked at config time; the raw spec is the node's setting
         hostile = dict(item.split("=", 1) for item in self.c.hostile)
+        new_i = []
         for i in inference:
             self.stores[i.id] = i.store
-            if i.id in hostile:
-                i.hostile = hostile[i.id]
+            new_i.append(replace(i, hostile=hostile[i.id]) if i.id in hostile else i)
+        return new_t, new_i
 
     def endpoint(self, node: str, url: str) -> str:
         """A relay for each node a link fault targets; the others talk to the store directly."""
@@ -276,7 +285,7 @@ class Chaos:
         for link in self.links.values():
             await link.close()
         self._undo(sup)
-        if sup.server is not None and not sup.server.running:
+        if sup.store_exited():
             return  # it died at the very end: nothing to list (the audit says so)
         self.listing = await asyncio.to_thread(self._list, sup)
 
@@ -305,19 +314,16 @@ class Chaos:
                 raise RuntimeError(f"chaos: {node.name} did not come back to be killed")
             last = node.tail.last()
             record["into_version_s"] = round(time.time() - last.at, 2) if last is not None else None
-            record["pid"] = node.pid
-            assert node.proc is not None
-            signal_group(node.proc, signal.SIGKILL)
+            record["pid"] = sup.kill(node.name)
         elif f.kind == "kill-store":
-            record["pid"] = sup.server.pid
-            await asyncio.to_thread(sup.server.kill)
+            record["pid"] = await sup.kill_store()
         elif f.kind == "stall-store":
-            sup.server.pause()
+            sup.pause_store()
             self._paused = True
             try:
                 await asyncio.sleep(f.duration_s)
             finally:
-                sup.server.resume()
+                sup.resume_store()
                 self._paused = False
         elif f.kind in LINK_KINDS:
             link = self.links[f.target]
@@ -334,8 +340,8 @@ class Chaos:
 
     def _undo(self, sup: Supervisor) -> None:
         """Whatever a cancelled fault left behind: a paused store, a cut or slow link."""
-        if self._paused and sup.server is not None:
-            sup.server.resume()
+        if self._paused:
+            sup.resume_store()
             self._paused = False
         for link in self.links.values():
             link.restore()
@@ -361,8 +367,8 @@ class Chaos:
     async def _sample(self, sup: Supervisor) -> None:
         while True:
             procs: list[tuple[str, int]] = [(n.name, n.proc.pid) for n in sup.nodes if n.running and n.proc is not None]
-            if sup.server is not None and sup.server.running and sup.server.pid is not None:
-                procs.append(("store", sup.server.pid))
+            if (store_pid := sup.store_pid()) is not None:
+                procs.append(("store", store_pid))
             procs.append(("up", os.getpid()))
             t = self._now()
             for name, pid in procs:
@@ -376,8 +382,7 @@ class Chaos:
         or the environment's for --s3-endpoint)."""
         import boto3
 
-        if sup.server is not None:
-            cfg = sup.server.config("admin")
+        if (cfg := sup.store_admin_config()) is not None:
             client = boto3.client(
                 "s3",
                 endpoint_url=cfg.endpoint_url,

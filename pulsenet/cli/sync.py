@@ -120,9 +120,10 @@ def _publish(ns: argparse.Namespace) -> int:
 
     args = command_settings(ns, PublishSettings)
     require(args, "model", "store", "key", table="publish")
+    assert args.model is not None and args.key is not None  # require() stopped a missing one (ConfigError)
     key = load_private_key(args.key, allow_open=args.allow_open_key)
     ckpt = Checkpoint(args.model)
-    model_config = _architecture(Path(args.model))  # type: ignore[arg-type]
+    model_config = _architecture(Path(args.model))
     state = {}
     for name in ckpt:
         t = ckpt[name]
@@ -189,8 +190,9 @@ def _pull(ns: argparse.Namespace) -> int:
 
     args = command_settings(ns, PullSettings)
     require(args, "store", "trust", "out", table="pull")
+    assert args.out is not None  # require() stopped a missing one (ConfigError)
     if args.cache is not None:
-        check_cache_dir(args.cache, args.out, cache_flag="--cache", other_flag="--out")  # type: ignore[arg-type]
+        check_cache_dir(args.cache, args.out, cache_flag="--cache", other_flag="--out")
     trusted = trusted_keys(args.trust)
     config = SubscriberConfig(
         channel=args.channel,

@@ -139,6 +139,18 @@ class Engine(abc.ABC):
         comparing the others; a wrong hint fails the digest check). Safe as a Subscriber's ``on_update``.
         """
 
+    @abc.abstractmethod
+    def served_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the served BF16 weights by name, in HF coordinates (what a digest checks)."""
+
+    @abc.abstractmethod
+    def weights_digest(self) -> str:
+        """The model digest recomputed from what the engine serves (slow: hashes every tensor)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the engine holds beyond memory (processes, threads)."""
+
 
 def check_layout(served: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:
     """An update must name exactly the served tensors with their shapes and dtypes (EngineError)."""

@@ -15,6 +15,7 @@ to a temporary directory that lives as long as the engine.
 from __future__ import annotations
 
 import tempfile
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -68,5 +69,6 @@ def make_engine(
         hf_config.save_pretrained(tmp.name)
         model_dir = Path(tmp.name)
     engine = VLLMEngine(model_dir, vllm_config, state=state, version=version, digest=digest)
-    engine._model_tmp = tmp  # type: ignore[attr-defined]  # removed with the engine
+    if tmp is not None:  # removed with the engine (the finalizer holds it until then)
+        weakref.finalize(engine, tmp.cleanup)
     return engine

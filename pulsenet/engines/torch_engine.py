@@ -187,6 +187,9 @@ class TorchEngine(Engine):
         """A copy of the served BF16 weights by name (HF coordinates, tied ``lm_head`` once)."""
         return {n: t.clone() for n, t in self._mirror.items()}
 
+    def close(self) -> None:
+        """Nothing to release: the model is memory, freed with the engine."""
+
     # --- updates -------------------------------------------------------------------------------
 
     def update(
@@ -214,10 +217,6 @@ class TorchEngine(Engine):
         else:
             self.stats.deferred_updates += 1
 
-    @property
-    def update_pending(self) -> bool:
-        return self._pending is not None
-
     def _apply_pending(self, *, deferred: bool = False) -> None:
         """Apply the parked update, if any. Caller holds ``self._lock``.
 
@@ -243,8 +242,8 @@ class TorchEngine(Engine):
         check_layout(self._mirror, up.state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change cannot
         # slip through, because the digest over the parameters then differs from the published one.
-        trust_hint = up.changed is not None and self.config.verify_updates
-        candidates = [n for n in self._params if not trust_hint or n in up.changed]  # type: ignore[operator]
+        hint = up.changed if self.config.verify_updates else None
+        candidates = [n for n in self._params if hint is None or n in hint]
         changed = [n for n in candidates if not same_bits(self._mirror[n], up.state[n])]
         with torch.no_grad():
             for name in changed:

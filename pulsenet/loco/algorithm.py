@@ -92,18 +92,18 @@ def make_update(
     besides the returned error feedback and the sent values.
     """
     tensors: dict[str, SparseTensor] = {}
-    new_error: StateDict | None = {} if sparse else None
+    new_error: StateDict = {}
     with torch.no_grad():
         for name in sorted(theta):
             th, lo = theta[name], local[name].detach()
             s = pseudo_gradient(th, lo, error[name] if (sparse and error is not None) else None)
             if sparse:
                 idx, values, residual = gate(th, s, gate_scale)
-                new_error[name] = residual  # type: ignore[index]
+                new_error[name] = residual
             else:
                 values, idx = s.reshape(-1).numpy().astype(np.float32, copy=True), None
             tensors[name] = SparseTensor(shape=tuple(th.shape), indices=idx, values=values)
-    return Payload(round=round, mode=SPARSE if sparse else DENSE, tensors=tensors), new_error
+    return Payload(round=round, mode=SPARSE if sparse else DENSE, tensors=tensors), new_error if sparse else None
 
 
 def unsend(error: Mapping[str, torch.Tensor], payload: Payload) -> None:

@@ -22,7 +22,7 @@ import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -57,6 +57,9 @@ from pulsenet.sync.manifest import public_model_config
 from pulsenet.sync.publisher import Publisher
 from pulsenet.sync.subscriber import OnUpdate, Subscriber
 from pulsenet.tracking import NoTracker, Tracker, make_tracker
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 OpenStore = Callable[[str], ObjectStore]
 """A store URL -> the store, opened with this site's credentials."""
@@ -128,7 +131,8 @@ def compose_trainer(
     (docs/distributed.md), whose every step and read runs on all ranks. ``task``:
     ``build_task(c.task, seed=c.seed)``; ``text``: the model's text codec. ``loco_store``: the
     PULSELoCo run's store (None: a lone trainer)."""
-    model = policy.grpo.local.model
+    # LocalTrainer holds any Module; a node trains a transformers causal LM (nodes/common.initial_model)
+    model = cast("PreTrainedModel", policy.grpo.local.model)
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     prompter = task.prompter(text, max_positions=max_positions)
     assignment = Assignment(c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step)
@@ -203,11 +207,12 @@ def _peer_keys(c: TrainerConfig) -> dict:
     return keys
 
 
-def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
+def row_limits(model: PreTrainedModel, given: RowLimits, reward_range: tuple[float, float]) -> RowLimits:
     """``given`` (the configured limits) with what this trainer's model and task fix: its vocabulary
     (embedding rows), context (``max_position_embeddings``) and rewards (the task's declared range),
     never more than configured."""
-    vocab = model.get_input_embeddings().num_embeddings  # type: ignore[operator]
+    # transformers types the input embeddings as any Module; a causal LM's are an nn.Embedding
+    vocab = cast(torch.nn.Embedding, model.get_input_embeddings()).num_embeddings
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None) or given.max_row_tokens
     return replace(
         given,
@@ -220,10 +225,10 @@ def row_limits(model: torch.nn.Module, given: RowLimits, reward_range: tuple[flo
     )
 
 
-def architecture(model: torch.nn.Module) -> dict[str, Any]:
+def architecture(model: PreTrainedModel) -> dict[str, Any]:
     """The model's config.json contents, signed into every anchor so that ``pulsenet export``
     rebuilds the architecture from the channel alone."""
-    return public_model_config(json.loads(model.config.to_json_string(use_diff=False)))  # type: ignore[union-attr]
+    return public_model_config(json.loads(model.config.to_json_string(use_diff=False)))
 
 
 # --- inference ------------------------------------------------------------------------------------
@@ -279,7 +284,7 @@ def compose_inference(
         key=key,
         task=task,
         prompter=prompter,
-        writer=RolloutWriter(store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)),  # type: ignore[arg-type]
+        writer=RolloutWriter(store, key, c.id, RolloutWriterConfig(run=c.run, max_staleness=c.max_staleness)),
         channels=len(policy_stores),
         subscriber=functools.partial(_subscriber, c, policy_stores, trusted),
         demand=demand,

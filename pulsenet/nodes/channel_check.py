@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from pulsenet.codec.digest import model_digest
 from pulsenet.engines.base import Engine, SamplingParams
 from pulsenet.engines.factory import ENGINES, make_engine
-from pulsenet.engines.gpu_check import next_state, require  # the cross-check's step and device checks
-from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
+from pulsenet.engines.gpu_check import next_state, own_digest, require  # the step, digest, device checks
+from pulsenet.engines.torch_engine import TorchEngineConfig
 from pulsenet.errors import PulsenetError
 
 
@@ -51,10 +50,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of the whole check, seconds")
     p.add_argument("--json", type=Path, default=None)
     return p.parse_args(argv)
-
-
-def own_digest(engine: Engine) -> str:
-    return engine.weights_digest() if isinstance(engine, TorchEngine) else model_digest(engine.served_state())  # type: ignore[attr-defined]
 
 
 async def check(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,8 +134,8 @@ async def check(args: argparse.Namespace) -> dict[str, Any]:
                 report["wall_s"] = round(time.perf_counter() - t0, 2)
                 report["pulsesync_bytes"] = sub.stats.bytes_downloaded
             await publisher.close(flush_timeout=30)
-    if engine is not None and hasattr(engine, "close"):
-        engine.close()  # type: ignore[attr-defined]
+    if engine is not None:
+        engine.close()
     v = report["versions"]
     report["outputs_changed"] = [v[i]["tokens"] != v[i + 1]["tokens"] for i in range(len(v) - 1)]
     report["ok"] = len(v) == args.versions + 1 and all(

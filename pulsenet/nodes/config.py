@@ -257,6 +257,7 @@ class NetworkSettings:
     """The trainers score the policy greedily on the task's held-out problems every this many versions."""
     tracker: str = "none"
     """Experiment tracker of the trainers: none, wandb or trackio."""
+    # a dataclass made at import time (settings.fields_of): a type checker has no static class to name
     task_options: Annotated[TaskOptions, tyro.conf.arg(name="")] = field(default_factory=TaskOptions)  # type: ignore[valid-type]
     max_staleness: int = 2
     """Largest trainer version minus rollout version trained on (trainers and inference nodes)."""

@@ -35,6 +35,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -84,7 +85,7 @@ class HostileConfig:
     def parse(cls, spec: str) -> HostileConfig:
         name, _, rest = spec.partition(":")
         types = {f.name: f.type for f in dataclasses.fields(cls)}
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}  # field name -> its value, parsed to the field's declared type below
         for item in filter(None, rest.split(",")):
             key, eq, value = item.partition("=")
             if not eq or key not in types or key == "behaviour":
@@ -94,7 +95,7 @@ class HostileConfig:
                 kw[key] = int(value) if kind == "int" else float(value) if kind == "float" else value
             except ValueError as e:
                 raise ConfigError(f"hostile: {key}={value!r} is not a {kind}") from e
-        return cls(behaviour=name.strip(), **kw)  # type: ignore[arg-type]
+        return cls(behaviour=name.strip(), **kw)
 
 
 @dataclass(slots=True)

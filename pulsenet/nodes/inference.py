@@ -274,8 +274,8 @@ class InferenceNode:
                         )
                         return k
                 since = time.monotonic()
-        if task.done() and not task.cancelled() and task.exception() is not None:
-            raise task.exception()  # type: ignore[misc]
+        if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+            raise error
         return active
 
     async def _report_status(self, stop: asyncio.Event) -> None:
@@ -284,7 +284,7 @@ class InferenceNode:
             s = self.state
             if s.version is not None and s.digest is not None:
                 await write_status(
-                    self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest  # type: ignore[arg-type]
+                    self.store, self.key, run=self.config.run, node=self.config.id, version=s.version, digest=s.digest
                 )
 
         await runtime.every(self.config.status_every_s, stop, step, on_error=self._status_not_written)

@@ -388,7 +388,7 @@ class StatusServer:
         self._server.busy.add(request.protocol)
         try:
             async with asyncio.timeout(self.limits.handler_timeout_s):
-                return await handler(request)  # type: ignore[arg-type]
+                return await handler(request)
         finally:
             self._server.busy.discard(request.protocol)
 
@@ -426,11 +426,11 @@ class StatusServer:
             "stuck_after_s": self.stuck_after_s,
         }
 
-    async def _healthz(self, _: web.Request) -> web.Response:
+    async def _healthz(self, _: web.BaseRequest) -> web.Response:
         body = self.health()
         return web.json_response(body, status=200 if body["ok"] else 503)
 
-    async def _status(self, _: web.Request) -> web.Response:
+    async def _status(self, _: web.BaseRequest) -> web.Response:
         body = self.state.to_json() | {
             "health": self.health(),
             "stores": {n: {"requests": st.requests.as_dict(), "health": st.health.as_dict()} for n, st in self.stores.items()},
@@ -438,6 +438,6 @@ class StatusServer:
         }
         return web.Response(text=json.dumps(body, sort_keys=True, default=str), content_type="application/json")
 
-    async def _metrics(self, _: web.Request) -> web.Response:
+    async def _metrics(self, _: web.BaseRequest) -> web.Response:
         data = await asyncio.to_thread(generate_latest, self.registry)
         return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE})

@@ -210,10 +210,12 @@ class RankGroup:
         group: dist.ProcessGroup | None = None,
         reference_world: int | None = None,
     ) -> None:
-        if (local is None) == (grpo is None):
+        if grpo is not None and local is None:
+            local = grpo.local
+        elif grpo is not None or local is None:
             raise ValueError("RankGroup needs a LocalTrainer (supervised) or a GRPOTrainer, not both")
         self.grpo, self.batch_of, self.group = grpo, batch_of, group
-        self.local: LocalTrainer = grpo.local if grpo is not None else local  # type: ignore[assignment,union-attr]
+        self.local: LocalTrainer = local
         self.dp = DataParallel(group, reference_world=reference_world)
         if grpo is not None:
             grpo.parallel = self.dp
@@ -324,7 +326,7 @@ class RankGroup:
                 self._stopped = True
 
 
-class _SpokenFor:
+class _SpokenFor(LocalInner):
     """An inner loop whose weight and resume-state changes go through its rank group to every rank."""
 
     ranks: RankGroup
@@ -337,7 +339,7 @@ class _SpokenFor:
 
     def parameters(self) -> Mapping[str, torch.Tensor]:
         """A snapshot gathered from the shards (what a GPU trainer hands the round too: ``LocalInner``)."""
-        return self.ranks.state_fp32() if self.ranks.local.sharded else super().parameters()  # type: ignore[misc]
+        return self.ranks.state_fp32() if self.ranks.local.sharded else super().parameters()
 
     def checkpoint(self) -> dict[str, Any]:
         return self.ranks.resume_state()

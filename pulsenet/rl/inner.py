@@ -115,10 +115,7 @@ class GRPOInner(LocalInner):
 
     def __init__(self, grpo: GRPOTrainer) -> None:
         self.grpo = grpo
-
-    @property
-    def local(self) -> LocalTrainer:  # type: ignore[override]
-        return self.grpo.local
+        self.local = grpo.local  # the GRPOTrainer's own, made once with it
 
     def step(self, batch: Sequence[Rollout]) -> GRPOMetrics:
         """One GRPO step (``GRPOTrainer.step``) on ``batch``."""

@@ -27,6 +27,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -84,14 +85,14 @@ def tiny_qwen2_config(
 
 
 def build_tiny_model(
-    seed: int, config: Qwen2Config | None = None, **config_kwargs: object
+    seed: int, config: Qwen2Config | None = None, **config_kwargs: Any
 ) -> Qwen2ForCausalLM:
     """A random-init tiny Qwen2 in FP32, identical for the same seed.
 
     The global torch RNG is forked, so building a model does not disturb the caller's stream.
     """
     if config is None:
-        config = tiny_qwen2_config(**config_kwargs)  # type: ignore[arg-type]
+        config = tiny_qwen2_config(**config_kwargs)  # its keywords, typed there
     elif config_kwargs:
         raise TypeError("pass either config or config keyword arguments, not both")
     with torch.random.fork_rng(devices=[]):

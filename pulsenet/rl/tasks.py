@@ -29,7 +29,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -366,7 +366,7 @@ class TaskConfig:
     def prompt_config(self) -> PromptConfig:
         default_new, default_stop = (512, []) if self.is_dataset else (8, ["\n"] if self.task == "arith-shots" else [])
         return PromptConfig(
-            template=self.template,  # type: ignore[arg-type]
+            template=cast(Literal["plain", "chat"], self.template),  # a setting's text: PromptConfig checks it (ConfigError)
             system_prompt=self.system_prompt,
             max_prompt_tokens=self.max_prompt_tokens,
             max_new_tokens=self.max_new_tokens if self.max_new_tokens is not None else default_new,

@@ -33,7 +33,8 @@ from pulsenet.rl.tasks import assign_problems, build_task, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.intake import ANSWERED, REPLAY_REASONS
 from pulsenet.sync import SubscriberConfig
-from tests.unit.test_signed_peer import RUN, TASK, Site, Trainer, _stop, _until
+from tests.support.peer import RUN, TASK, Site, Trainer, stop_node
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -135,15 +136,15 @@ async def _run(
                     )
                     return made or t.node.version != v or node.done()
 
-                await _until(decided, task, 60, f"i1's batches at v{v}")
+                await wait_until(decided, 60, f"i1's batches at v{v}", task=task)
                 if node.done():
                     await node
                 if t.node.version == v:
                     await writer.write(_honest(t, v))
                     written.append(v)
-                    await _until(lambda v=v: t.node.version != v, task, 60, f"v{v + 1}")
+                    await wait_until(lambda v=v: t.node.version != v, 60, f"v{v + 1}", task=task)
         finally:
-            await _stop(stop, node)
+            await stop_node(stop, node)
 
     await t.run(feed)
     return t, hostile, policies[0], written
@@ -217,9 +218,10 @@ def test_chaos_takes_one_behaviour_per_node_and_sets_it_on_that_node() -> None:
 
     c = load_settings(ChaosConfig, table="chaos", argv=["--hostile", "i1=stale:lag=2", "--count", "0"], environ={})
     nodes = [InferenceConfig(id="i0"), InferenceConfig(id="i1")]
-    Chaos(c).adjust([], nodes)
-    assert [n.hostile for n in nodes] == ["", "stale:lag=2"]
-    assert to_toml_table(nodes[1])["hostile"] == "stale:lag=2"  # what the launcher writes into i1's config
+    _, written = Chaos(c).adjust([], nodes)
+    assert [n.hostile for n in written] == ["", "stale:lag=2"]
+    assert [n.hostile for n in nodes] == ["", ""]  # new settings: the planned ones are left as they are
+    assert to_toml_table(written[1])["hostile"] == "stale:lag=2"  # what the launcher writes into i1's config
     for bad in (["i7=chosen"], ["i1=nice"], ["i1"], ["i0=chosen", "i1=copy"]):  # the last: no honest node left
         with pytest.raises(ConfigError):
             ChaosConfig(hostile=bad, count=0)

@@ -47,8 +47,8 @@ from pulsenet.sync import Layout, Subscriber, SubscriberConfig
 from pulsenet.sync.chain import ManifestReader, PayloadCache
 from pulsenet.sync.manifest import Manifest
 from pulsenet.sync.publisher import Publisher, PublisherConfig
-from tests.integration.test_rollouts import DIGESTS, Site, intake, make_rows, make_sites
-from tests.unit.test_sync_units import CountingStore
+from tests.support.rollouts import DIGESTS, Site, intake, make_rows, make_sites
+from tests.support.store import CountingStore
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT = RolloutLayout()

@@ -30,7 +30,7 @@ from pulsenet.rollouts.layout import BatchName
 from pulsenet.signing import key_id
 from pulsenet.store import ObjectStore
 from pulsenet.store.seaweed import SeaweedServer
-from tests.integration.test_rollouts import DIGESTS, Site, intake, make_rows, make_sites
+from tests.support.rollouts import DIGESTS, Site, intake, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT = RolloutLayout()

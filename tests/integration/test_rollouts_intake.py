@@ -28,7 +28,7 @@ from pulsenet.errors import ConfigError, RolloutRowError
 from pulsenet.rl.grpo import group_advantages
 from pulsenet.rollouts import REASONS, ROW_REASONS, RolloutIntake, RowLimits, check_rows
 from pulsenet.store.seaweed import SeaweedServer
-from tests.integration.test_rollouts import DIGESTS, Site, intake, make_rows, make_sites
+from tests.support.rollouts import DIGESTS, Site, intake, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,7 +16,7 @@ from pulsenet.rollouts.manifest import RolloutHead, now_iso
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store.base import RequestCounts
 from pulsenet.store.seaweed import SeaweedServer
-from tests.integration.test_rollouts import Site, intake, make_rows, make_sites
+from tests.support.rollouts import Site, intake, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 LAYOUT = RolloutLayout()

@@ -24,7 +24,7 @@ from pulsenet.rollouts.intake import REPLAY_REASONS
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.trust import Gaps, Trust
 from pulsenet.store.seaweed import SeaweedServer
-from tests.integration.test_rollouts import DIGESTS, Site, make_rows, make_sites
+from tests.support.rollouts import DIGESTS, Site, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 

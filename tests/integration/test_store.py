@@ -35,7 +35,7 @@ from pulsenet.store import (
 from pulsenet.store import s3 as s3_module
 from pulsenet.store.local import TMP_PREFIX
 from tests.support.store import StoreFactory
-from tests.support.sync_support import wait_until
+from tests.support.waiting import wait_until
 
 MiB = 1024 * 1024
 # Small multipart sizes so a ~20 MB object takes several parts and ranges.

@@ -48,7 +48,8 @@ from pulsenet.sync import (
 from pulsenet.sync.chain import EMPTY_DIGEST
 from pulsenet.sync.manifest import now_iso, sign_manifest
 from tests.support.store import StoreFactory
-from tests.support.sync_support import keypair, perturbed_states, same_bits, train_states, wait_until
+from tests.support.sync_support import keypair, perturbed_states, same_bits, train_states
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

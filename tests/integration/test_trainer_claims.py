@@ -34,7 +34,7 @@ from pulsenet.rl.rescore import Rescorer
 from pulsenet.rl.tasks import Assignment, TaskConfig, assign_problems, build_task, group_id
 from pulsenet.rollouts.demand import Demand, assigned
 from pulsenet.store.seaweed import SeaweedServer
-from tests.integration.test_rollouts import Site, intake, make_rows, make_sites
+from tests.support.rollouts import Site, intake, make_rows, make_sites
 
 SEED = 0
 
@@ -215,19 +215,19 @@ async def test_a_trainer_refuses_a_huge_group_number_and_a_repeated_batch_and_no
     """On 7876ec8 one row ``i0-v0-b0-p99999999999`` hung the trainer's re-scoring (10**11 problems
     drawn) and was taken again after every restart; a node's second answer of one batch id was
     trained on. Now both are refused at intake, counted for the node, and the node trains on."""
-    from tests.unit.test_signed_peer import Site as PeerSite
-    from tests.unit.test_signed_peer import Trainer, _rows
+    from tests.support.peer import Site as PeerSite
+    from tests.support.peer import Trainer, batch_rows
 
     net = PeerSite(tmp_path, "t0", "i0")
     first = Trainer(net, tmp_path / "t0", steps=2)
 
     async def feed(_: asyncio.Task) -> None:
         d0 = first.node.digests[0]
-        hostile = [dataclasses.replace(r, group="i0-v0-b0-p99999999999") for r in _rows(0, d0, 0)[:4]]
+        hostile = [dataclasses.replace(r, group="i0-v0-b0-p99999999999") for r in batch_rows(0, d0, 0)[:4]]
         await first.writer.write(hostile)  # seq 0
-        await first.writer.write(_rows(0, d0, 1))  # seq 1: honest
-        await first.writer.write(_rows(0, d0, 1))  # seq 2: batch b1 answered again
-        await first.writer.write(_rows(0, d0, 2))  # seq 3: honest
+        await first.writer.write(batch_rows(0, d0, 1))  # seq 1: honest
+        await first.writer.write(batch_rows(0, d0, 1))  # seq 2: batch b1 answered again
+        await first.writer.write(batch_rows(0, d0, 2))  # seq 3: honest
 
     await first.run(feed)
     n = first.node
@@ -239,8 +239,8 @@ async def test_a_trainer_refuses_a_huge_group_number_and_a_repeated_batch_and_no
 
     async def feed_more(_: asyncio.Task) -> None:
         d0 = second.node.digests[0]
-        await second.writer.write(_rows(0, d0, 2))  # b2 again, after the restart
-        await second.writer.write(_rows(0, d0, 3))
+        await second.writer.write(batch_rows(0, d0, 2))  # b2 again, after the restart
+        await second.writer.write(batch_rows(0, d0, 3))
 
     await second.run(feed_more)
     assert second.refused == {"out_of_assignment": 1, "batch_repeated": 2}, second.refused

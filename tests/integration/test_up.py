@@ -16,7 +16,8 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import boto3
@@ -24,6 +25,7 @@ import pytest
 
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.up.workdir import MARKER
+from tests.support.waiting import wait_for_process
 
 pytestmark = pytest.mark.integration
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -96,23 +98,6 @@ def _gone(workdir: Path, timeout: float = 10.0) -> list[str]:
     return left
 
 
-def _wait_for(cond, timeout: float, what: str, proc: subprocess.Popen[str]) -> None:
-    """Until ``cond()``; fails when ``pulsenet up`` exits first, or after ``timeout`` s in which no
-    node wrote to its log or events (a loaded machine's slow run is waited for, a stall is not)."""
-    workdir = Path(proc.args[proc.args.index("--workdir") + 1])
-    deadline = time.monotonic() + timeout
-    seen = _activity(workdir)
-    while not cond():
-        if proc.poll() is not None:
-            pytest.fail(f"pulsenet up exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
-        if (now := _activity(workdir)) != seen:
-            seen, deadline = now, time.monotonic() + timeout
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"no {what}: no node moved for {timeout} s")
-        time.sleep(0.2)
-
-
 def _finish(proc: subprocess.Popen[str], stall_s: float = 180.0) -> str:
     """``pulsenet up``'s output once it exits; fails (killing it) only after ``stall_s`` s in which no
     node wrote anything: how long a run may take depends on the machine's load, a stall does not."""
@@ -134,6 +119,11 @@ def _activity(workdir: Path) -> int:
     """Bytes every node has written to its log and events so far."""
     files = [*(workdir / "logs").glob("*.log"), *(workdir / "state").glob("*/events.jsonl")]
     return sum(f.stat().st_size for f in files if f.exists())
+
+
+def _moving(workdir: Path) -> Callable[[], int]:
+    """``_activity`` as ``wait_for_process``'s progress: a wait fails only once no node moves."""
+    return lambda: _activity(workdir)
 
 
 @pytest.mark.timeout(1200)  # the waits fail on a stall; this bounds a slow (loaded) machine
@@ -217,11 +207,12 @@ def test_ctrl_c_stops_every_node_cleanly_and_leaves_only_whole_objects(workdir: 
     proc = _up(workdir, *args, env=env)
     logs = workdir / "logs"
     try:
-        _wait_for(
+        wait_for_process(
             lambda: any(e.kind == "published" and e.version >= 2 for e in _events(workdir, "t0")),
             180,
             "v2 trained",
             proc,
+            progress=_moving(workdir),
         )
         proc.send_signal(signal.SIGINT)
         out = _finish(proc, stall_s=90)
@@ -290,7 +281,9 @@ def _refs(doc: object) -> Iterator[tuple[str, int]]:
 def test_nodes_die_with_a_killed_launcher(workdir: Path) -> None:
     proc = _up(workdir, "--rounds", "1000", "--rows-per-step", "32", "--prompts", "8", "--group-size", "4")
     try:
-        _wait_for(lambda: len(_ours(workdir)) >= 6, 120, "nodes and store running", proc)  # launcher, weed, 4 nodes
+        wait_for_process(  # launcher, weed, 4 nodes
+            lambda: len(_ours(workdir)) >= 6, 120, "nodes and store running", proc, progress=_moving(workdir)
+        )
         time.sleep(1.0)
         proc.kill()  # SIGKILL: no handler runs, only PR_SET_PDEATHSIG can take the children down
         proc.wait(timeout=10)
@@ -312,19 +305,28 @@ def test_up_reports_a_stuck_network_and_restarts_killed_nodes_and_store(workdir:
     supervise = ["--supervise.round-deadline-s", "8", "--supervise.backoff-s", "0.5", "--supervise.liveness-failures", "0"]
     proc = _up(workdir, "--rounds", "12", "--report", str(report), *small, *supervise)
     try:
-        _wait_for(lambda: any(e.version >= 2 for e in _events(workdir, "t0") if e.kind == "published"), 300, "v2", proc)
+        wait_for_process(
+            lambda: any(e.version >= 2 for e in _events(workdir, "t0") if e.kind == "published"), 300, "v2", proc,
+            progress=_moving(workdir),
+        )
         t1 = _pid(workdir, "config/t1.toml")
         frozen = time.time()
         os.kill(t1, signal.SIGSTOP)
-        _wait_for(lambda: _after(workdir, "stuck", frozen), 120, "a stuck report", proc)
+        wait_for_process(lambda: _after(workdir, "stuck", frozen), 120, "a stuck report", proc, progress=_moving(workdir))
         os.kill(t1, signal.SIGCONT)
-        _wait_for(lambda: _after(workdir, "unstuck", frozen), 180, "the network moving again", proc)
+        wait_for_process(
+            lambda: _after(workdir, "unstuck", frozen), 180, "the network moving again", proc, progress=_moving(workdir)
+        )
         v = max(e.version for e in _events(workdir, "t0") if e.kind == "published")
         os.kill(_pid(workdir, "config/i1.toml"), signal.SIGKILL)
         os.kill(_pid(workdir, str(workdir / "s3")), signal.SIGKILL)
-        _wait_for(lambda: any(r["kind"] == "store_restart" for r in _journal(workdir)), 120, "the store back", proc)
-        _wait_for(
-            lambda: any(e.version > v for e in _events(workdir, "t0") if e.kind == "published"), 300, "a version after", proc
+        wait_for_process(
+            lambda: any(r["kind"] == "store_restart" for r in _journal(workdir)), 120, "the store back", proc,
+            progress=_moving(workdir),
+        )
+        wait_for_process(
+            lambda: any(e.version > v for e in _events(workdir, "t0") if e.kind == "published"), 300, "a version after", proc,
+            progress=_moving(workdir),
         )
         out = _finish(proc)
     finally:
@@ -354,7 +356,9 @@ def test_a_crash_loop_ends_the_run_naming_the_node_its_exits_and_its_last_error(
     supervise = ["--supervise.max-restarts", "2", "--supervise.backoff-s", "0.2", "--supervise.backoff-cap-s", "0.5"]
     proc = _up(workdir, "--rounds", "1000", *small, *supervise)
     try:
-        _wait_for(lambda: any(e.kind == "served" for e in _events(workdir, "i1")), 300, "i1 serving", proc)
+        wait_for_process(
+            lambda: any(e.kind == "served" for e in _events(workdir, "i1")), 300, "i1 serving", proc, progress=_moving(workdir)
+        )
         (workdir / "config" / "i1.toml").write_text("[inference]\nno_such_setting = 1\n")
         os.kill(_pid(workdir, "config/i1.toml"), signal.SIGKILL)
         out = _finish(proc)
@@ -405,9 +409,8 @@ def test_the_planned_round_deadline_is_the_trainers_as_planned_not_read_back_fro
     from pulsenet.nodes.up.sites import Creds, plan_nodes
 
     class Adjust:
-        def adjust(self, trainers: list, inference: list) -> None:
-            for t in trainers:
-                t.loco.deadline_s = 45.0
+        def adjust(self, trainers: list, inference: list) -> tuple[list, list]:
+            return [replace(t, loco=replace(t.loco, deadline_s=45.0)) for t in trainers], inference
 
         def endpoint(self, node: str, url: str) -> str:
             return url

@@ -25,6 +25,7 @@ from pulsenet import procs
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.up.workdir import MARKER
 from tests.support.model_dirs import llama_config, model_dir, smollm2_tokenizer
+from tests.support.waiting import wait_for_process
 
 pytestmark = pytest.mark.integration
 ROUNDS = 4
@@ -40,17 +41,6 @@ def _node_pid(work: Path, config: str) -> int | None:
             if str(work / "config" / config) in cmd and "pulsenet" in cmd:
                 return int(entry)
     return None
-
-
-def _wait(cond, timeout: float, what: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if proc.poll() is not None:
-            pytest.fail(f"pulsenet up exited ({proc.returncode}) before {what}:\n{proc.stdout.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.5)
 
 
 @pytest.mark.timeout(1200)
@@ -81,7 +71,7 @@ def test_up_with_the_vllm_engine_on_cpu_survives_a_killed_inference_node(tmp_pat
         def served(v: int) -> bool:
             return events.exists() and any(e.kind == "served" and e.version >= v for e in read_events(events))
 
-        _wait(lambda: served(1), 600, "the vLLM node serving v1", proc)
+        wait_for_process(lambda: served(1), 600, "the vLLM node serving v1", proc, poll=0.5)
         node = _node_pid(work, "i0.toml")
         assert node is not None
         vllm_procs = procs.descendants(node)

@@ -1,10 +1,9 @@
-"""Shared helpers for the PULSESync tests: real training states, keys, bit comparisons, waiting."""
+"""Shared helpers for the PULSESync tests: real training states, keys, bit comparisons (waiting:
+``tests/support/waiting.py``)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -61,25 +60,3 @@ def same_bits(a: StateDict, b: StateDict) -> bool:
 def keypair() -> tuple[Ed25519PrivateKey, dict[str, Ed25519PublicKey]]:
     key = Ed25519PrivateKey.generate()
     return key, {key_id(key.public_key()): key.public_key()}
-
-
-async def wait_until(
-    cond: Callable[[], bool],
-    timeout: float,
-    what: str,
-    poll: float = 0.05,
-    progress: Callable[[], object] | None = None,
-) -> None:
-    """Poll ``cond`` until it holds; fail after ``timeout`` s without it. With ``progress`` (what the
-    awaited work has done so far: a version, a count of events), the ``timeout`` s count from its
-    last change: on a loaded machine work that keeps moving is waited for, and work that stalls
-    fails as fast as on a quiet one (the test's own timeout bounds the whole)."""
-    deadline = time.monotonic() + timeout
-    seen = progress() if progress is not None else None
-    while not cond():
-        if progress is not None and (now := progress()) != seen:
-            seen, deadline = now, time.monotonic() + timeout
-        if time.monotonic() > deadline:
-            moved = "" if progress is None else f" (no progress since {seen!r})"
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}{moved}")
-        await asyncio.sleep(poll)

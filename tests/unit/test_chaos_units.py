@@ -4,15 +4,27 @@ restore) and the checker, which must catch each violation it audits for."""
 from __future__ import annotations
 
 import asyncio
+import io
+import os
+import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from pulsenet.chaos.check import Limits, audit
-from pulsenet.chaos.faults import KINDS, ChaosConfig, plan_faults
+from pulsenet.chaos.faults import KINDS, Chaos, ChaosConfig, plan_faults
 from pulsenet.chaos.link import LinkProxy
-from pulsenet.errors import ConfigError
+from pulsenet.errors import ConfigError, StoreError
+from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.events import VersionEvent
+from pulsenet.nodes.up.config import UpConfig
+from pulsenet.nodes.up.node import Node
+from pulsenet.nodes.up.supervisor import Supervisor
+from pulsenet.runtime import spawn_tied
+from pulsenet.settings import to_toml_table
 
 ROLES = {"t0": "trainer", "t1": "trainer", "i0": "inference"}
 D = {v: f"{v:x}".rjust(64, "d") for v in range(10)}
@@ -35,6 +47,44 @@ def test_the_schedule_is_a_function_of_the_seed() -> None:
     assert [(f.kind, f.duration_s) for f in given] == [("cut-link", 7.0), ("kill-store", 0.0)]
     with pytest.raises(ConfigError, match="unknown fault kinds"):
         ChaosConfig(faults=["kill-everything"])
+
+
+def test_chaos_adjust_returns_new_settings_and_leaves_the_planned_ones_as_they_are() -> None:
+    """Retention and hostile behaviours go into the settings chaos returns; the planned settings
+    (shared with the plan) are not mutated (on main before this, ``adjust`` wrote into them)."""
+    c = ChaosConfig(count=0, anchor_every=3, retain_rounds=5, hostile=["i1=copy"])
+    trainers = [TrainerConfig(id=f"t{k}", store=f"s3://b/t{k}", loco_store="s3://b/loco") for k in range(2)]
+    inference = [InferenceConfig(id=f"i{k}", store=f"s3://b/i{k}") for k in range(2)]
+    before = [to_toml_table(x) for x in (*trainers, *inference)]
+    chaos = Chaos(c)
+    t, i = chaos.adjust(trainers, inference)
+    assert [(x.publish.anchor_every, x.loco.retain_rounds) for x in t] == [(3, 5), (3, 5)]
+    assert [x.hostile for x in i] == ["", "copy"]
+    assert [to_toml_table(x) for x in (*trainers, *inference)] == before
+    assert chaos.stores == {"t0": "s3://b/t0", "t1": "s3://b/t1", "loco": "s3://b/loco", "i0": "s3://b/i0", "i1": "s3://b/i1"}
+
+
+def test_the_supervisor_kills_a_node_for_an_injector_and_refuses_what_it_does_not_run(tmp_path: Path) -> None:
+    """What chaos does to a run goes through the supervisor's public methods: ``kill`` ends the
+    node's current life with SIGKILL; store faults on a run without an embedded store are refused."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    node = Node("t0", "trainer", cmd, dict(os.environ), tmp_path / "t0.log", tmp_path / "events.jsonl", "http://127.0.0.1:9")
+    sup = Supervisor(UpConfig(model="tiny"), [node], Console(file=io.StringIO()))
+    with pytest.raises(ValueError, match="no running node 't0'"):
+        sup.kill("t0")
+    node.proc = spawn_tied(cmd, "t0")
+    try:
+        assert sup.kill("t0") == node.proc.pid
+        assert node.proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        if node.proc.poll() is None:
+            node.proc.kill()
+    assert sup.store_pid() is None and not sup.store_exited() and sup.store_admin_config() is None
+    sup.resume_store()  # a no-op without an embedded store
+    with pytest.raises(StoreError):
+        sup.pause_store()
+    with pytest.raises(StoreError):
+        asyncio.run(sup.kill_store())
 
 
 async def _echo_server() -> tuple[asyncio.Server, int]:

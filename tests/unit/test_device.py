@@ -26,8 +26,7 @@ from pulsenet.rl.warmup import warm_tiny_model
 from pulsenet.signing import load_private_key
 from pulsenet.store import LocalStore
 from tests.support.loco_helpers import make_keys
-from tests.unit.test_grpo import _fake_rollouts
-from tests.unit.test_loco_grpo import WARM_STEPS, _batches
+from tests.support.rl import WARM_STEPS, fake_rollouts, sampled_batches
 
 
 def test_cuda_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -67,8 +66,8 @@ async def test_grpo_on_cuda(tmp_path: Path) -> None:
         gpu = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, beta=0.1, device="cuda"))
         assert next(gpu.local.model.parameters()).is_cuda and gpu.reference is not None
         for n in (3, 2, 4):
-            cpu.step(_fake_rollouts(n))
-            gpu.step(_fake_rollouts(n))
+            cpu.step(fake_rollouts(n))
+            gpu.step(fake_rollouts(n))
         # what leaves the trainer is on the CPU; the GPU's arithmetic differs a little from the CPU's
         a, b = cpu.bf16_state(), gpu.bf16_state()
         assert _all_cpu(b) and _all_cpu(gpu.local.state_fp32()) and a.keys() == b.keys()
@@ -84,10 +83,10 @@ async def test_grpo_on_cuda(tmp_path: Path) -> None:
         assert "cuda" in ck["rng"] and all(
             t.device.type == "cpu" for s in ck["optimizer"]["state"].values() for t in s.values()
         )
-        ma = gpu.step(_fake_rollouts(2))
+        ma = gpu.step(fake_rollouts(2))
         other = GRPOTrainer(build_tiny_model(5), GRPOConfig(lr=1e-3, beta=0.1, device="cuda"))
         other.restore(ck)
-        mb = other.step(_fake_rollouts(2))
+        mb = other.step(fake_rollouts(2))
         sa, sb = gpu.local.state_fp32(), other.local.state_fp32()
         assert ma == mb and all(torch.equal(sa[k], sb[k]) for k in sa)
         await _loco_round_on_cuda(tmp_path)
@@ -122,7 +121,7 @@ async def _loco_round_on_cuda(tmp_path: Path) -> None:
         model = warm_tiny_model(tmp_path / "warm", steps=WARM_STEPS)
         inner = GRPOInner(GRPOTrainer(model, GRPOConfig(lr=1e-3, device="cuda")))
         trainers.append(LocoTrainer(tid, store, load_private_key(keys[tid]), trainer_keys(pubs), inner, cfg))
-        drives.append(drive(trainers[-1], inner, _batches(warm, tid, h * rounds)))
+        drives.append(drive(trainers[-1], inner, sampled_batches(warm, tid, h * rounds)))
     await asyncio.gather(*drives)
     for r in range(1, rounds + 1):
         reports = [next(rep for rep in t.reports if rep.round == r) for t in trainers]

@@ -16,6 +16,7 @@ from pulsenet.rl.models import BYTE_EOS, build_tiny_model
 from pulsenet.rl.sampling import LogitsFn, sample_group
 from pulsenet.rl.tasks import Problem, RewardTask, assign_problems
 from pulsenet.rl.warmup import WARMUP_STEPS, tiny_task, warm_tiny_model
+from tests.support.rl import fake_rollouts
 
 D = torch.float64
 
@@ -190,33 +191,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("warm")
 
 
-def _fake_rollouts(n_groups: int = 3, g: int = 4) -> list[Rollout]:
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for k in range(n_groups):
-        prompt = tuple(f"{k}+{k}=".encode())
-        for i in range(g):
-            n = 1 + (i + k) % 3
-            ids = tuple(int(t) for t in torch.randint(32, 127, (n,), generator=gen))
-            out.append(
-                Rollout(
-                    group=f"g{k}",
-                    prompt_ids=prompt,
-                    completion_ids=ids,
-                    logprobs=tuple([-2.0] * n),
-                    reward=float((i + k) % 2),
-                    version=0,
-                    model_digest="d",
-                    node="n",
-                    seed=0,
-                )
-            )
-    return out
-
-
 def test_micro_batches_accumulate_to_the_same_step() -> None:
     torch.set_num_threads(1)
-    rolls = _fake_rollouts()
+    rolls = fake_rollouts()
     states = []
     for mb in (None, 5):
         trainer = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, micro_batch_size=mb))
@@ -237,31 +214,31 @@ def test_compute_then_apply_gradients_is_step() -> None:
     whole = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3))
     split = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3))
     for n_groups in (3, 2):
-        m = whole.step(_fake_rollouts(n_groups))
-        half = split.compute_gradients(_fake_rollouts(n_groups))
+        m = whole.step(fake_rollouts(n_groups))
+        half = split.compute_gradients(fake_rollouts(n_groups))
         assert split.steps == m.step - 1 and half.grad_norm is None  # no optimizer step yet
         assert split.apply_gradients() == m.grad_norm and split.steps == m.step
         assert (half.loss, half.entropy, half.reward_mean) == (m.loss, m.entropy, m.reward_mean)
     a, b = whole.local.state_fp32(), split.local.state_fp32()
     assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ConfigError, match="steps_per_batch"):
-        GRPOTrainer(build_tiny_model(0), GRPOConfig(steps_per_batch=2)).compute_gradients(_fake_rollouts())
+        GRPOTrainer(build_tiny_model(0), GRPOConfig(steps_per_batch=2)).compute_gradients(fake_rollouts())
 
 
 def test_several_steps_per_batch_clip_and_kl_reference() -> None:
     torch.set_num_threads(1)
     trainer = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=3e-2, steps_per_batch=3, beta=0.1))
-    m = trainer.step(_fake_rollouts())
+    m = trainer.step(fake_rollouts())
     assert trainer.steps == m.step == 3
     assert m.clip_frac > 0  # by the later steps on the same batch ρ has left [0.8, 1.28]
     assert m.kl_ref == 0.0  # the reference is the initial weights: identical at the first step
-    m2 = trainer.step(_fake_rollouts())
+    m2 = trainer.step(fake_rollouts())
     assert m2.kl_ref is not None and m2.kl_ref > 0
 
 
 def test_malformed_rollouts_are_refused() -> None:
     trainer = GRPOTrainer(build_tiny_model(0))
-    good = _fake_rollouts(1, 2)
+    good = fake_rollouts(1, 2)
     with pytest.raises(ValueError, match="logprobs"):
         trainer.step([good[0], Rollout(**{**_asdict(good[1]), "logprobs": (-1.0,) * 9})])
     with pytest.raises(ValueError, match="mixes different prompts"):
@@ -359,12 +336,12 @@ def test_checkpoint_restore_continues_identically() -> None:
     torch.set_num_threads(1)
     cfg = GRPOConfig(lr=1e-3, beta=0.1)
     a = GRPOTrainer(build_tiny_model(0), cfg)
-    a.step(_fake_rollouts())
+    a.step(fake_rollouts())
     ck = a.checkpoint()
-    ma = a.step(_fake_rollouts(2))
+    ma = a.step(fake_rollouts(2))
     b = GRPOTrainer(build_tiny_model(5), cfg)  # other weights and reference until restored
     b.restore(ck)
-    mb = b.step(_fake_rollouts(2))
+    mb = b.step(fake_rollouts(2))
     assert ma == mb and b.steps == 2
     sa, sb = a.local.state_fp32(), b.local.state_fp32()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -21,13 +21,11 @@ from pulsenet.loco.documents import trainer_keys
 from pulsenet.loco.inner import InnerLoop
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
-from pulsenet.rl.models import BYTE_EOS
-from pulsenet.rl.sampling import sample_group
-from pulsenet.rl.tasks import assign_problems
-from pulsenet.rl.warmup import tiny_task, warm_tiny_model
+from pulsenet.rl.warmup import warm_tiny_model
 from pulsenet.signing import load_private_key
 from pulsenet.store import LocalStore
 from tests.support.loco_helpers import make_keys
+from tests.support.rl import WARM_STEPS, sampled_batches
 
 IDS = ("g0", "g1", "g2")
 H, ROUNDS = 2, 2
@@ -37,35 +35,6 @@ H, ROUNDS = 2, 2
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.set_num_threads(1)  # three trainers' inner threads share the cores
     return tmp_path_factory.mktemp("warm")
-
-
-WARM_STEPS = 20
-"""A few supervised steps are enough: the rewards below are synthetic (the round is under test)."""
-
-
-def _batches(model: torch.nn.Module, tid: str, n: int) -> list[list[Rollout]]:
-    """``n`` batches of 2 groups x 4 completions sampled from ``model`` for trainer ``tid``.
-
-    Rewards alternate within each group (1, 0, 1, 0) so that every group has an advantage and
-    every step moves the weights: this test is about the round, not about learning."""
-    task, gen = tiny_task(0), torch.Generator().manual_seed(sum(tid.encode()))
-    out = []
-    with torch.no_grad():
-        logits = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
-        for b in range(n):
-            batch = []
-            for k, p in enumerate(assign_problems(task, node=tid, version=b, seed=3, n=2)):
-                prompt = tuple(p.prompt.encode())
-                for i, s in enumerate(
-                    sample_group(logits, prompt, 4, max_new_tokens=4, eos_id=BYTE_EOS, generator=gen)
-                ):
-                    batch.append(Rollout(
-                        group=f"{tid}-{b}-{k}", prompt_ids=prompt, completion_ids=s.completion_ids,
-                        logprobs=s.logprobs, reward=float(i % 2 == 0), version=b, model_digest="test",
-                        node=tid, seed=0,
-                    ))  # fmt: skip
-            out.append(batch)
-    return out
 
 
 @pytest.mark.timeout(120)
@@ -78,7 +47,7 @@ async def test_pulseloco_rounds_with_a_grpo_inner_loop(tmp_path: Path, cache_dir
     store = LocalStore(tmp_path / "store")
     feeds: dict[str, queue.Queue[Sequence[Rollout] | None]] = {t: queue.Queue() for t in IDS}
     warm = warm_tiny_model(cache_dir, steps=WARM_STEPS)
-    batches = {t: _batches(warm, t, H * ROUNDS) for t in IDS}
+    batches = {t: sampled_batches(warm, t, H * ROUNDS) for t in IDS}
     trainers, inners = [], []
     for tid in IDS:
         inner = GRPOInner(GRPOTrainer(warm_tiny_model(cache_dir, steps=WARM_STEPS), GRPOConfig(lr=1e-3)))
@@ -126,7 +95,7 @@ async def test_grpo_inner_steps_on_what_it_is_handed_and_restores(cache_dir: Pat
     warm = warm_tiny_model(cache_dir, steps=WARM_STEPS)
     inner = GRPOInner(GRPOTrainer(warm, GRPOConfig(lr=1e-3)))
     before = inner.checkpoint()
-    metrics = await asyncio.to_thread(inner.step, _batches(warm, "g0", 1)[0])
+    metrics = await asyncio.to_thread(inner.step, sampled_batches(warm, "g0", 1)[0])
     inner.end_phase()
     assert math.isfinite(metrics.loss) and inner.grpo.steps == 1 and before["steps"] == 0
     assert all(p.grad is None for p in inner.grpo.local.model.parameters())  # freed between rounds

@@ -23,6 +23,7 @@ from pulsenet.signing import generate_keypair, key_id, load_private_key, load_pu
 from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import PublisherConfig
 from pulsenet.sync.subscriber import SubscriberConfig
+from tests.support.waiting import wait_until
 
 TRAINERS = ("t0", "t1", "t2")
 STEPS = 6
@@ -89,15 +90,13 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
     inference = asyncio.create_task(node.run(stop_inference))
     try:
         async with asyncio.timeout(200):
-            while (node.engine is None or (node.engine.version or 0) < 2) and not inference.done():
-                await asyncio.sleep(0.2)
-            assert not inference.done(), inference.exception()
+            served = lambda v: node.engine is not None and (node.engine.version or 0) >= v  # noqa: E731
+            await wait_until(lambda: served(2), 200, "the node serving v2", poll=0.2, task=inference)
             tasks[0].cancel()  # t0, the channel the node follows, dies mid-run
             with contextlib.suppress(asyncio.CancelledError):
                 await tasks[0]
             await asyncio.gather(*tasks[1:])  # the survivors finish every round with a quorum of 2
-            while node.engine.version != STEPS and not inference.done():
-                await asyncio.sleep(0.2)
+            await wait_until(lambda: served(STEPS), 200, f"the node serving v{STEPS}", poll=0.2, task=inference)
     finally:
         stop_all.set()
         stop_inference.set()

@@ -15,91 +15,29 @@ docs/security.md ("Signed peer") lists each claim with its test.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from pulsenet.codec.rollout import Rollout
-from pulsenet.nodes.build import compose_inference, compose_trainer
-from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.config import InferenceConfig, TrainerConfig
-from pulsenet.nodes.inference import InferenceNode
+from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.rounds import finite
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import BYTE_PAD, BYTE_VOCAB, build_tiny_model
-from pulsenet.rl.replay import ReplayConfig
-from pulsenet.rl.tasks import TaskConfig, assign_problems, build_task, group_id
-from pulsenet.rollouts import RolloutIntakeConfig, RolloutSource, RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.layout import BatchName
-from pulsenet.signing import generate_keypair, key_id, load_private_key, load_public_key
-from pulsenet.store import LocalStore
+from pulsenet.rl.tasks import TaskConfig
 from pulsenet.sync import Publisher, PublisherConfig, Subscriber, SubscriberConfig
 from pulsenet.sync.manifest import Head, sign_head
+from tests.support.peer import RUN, Site, Trainer, batch_rows, stop_node
+from tests.support.waiting import wait_until
 
-RUN = "signed-peer"
 FAR = 999_999_999_999
 """The largest version a manifest may carry: what a compromised key announces."""
 
 pytestmark = pytest.mark.timeout(240)
-
-
-class Site:
-    """Keys and stores of one test network (every site's bucket a LocalStore under tmp)."""
-
-    def __init__(self, tmp: Path, *sites: str) -> None:
-        self.tmp = tmp
-        self.keys, self.pubs = {}, {}
-        for s in sites:
-            generate_keypair(tmp / "keys" / f"{s}.key")
-            self.keys[s] = load_private_key(tmp / "keys" / f"{s}.key")
-            self.pubs[s] = load_public_key(tmp / "keys" / f"{s}.key.pub")
-
-    def store(self, site: str) -> LocalStore:
-        return LocalStore(self.tmp / "s3" / site)
-
-    def trusted(self, *sites: str) -> dict:
-        return {key_id(self.pubs[s]): self.pubs[s] for s in sites}
-
-    def inference_node(self, config: InferenceConfig) -> InferenceNode:
-        """Node i0 (its own bucket and key) following t0's and t1's channels, on the arith task."""
-        return compose_inference(
-            config,
-            store=self.store("i0"),
-            policy_stores=[self.store("t0"), self.store("t1")],
-            trusted=self.trusted("t0", "t1"),
-            key=self.keys["i0"],
-            task=build_task("arith", seed=0),
-            text=text_codec("tiny"),
-        )
-
-
-async def _until(condition: Callable[[], bool], task: asyncio.Task[Any], timeout: float, what: str) -> None:
-    """Wait (polling the nodes' own counters) until ``condition`` holds; fail if ``task`` ends first."""
-    async with asyncio.timeout(timeout):
-        while not condition():
-            if task.done():
-                raise AssertionError(f"the node ended before {what}: {task.exception() if not task.cancelled() else 'cancelled'}")
-            await asyncio.sleep(0.05)
-
-
-async def _stop(stop: asyncio.Event, task: asyncio.Task[Any]) -> None:
-    """Stop the node; anything it raised surfaces here. One that does not stop within a minute is
-    cancelled and fails the test."""
-    stop.set()
-    done, _ = await asyncio.wait({task}, timeout=60)
-    if not done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise AssertionError("the node did not stop within 60 s of its stop event")
-    await task
 
 
 # --- item 6: a signed head far ahead -----------------------------------------------------------
@@ -145,16 +83,16 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
     task = asyncio.create_task(node.run(stop))
     active, other = node.subscribers
     try:
-        await _until(
+        await wait_until(
             lambda: other.stats.polls > 0 or (node.writer.stats.batches >= 3 and other.stats.announced_unverified >= 2),
-            task,
             120,
             "3 batches and 2 failover looks",
+            task=task,
         )
         # No failover: the other channel was asked (and refused the head) but never followed.
         assert other.stats.polls == 0 and other.version is None
     finally:
-        await _stop(stop, task)
+        await stop_node(stop, task)
 
     assert active.stats.head_version == FAR  # the hostile head was read ...
     assert node.engine is not None and node.engine.version == 1 and node.state.version == 1  # ... v1 served
@@ -168,118 +106,6 @@ async def test_a_signed_head_far_ahead_deletes_no_batch_and_moves_no_channel(tmp
 
 
 # --- items 1 and 2: rollout batches a trusted inference key signed -----------------------------
-
-
-TASK = "arith"
-"""The task both sides run: the trainer re-scores every row against it (``rl/rescore.py``)."""
-
-
-def _rows(version: int, digest: str, batch: int, *, reward: float | None = None, token: int | None = None) -> list[Rollout]:
-    """Batch ``batch`` of node i0 at ``version`` as an honest node makes it: 2 of the task's
-    assigned problems with their prompts and group ids, 4 completions each (2 right answers, 2
-    wrong), each claiming the reward the task gives it. ``reward``: claimed by the first row
-    instead; ``token``: a completion id put in the first row (e.g. one past the vocabulary)."""
-    task, text = build_task(TASK, seed=0), text_codec("tiny")
-    try:
-        prompter = task.prompter(text)
-        problems = assign_problems(task, node="i0", version=version, seed=0, n=2, batch=batch)
-        rows = []
-        for k, p in enumerate(problems):
-            prompt = prompter.encode(p.prompt)
-            assert prompt is not None
-            for i in range(4):
-                answer = f"{p.answer}\n" if i % 2 == 0 else "x\n"
-                ids = list(answer.encode())
-                if token is not None and k == i == 0:
-                    ids[0] = token
-                truth = task.score_texts([p], [prompter.completion_text(ids)]).total[0]
-                rows.append(Rollout(
-                    group=group_id("i0", version, batch, k), prompt_ids=tuple(prompt), completion_ids=tuple(ids),
-                    logprobs=tuple(-1.5 for _ in ids), reward=reward if reward is not None and k == i == 0 else truth,
-                    version=version, model_digest=digest, node="i0", seed=i,
-                ))  # fmt: skip
-        return rows
-    finally:
-        task.close()
-
-
-class Trainer:
-    """A lone trainer node on the tiny model with one inference source, and the peer (i0's key)
-    that writes signed batches to that source. ``policy``: a ``GRPOInner`` of ``self.grpo``."""
-
-    def __init__(
-        self,
-        net: Site,
-        state_dir: Path,
-        steps: int,
-        *,
-        policy: Callable[[GRPOTrainer], GRPOInner] = GRPOInner,
-        replay: bool = False,
-        nodes: tuple[str, ...] = ("i0",),
-    ) -> None:
-        """``replay``: replay rows before training (rl/replay.py); off by default here, because
-        ``_rows`` writes completions by hand (not the policy's draw) to reach the check under test.
-        ``nodes``: the inference sources (each its own bucket and key in ``net``); ``writer`` is i0's."""
-        self.grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
-        self.node = compose_trainer(
-            TrainerConfig(
-                id="t0",
-                run=RUN,
-                steps=steps,
-                rows_per_step=8,  # one batch per step
-                state_dir=state_dir,
-                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
-                replay=ReplayConfig(enabled=replay),
-            ),
-            store=net.store("t0"),
-            key=net.keys["t0"],
-            sources=[RolloutSource(n, net.store(n), net.trusted(n)) for n in nodes],
-            policy=policy(self.grpo),
-            task=build_task(TASK, seed=0),
-            text=text_codec("tiny"),
-        )
-        self.published: list[tuple[int, bool]] = []
-        """(version, every weight finite) of each state handed to the publisher."""
-        publish = self.node.publisher.publish_now
-
-        async def spy(state: Any, *, step: int | None = None) -> Any:
-            record = await publish(state, step=step)
-            self.published.append((record.version, finite(state)))
-            return record
-
-        self.node.publisher.publish_now = spy  # type: ignore[method-assign]
-        self.writer = RolloutWriter(net.store("i0"), net.keys["i0"], "i0", RolloutWriterConfig(run=RUN, max_staleness=3))
-
-    def batch_id(self, seq: int) -> str:
-        """The intake's id of i0's batch ``seq`` at v0 (what the consumed record holds)."""
-        return self.node.intake.batch_id("i0", BatchName(0, "i0", seq))
-
-    @property
-    def refused(self) -> dict[str, int]:
-        """Reason -> i0's batches the intake refused (or whose step failed: ``step_failed``)."""
-        return self.node.intake.stats.rejected_by_node.get("i0", {})
-
-    async def run(self, body: Callable[[asyncio.Task[Any]], Awaitable[None]], stop: asyncio.Event | None = None) -> None:
-        """Run the node until it has published its ``steps`` versions (or ``stop``), with ``body``
-        feeding it."""
-        task = asyncio.create_task(self.node.run(stop or asyncio.Event()))
-        try:
-            await _until(lambda: 0 in self.node.digests, task, 60, "v0")
-            await body(task)
-            try:
-                async with asyncio.timeout(90):  # seconds of work on the tiny model
-                    await task
-            except TimeoutError:
-                n = self.node
-                raise AssertionError(
-                    f"the node did not finish its {n.config.steps} versions: published {self.published}, "
-                    f"failed steps {n.failed_steps}, skipped updates {self.grpo.local.skipped}, refused {self.refused}, "
-                    f"last error {n.state.last_error}"
-                ) from None
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
 
 async def _subscribe_newest(net: Site) -> tuple[int, dict[str, torch.Tensor]]:
@@ -303,9 +129,9 @@ async def test_a_reward_of_1e300_never_reaches_a_step_nor_a_published_version(tm
 
     async def feed(_: asyncio.Task[Any]) -> None:
         d0 = t.node.digests[0]
-        await t.writer.write(_rows(0, d0, 0, reward=1e300))
+        await t.writer.write(batch_rows(0, d0, 0, reward=1e300))
         for b in (1, 2, 3):
-            await t.writer.write(_rows(0, d0, b))
+            await t.writer.write(batch_rows(0, d0, b))
 
     await t.run(feed)
 
@@ -324,12 +150,12 @@ def test_behind_the_intake_a_non_finite_gradient_norm_skips_the_update() -> None
     as they were, and the next honest step trains."""
     grpo = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD))
     before = {n: p.detach().clone() for n, p in grpo.local.model.named_parameters()}
-    metrics = grpo.step(_rows(0, "0" * 64, 0, reward=1e30))
+    metrics = grpo.step(batch_rows(0, "0" * 64, 0, reward=1e30))
     assert metrics.grad_norm is not None and not math.isfinite(metrics.grad_norm)
     assert grpo.local.skipped == 1 and grpo.local.steps == 0
     assert all(torch.equal(p, before[n]) for n, p in grpo.local.model.named_parameters())
     assert not grpo.local.optimizer.state  # no AdamW moment was touched
-    grpo.step(_rows(0, "0" * 64, 1))
+    grpo.step(batch_rows(0, "0" * 64, 1))
     assert grpo.local.steps == 1 and finite(dict(grpo.local.model.named_parameters()))
     moments = [v for st in grpo.local.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     assert moments and all(bool(torch.isfinite(m).all()) for m in moments)
@@ -345,9 +171,9 @@ async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_afte
 
     async def feed(_: asyncio.Task[Any]) -> None:
         d0 = first.node.digests[0]
-        await first.writer.write(_rows(0, d0, 0, token=BYTE_VOCAB))  # the hostile batch, seq 0
+        await first.writer.write(batch_rows(0, d0, 0, token=BYTE_VOCAB))  # the hostile batch, seq 0
         for b in (1, 2):
-            await first.writer.write(_rows(0, d0, b))
+            await first.writer.write(batch_rows(0, d0, b))
 
     await first.run(feed)
     n = first.node
@@ -359,7 +185,7 @@ async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_afte
     second = Trainer(net, tmp_path / "t0", steps=3)
 
     async def feed_more(_: asyncio.Task[Any]) -> None:
-        await second.writer.write(_rows(0, second.node.digests[0], 3))
+        await second.writer.write(batch_rows(0, second.node.digests[0], 3))
 
     await second.run(feed_more)
     m = second.node
@@ -392,7 +218,7 @@ async def test_a_batch_whose_step_failed_is_dropped_and_not_taken_after_a_restar
 
     async def feed(_: asyncio.Task[Any]) -> None:
         for b in (0, 1, 2):
-            await first.writer.write(_rows(0, first.node.digests[0], b))
+            await first.writer.write(batch_rows(0, first.node.digests[0], b))
 
     await first.run(feed)
     n = first.node
@@ -405,7 +231,7 @@ async def test_a_batch_whose_step_failed_is_dropped_and_not_taken_after_a_restar
     second = Trainer(net, tmp_path / "t0", steps=3)
 
     async def feed_more(_: asyncio.Task[Any]) -> None:
-        await second.writer.write(_rows(0, second.node.digests[0], 3))
+        await second.writer.write(batch_rows(0, second.node.digests[0], 3))
 
     await second.run(feed_more)
     # It trained on the new batch, not on the one whose step failed (taken first, in sequence order,
@@ -421,8 +247,8 @@ async def test_a_batch_whose_step_failed_is_not_taken_by_a_trainer_restarted_at_
     stop = asyncio.Event()
 
     async def feed(task: asyncio.Task[Any]) -> None:
-        await first.writer.write(_rows(0, first.node.digests[0], 0))
-        await _until(lambda: first.node.failed_steps == 1, task, 60, "the failed step")
+        await first.writer.write(batch_rows(0, first.node.digests[0], 0))
+        await wait_until(lambda: first.node.failed_steps == 1, 60, "the failed step", task=task)
         stop.set()  # stopped before any round closes after it
 
     await first.run(feed, stop)
@@ -430,10 +256,10 @@ async def test_a_batch_whose_step_failed_is_not_taken_by_a_trainer_restarted_at_
     second = Trainer(net, tmp_path / "t0", steps=1)
 
     async def feed_more(task: asyncio.Task[Any]) -> None:
-        await second.writer.write(_rows(0, second.node.digests[0], 1))
+        await second.writer.write(batch_rows(0, second.node.digests[0], 1))
         # wait for the event asserted below (the take), not for a count of polls; a node that ends
         # without it (it trained on the failed batch instead) fails here, saying so
-        await _until(lambda: second.batch_id(1) in second.node.intake.consumed(), task, 120, "batch 1 taken")
+        await wait_until(lambda: second.batch_id(1) in second.node.intake.consumed(), 120, "batch 1 taken", task=task)
 
     await second.run(feed_more)
     # The failed batch comes first in sequence order: taken (and trained on) unless remembered.

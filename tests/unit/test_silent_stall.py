@@ -27,7 +27,7 @@ from pulsenet.rl.tasks import TaskConfig, build_task
 from pulsenet.sync.subscriber import SubscriberConfig
 from tests.support.channel import node_on_a_tiny_channel
 from tests.support.model_dirs import llama_config, model_dir, smollm2_tokenizer
-from tests.support.sync_support import wait_until
+from tests.support.waiting import wait_until
 
 
 def _sums(tmp_path: Path) -> Path:

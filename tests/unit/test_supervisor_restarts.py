@@ -23,6 +23,7 @@ from pulsenet.store import LocalStore
 from pulsenet.sync.publisher import Publisher, PublisherConfig
 from pulsenet.sync.subscriber import SubscriberConfig
 from tests.support.sync_support import perturbed_states
+from tests.support.waiting import wait_until
 
 RUN = "restart"
 MANIFEST = re.compile(r"manifests/v(\d{12})-i0-\d{8}\.json$")
@@ -31,13 +32,6 @@ MANIFEST = re.compile(r"manifests/v(\d{12})-i0-\d{8}\.json$")
 def _batches(root: Path) -> dict[str, int]:
     """Every rollout batch of i0 still in its store (retention deletes old ones): manifest -> version."""
     return {p.name: int(m.group(1)) for p in root.rglob("*.json") if (m := MANIFEST.search(p.as_posix()))}
-
-
-async def _until(cond, timeout: float, what: str) -> None:
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.05)
-    assert cond(), what
 
 
 @pytest.mark.timeout(120)
@@ -77,7 +71,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
         # First life: follows the channel to v1 and generates there, then stops (as a SIGTERM would).
         first, stop = node(), asyncio.Event()
         task = asyncio.create_task(first.run(stop))
-        await _until(lambda: 1 in _batches(rollouts).values(), 60, "a batch at v1")
+        await wait_until(lambda: 1 in _batches(rollouts).values(), 60, "a batch at v1")
         stop.set()
         await task
         before = _batches(rollouts)
@@ -91,7 +85,7 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
         # first batch it writes is at v4, the newest version it could verify when it started.
         second, stop = node(), asyncio.Event()
         task = asyncio.create_task(second.run(stop))
-        await _until(lambda: set(_batches(rollouts)) - set(before), 60, "a batch after the restart")
+        await wait_until(lambda: set(_batches(rollouts)) - set(before), 60, "a batch after the restart")
         stop.set()
         await task
 

@@ -29,7 +29,9 @@ from pulsenet.sync import (
 )
 from pulsenet.sync.chain import PayloadCache
 from pulsenet.sync.manifest import Head, sign_head, sign_manifest, verify_manifest
-from tests.support.sync_support import keypair, perturbed_states, same_bits, train_states, wait_until
+from tests.support.store import CountingStore
+from tests.support.sync_support import keypair, perturbed_states, same_bits, train_states
+from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -315,25 +317,6 @@ async def test_perturbed_states_round_trip(tmp_path: Path, states: list[dict]) -
 
 
 # --- hostile bucket writers (issue 12) --------------------------------------------------------------
-
-
-class CountingStore(LocalStore):
-    """A LocalStore that records what each read actually moved: bytes returned or written per key."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.read_bytes: dict[str, int] = {}
-
-    async def _get(self, key: str, byte_range, max_bytes: int | None) -> bytes:
-        data = await super()._get(key, byte_range, max_bytes)
-        self.read_bytes[key] = self.read_bytes.get(key, 0) + len(data)
-        return data
-
-    async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
-        self.read_bytes.setdefault(key, 0)
-        n = await super()._get_file(key, path, max_bytes)
-        self.read_bytes[key] += n
-        return n
 
 
 def _hostile_manifests(key, layout: Layout, version: int) -> list[bytes]:

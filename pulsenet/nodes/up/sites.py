@@ -107,7 +107,8 @@ def round_deadline(trainers: list[TrainerConfig]) -> float:
 
 def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: Injector | None = None) -> Plan:
     """Each node's config file (``nodes/plan.py``), command, environment, status port and log.
-    ``injector``: may adjust the planned settings and give each node its own store endpoint."""
+    ``injector``: may change the planned settings (it returns new ones) and give each node its own
+    store endpoint."""
     keys = workdir / "keys"
     ids = trainer_ids(c) + inference_ids(c)
     sites = {
@@ -118,7 +119,7 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
         c, run=run_id, sites=sites, public_keys=keys, loco_store=loco, cache_dir=workdir / "cache"
     )
     if injector is not None:
-        injector.adjust(trainers, inference)
+        trainers, inference = injector.adjust(trainers, inference)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
     nodes = []
     for role, configs in (("trainer", trainers), ("inference", inference)):

@@ -18,6 +18,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pulsenet.errors import StoreError
 from pulsenet.logs import suppressed
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.supervisor import (
@@ -38,7 +39,10 @@ from pulsenet.nodes.up.node import Node, Outcome, node_version, serving_version
 from pulsenet.runtime import signal_group, spawn_tied, wait
 
 if TYPE_CHECKING:
+    from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.nodes.up.config import UpConfig
+    from pulsenet.store.s3 import S3Config
+    from pulsenet.store.seaweed import SeaweedServer
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +50,18 @@ log = logging.getLogger(__name__)
 class Injector(Protocol):
     """What ``pulsenet chaos`` (pulsenet/chaos) hooks into a run; the launcher calls, in order:
 
-    ``adjust`` on the planned node settings (before they are written), ``endpoint`` per node (the
-    store URL it is given: a link the injector can throttle or cut), ``start`` before any node
-    starts, ``run`` beside the supervisor's loop (cancelled when the run ends; an exception fails
-    the run), and ``after`` once every node has stopped while the store still runs."""
+    ``adjust`` on the planned node settings (before they are written: it returns the settings to
+    write, new objects, and leaves the planned ones as they are), ``endpoint`` per node (the store
+    URL it is given: a link the injector can throttle or cut), ``start`` before any node starts,
+    ``run`` beside the supervisor's loop (cancelled when the run ends; an exception fails the run),
+    and ``after`` once every node has stopped while the store still runs.
 
-    def adjust(self, trainers: list[Any], inference: list[Any]) -> None: ...
+    An injector acts on the run only through the ``Supervisor``'s public methods (``kill``,
+    ``kill_store``, ``pause_store``, ``resume_store``, ``store_pid``, ``store_admin_config``)."""
+
+    def adjust(
+        self, trainers: list[TrainerConfig], inference: list[InferenceConfig]
+    ) -> tuple[list[TrainerConfig], list[InferenceConfig]]: ...
 
     def endpoint(self, node: str, url: str) -> str: ...
 
@@ -75,14 +85,14 @@ class Supervisor:
         nodes: list[Node],
         console: Any,
         *,
-        server: Any = None,
+        server: SeaweedServer | None = None,
         journal: Journal | None = None,
         injector: Injector | None = None,
         round_deadline_s: float = 300.0,
     ) -> None:
         """``server``: the embedded ``SeaweedServer`` to watch and restart (None: an external endpoint)."""
         self.c, self.nodes, self.console = c, nodes, console
-        self.server, self.injector = server, injector
+        self._server, self.injector = server, injector
         self.journal = journal or Journal(None)
         self.round_deadline_s = round_deadline_s
         self.policy = c.supervise
@@ -323,7 +333,7 @@ class Supervisor:
 
     def _watch_store(self, now: float) -> str:
         """Restart the embedded store on the same directory, ports and keys when it has exited."""
-        s = self.server
+        s = self._server
         if s is None or self._store_task is not None or s.running:
             return ""
         r = self.store_restarts
@@ -346,8 +356,9 @@ class Supervisor:
         from pulsenet.errors import PulsenetError
 
         t0 = time.monotonic()
+        assert self._server is not None  # only an embedded store is restarted (_watch_store)
         try:
-            await asyncio.to_thread(self.server.restart)
+            await asyncio.to_thread(self._server.restart)
         except PulsenetError as e:  # did not come up: counted as one more exit, retried after a backoff
             self.store_restarts.restarted(time.monotonic())
             self._store_failure = f"restart failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
@@ -361,13 +372,60 @@ class Supervisor:
 
     def store_state(self) -> str:
         """Why the store does not serve ("" while it does, or when it is an external endpoint)."""
-        s = self.server
+        s = self._server
         if s is None or (s.running and self._store_task is None):
             return ""
         if self._store_task is not None:
             return "restarting"
         last = self.store_restarts.exits[-1].why if self.store_restarts.exits else "down"
         return f"down ({last})"
+
+    # --- what an injector may do (pulsenet chaos) ---------------------------------------------
+
+    def kill(self, name: str) -> int:
+        """SIGKILL the current life of node ``name`` (its process group); returns its pid. The
+        supervisor then sees an unexpected exit and restarts it as it would any other
+        (ValueError: no such node, or it is not running)."""
+        n = next((n for n in self.nodes if n.name == name), None)
+        if n is None or n.proc is None or not n.running:
+            raise ValueError(f"up: no running node {name!r} to kill")
+        signal_group(n.proc, signal.SIGKILL)
+        return n.proc.pid
+
+    def store_pid(self) -> int | None:
+        """The embedded store's process id while it runs; None when it does not, or the store is an
+        external endpoint."""
+        s = self._server
+        return s.pid if s is not None and s.running else None
+
+    def store_exited(self) -> bool:
+        """The embedded store's process has exited (and is not yet restarted); False for an external endpoint."""
+        return self._server is not None and not self._server.running
+
+    async def kill_store(self) -> int:
+        """SIGKILL the embedded store (the supervisor restarts it on the same directory, ports and
+        keys); returns its pid (StoreError: no embedded store running)."""
+        pid = self.store_pid()
+        if self._server is None or pid is None:
+            raise StoreError("up: no embedded store running to kill")
+        await asyncio.to_thread(self._server.kill)
+        return pid
+
+    def pause_store(self) -> None:
+        """SIGSTOP the embedded store: every connection to it hangs until ``resume_store`` (StoreError:
+        none running)."""
+        if self._server is None:
+            raise StoreError("up: no embedded store to pause (an external endpoint)")
+        self._server.pause()
+
+    def resume_store(self) -> None:
+        """SIGCONT the embedded store (a no-op for an external endpoint)."""
+        if self._server is not None:
+            self._server.resume()
+
+    def store_admin_config(self) -> S3Config | None:
+        """The embedded store's admin credentials (reads and lists every bucket); None for an external endpoint."""
+        return self._server.config("admin") if self._server is not None else None
 
     # --- progress -----------------------------------------------------------------------------
 
@@ -429,14 +487,14 @@ class Supervisor:
         else:
             line = f"network at v{self.version}, last version {age:.0f} s ago"
         store = self.store_state()
-        if self.server is not None:
+        if self._server is not None:
             line += f"; store {store or 'ok'}" + (
                 f", {self.store_restarts.count} restart(s)" if self.store_restarts.count else ""
             )
         return line
 
 
-def _weed_error(server: Any) -> str:
+def _weed_error(server: SeaweedServer) -> str:
     """The store's last error line (its log's E/F records), "" if none."""
     lines = [x for x in server.log_tail(50).splitlines() if x[:1] in ("E", "F") and x[1:5].isdigit()]
     return lines[-1][:300] if lines else ""
