@@ -191,9 +191,10 @@ def _node(v: object, what: str) -> str:
 
 
 def _positive(v: object, what: str) -> int:
-    if _int(v, what, MAX_ASSIGNED) < 1:
+    n = _int(v, what, MAX_ASSIGNED)
+    if n < 1:
         raise ManifestError(f"demand record {what} must be >= 1")
-    return v  # type: ignore[return-value]
+    return n
 
 
 def assigned(demands: Iterable[Demand], node: str) -> tuple[int, int] | None:
