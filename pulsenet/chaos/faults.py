@@ -285,7 +285,7 @@ class Chaos:
         for link in self.links.values():
             await link.close()
         self._undo(sup)
-        if sup.store_exited():
+        if sup.store.exited():
             return  # it died at the very end: nothing to list (the audit says so)
         self.listing = await asyncio.to_thread(self._list, sup)
 
@@ -295,8 +295,8 @@ class Chaos:
         """For a kill: a test that the supervisor has noticed it and started a new life (of the node,
         or of the store) since; other faults end no process."""
         if f.kind == "kill-store":
-            before = sup.store_restarts.count
-            return lambda: sup.store_restarts.count > before
+            before = sup.store.restarts.count
+            return lambda: sup.store.restarts.count > before
         if f.kind.startswith("kill-"):
             node = _node(sup, f.target)
             lives = len(node.pids)
@@ -316,14 +316,14 @@ class Chaos:
             record["into_version_s"] = round(time.time() - last.at, 2) if last is not None else None
             record["pid"] = sup.kill(node.name)
         elif f.kind == "kill-store":
-            record["pid"] = await sup.kill_store()
+            record["pid"] = await sup.store.kill()
         elif f.kind == "stall-store":
-            sup.pause_store()
+            sup.store.pause()
             self._paused = True
             try:
                 await asyncio.sleep(f.duration_s)
             finally:
-                sup.resume_store()
+                sup.store.resume()
                 self._paused = False
         elif f.kind in LINK_KINDS:
             link = self.links[f.target]
@@ -341,7 +341,7 @@ class Chaos:
     def _undo(self, sup: Supervisor) -> None:
         """Whatever a cancelled fault left behind: a paused store, a cut or slow link."""
         if self._paused:
-            sup.resume_store()
+            sup.store.resume()
             self._paused = False
         for link in self.links.values():
             link.restore()
@@ -367,7 +367,7 @@ class Chaos:
     async def _sample(self, sup: Supervisor) -> None:
         while True:
             procs: list[tuple[str, int]] = [(n.name, n.proc.pid) for n in sup.nodes if n.running and n.proc is not None]
-            if (store_pid := sup.store_pid()) is not None:
+            if (store_pid := sup.store.pid()) is not None:
                 procs.append(("store", store_pid))
             procs.append(("up", os.getpid()))
             t = self._now()
@@ -382,7 +382,7 @@ class Chaos:
         or the environment's for --s3-endpoint)."""
         import boto3
 
-        if (cfg := sup.store_admin_config()) is not None:
+        if (cfg := sup.store.admin_config()) is not None:
             client = boto3.client(
                 "s3",
                 endpoint_url=cfg.endpoint_url,
@@ -423,7 +423,7 @@ def _node(sup: Supervisor, name: str) -> Node:
 def _whole(sup: Supervisor) -> bool:
     """Every node is running (or a trainer done) and answers, and the store serves."""
     nodes = all(n.done or (n.running and n.answered) for n in sup.nodes)
-    return nodes and not sup.store_state()
+    return nodes and not sup.store.state()
 
 
 def _past(sup: Supervisor, version: int) -> bool:

@@ -79,12 +79,12 @@ def test_the_supervisor_kills_a_node_for_an_injector_and_refuses_what_it_does_no
     finally:
         if node.proc.poll() is None:
             node.proc.kill()
-    assert sup.store_pid() is None and not sup.store_exited() and sup.store_admin_config() is None
-    sup.resume_store()  # a no-op without an embedded store
+    assert sup.store.pid() is None and not sup.store.exited() and sup.store.admin_config() is None
+    sup.store.resume()  # a no-op without an embedded store
     with pytest.raises(StoreError):
-        sup.pause_store()
+        sup.store.pause()
     with pytest.raises(StoreError):
-        asyncio.run(sup.kill_store())
+        asyncio.run(sup.store.kill())
 
 
 async def _echo_server() -> tuple[asyncio.Server, int]:

@@ -181,12 +181,12 @@ def print_summary(out: Any, config: UpConfig, outcome: Outcome, summary: dict[st
                 "greedy eval on held-out problems: " + " ".join(f"v{e['version']} {e['reward']:.3f}" for e in summary["eval"])
             )
         e = summary["efficiency"]
+        replay = e.get("replay_cost") or {}  # summaries written before replay's cost was kept have none
         out.print(
             f"efficiency: {_pct(e['trained_fraction'])} of generated rollouts trained on, "
             f"{_pct(e['dropped_fraction'])} dropped stale, mean staleness {_fmt(e['staleness_mean'], '{:.2f}')}; "
             f"engines busy {_pct(e['engine_busy'])}, trainers busy {_pct(e['trainer_busy'])}; "
-            f"replay {_pct(e['replay_cost']['of_train'])} of GRPO time, "
-            f"{_pct(e['replay_cost']['of_rounds'])} of trainer time; "
+            f"replay {_pct(replay.get('of_train'))} of GRPO time, {_pct(replay.get('of_rounds'))} of trainer time; "
             f"update latency p95 {_fmt(e['update_latency_s']['p95'], '{:.2f}')} s of a "
             f"{_fmt(e['round_s'], '{:.1f}')} s round"
         )

@@ -18,14 +18,12 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pulsenet.errors import StoreError
 from pulsenet.logs import suppressed
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.supervisor import (
     Exit,
     Journal,
     Liveness,
-    Restarts,
     RunView,
     TrainerView,
     describe_exit,
@@ -36,12 +34,12 @@ from pulsenet.nodes.supervisor import (
 )
 from pulsenet.nodes.up.console import line_key, status_line, status_table
 from pulsenet.nodes.up.node import Node, Outcome, node_version, serving_version
+from pulsenet.nodes.up.store import EmbeddedStore
 from pulsenet.runtime import signal_group, spawn_tied, wait
 
 if TYPE_CHECKING:
     from pulsenet.nodes.config import InferenceConfig, TrainerConfig
     from pulsenet.nodes.up.config import UpConfig
-    from pulsenet.store.s3 import S3Config
     from pulsenet.store.seaweed import SeaweedServer
 
 log = logging.getLogger(__name__)
@@ -56,8 +54,8 @@ class Injector(Protocol):
     ``run`` beside the supervisor's loop (cancelled when the run ends; an exception fails the run),
     and ``after`` once every node has stopped while the store still runs.
 
-    An injector acts on the run only through the ``Supervisor``'s public methods (``kill``,
-    ``kill_store``, ``pause_store``, ``resume_store``, ``store_pid``, ``store_admin_config``)."""
+    An injector acts on the run only through the ``Supervisor``'s ``kill`` and its ``store``
+    (``nodes/up/store.py``: ``kill``, ``pause``, ``resume``, ``pid``, ``admin_config``)."""
 
     def adjust(
         self, trainers: list[TrainerConfig], inference: list[InferenceConfig]
@@ -92,13 +90,14 @@ class Supervisor:
     ) -> None:
         """``server``: the embedded ``SeaweedServer`` to watch and restart (None: an external endpoint)."""
         self.c, self.nodes, self.console = c, nodes, console
-        self._server, self.injector = server, injector
+        self.injector = injector
         self.journal = journal or Journal(None)
         self.round_deadline_s = round_deadline_s
         self.policy = c.supervise
+        self.store = EmbeddedStore(server, self.policy, self.journal, self.say)
+        """The embedded store (or none: an external endpoint), restarted when it exits."""
         self.stop = asyncio.Event()
         self.reason = ""
-        self.store_restarts = Restarts()
         self.version = -1
         """The newest version any trainer published (their events)."""
         self.version_at: float | None = None
@@ -111,8 +110,6 @@ class Supervisor:
         """While the network is stuck: which trainer holds it up, and why."""
         self.final: int | None = None
         self._rng = random.Random()
-        self._store_task: asyncio.Task[None] | None = None
-        self._store_failure = ""
         self._tick = asyncio.Event()
         self._stoppers: set[asyncio.Task[None]] = set()
 
@@ -141,9 +138,8 @@ class Supervisor:
                 chaos.cancel()
                 with contextlib.suppress(asyncio.CancelledError), suppressed(log, "up: teardown: the chaos injector"):
                     await chaos
-            if self._store_task is not None:  # a store restart in flight finishes (bounded by its start-up timeout)
-                with suppressed(log, "up: teardown: the store restart in flight"):
-                    await self._store_task
+            with suppressed(log, "up: teardown: the store restart in flight"):
+                await self.store.settle()
             await asyncio.to_thread(self._stop_all, [n for n in self.nodes if n.running])
             for task in list(self._stoppers):
                 with suppressed(log, "up: teardown: a node stop in flight"):
@@ -157,7 +153,7 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
         events = {n.name: read_events(n.events_path) for n in self.nodes}
         self.journal.write("end", code=code, reason=self.reason)
-        return Outcome(code, self.reason, self.nodes, events, time.perf_counter() - t0, self.store_restarts.count)
+        return Outcome(code, self.reason, self.nodes, events, time.perf_counter() - t0, self.store.restarts.count)
 
     def _interrupt(self, sig: signal.Signals) -> None:
         self.reason = f"stopped by {signal.Signals(sig).name}"
@@ -180,7 +176,7 @@ class Supervisor:
                 now = time.monotonic()
                 for n in self.nodes:
                     n.tail.read()
-                failure = self._watch_store(now) or self._handle_exits(now)
+                failure = self.store.watch(now) or self._handle_exits(now)
                 if not failure:  # a crash loop ends the run before anything is started again
                     self._start_due(now)
                     self._liveness()
@@ -329,57 +325,6 @@ class Supervisor:
                 signal_group(proc, signal.SIGKILL)
                 proc.wait()
 
-    # --- the store ----------------------------------------------------------------------------
-
-    def _watch_store(self, now: float) -> str:
-        """Restart the embedded store on the same directory, ports and keys when it has exited."""
-        s = self._server
-        if s is None or self._store_task is not None or s.running:
-            return ""
-        r = self.store_restarts
-        if r.due is None:
-            code = s.exit_code
-            why = self._store_failure or (describe_exit(code) if code is not None else "not running")
-            self._store_failure = ""
-            delay = r.exited(Exit(time.time(), code, why, _weed_error(s)), now, self.policy, self._rng)
-            self.journal.write("store_exit", code=code, why=why, restart_in_s=delay)
-            if delay is None:
-                reason = r.crash_loop("the store", self.policy)
-                self.journal.write("crash_loop", node="store", reason=reason)
-                return reason
-            self.say(f"the store {why}; restart in {delay:.1f} s")
-        elif now >= r.due:
-            self._store_task = asyncio.create_task(self._restart_store())
-        return ""
-
-    async def _restart_store(self) -> None:
-        from pulsenet.errors import PulsenetError
-
-        t0 = time.monotonic()
-        assert self._server is not None  # only an embedded store is restarted (_watch_store)
-        try:
-            await asyncio.to_thread(self._server.restart)
-        except PulsenetError as e:  # did not come up: counted as one more exit, retried after a backoff
-            self.store_restarts.restarted(time.monotonic())
-            self._store_failure = f"restart failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            log.error("store restart failed: %s", e)
-        else:
-            self.store_restarts.restarted(time.monotonic())
-            self.journal.write("store_restart", count=self.store_restarts.count, took_s=round(time.monotonic() - t0, 2))
-            self.say(f"the store is back (restart {self.store_restarts.count}, {time.monotonic() - t0:.1f} s)")
-        finally:
-            self._store_task = None
-
-    def store_state(self) -> str:
-        """Why the store does not serve ("" while it does, or when it is an external endpoint)."""
-        s = self._server
-        if s is None or (s.running and self._store_task is None):
-            return ""
-        if self._store_task is not None:
-            return "restarting"
-        last = self.store_restarts.exits[-1].why if self.store_restarts.exits else "down"
-        return f"down ({last})"
-
     # --- what an injector may do (pulsenet chaos) ---------------------------------------------
 
     def kill(self, name: str) -> int:
@@ -391,41 +336,6 @@ class Supervisor:
             raise ValueError(f"up: no running node {name!r} to kill")
         signal_group(n.proc, signal.SIGKILL)
         return n.proc.pid
-
-    def store_pid(self) -> int | None:
-        """The embedded store's process id while it runs; None when it does not, or the store is an
-        external endpoint."""
-        s = self._server
-        return s.pid if s is not None and s.running else None
-
-    def store_exited(self) -> bool:
-        """The embedded store's process has exited (and is not yet restarted); False for an external endpoint."""
-        return self._server is not None and not self._server.running
-
-    async def kill_store(self) -> int:
-        """SIGKILL the embedded store (the supervisor restarts it on the same directory, ports and
-        keys); returns its pid (StoreError: no embedded store running)."""
-        pid = self.store_pid()
-        if self._server is None or pid is None:
-            raise StoreError("up: no embedded store running to kill")
-        await asyncio.to_thread(self._server.kill)
-        return pid
-
-    def pause_store(self) -> None:
-        """SIGSTOP the embedded store: every connection to it hangs until ``resume_store`` (StoreError:
-        none running)."""
-        if self._server is None:
-            raise StoreError("up: no embedded store to pause (an external endpoint)")
-        self._server.pause()
-
-    def resume_store(self) -> None:
-        """SIGCONT the embedded store (a no-op for an external endpoint)."""
-        if self._server is not None:
-            self._server.resume()
-
-    def store_admin_config(self) -> S3Config | None:
-        """The embedded store's admin credentials (reads and lists every bucket); None for an external endpoint."""
-        return self._server.config("admin") if self._server is not None else None
 
     # --- progress -----------------------------------------------------------------------------
 
@@ -446,7 +356,7 @@ class Supervisor:
             return
         if self.final is not None or now - self.version_at <= self.round_deadline_s:
             return
-        self.holdup = with_inference(holdup(self.trainer_views(), self.store_state()), self.inference_views())
+        self.holdup = with_inference(holdup(self.trainer_views(), self.store.state()), self.inference_views())
         if self.stuck_since is None:
             self.stuck_since = self.version_at
             self.journal.write("stuck", version=self.version, idle_s=round(now - self.version_at, 1), holdup=self.holdup)
@@ -486,16 +396,8 @@ class Supervisor:
             line = f"[bold red]STUCK[/] at v{self.version} for {age:.0f} s: {self.holdup}"
         else:
             line = f"network at v{self.version}, last version {age:.0f} s ago"
-        store = self.store_state()
-        if self._server is not None:
-            line += f"; store {store or 'ok'}" + (
-                f", {self.store_restarts.count} restart(s)" if self.store_restarts.count else ""
-            )
+        if self.store.embedded:
+            restarts = self.store.restarts.count
+            line += f"; store {self.store.state() or 'ok'}" + (f", {restarts} restart(s)" if restarts else "")
         return line
-
-
-def _weed_error(server: SeaweedServer) -> str:
-    """The store's last error line (its log's E/F records), "" if none."""
-    lines = [x for x in server.log_tail(50).splitlines() if x[:1] in ("E", "F") and x[1:5].isdigit()]
-    return lines[-1][:300] if lines else ""
 
