@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
 import random
 import signal
@@ -23,6 +24,8 @@ import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -196,10 +199,18 @@ async def _awaited(a: Awaitable[T]) -> T:
 
 
 def first_error(eg: BaseExceptionGroup) -> BaseException:
-    """What the caller of a TaskGroup should see: the first error in it that is not a cancellation."""
-    for e in eg.exceptions:
+    """What the caller of a TaskGroup should see: the first error in the (nested) group that is not
+    a cancellation (the others are logged at debug level); a cancellation when there is no other."""
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
         if isinstance(e, BaseExceptionGroup):
-            return first_error(e)
-        if not isinstance(e, asyncio.CancelledError):
-            return e
-    return eg.exceptions[0]
+            for sub in e.exceptions:
+                walk(sub)
+        elif not isinstance(e, asyncio.CancelledError):
+            leaves.append(e)
+
+    walk(eg)
+    for extra in leaves[1:]:
+        log.debug("also failed: %s: %s", type(extra).__name__, extra)
+    return leaves[0] if leaves else asyncio.CancelledError()

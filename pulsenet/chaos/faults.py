@@ -205,7 +205,8 @@ class Chaos:
         self, trainers: list[TrainerConfig], inference: list[InferenceConfig]
     ) -> tuple[list[TrainerConfig], list[InferenceConfig]]:
         """The settings to write: retention on, so the audit can hold the store to it, and the
-        hostile behaviours; new objects, the planned ones are left as they are. Remembers every
+        hostile behaviours; shallow copies (``dataclasses.replace``: the planned settings' own fields
+        are never assigned, nested tables they did not change are shared). Remembers every
         node's store."""
         new_t = []
         for t in trainers:
@@ -257,6 +258,9 @@ class Chaos:
                     continue
                 await asyncio.sleep(fault.frac * _interval(sup))
                 await self._inject(sup, fault, record)
+                if not record["injected"]:  # the target went away on its own meanwhile
+                    sup.journal.write("fault_skipped", index=k, fault=fault.kind, why=record["skipped"])
+                    continue
                 sup.journal.write("fault", **{("fault" if k == "kind" else k): v for k, v in record.items()})
                 sup.say(f"chaos: {fault.kind} {fault.target} at v{record['version']}")
                 at, restarted = int(record["version"]), self._restarted(sup, fault)
@@ -316,6 +320,9 @@ class Chaos:
             record["into_version_s"] = round(time.time() - last.at, 2) if last is not None else None
             record["pid"] = sup.kill(node.name)
         elif f.kind == "kill-store":
+            if sup.store.pid() is None:  # it went down on its own since the network was whole
+                record |= {"injected": False, "skipped": "the store was already down"}
+                return
             record["pid"] = await sup.store.kill()
         elif f.kind == "stall-store":
             sup.store.pause()

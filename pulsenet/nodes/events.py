@@ -55,7 +55,7 @@ class VersionEvent:
     """``anchor`` or ``patch``: how PULSESync published it (trainers)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds this version spent in each phase (trainer: ``wait_rollouts``, ``train``,
-    ``exchange``, ``publish``; inference: ``apply``)."""
+    ``exchange``, ``replay``, ``publish``, ``eval``, each second in one; inference: ``apply``)."""
     bytes: dict[str, int] = field(default_factory=dict)
     """This version's bytes by channel. Trainer: ``pulsesync`` (its patch or anchor), ``full``
     (one BF16 checkpoint), ``pulseloco`` (its round payload), ``diloco`` (a dense FP32

@@ -231,7 +231,7 @@ class Replayer:
         if not margins.numel():
             return self._count(verdict)
         # Every token at once; the first row with a failing token is named (micro-batches keep
-        # ``chosen``'s order), by its first token not the draw's, else its first log-prob off.
+        # ``chosen``'s order), by its worst token if any is not the draw's, else its worst log-prob.
         owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor([len(rows[i].completion_ids) for i in chosen]))
         c = self.config
         bad_token, bad_logprob = margins < -c.cdf_tolerance, diffs > c.logprob_tolerance
@@ -240,11 +240,11 @@ class Replayer:
             row = int(owner[int(failing.nonzero()[0, 0])])
             mine = (owner == row).nonzero()[:, 0]
             if bool(bad_token[mine].any()):
-                t = int(bad_token[mine].nonzero()[0, 0])
+                t = int(margins[mine].argmin())
                 return self._count(_with(verdict, "replay_token", row, f"token {t} is not the public draw's "
                                          f"(its uniform lies {-float(margins[mine[t]]):.4f} of mass outside "
                                          "the token's CDF interval)"))  # fmt: skip
-            t = int(bad_logprob[mine].nonzero()[0, 0])
+            t = int(diffs[mine].argmax())
             off = float(diffs[mine[t]])
             return self._count(_with(verdict, "replay_logprob", row, f"token {t}'s log-prob is off by {off:.4f}"))
         mean = float(diffs.mean())

@@ -39,6 +39,7 @@ from pulsenet.errors import (
     ReplayError,
     VerificationError,
 )
+from pulsenet.runtime import all_of
 from pulsenet.signed import ObjectRef, fetch_document, fetch_document_if_changed, fetch_file, fetch_unverified
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
@@ -404,19 +405,15 @@ async def rebuild(
                 raise
 
     t0 = time.perf_counter()
-    try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [tg.create_task(fetch(s)) for s in path.steps]
-    except BaseExceptionGroup as eg:
-        raise primary_error(eg) from None
+    payloads = await all_of(fetch(s) for s in path.steps)
     t1 = time.perf_counter()
 
     state: StateDict = {} if path.start is None else (base if base is not None else {})
     digest = EMPTY_DIGEST if path.start is None else path.steps[0].manifest.base_digest
-    for step, task in zip(path.steps, tasks, strict=True):
+    for step, payload in zip(path.steps, payloads, strict=True):
         m = step.manifest
         try:
-            state = await asyncio.to_thread(_apply, state, digest, step, task.result(), threads, changed)
+            state = await asyncio.to_thread(_apply, state, digest, step, payload, threads, changed)
         except (PatchError, VerificationError) as e:
             bad.add(step.payload.key)
             raise VerificationError(f"v{m.version} {step.role} payload {step.payload.key}: {e}") from e
@@ -450,20 +447,3 @@ def _apply(
     # a model over 1 GiB; the size a trusted key signed is the exact bound instead.
     cap = {"max_output_bytes": m.full_bytes} if step.role == "anchor" else {}
     return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
-
-
-def primary_error(eg: BaseExceptionGroup) -> BaseException:
-    """The first real error in a (nested) group: what a caller of a TaskGroup should see."""
-    leaves: list[BaseException] = []
-
-    def walk(e: BaseException) -> None:
-        if isinstance(e, BaseExceptionGroup):
-            for sub in e.exceptions:
-                walk(sub)
-        elif not isinstance(e, asyncio.CancelledError):
-            leaves.append(e)
-
-    walk(eg)
-    for extra in leaves[1:]:
-        log.debug("also failed: %s: %s", type(extra).__name__, extra)
-    return leaves[0] if leaves else asyncio.CancelledError()

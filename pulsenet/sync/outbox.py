@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from pulsenet.codec.patch import PatchEncoder, parse_patch
+from pulsenet.runtime import all_of
 from pulsenet.signed import ObjectRef
 from pulsenet.store.base import ObjectStore
-from pulsenet.sync.chain import EMPTY_DIGEST, primary_error
+from pulsenet.sync.chain import EMPTY_DIGEST
 
 StateDict = Mapping[str, torch.Tensor]
 
@@ -112,12 +113,7 @@ async def upload_payloads(
 ) -> None:
     """Upload each role's bytes to its ref's key, concurrently; payloads of ``spool_threshold``
     bytes or more go through a temporary file in ``spool_dir`` (``put_file``, multipart)."""
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for role, ref in refs.items():
-                tg.create_task(_upload(store, ref.key, blobs[role], timeout, spool_threshold, spool_dir))
-    except BaseExceptionGroup as eg:
-        raise primary_error(eg) from None
+    await all_of(_upload(store, ref.key, blobs[role], timeout, spool_threshold, spool_dir) for role, ref in refs.items())
 
 
 async def _upload(

@@ -79,6 +79,8 @@ def wait_for_process(
     deadline = _Deadline(timeout, progress)
     while not cond():
         if proc.poll() is not None:
+            if cond():  # its last act made it true
+                return
             tail = proc.stdout.read()[-3000:] if proc.stdout is not None else ""
             cmd = shlex.join(map(str, proc.args)) if isinstance(proc.args, list) else str(proc.args)
             pytest.fail(f"`{cmd[:200]}` exited ({proc.returncode}) before {what}:\n{tail}")

@@ -85,6 +85,12 @@ def test_the_supervisor_kills_a_node_for_an_injector_and_refuses_what_it_does_no
         sup.store.pause()
     with pytest.raises(StoreError):
         asyncio.run(sup.store.kill())
+    # a store that went down on its own between the schedule's wait and the kill: the fault is skipped, the run goes on
+    from pulsenet.chaos.faults import Chaos, ChaosConfig, Fault
+
+    record: dict[str, object] = {}
+    asyncio.run(Chaos(ChaosConfig(model="tiny", count=0))._inject(sup, Fault("kill-store", "store", 0.5), record))
+    assert record["injected"] is False and record["skipped"] == "the store was already down"
 
 
 async def _echo_server() -> tuple[asyncio.Server, int]:
