@@ -34,8 +34,10 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 import torch
@@ -54,7 +56,7 @@ from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
-from pulsenet.rl.replay import Replayer, ReplayRow
+from pulsenet.rl.replay import Replayer, ReplayRow, Verdict
 from pulsenet.rl.rescore import Rescorer
 from pulsenet.rl.tasks import Assignment, Task, parse_group_id
 from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutSource
@@ -257,10 +259,10 @@ class TrainerNode:
             more = self.intake.take(self.version, max_batches=1)
             if more:
                 batch = more[0]
-                if not await self._replayed(batch):
+                rows = await self._vetted(batch)
+                if rows is None:  # refused by replay
                     await asyncio.to_thread(self.rounds.record_consumed)  # never taken again, also after a restart
                     continue
-                rows = await asyncio.to_thread(self._rescore, batch)
                 rnd.batches += 1
                 rnd.staleness.append(self.version - batch.version)
                 if not rows:
@@ -279,30 +281,36 @@ class TrainerNode:
                 break
             await asyncio.sleep(0.2)
 
-    async def _replayed(self, batch: RolloutBatch) -> bool:
-        """Whether ``batch`` passed replay (rl/replay.py): its rows drawn now, replayed under its
-        version's weights. A batch that fails is refused whole (counted per node and reason); one
-        whose version this trainer does not hold (published before a restart) is dropped as
-        ``unverifiable``, not held against its node."""
+    async def _vetted(self, batch: RolloutBatch) -> list[Rollout] | None:
+        """``batch``'s rows for a GRPO step, replayed (rl/replay.py: rows drawn now, replayed under
+        the batch's version's weights) and re-scored, in one trip to a thread; None if replay
+        refused it (whole, counted per node and reason). A batch whose version this trainer does
+        not hold (published before a restart) is dropped as ``unverifiable``, not held against its
+        node."""
         replayer = self.replayer
-        if replayer is None:
-            return True
-        if not replayer.holds(batch.version):
+        if replayer is not None and not replayer.holds(batch.version):
             replayer.stats.unverifiable += 1
             self.intake.refused(batch, "unverifiable", f"v{batch.version}'s weights are not held here (a restart)")
-            return False
-        t0 = time.perf_counter()
-        try:
-            verdict = await asyncio.to_thread(
-                replayer.check, batch.version, replay_rows(batch, self.config.run, self.digests[batch.version])
-            )
-        finally:
-            replayer.stats.seconds += time.perf_counter() - t0
-            self._round.replay_s += time.perf_counter() - t0
-        if verdict.ok:
-            return True
+            return None
+        verdict, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
+        if replayer is not None:
+            replayer.stats.seconds += seconds
+            self._round.replay_s += seconds
+        if verdict is None or verdict.ok:
+            return rows
         self.intake.refused(batch, verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}")
-        return False
+        return None
+
+    def _replay_and_rescore(self, batch: RolloutBatch) -> tuple[Verdict | None, float, list[Rollout]]:
+        """In a thread: the replay's verdict (None with replay off) and seconds, then, if it
+        passed, the re-scored rows. The seconds are the replay's own work, timed here: the trip to
+        the thread is the re-score's, which has always made it."""
+        if self.replayer is None:
+            return None, 0.0, self._rescore(batch)
+        t0 = time.perf_counter()
+        verdict = self.replayer.check(batch.version, replay_rows(batch, self.config.run, self.digests[batch.version]))
+        seconds = time.perf_counter() - t0
+        return verdict, seconds, self._rescore(batch) if verdict.ok else []
 
     def _rescore(self, batch: RolloutBatch) -> list[Rollout]:
         """The batch's rows with this trainer's own rewards (``rl.rescore``: a row whose group or
@@ -428,21 +436,55 @@ class TrainerNode:
         self.state.degraded = None
 
 
-def replay_rows(batch: RolloutBatch, run: str, digest: str) -> list[ReplayRow]:
-    """The batch's rows with their public draw keys: completion ``i`` of a group is the group's
-    ``i``-th row in the batch's order, its problem index and batch number from its group id (the
-    intake checked them against the assignment: ``answer_of``)."""
-    seen: dict[str, int] = {}
-    out = []
-    for r in batch.columns.to_rows():  # the group ids as the node wrote them (``rows`` qualifies them)
-        parsed = parse_group_id(r.group)
-        if parsed is None or parsed[:2] != (batch.node, batch.version):  # the intake refuses such rows first
-            raise RolloutRowError("group_id", f"group id {r.group[:120]!r} is not one of {batch.node} v{batch.version}")
-        node, version, b, k = parsed
-        i = seen[r.group] = seen.get(r.group, -1) + 1
-        key = DrawId(run, digest, node, version, b, k, i).key()
-        out.append(ReplayRow(r.prompt_ids, r.completion_ids, r.logprobs, key))
-    return out
+def replay_rows(batch: RolloutBatch, run: str, digest: str) -> ReplayRows:
+    """The batch's rows with their public draw keys, made as replay reads them (``ReplayRows``)."""
+    return ReplayRows(batch, run, digest)
+
+
+class ReplayRows(Sequence[ReplayRow]):
+    """A batch's rows as replay reads them: completion ``i`` of a group is the group's ``i``-th row
+    in the batch's order, its problem index and batch number from its group id (the intake checked
+    them against the assignment: ``answer_of``). A row is made, and its key hashed, only when read:
+    replay reads the rows it picked (a quarter of a batch by default), not all of them."""
+
+    def __init__(self, batch: RolloutBatch, run: str, digest: str) -> None:
+        cols = batch.columns  # the group ids as the node wrote them (``rows`` qualifies them)
+        self._columns, self._run, self._digest = cols, run, digest
+        self._groups = []
+        for g in cols.groups:
+            parsed = parse_group_id(g)
+            if parsed is None or parsed[:2] != (batch.node, batch.version):  # the intake refuses such rows first
+                raise RolloutRowError("group_id", f"group id {g[:120]!r} is not one of {batch.node} v{batch.version}")
+            self._groups.append(parsed)
+        self._group = cols.group.tolist()
+        seen: dict[int, int] = {}
+        self._completion = []
+        for g in self._group:
+            seen[g] = seen.get(g, -1) + 1
+            self._completion.append(seen[g])
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    @overload
+    def __getitem__(self, i: int) -> ReplayRow: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[ReplayRow]: ...
+    def __getitem__(self, i: int | slice) -> ReplayRow | list[ReplayRow]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        c = self._columns
+        node, version, b, k = self._groups[self._group[i]]
+        p0, p1 = int(c.prompt_offsets[i]), int(c.prompt_offsets[i + 1])
+        c0, c1 = int(c.completion_offsets[i]), int(c.completion_offsets[i + 1])
+        key = DrawId(self._run, self._digest, node, version, b, k, self._completion[i]).key()
+        return ReplayRow(
+            tuple(c.prompt_ids[p0:p1].tolist()), tuple(c.completion_ids[c0:c1].tolist()),
+            tuple(c.logprobs[c0:c1].tolist()), key,
+        )  # fmt: skip
 
 
 def next_step(

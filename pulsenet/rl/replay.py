@@ -218,13 +218,15 @@ class Replayer:
         """Replay ``picked`` rows of a batch served at ``version`` (default: ``pick``). The version
         must be held (``holds``)."""
         chosen = tuple(self.pick(len(rows)) if picked is None else picked)
-        for i in chosen:
-            why = self._params_broken(rows[i])
+        read = [rows[i] for i in chosen]  # only these are read (``rows`` may make them on demand)
+        for i, row in zip(chosen, read, strict=True):
+            why = self._params_broken(row)
             if why is not None:
                 return self._count(Verdict(chosen, "replay_params", i, why))
         self._load(version)
-        parts = [self._replay([rows[i] for i in part]) for part, _ in micro_batches(
-            chosen, [len(r.prompt_ids) + len(r.completion_ids) for r in rows], None, self.config.micro_batch_tokens)]  # fmt: skip
+        sizes = [len(r.prompt_ids) + len(r.completion_ids) for r in read]
+        parts = [self._replay([read[j] for j in part])
+                 for part, _ in micro_batches(range(len(read)), sizes, None, self.config.micro_batch_tokens)]  # fmt: skip
         margins = torch.cat([m for m, _ in parts]) if parts else torch.zeros(0)
         diffs = torch.cat([d for _, d in parts]) if parts else torch.zeros(0)
         verdict = Verdict(chosen, margins=margins, logprob_diffs=diffs)
@@ -232,7 +234,7 @@ class Replayer:
             return self._count(verdict)
         # Every token at once; the first row with a failing token is named (micro-batches keep
         # ``chosen``'s order), by its worst token if any is not the draw's, else its worst log-prob.
-        owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor([len(rows[i].completion_ids) for i in chosen]))
+        owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor([len(r.completion_ids) for r in read]))
         c = self.config
         bad_token, bad_logprob = margins < -c.cdf_tolerance, diffs > c.logprob_tolerance
         failing = bad_token | bad_logprob

@@ -432,6 +432,32 @@ def test_the_planned_round_deadline_is_the_trainers_as_planned_not_read_back_fro
     assert plan_nodes(given, tmp_path, "run", creds).round_deadline_s == 7.0
 
 
+def test_each_node_gets_its_share_of_the_cores_as_torch_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node on every core makes torch's threads spin-wait on one another: a node gets
+    ``--node-threads``, else OMP_NUM_THREADS as set, else the cores shared among the nodes."""
+    from pulsenet.errors import ConfigError
+    from pulsenet.nodes.up import UpConfig, run_network
+    from pulsenet.nodes.up.sites import Creds, plan_nodes
+
+    sites = ["t0", "t1", "i0", "i1"]
+    creds = Creds(env={s: {} for s in sites}, buckets={s: f"b-{s}" for s in [*sites, "loco"]})
+    (tmp_path / "config").mkdir()
+
+    def threads(**kw: object) -> set[str]:
+        return {n.env["OMP_NUM_THREADS"] for n in plan_nodes(UpConfig(model="tiny", **kw), tmp_path, "run", creds).nodes}  # type: ignore[arg-type]
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(10)))
+    assert threads() == {"2"}  # 10 cores, 4 nodes
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert threads() == {"1"}  # never 0
+    assert threads(node_threads=3) == {"3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert threads() == {"4"} and threads(node_threads=1) == {"1"}
+    with pytest.raises(ConfigError, match="node-threads"):
+        run_network(UpConfig(model="tiny", node_threads=-1, workdir=tmp_path / "w"))
+
+
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_each_model_gets_a_task_it_can_be_rewarded_on(model: str, tmp_path: Path) -> None:
     """tiny answers its warm-up task; a pretrained model gets solved examples first and its

@@ -9,17 +9,24 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from pulsenet.codec.digest import model_digest
+from pulsenet.codec.rollout import Rollout, decode_columns, encode_batch
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
-from pulsenet.errors import ConfigError
+from pulsenet.errors import ConfigError, RolloutRowError
+from pulsenet.nodes.trainer import replay_rows
 from pulsenet.rl.draw import DOMAIN, DrawId, choose, seed_key, uniform
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
 from pulsenet.rl.sampling import SamplingParams
+from pulsenet.rl.tasks import group_id
+from pulsenet.rollouts import RolloutBatch
+from pulsenet.rollouts.manifest import BatchManifest
+from pulsenet.signed import ObjectRef
 
 G = 4
 PROMPTS = 8
@@ -197,3 +204,42 @@ def test_a_stop_string_before_the_last_token_is_refused(policy: tuple) -> None:
     assert r.check(0, [row], picked=[0]).reason == "replay_params"
     ends = ReplayRow((1, 2, 3), tuple(b"12\n"), (-1.0,) * 3, b"k" * 32)
     assert r._params_broken(ends) is None
+
+
+def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_picks(
+    policy: tuple, honest: list[ReplayRow]
+) -> None:
+    """``nodes.trainer.replay_rows`` on a decoded batch whose groups interleave: the i-th row of a
+    group is completion i, keyed as the node drew it; ``Replayer.check`` reads the rows it picked
+    and no other (a trainer's rows are made, and keyed, on demand)."""
+    model, state, digest = policy
+    order = [k * G + i for i in range(G) for k in range(PROMPTS)]  # row i of every group, then i + 1
+    rollouts = [
+        Rollout(group=group_id("i0", 0, 0, j // G), prompt_ids=honest[j].prompt_ids, completion_ids=honest[j].completion_ids,
+                logprobs=honest[j].logprobs, reward=0.0, version=0, model_digest=digest, node="i0", seed=0)
+        for j in order
+    ]  # fmt: skip
+    cols = decode_columns(encode_batch(rollouts))
+    manifest = BatchManifest(node="i0", seq=1, version=0, model_digest=digest, payload=ObjectRef("b", 1, "0" * 64),
+                             rows=len(order), groups=PROMPTS, tokens=cols.tokens, publisher="i0", created="")  # fmt: skip
+    rows = replay_rows(RolloutBatch(manifest, cols, "i0/b"), "run", digest)
+    assert len(rows) == len(order) and [rows[n] for n in range(len(rows))] == [honest[j] for j in order]
+    assert rows[-1] == honest[order[-1]] and rows[3:5] == [honest[j] for j in order[3:5]]
+    with pytest.raises(IndexError):
+        rows[len(order)]
+
+    read: list[int] = []
+
+    class Reads(Sequence[ReplayRow]):
+        def __len__(self) -> int:
+            return len(rows)
+
+        def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+            read.append(i)
+            return rows[i]
+
+    v = _replayer(model, state).check(0, Reads())
+    assert v.ok, v.detail
+    assert sorted(read) == list(v.rows) and len(v.rows) == 8  # min_rows of 32: a quarter
+    with pytest.raises(RolloutRowError, match="group id"):  # rows not of the manifest's node and version
+        replay_rows(RolloutBatch(dataclasses.replace(manifest, version=1), cols, "i0/b"), "run", digest)

@@ -92,7 +92,8 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
         nodes, deadline = plan.nodes, plan.round_deadline_s
         err.print(
             f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
-            f"{config.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s"
+            f"{config.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s; "
+            f"{nodes[0].env['OMP_NUM_THREADS']} torch thread(s) per node"
         )
         journal = Journal(workdir / "state" / JOURNAL_FILE)
         journal.write("start", run=run_id, nodes=[n.name for n in nodes], round_deadline_s=deadline)
@@ -124,3 +125,5 @@ def _check(c: UpConfig) -> None:
     resolve_model(c.model)  # a model that is not there stops here, with how to get it
     if c.max_staleness < 0:
         raise ConfigError("pulsenet up: --max-staleness must be >= 0")
+    if c.node_threads < 0:
+        raise ConfigError("pulsenet up: --node-threads must be >= 0 (0: the cores shared among the nodes)")

@@ -32,5 +32,9 @@ class UpConfig(NetworkSettings):
     """After the trainers finish, how long inference nodes get to serve the final version."""
     stop_grace_s: float = 30.0
     """After SIGTERM, how long a node gets to exit before SIGKILL."""
+    node_threads: int = 0
+    """Torch threads per node process (its OMP_NUM_THREADS). 0: this machine's cores shared among
+    the nodes, at least 1 each (or OMP_NUM_THREADS, if set here): every node on every core makes
+    their threads spin-wait on one another (measured: a tiny GRPO step 4x slower, a replay 6x)."""
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     """Restarts (backoff, crash loop), the round deadline of a stuck network, liveness restarts."""

@@ -133,6 +133,7 @@ def summarize_up(config: UpConfig, outcome: Outcome) -> dict[str, Any]:
             "trainers": config.trainers,
             "inference": config.inference,
             "max_staleness": config.max_staleness,
+            "node_threads": int(outcome.nodes[0].env["OMP_NUM_THREADS"]) if outcome.nodes else None,
             "wall_s": round(outcome.wall_s, 1),
             "exit": outcome.code,
             "reason": outcome.reason,

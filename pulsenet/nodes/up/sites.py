@@ -121,6 +121,7 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
     if injector is not None:
         trainers, inference = injector.adjust(trainers, inference)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
+    base["OMP_NUM_THREADS"] = str(node_threads(c, len(ids)))
     nodes = []
     for role, configs in (("trainer", trainers), ("inference", inference)):
         for planned in configs:
@@ -130,6 +131,17 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
                 env["AWS_ENDPOINT_URL"] = injector.endpoint(nc.id, env["AWS_ENDPOINT_URL"])
             nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, env, nc.status_port))
     return Plan(nodes, c.supervise.round_deadline_s or round_deadline(trainers), trainers)
+
+
+def node_threads(c: UpConfig, nodes: int) -> int:
+    """Torch threads each node process gets (``UpConfig.node_threads``): as set, else
+    OMP_NUM_THREADS as set, else this machine's cores shared among ``nodes`` processes, at least 1."""
+    if c.node_threads:
+        return c.node_threads
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    if given.isdigit() and int(given) > 0:
+        return int(given)
+    return max(1, len(os.sched_getaffinity(0)) // max(1, nodes))
 
 
 def _node(workdir: Path, name: str, role: str, table: dict[str, Any], env: dict[str, str], port: int) -> Node:
