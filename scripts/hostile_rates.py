@@ -6,7 +6,7 @@ step always has a signal and versions move as a learning run's do), a ``TorchEng
 newest version V, and a ``Replayer`` (rl/replay.py, ``ReplayConfig()`` defaults: share 0.25,
 min_rows 8) holding every version, as a trainer does. For each behaviour, ``--batches`` batches of
 ``--prompts`` x ``--group`` rows answered at V by node i1 (problems ``assign_problems``, public
-draw keys ``DrawId(run, digest(V), "i1", V, b, k, i)``: ``replay_rows``' convention) go through
+draw keys ``DrawId(run, digest(V), "i1", V, b, k, i)``: ``ReplayRows``' convention) go through
 ``Hostile.generate`` (``publish`` for withhold) and the replay; the share refused is the rate.
 Honest batches give the false-refusal count and the margins (worst CDF margin, |Δ log-prob|).
 

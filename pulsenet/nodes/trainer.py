@@ -308,7 +308,7 @@ class TrainerNode:
         if self.replayer is None:
             return None, 0.0, self._rescore(batch)
         t0 = time.perf_counter()
-        verdict = self.replayer.check(batch.version, replay_rows(batch, self.config.run, self.digests[batch.version]))
+        verdict = self.replayer.check(batch.version, ReplayRows(batch, self.config.run, self.digests[batch.version]))
         seconds = time.perf_counter() - t0
         return verdict, seconds, self._rescore(batch) if verdict.ok else []
 
@@ -436,13 +436,8 @@ class TrainerNode:
         self.state.degraded = None
 
 
-def replay_rows(batch: RolloutBatch, run: str, digest: str) -> ReplayRows:
-    """The batch's rows with their public draw keys, made as replay reads them (``ReplayRows``)."""
-    return ReplayRows(batch, run, digest)
-
-
 class ReplayRows(Sequence[ReplayRow]):
-    """A batch's rows as replay reads them: completion ``i`` of a group is the group's ``i``-th row
+    """A batch's rows with their public draw keys, as replay reads them: completion ``i`` of a group is the group's ``i``-th row
     in the batch's order, its problem index and batch number from its group id (the intake checked
     them against the assignment: ``answer_of``). A row is made, and its key hashed, only when read:
     replay reads the rows it picked (a quarter of a batch by default), not all of them."""

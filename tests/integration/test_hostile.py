@@ -2,7 +2,7 @@
 
 A real ``TrainerNode`` (tests/test_signed_peer.py's ``Trainer``, replay on) takes rollouts from two
 nodes on ``LocalStore`` buckets: i0, honest (its rows sampled here by a ``TorchEngine`` serving the
-trainer's published state, with the public draw keys of ``replay_rows``), and i1, a real
+trainer's published state, with the public draw keys of ``ReplayRows``), and i1, a real
 ``InferenceNode`` playing one behaviour of nodes/hostile.py. Every batch of i1 the behaviour
 touched is refused under a replay reason, counted for i1; none of i0's is (0 false refusals).
 Withholding publishes honest rows: replay passes them, and what is left is the gap in i1's batch

@@ -18,7 +18,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.rollout import Rollout, decode_columns, encode_batch
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError, RolloutRowError
-from pulsenet.nodes.trainer import replay_rows
+from pulsenet.nodes.trainer import ReplayRows
 from pulsenet.rl.draw import DOMAIN, DrawId, choose, seed_key, uniform
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
@@ -209,7 +209,7 @@ def test_a_stop_string_before_the_last_token_is_refused(policy: tuple) -> None:
 def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_picks(
     policy: tuple, honest: list[ReplayRow]
 ) -> None:
-    """``nodes.trainer.replay_rows`` on a decoded batch whose groups interleave: the i-th row of a
+    """``nodes.trainer.ReplayRows`` on a decoded batch whose groups interleave: the i-th row of a
     group is completion i, keyed as the node drew it; ``Replayer.check`` reads the rows it picked
     and no other (a trainer's rows are made, and keyed, on demand)."""
     model, state, digest = policy
@@ -222,7 +222,7 @@ def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_
     cols = decode_columns(encode_batch(rollouts))
     manifest = BatchManifest(node="i0", seq=1, version=0, model_digest=digest, payload=ObjectRef("b", 1, "0" * 64),
                              rows=len(order), groups=PROMPTS, tokens=cols.tokens, publisher="i0", created="")  # fmt: skip
-    rows = replay_rows(RolloutBatch(manifest, cols, "i0/b"), "run", digest)
+    rows = ReplayRows(RolloutBatch(manifest, cols, "i0/b"), "run", digest)
     assert len(rows) == len(order) and [rows[n] for n in range(len(rows))] == [honest[j] for j in order]
     assert rows[-1] == honest[order[-1]] and rows[3:5] == [honest[j] for j in order[3:5]]
     with pytest.raises(IndexError):
@@ -242,4 +242,4 @@ def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_
     assert v.ok, v.detail
     assert sorted(read) == list(v.rows) and len(v.rows) == 8  # min_rows of 32: a quarter
     with pytest.raises(RolloutRowError, match="group id"):  # rows not of the manifest's node and version
-        replay_rows(RolloutBatch(dataclasses.replace(manifest, version=1), cols, "i0/b"), "run", digest)
+        ReplayRows(RolloutBatch(dataclasses.replace(manifest, version=1), cols, "i0/b"), "run", digest)
