@@ -141,7 +141,8 @@ def node_threads(c: UpConfig, nodes: int) -> int:
     given = os.environ.get("OMP_NUM_THREADS", "")
     if given.isdigit() and int(given) > 0:
         return int(given)
-    return max(1, len(os.sched_getaffinity(0)) // max(1, nodes))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # macOS has no affinity
+    return max(1, cores // max(1, nodes))
 
 
 def _node(workdir: Path, name: str, role: str, table: dict[str, Any], env: dict[str, str], port: int) -> Node:
