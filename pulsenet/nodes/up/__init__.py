@@ -88,7 +88,7 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
     with open_store(config, workdir, sites) as (creds, server):
         plan = plan_nodes(config, workdir, run_id, creds, injector)
         if config.model == "tiny":
-            warm_up_once(plan.trainers[0], err)
+            warm_up_once(plan.trainers[0], err, threads=int(plan.nodes[0].env["OMP_NUM_THREADS"]))
         nodes, deadline = plan.nodes, plan.round_deadline_s
         err.print(
             f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
@@ -102,14 +102,21 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
     return outcome, summarize_up(config, outcome)
 
 
-def warm_up_once(trainer: TrainerConfig, console: Any) -> None:
+def warm_up_once(trainer: TrainerConfig, console: Any, *, threads: int) -> None:
     """Warm the tiny model up here, once, into the cache every trainer loads it from (``trainer``:
-    a planned trainer's settings: its model, cache directory, seed and warm-up steps).
+    a planned trainer's settings: its model, cache directory, seed and warm-up steps), with a
+    node's share of torch threads (``threads``).
 
     Trainers warming it up at the same time oversubscribe a small machine's cores (measured: two
     250-step warm-ups with 2 torch threads each on 2 cores took 50 s each, one alone 3.5 s), and
-    one cached copy is one genesis for all of them."""
+    one cached copy is one genesis for all of them. The share, not every core: with two busy
+    processes on the two cores a warm-up took 14.4 s with 2 threads and 5.6 s with 1 (quiet: 2.7 s
+    and 3.6 s)."""
+    import torch
+
     from pulsenet.nodes.common import initial_model
+
+    torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
     initial_model(trainer.model, trainer.cache_dir, seed=trainer.seed, warmup_steps=trainer.warmup_steps)
