@@ -88,12 +88,12 @@ def run_network(config: UpConfig, injector: Injector | None = None) -> tuple[Out
     with open_store(config, workdir, sites) as (creds, server):
         plan = plan_nodes(config, workdir, run_id, creds, injector)
         if config.model == "tiny":
-            warm_up_once(plan.trainers[0], err, threads=int(plan.nodes[0].env["OMP_NUM_THREADS"]))
+            warm_up_once(plan.trainers[0], err, threads=plan.threads)
         nodes, deadline = plan.nodes, plan.round_deadline_s
         err.print(
             f"[bold]pulsenet up[/]: {config.trainers} trainer(s), {config.inference} inference node(s), {config.model}, "
             f"{config.rounds} rounds, run {run_id}; logs in {workdir / 'logs'}; round deadline {deadline:g} s; "
-            f"{nodes[0].env['OMP_NUM_THREADS']} torch thread(s) per node"
+            f"{plan.threads} torch thread(s) per node"
         )
         journal = Journal(workdir / "state" / JOURNAL_FILE)
         journal.write("start", run=run_id, nodes=[n.name for n in nodes], round_deadline_s=deadline)

@@ -95,6 +95,8 @@ class Plan:
     trainers: list[TrainerConfig]
     """The trainers' planned settings, as written to their config files (the warm-up takes the
     model, its cache and its steps from them)."""
+    threads: int
+    """Torch threads per node process (``node_threads``: every node's OMP_NUM_THREADS)."""
 
 
 def round_deadline(trainers: list[TrainerConfig]) -> float:
@@ -121,7 +123,8 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
     if injector is not None:
         trainers, inference = injector.adjust(trainers, inference)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PULSENET_"))}
-    base["OMP_NUM_THREADS"] = str(node_threads(c, len(ids)))
+    threads = node_threads(c, len(ids))
+    base["OMP_NUM_THREADS"] = str(threads)
     nodes = []
     for role, configs in (("trainer", trainers), ("inference", inference)):
         for planned in configs:
@@ -130,7 +133,7 @@ def plan_nodes(c: UpConfig, workdir: Path, run_id: str, creds: Creds, injector: 
             if injector is not None and env.get("AWS_ENDPOINT_URL"):
                 env["AWS_ENDPOINT_URL"] = injector.endpoint(nc.id, env["AWS_ENDPOINT_URL"])
             nodes.append(_node(workdir, nc.id, role, {role: to_toml_table(nc)}, env, nc.status_port))
-    return Plan(nodes, c.supervise.round_deadline_s or round_deadline(trainers), trainers)
+    return Plan(nodes, c.supervise.round_deadline_s or round_deadline(trainers), trainers, threads)
 
 
 def node_threads(c: UpConfig, nodes: int) -> int:
