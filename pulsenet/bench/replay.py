@@ -5,7 +5,7 @@ Honest batches as an inference node makes them: a ``TorchEngine`` serving a vers
 samples the task's assigned problems with the public draw (``rl/draw.py``; keys
 ``DrawId(run, digest, node, version, batch, problem, completion)``, as ``InferenceNode.
 generate_batch`` makes them) and the rows are scored with the task's rewards; each row is replayed
-with the key its completion was drawn with (``nodes.trainer.ReplayRows`` rebuilds the same key
+with the key its completion was drawn with (``nodes.feed.ReplayRows`` rebuilds the same key
 from the row's group id). The model, task, completion length and GRPO settings are the
 preset's (``pulsenet/presets/<model>.toml``, as ``pulsenet up`` plans them); a batch is one GRPO
 step's rows (``rows_per_step``, the trainer's default 32 = 8 prompts x 4, the SmolLM2 preset's

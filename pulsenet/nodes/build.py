@@ -34,11 +34,12 @@ from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.common import initial_model, key_map, open_site_store, site_map, text_codec
 from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker
+from pulsenet.nodes.feed import answer_of
 from pulsenet.nodes.hostile import Hostile, HostileConfig
 from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Rounds
 from pulsenet.nodes.status import NodeState
-from pulsenet.nodes.trainer import TrainerNode, answer_of
+from pulsenet.nodes.trainer import TrainerNode
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOTrainer
 from pulsenet.rl.inner import GRPOInner

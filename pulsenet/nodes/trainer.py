@@ -31,35 +31,30 @@ trainer's rank group: every GRPO step, weight read and restore goes to all ranks
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
 
-import numpy as np
 import torch
 
 from pulsenet import runtime
-from pulsenet.codec.rollout import Rollout, RolloutColumns
-from pulsenet.errors import PolicyError, RolloutRowError
+from pulsenet.errors import PolicyError
 from pulsenet.loco import RoundReport
 from pulsenet.nodes.config import TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
+from pulsenet.nodes.feed import StepFeed
 from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
-from pulsenet.rl.draw import DrawId
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOMetrics
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.models import check_layout_matches
-from pulsenet.rl.replay import Replayer, ReplayRow, Verdict
+from pulsenet.rl.replay import Replayer
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Assignment, Task, parse_group_id
-from pulsenet.rollouts import RolloutBatch, RolloutIntake, RolloutSource
+from pulsenet.rl.tasks import Assignment, Task
+from pulsenet.rollouts import RolloutIntake, RolloutSource
 from pulsenet.rollouts.demand import Demand, DemandWriter
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.publisher import Publisher
@@ -147,13 +142,19 @@ class TrainerNode:
         self._round = RoundTally()
         self._rollout_bytes = 0
         """Rollout bytes downloaded when the last version was published."""
-        self.failed_steps = 0
-        """GRPO steps that raised; their batches were dropped (``_step_failed``)."""
-        self._ready: collections.deque[tuple[RolloutBatch, list[Rollout]]] = collections.deque()
-        """Re-scored groups (each with its batch) taken but not yet stepped on: a batch with more
-        than ``rows_per_step`` rows feeds several steps (``_next_step``)."""
-        self.stale_rows = 0
-        """Rows of ``_ready`` that went stale before a step could take them."""
+        self.feed = StepFeed(
+            intake,
+            rescorer=rescorer,
+            replayer=replayer,
+            digests=digests,
+            record_consumed=rounds.record_consumed,
+            state=state,
+            rows_per_step=config.rows_per_step,
+            run=config.run,
+            rescore=config.rescore,
+            name=config.id,
+        )
+        """Taken batches, replayed and re-scored, cut into steps (nodes/feed.py)."""
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -218,121 +219,28 @@ class TrainerNode:
             await self.publish_version(report, rnd)
 
     async def _inner_phase(self, r: int) -> list[float]:
-        """Round r's H GRPO steps, each on rows this loop takes from the intake; their losses."""
+        """Round r's H GRPO steps, each on rows this loop takes from the feed; their losses."""
         rnd = self._round
         for _ in range(self.rounds.inner_steps):
             t0 = time.perf_counter()
-            replayed = rnd.replay_s
-            rows, batches = await self._next_step(self.rounds.step_wait_s)
-            rnd.wait_s += time.perf_counter() - t0 - (rnd.replay_s - replayed)
-            if not rows:
+            step = await self.feed.next(self.version, self.rounds.step_wait_s)
+            rnd.replay_s += step.replay_s
+            rnd.batches += len(step.staleness)
+            rnd.staleness += step.staleness
+            rnd.wait_s += time.perf_counter() - t0 - step.replay_s
+            if not step.rows:
                 break  # gave up waiting: the round goes on with the steps it made
             t0 = time.perf_counter()
             try:
-                metrics = await asyncio.to_thread(self.policy.step, rows)
+                metrics = await asyncio.to_thread(self.policy.step, step.rows)
             except Exception as e:  # rows the intake let through but the step cannot take: drop them
-                await self._step_failed(batches, e)
+                await self.feed.failed(step, e)
                 continue
             finally:
                 rnd.train_s += time.perf_counter() - t0
             rnd.steps.append(metrics)
         await asyncio.to_thread(self.policy.end_phase)
         return [m.loss for m in rnd.steps]
-
-    async def _next_step(self, give_up_s: float | None) -> tuple[list[Rollout], list[RolloutBatch]]:
-        """The rows of the next GRPO step (whole groups, at most ``rows_per_step``) and the batches
-        they come from: re-scored groups left from batches taken before first, then fresh batches
-        (``_take_rows``); what there is once ``give_up_s`` passes with no more coming."""
-        floor = self.version - self.config.intake.max_staleness
-        while self._ready and self._ready[0][0].version < floor:
-            self.stale_rows += len(self._ready.popleft()[1])
-        await self._take_rows(give_up_s)
-        return next_step(self._ready, self.config.rows_per_step)
-
-    async def _take_rows(self, give_up_s: float | None) -> None:
-        """Fresh batches, re-scored into ``_ready``, until it holds a step's worth of rows (whole
-        batches, no more than needed); what there is once ``give_up_s`` passes with no more coming
-        (None: wait as long as it takes)."""
-        rnd = self._round
-        deadline = None if give_up_s is None else time.monotonic() + give_up_s
-        while sum(len(g) for _, g in self._ready) < self.config.rows_per_step:
-            more = self.intake.take(self.version, max_batches=1)
-            if more:
-                batch = more[0]
-                rows = await self._vetted(batch)
-                if rows is None:  # refused by replay
-                    await asyncio.to_thread(self.rounds.record_consumed)  # never taken again, also after a restart
-                    continue
-                rnd.batches += 1
-                rnd.staleness.append(self.version - batch.version)
-                if not rows:
-                    self.intake.refused(batch, "rescore", "no row passed re-scoring")
-                    await asyncio.to_thread(self.rounds.record_consumed)  # never taken again, also after a restart
-                    continue
-                groups: dict[str, list[Rollout]] = {}
-                for row in rows:
-                    groups.setdefault(row.group, []).append(row)
-                self._ready.extend((batch, g) for g in groups.values())
-                continue
-            if len(self.intake):
-                continue  # the queue held only stale batches: dropped, look again
-            self.state.beat()  # waiting for rollouts is progress of a kind
-            if deadline is not None and time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.2)
-
-    async def _vetted(self, batch: RolloutBatch) -> list[Rollout] | None:
-        """``batch``'s rows for a GRPO step, replayed (rl/replay.py: rows drawn now, replayed under
-        the batch's version's weights) and re-scored, in one trip to a thread; None if replay
-        refused it (whole, counted per node and reason). A batch whose version this trainer does
-        not hold (published before a restart) is dropped as ``unverifiable``, not held against its
-        node."""
-        replayer = self.replayer
-        if replayer is not None and not replayer.holds(batch.version):
-            replayer.stats.unverifiable += 1
-            self.intake.refused(batch, "unverifiable", f"v{batch.version}'s weights are not held here (a restart)")
-            return None
-        verdict, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
-        if replayer is not None:
-            replayer.stats.seconds += seconds
-            self._round.replay_s += seconds
-        if verdict is None or verdict.ok:
-            return rows
-        self.intake.refused(batch, verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}")
-        return None
-
-    def _replay_and_rescore(self, batch: RolloutBatch) -> tuple[Verdict | None, float, list[Rollout]]:
-        """In a thread: the replay's verdict (None with replay off) and seconds, then, if it
-        passed, the re-scored rows. The seconds are the replay's own work, timed here: the trip to
-        the thread is the re-score's, which has always made it."""
-        if self.replayer is None:
-            return None, 0.0, self._rescore(batch)
-        t0 = time.perf_counter()
-        verdict = self.replayer.check(batch.version, ReplayRows(batch, self.config.run, self.digests[batch.version]))
-        seconds = time.perf_counter() - t0
-        return verdict, seconds, self._rescore(batch) if verdict.ok else []
-
-    def _rescore(self, batch: RolloutBatch) -> list[Rollout]:
-        """The batch's rows with this trainer's own rewards (``rl.rescore``: a row whose group or
-        prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
-        and counted per node), each group id then qualified with its node and batch."""
-        if not self.config.rescore:
-            return batch.rows
-        out = self.rescorer.rescore(batch.columns.to_rows())
-        return [replace(r, group=batch.group_prefix + r.group) for r in out.rows]
-
-    async def _step_failed(self, batches: list[RolloutBatch], e: Exception) -> None:
-        """A GRPO step raised: its batches are dropped (they stay in the consumed record, so a
-        restart does not take them again), counted per node (``step_failed``) and logged; the node
-        goes on. (Under torchrun the other ranks fail the same step and the job ends: the intake's
-        checks are what stand between a hostile batch and a rank group.)"""
-        self.state.error(e)
-        dropped = {b.batch_id for b in batches}  # their groups still waiting go with them
-        self._ready = collections.deque((b, g) for b, g in self._ready if b.batch_id not in dropped)
-        self.intake.failed(batches, f"{type(e).__name__}: {e}")
-        await asyncio.to_thread(self.rounds.record_consumed)  # a restart before the round closes skips them too
-        self.failed_steps += 1  # counted once it is durable: a watcher that sees the count may stop the node
-        log.error("%s: a GRPO step failed on %s: %s: %s", self.config.id, [b.batch_id for b in batches], type(e).__name__, e)
 
     def _demand(self) -> Demand:
         """What this trainer will take next: a step's rows outstanding (a lone trainer publishes after
@@ -411,8 +319,8 @@ class TrainerNode:
             "stale_in_flight": s.stale_in_flight,
             "stale_queued": s.stale_queued,
             "rollout_bytes": s.bytes_downloaded,
-            "failed_steps": self.failed_steps,
-            "stale_rows": self.stale_rows,
+            "failed_steps": self.feed.stats.failed_steps,
+            "stale_rows": self.feed.stats.stale_rows,
             **{f"rejected:{node}:{why}": n for node, reasons in s.rejected_by_node.items() for why, n in reasons.items()},
         }
 
@@ -434,82 +342,6 @@ class TrainerNode:
 
         await runtime.every(1.0, done, step)
         self.state.degraded = None
-
-
-class ReplayRows(Sequence[ReplayRow]):
-    """A batch's rows with their public draw keys, as replay reads them: completion ``i`` of a group is the group's ``i``-th row
-    in the batch's order, its problem index and batch number from its group id (the intake checked
-    them against the assignment: ``answer_of``). A row is made, and its key hashed, only when read:
-    replay reads the rows it picked (a quarter of a batch by default), not all of them."""
-
-    def __init__(self, batch: RolloutBatch, run: str, digest: str) -> None:
-        cols = batch.columns  # the group ids as the node wrote them (``rows`` qualifies them)
-        self._columns, self._run, self._digest = cols, run, digest
-        self._groups = []
-        for g in cols.groups:
-            parsed = parse_group_id(g)
-            if parsed is None or parsed[:2] != (batch.node, batch.version):  # the intake refuses such rows first
-                raise RolloutRowError("group_id", f"group id {g[:120]!r} is not one of {batch.node} v{batch.version}")
-            self._groups.append(parsed)
-        self._group = cols.group.tolist()
-        seen: dict[int, int] = {}
-        self._completion = []
-        for g in self._group:
-            seen[g] = seen.get(g, -1) + 1
-            self._completion.append(seen[g])
-
-    def __len__(self) -> int:
-        return len(self._group)
-
-    @overload
-    def __getitem__(self, i: int) -> ReplayRow: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[ReplayRow]: ...
-    def __getitem__(self, i: int | slice) -> ReplayRow | list[ReplayRow]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(i)
-        i %= len(self)
-        c = self._columns
-        node, version, b, k = self._groups[self._group[i]]
-        p0, p1 = int(c.prompt_offsets[i]), int(c.prompt_offsets[i + 1])
-        c0, c1 = int(c.completion_offsets[i]), int(c.completion_offsets[i + 1])
-        key = DrawId(self._run, self._digest, node, version, b, k, self._completion[i]).key()
-        return ReplayRow(
-            tuple(c.prompt_ids[p0:p1].tolist()), tuple(c.completion_ids[c0:c1].tolist()),
-            tuple(c.logprobs[c0:c1].tolist()), key,
-        )  # fmt: skip
-
-
-def next_step(
-    ready: collections.deque[tuple[RolloutBatch, list[Rollout]]], rows_per_step: int
-) -> tuple[list[Rollout], list[RolloutBatch]]:
-    """Whole groups off the front of ``ready`` up to ``rows_per_step`` rows (one group at least:
-    the intake refuses groups larger than a step), and the batches they come from: the rows of
-    one GRPO step, whose padded shape is then at most ``rows_per_step`` x the model's context."""
-    rows: list[Rollout] = []
-    batches: dict[str, RolloutBatch] = {}
-    while ready and (not rows or len(rows) + len(ready[0][1]) <= rows_per_step):
-        batch, group = ready.popleft()
-        rows += group
-        batches[batch.batch_id] = batch
-    return rows, list(batches.values())
-
-
-def answer_of(assignment: Assignment, columns: RolloutColumns, *, ids: bool = True) -> str | None:
-    """The batch id a rollout batch answers, ``v{version}-b{batch}`` (``Assignment.batch_of``:
-    RolloutRowError if it answers none this trainer allows): the intake accepts each once per node.
-    ``ids=False`` (a trainer that does not re-score: its rows' problems are the nodes' word) checks
-    only that no group is larger than a step, and names no batch id."""
-    rows = np.bincount(columns.group, minlength=len(columns.groups)).tolist()
-    if not ids:
-        big = max(rows, default=0)
-        if assignment.max_group_rows is not None and big > assignment.max_group_rows:
-            raise RolloutRowError("group_size", f"a group of {big} rows; a step takes {assignment.max_group_rows}")
-        return None
-    batch = assignment.batch_of(columns.groups, rows, node=columns.node, version=columns.version)
-    return f"v{columns.version}-b{batch}"
 
 
 def unchanged_fraction(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> float:

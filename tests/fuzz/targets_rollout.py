@@ -42,7 +42,7 @@ from pulsenet.codec.rollout import (
     encode_batch,
 )
 from pulsenet.errors import RolloutError, RolloutRowError
-from pulsenet.nodes.trainer import answer_of, next_step
+from pulsenet.nodes.feed import answer_of, next_step
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutBatch

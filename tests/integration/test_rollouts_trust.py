@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import generate_latest
 
+from pulsenet.nodes.feed import answer_of
 from pulsenet.nodes.rounds import load_consumed, save_consumed
 from pulsenet.nodes.status import NodeState, StatusServer
-from pulsenet.nodes.trainer import answer_of
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.intake import REPLAY_REASONS

@@ -27,7 +27,7 @@ import pytest
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ManifestError
-from pulsenet.nodes.trainer import answer_of, next_step
+from pulsenet.nodes.feed import answer_of, next_step
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.prompts import byte_codec
 from pulsenet.rl.rescore import Rescorer
@@ -232,7 +232,7 @@ async def test_a_trainer_refuses_a_huge_group_number_and_a_repeated_batch_and_no
     await first.run(feed)
     n = first.node
     assert first.refused == {"out_of_assignment": 1, "batch_repeated": 1}, first.refused
-    assert [v for v, _ in first.published] == [0, 1, 2] and n.failed_steps == 0
+    assert [v for v, _ in first.published] == [0, 1, 2] and n.feed.stats.failed_steps == 0
     assert n.state.rejected["i0"] == first.refused  # /status, /metrics
 
     second = Trainer(net, tmp_path / "t0", steps=3)

@@ -175,7 +175,8 @@ class Trainer:
                 n = self.node
                 raise AssertionError(
                     f"the node did not finish its {n.config.steps} versions: published {self.published}, "
-                    f"failed steps {n.failed_steps}, skipped updates {self.grpo.local.skipped}, refused {self.refused}, "
+                    f"failed steps {n.feed.stats.failed_steps}, skipped updates {self.grpo.local.skipped}, "
+                    f"refused {self.refused}, "
                     f"last error {n.state.last_error}"
                 ) from None
         finally:

@@ -18,7 +18,7 @@ from pulsenet.codec.digest import model_digest
 from pulsenet.codec.rollout import Rollout, decode_columns, encode_batch
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError, RolloutRowError
-from pulsenet.nodes.trainer import ReplayRows
+from pulsenet.nodes.feed import ReplayRows
 from pulsenet.rl.draw import DOMAIN, DrawId, choose, seed_key, uniform
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
 from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
@@ -209,7 +209,7 @@ def test_a_stop_string_before_the_last_token_is_refused(policy: tuple) -> None:
 def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_picks(
     policy: tuple, honest: list[ReplayRow]
 ) -> None:
-    """``nodes.trainer.ReplayRows`` on a decoded batch whose groups interleave: the i-th row of a
+    """``nodes.feed.ReplayRows`` on a decoded batch whose groups interleave: the i-th row of a
     group is completion i, keyed as the node drew it; ``Replayer.check`` reads the rows it picked
     and no other (a trainer's rows are made, and keyed, on demand)."""
     model, state, digest = policy

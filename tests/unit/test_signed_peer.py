@@ -136,7 +136,7 @@ async def test_a_reward_of_1e300_never_reaches_a_step_nor_a_published_version(tm
     await t.run(feed)
 
     assert [v for v, _ in t.published] == [0, 1, 2, 3] and all(ok for _, ok in t.published), t.published
-    assert t.refused == {"reward_range": 1} and t.node.failed_steps == 0
+    assert t.refused == {"reward_range": 1} and t.node.feed.stats.failed_steps == 0
     assert t.grpo.local.steps == 3  # one per honest batch
     assert finite(dict(t.grpo.local.model.named_parameters()))
     version, state = await _subscribe_newest(net)
@@ -177,7 +177,7 @@ async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_afte
 
     await first.run(feed)
     n = first.node
-    assert first.refused == {"token_range": 1} and n.failed_steps == 0
+    assert first.refused == {"token_range": 1} and n.feed.stats.failed_steps == 0
     assert [v for v, _ in first.published] == [0, 1, 2] and n.intake.stats.taken == 2
     assert n.state.rejected["i0"] == {"token_range": 1}  # what /status and /metrics show
 
@@ -189,7 +189,7 @@ async def test_a_token_past_the_vocabulary_is_refused_counted_and_not_taken_afte
 
     await second.run(feed_more)
     m = second.node
-    assert m.failed_steps == 0 and m.intake.stats.taken == 1, (m.failed_steps, m.intake.stats.taken)
+    assert m.feed.stats.failed_steps == 0 and m.intake.stats.taken == 1, (m.feed.stats.failed_steps, m.intake.stats.taken)
     assert second.refused == {"token_range": 1}  # looked at again, refused again, never queued
     assert _batches(m.intake.consumed()) == {second.batch_id(b) for b in (1, 2, 3)}  # it trained on the new one
     assert [v for v, _ in second.published] == [3]
@@ -222,7 +222,7 @@ async def test_a_batch_whose_step_failed_is_dropped_and_not_taken_after_a_restar
 
     await first.run(feed)
     n = first.node
-    assert n.failed_steps == 1 and first.refused == {"step_failed": 1}
+    assert n.feed.stats.failed_steps == 1 and first.refused == {"step_failed": 1}
     assert n.state.errors >= 1 and "injected" in (n.state.last_error or "")
     assert [v for v, _ in first.published] == [0, 1, 2]
     assert n.events.events[-1].totals["failed_steps"] == 1  # in the version events
@@ -248,11 +248,11 @@ async def test_a_batch_whose_step_failed_is_not_taken_by_a_trainer_restarted_at_
 
     async def feed(task: asyncio.Task[Any]) -> None:
         await first.writer.write(batch_rows(0, first.node.digests[0], 0))
-        await wait_until(lambda: first.node.failed_steps == 1, 60, "the failed step", task=task)
+        await wait_until(lambda: first.node.feed.stats.failed_steps == 1, 60, "the failed step", task=task)
         stop.set()  # stopped before any round closes after it
 
     await first.run(feed, stop)
-    assert first.node.failed_steps == 1 and [v for v, _ in first.published] == [0]
+    assert first.node.feed.stats.failed_steps == 1 and [v for v, _ in first.published] == [0]
     second = Trainer(net, tmp_path / "t0", steps=1)
 
     async def feed_more(task: asyncio.Task[Any]) -> None:
