@@ -31,10 +31,11 @@ from pulsenet.codec.rollout import Rollout, RolloutColumns
 from pulsenet.errors import RolloutRowError
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.draw import DrawId
-from pulsenet.rl.replay import Replayer, ReplayRow, Verdict
+from pulsenet.rl.replay import Replayer, ReplayRow
 from pulsenet.rl.rescore import Rescorer
 from pulsenet.rl.tasks import Assignment, parse_group_id
 from pulsenet.rollouts import RolloutBatch, RolloutIntake
+from pulsenet.rollouts.intake import REWARD_MISMATCH
 
 log = logging.getLogger(__name__)
 
@@ -152,43 +153,57 @@ class StepFeed:
 
     async def _vetted(self, batch: RolloutBatch, step: Step) -> list[Rollout] | None:
         """``batch``'s rows for a GRPO step, replayed (rl/replay.py: rows drawn now, replayed under
-        the batch's version's weights) and re-scored, in one trip to a thread; None if replay
-        refused it (whole, counted per node and reason). A batch whose version this trainer does
-        not hold (published before a restart) is dropped as ``unverifiable``, not held against its
-        node."""
+        the batch's version's weights) and re-scored, in one trip to a thread; None if it was
+        refused (whole, counted per node and reason): by replay, or for a reward that disagrees
+        with the trainer's (``reward_mismatch``; both are strikes, rollouts/trust.py). A batch
+        whose version this trainer does not hold (published before a restart) is dropped as
+        ``unverifiable``, not held against its node."""
         replayer = self.replayer
         if replayer is not None and not replayer.holds(batch.version):
             replayer.stats.unverifiable += 1
             self.intake.refused(batch, "unverifiable", f"v{batch.version}'s weights are not held here (a restart)")
             return None
-        verdict, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
+        refusal, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
         if replayer is not None:
             replayer.stats.seconds += seconds
             step.replay_s += seconds
-        if verdict is None or verdict.ok:
+        if refusal is None:
             return rows
-        self.intake.refused(batch, verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}")
+        self.intake.refused(batch, *refusal)
         return None
 
-    def _replay_and_rescore(self, batch: RolloutBatch) -> tuple[Verdict | None, float, list[Rollout]]:
-        """In a thread: the replay's verdict (None with replay off) and seconds, then, if it
-        passed, the re-scored rows. The seconds are the replay's own work, timed here: the trip to
-        the thread is the re-score's, which has always made it."""
-        if self.replayer is None:
-            return None, 0.0, self._rescore(batch)
-        t0 = time.perf_counter()
-        verdict = self.replayer.check(batch.version, ReplayRows(batch, self.run, self.digests[batch.version]))
-        seconds = time.perf_counter() - t0
-        return verdict, seconds, self._rescore(batch) if verdict.ok else []
+    def _replay_and_rescore(self, batch: RolloutBatch) -> tuple[tuple[str, str] | None, float, list[Rollout]]:
+        """In a thread: the refusal (reason, detail) if replay or re-scoring refused the batch,
+        replay's seconds, and the re-scored rows. The seconds are the replay's own work, timed
+        here: the trip to the thread is the re-score's, which has always made it."""
+        seconds = 0.0
+        if self.replayer is not None:
+            t0 = time.perf_counter()
+            verdict = self.replayer.check(batch.version, ReplayRows(batch, self.run, self.digests[batch.version]))
+            seconds = time.perf_counter() - t0
+            if not verdict.ok:
+                return (verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}"), seconds, []
+        rows, refusal = self._rescore(batch)
+        return refusal, seconds, rows
 
-    def _rescore(self, batch: RolloutBatch) -> list[Rollout]:
+    def _rescore(self, batch: RolloutBatch) -> tuple[list[Rollout], tuple[str, str] | None]:
         """The batch's rows with this trainer's own rewards (``rl.rescore``: a row whose group or
-        prompt is not the one its node was assigned is dropped, a reward that disagrees is replaced
-        and counted per node), each group id then qualified with its node and batch."""
+        prompt is not the one its node was assigned is dropped), each group id then qualified with
+        its node and batch; and ``reward_mismatch`` if a row's claimed reward is not the
+        trainer's (an honest node's always is: the same deterministic function, float64 on the
+        wire), unless the trainer's own reward failed on it."""
         if not self.rescore:
-            return batch.rows
+            return batch.rows, None
         out = self.rescorer.rescore(batch.columns.to_rows())
-        return [replace(r, group=batch.group_prefix + r.group) for r in out.rows]
+        lies = [d for d in out.disagreements if not d.excused]
+        if lies:
+            d = lies[0]
+            why = (
+                f"{len(lies)} rows claim rewards the trainer does not compute "
+                f"(first: {d.group} claims {d.claimed:.6g}, the trainer's is {d.computed:.6g})"
+            )
+            return [], (REWARD_MISMATCH, why)
+        return [replace(r, group=batch.group_prefix + r.group) for r in out.rows], None
 
 
 class ReplayRows(Sequence[ReplayRow]):

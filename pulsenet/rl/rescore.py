@@ -13,6 +13,11 @@ settings, rewards), so for every row it:
    answered another prompt (picked its own, or runs other prompt settings) is rejected (``prompt``);
 3. scores the decoded completion with the task's rewards and puts that in the row's ``reward``;
    a claimed reward that differs by more than ``tolerance`` is a disagreement, counted per node.
+   Rewards are a deterministic function of (problem, completion text) computed by the same code on
+   both sides and travel as float64, so an honest node never disagrees: the trainer refuses a
+   batch with a disagreement (``reward_mismatch``, a strike: nodes/feed.py). A disagreement on a
+   row whose group's reward failed *here* (a timeout or a crash on this side scores 0) is
+   ``excused``: not the node's doing.
 
 Rejections and disagreements are counted per node in ``RescoreStats`` (plain data for /status and
 /metrics); a node whose rewards disagree is visible at once. Reward failures (a raising or hanging
@@ -62,6 +67,8 @@ class Disagreement:
     group: str
     claimed: float
     computed: float
+    excused: bool = False
+    """The trainer's own reward failed on the row's group (it scored 0 here): not a lie."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,7 @@ class Rescorer:
             )
         texts = [self.prompter.completion_text(r.completion_ids) for r, _ in kept]
         scores = self.task.score_texts([p for _, p in kept], texts, [r.group for r, _ in kept])
+        failed_here = {f.tag for f in scores.failures}
         out, disagreements = [], []
         for (row, _), computed in zip(kept, scores.total, strict=True):
             stats = self.stats.node(row.node)
@@ -133,7 +141,7 @@ class Rescorer:
             if diff > self.tolerance:
                 stats.disagreements += 1
                 stats.max_abs_diff = max(stats.max_abs_diff, diff)
-                disagreements.append(Disagreement(row.node, row.group, row.reward, computed))
+                disagreements.append(Disagreement(row.node, row.group, row.reward, computed, row.group in failed_here))
             out.append(replace(row, reward=computed) if row.reward != computed else row)
         for d in disagreements[:3]:
             log.warning("rescore: %s claims %.4g for %s, the trainer computes %.4g", d.node, d.claimed, d.group, d.computed)

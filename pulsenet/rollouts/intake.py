@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 REPLAY_REASONS = ("replay_token", "replay_logprob", "replay_params")
 """What the trainer's replay of a batch's rows may refuse it for (``rl.replay``), via ``refused()``."""
 
+REWARD_MISMATCH = "reward_mismatch"
+"""A row's claimed reward is not the one the trainer's re-scoring computes (nodes/feed.py): an honest
+node never sends one (the same deterministic reward on both sides), so it is a strike like a replay
+refusal."""
+
 ANSWER_REASONS = ("group_id", "out_of_assignment", "mixed_batches", "group_size")
 """What ``answer_of`` may refuse a batch for (``rl.tasks.Assignment.batch_of``)."""
 
@@ -83,6 +88,7 @@ REASONS = (
     "batch_repeated",
     "step_failed",
     "rescore",
+    REWARD_MISMATCH,
     *REPLAY_REASONS,
     "unverifiable",
     *TRUST_REASONS,
@@ -94,7 +100,7 @@ trainer no longer holds the weights of the batch's version (a restart), not the 
 ``TRUST_REASONS`` by the trust rules (trust.py: batches of a distrusted node or over an open node's
 budget skipped, an open node's key that changed, batch numbers withheld)."""
 
-STRIKE_REASONS = REPLAY_REASONS
+STRIKE_REASONS = (*REPLAY_REASONS, REWARD_MISMATCH)
 """Refusals that count towards ``refusals_to_distrust`` (trust.py says why ``rescore`` does not)."""
 
 ANSWERED = "answered:"

@@ -112,3 +112,25 @@ async def test_ready_rows_that_go_stale_are_dropped_and_counted(tmp_path: Path) 
     assert len(first.rows) == 4 and len({r.group for r in first.rows}) == 1  # one whole group
     later = await h.feed.next(2, give_up_s=0)  # v0 rows at trainer v2: past max_staleness 1
     assert not later.rows and h.feed.stats.stale_rows == 4
+
+
+async def test_a_reward_that_disagrees_with_the_trainers_refuses_the_batch_as_a_strike(tmp_path: Path) -> None:
+    """Issue 38: re-scoring replaced a lied reward silently. An honest node computes the same
+    deterministic reward (float64 on the wire), so one row claiming another refuses its batch
+    (``reward_mismatch``), a strike against the node kept in the consumed record; the node's honest
+    batches are still taken."""
+    net = Site(tmp_path, "i0")
+    writer = _writer(net)
+    honest = batch_rows(0, DIGEST, 0)
+    lie = 0.5 if honest[0].reward != 0.5 else 0.25  # inside the task's range: the intake lets it by
+    await writer.write(batch_rows(0, DIGEST, 0, reward=lie))
+    await writer.write(batch_rows(0, DIGEST, 1))
+    h = Harness(net, tmp_path)
+    assert await h.intake.poll(0) == 2
+    step = await h.feed.next(0, give_up_s=0)
+    assert len(step.rows) == 8 and len(step.batches) == 1
+    assert h.intake.stats.rejected_by_node["i0"] == {"reward_mismatch": 1}
+    assert step.staleness == [0]  # the refused batch is not one the step took
+    assert h.intake.trust.strikes == {"i0": 1}
+    kept = load_consumed(h.path, 0, "t0") or {}
+    assert kept.get("strikes:i0") == 1 and len(_batches(kept)) == 1  # durable: the refused batch
