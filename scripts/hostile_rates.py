@@ -166,7 +166,7 @@ def main() -> None:
             "reasons": refused,
             "tokens": int(m.numel()),
             "min_margin": float(m.min()),
-            "share_margin_below_tol": float((m < -ReplayConfig().cdf_tolerance).float().mean()),
+            "share_margin_below_tol": float((m < -ReplayConfig().tolerances().cdf).float().mean()),
             "max_dlogprob": float(d.max()),
             "mean_dlogprob": float(d.mean()),
             "p99_dlogprob": float(d.quantile(0.99)) if d.numel() else None,

@@ -107,7 +107,7 @@ def main() -> None:
     ref = TorchEngine.from_state(hf_config, state, digest, version=0, config=TorchEngineConfig(device="cpu")) \
         if args.compare else None  # fmt: skip
     base = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
-    replayer = Replayer(hf_config, base, ReplayConfig(), keep=1)
+    replayer = Replayer(hf_config, base, ReplayConfig(engine="vllm:float32"), keep=1)
     replayer.remember(0, state)
     rng = random.Random(args.seed)
     margins, diffs, refused = [], [], {}
@@ -153,14 +153,14 @@ def main() -> None:
     finally:
         engine.close()
     m, d = torch.cat(margins), torch.cat(diffs)
-    c = ReplayConfig()
+    c = ReplayConfig(engine="vllm:float32").tolerances()
     summary = {
         "model": args.model, "dtype": engine.config.compute_dtype(engine.device_type),
         "temperature": args.temperature, "top_p": args.top_p,
         "max_new_tokens": args.max_new_tokens, "rows": rows, "tokens": tokens, "batches": batches,
-        "batches_refused": refused, "tolerances": {"cdf": c.cdf_tolerance, "logprob": c.logprob_tolerance},
-        "tokens_over_cdf_tolerance": int((m < -c.cdf_tolerance).sum()),
-        "tokens_over_logprob_tolerance": int((d > c.logprob_tolerance).sum()),
+        "batches_refused": refused, "tolerances": {"cdf": c.cdf, "logprob": c.logprob},
+        "tokens_over_cdf_tolerance": int((m < -c.cdf).sum()),
+        "tokens_over_logprob_tolerance": int((d > c.logprob).sum()),
         "abs_dlogprob": quantiles(d),
         "cdf_below_zero": quantiles((-m).clamp(min=0)),
         "tokens_below_zero": int((m < 0).sum()),

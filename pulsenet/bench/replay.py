@@ -16,7 +16,7 @@ does), medians over ``repeats`` batches after one untimed warm-up batch, each fi
 same batch:
 
 - ``step_s``: ``GRPOTrainer.step`` on the batch (forward, backward, AdamW; ``micro_batch_tokens``);
-- ``replay_s``: ``Replayer.check`` with the default ``ReplayConfig`` (share 0.25, at least 8 rows),
+- ``replay_s``: ``Replayer.check`` with the default ``ReplayConfig`` (share 0.4, at least 8 rows),
   the version's weights loaded into the replay model first (a new version each step, as a lone
   trainer sees it); ``replay_loaded_s``: another draw of rows, weights already loaded;
 - ``replay_all_s``: every row replayed (share 1.0);
@@ -353,7 +353,7 @@ def _margins(
             count(setup.replayer.check(v, replay, picked=range(len(replay))), f"v{v} b{b}")
     m = torch.cat(margins).double() if margins else torch.zeros(0, dtype=torch.float64)
     d = torch.cat(diffs).double() if diffs else torch.zeros(0, dtype=torch.float64)
-    c = setup.replayer.config
+    tol = setup.replayer.config.tolerances()
     return {
         "rows": rows_n,
         "batches": batches,
@@ -368,11 +368,15 @@ def _margins(
         "cdf_margin": _quantiles(m, (0.0001, 0.001, 0.01, 0.5)) | {
             "min": _round(float(m.min())) if m.numel() else None,
             "negative": int((m < 0).sum()),
-            "near_boundary": int((m < c.cdf_tolerance).sum()),
+            "near_boundary": int((m < tol.cdf).sum()),
+            # issue 38: how close honest tokens come to the CDF tolerance, within 10x either way: a
+            # miss of more than a tenth of it (a false refusal 10x away), and a margin under 10x it
+            "missed_over_tenth_of_tolerance": int((m < -tol.cdf / 10).sum()),
+            "within_10x_tolerance": int((m < 10 * tol.cdf).sum()),
             "below": {f"{x:g}": int((m < x).sum()) for x in THRESHOLDS},
         },
         "batch_mean_logprob_diff": _quantiles(torch.tensor(means, dtype=torch.float64), (0.5, 0.99)),
-        "tolerances": {"cdf": c.cdf_tolerance, "logprob": c.logprob_tolerance, "mean_logprob": c.mean_logprob_tolerance},
+        "tolerances": {"cdf": tol.cdf, "logprob": tol.logprob, "mean_logprob": tol.mean_logprob},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
 
@@ -391,8 +395,9 @@ def _round(x: float) -> float:
 
 
 def _replay_config(c: Any) -> dict[str, Any]:
-    return {"share": c.share, "min_rows": c.min_rows, "cdf_tolerance": c.cdf_tolerance,
-            "logprob_tolerance": c.logprob_tolerance, "mean_logprob_tolerance": c.mean_logprob_tolerance}  # fmt: skip
+    tol = c.tolerances()
+    return {"share": c.share, "min_rows": c.min_rows, "engine": c.engine, "cdf_tolerance": tol.cdf,
+            "logprob_tolerance": tol.logprob, "mean_logprob_tolerance": tol.mean_logprob}  # fmt: skip
 
 
 def _print(r: dict[str, Any]) -> None:

@@ -179,7 +179,9 @@ class StepFeed:
         seconds = 0.0
         if self.replayer is not None:
             t0 = time.perf_counter()
-            verdict = self.replayer.check(batch.version, ReplayRows(batch, self.run, self.digests[batch.version]))
+            rows = ReplayRows(batch, self.run, self.digests[batch.version])
+            strikes = self.intake.trust.strikes.get(batch.node, 0)  # a struck node's batches: every row
+            verdict = self.replayer.check(batch.version, rows, node=batch.node, strikes=strikes)
             seconds = time.perf_counter() - t0
             if not verdict.ok:
                 return (verdict.reason or "replay_token", f"row {verdict.row}: {verdict.detail}"), seconds, []

