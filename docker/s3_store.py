@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import link  # noqa: E402  (docker/link.py, beside this file)
+import link  # docker/link.py, beside this file
 
 
 def identities(sites: list[str], trainers: list[str]) -> list[dict]:
