@@ -14,6 +14,8 @@
 # Cached between runs: the base image and the image's layers (Docker's own store) and the wheels.
 # Figures it prints are the ones docs/deploy.md quotes.
 set -euo pipefail
+# All of it in one function: bash reads the whole file before running any of it.
+main() {
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROOT=$PWD
 T0=$(date +%s)
@@ -107,6 +109,12 @@ docker build -q -f docker/Dockerfile -t "$IMAGE" "${build_args[@]}" . >/tmp/puls
 BUILD_S=$(( $(date +%s) - b0 ))
 IMAGE_MB=$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f", $1/1e6}')
 say "image $IMAGE: built in ${BUILD_S} s, ${IMAGE_MB} MB"
+# The CUDA image up to the stage that needs its GPU base (pytorch/pytorch cannot be had here).
+docker build -q -f docker/Dockerfile.cuda --target wheel --build-arg WHEEL_BASE="$BASE_IMAGE" \
+  "${build_args[@]:2}" -t pulsenet:cuda-wheel . >/tmp/pulsenet-build-cuda.log 2>&1 \
+  || { tail -30 /tmp/pulsenet-build-cuda.log; fail "docker build -f docker/Dockerfile.cuda --target wheel"; }
+docker run --rm --entrypoint sh pulsenet:cuda-wheel -c 'ls /dist/pulsenet-*.whl' >/dev/null || fail "no wheel in the CUDA image's wheel stage"
+say "Dockerfile.cuda: its wheel stage builds (the CUDA stage needs pytorch/pytorch: not built here)"
 
 # --- the compose network -------------------------------------------------------------------------
 secret() { python3 -c 'import secrets; print(secrets.token_urlsafe(24))'; }
@@ -122,7 +130,7 @@ teardown() {
 trap teardown EXIT
 "${COMPOSE[@]}" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true
 NODES=(trainer-t0 trainer-t1 inference-i0 inference-i1)
-declare -A PORT=([trainer-t0]=8100 [trainer-t1]=8101 [inference-i0]=8110 [inference-i1]=8111)
+declare -gA PORT=([trainer-t0]=8100 [trainer-t1]=8101 [inference-i0]=8110 [inference-i1]=8111)
 up0=$(date +%s.%N)
 "${COMPOSE[@]}" up -d --no-build >/tmp/pulsenet-compose-up.log 2>&1 || { cat /tmp/pulsenet-compose-up.log; fail "compose up"; }
 say "compose up (links: $PN_LINK_RATE, $PN_LINK_DELAY_MS ms each way)"
@@ -153,7 +161,7 @@ wait_same() {
 }
 
 # Trainers healthy within the health check's start_period, on this host (defect 1 of issue 39).
-declare -A HEALTHY=()
+declare -gA HEALTHY=()
 while [ ${#HEALTHY[@]} -lt 2 ]; do
   for n in trainer-t0 trainer-t1; do
     [ -z "${HEALTHY[$n]:-}" ] || continue
@@ -257,7 +265,8 @@ for n in trainer-t0 inference-i0; do
   target=$(( $(awk '{print $1}' <<<"$SAME") + 1 ))
   wait_same "$target" 420 || fail "$n did not catch up to v$target"
   say "$n: kill -9, restarted by its policy in ${back} s, caught up with v$(awk '{print $1}' <<<"$SAME") and one digest after $(since "$k0") s"
-  eval "KILL_${n//-/_}=\"${back} s restart, $(since "$k0") s to catch up\""
 done
 
 say "PASS: build ${BUILD_S} s, image ${IMAGE_MB} MB, first version ${FIRST_S} s, ${VPM} versions/min, link rtt ${RTT} ms, total $(( $(date +%s) - T0 )) s"
+}
+main "$@"
