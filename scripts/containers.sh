@@ -104,9 +104,13 @@ if [ -n "$torch_wheel" ]; then build_args+=(--build-arg WHEELS_ONLY=1); fi
 
 # --- the node image ------------------------------------------------------------------------------
 b0=$(date +%s)
-docker build -q -f docker/Dockerfile -t "$IMAGE" "${build_args[@]}" . >/tmp/pulsenet-build.log 2>&1 \
+# The dependency stage gets a tag of its own: pruning the untagged images an earlier build left
+# (below) then keeps it, the layer cache that makes a rebuild take seconds.
+docker build -q -f docker/Dockerfile --target deps -t pulsenet:deps "${build_args[@]}" . >/tmp/pulsenet-build.log 2>&1 \
+  && docker build -q -f docker/Dockerfile -t "$IMAGE" "${build_args[@]}" . >>/tmp/pulsenet-build.log 2>&1 \
   || { tail -30 /tmp/pulsenet-build.log; fail "docker build"; }
 BUILD_S=$(( $(date +%s) - b0 ))
+docker image prune -f >/dev/null
 IMAGE_MB=$(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f", $1/1e6}')
 say "image $IMAGE: built in ${BUILD_S} s, ${IMAGE_MB} MB"
 # The CUDA image up to the stage that needs its GPU base (pytorch/pytorch cannot be had here).
