@@ -233,7 +233,7 @@ class ReplayStats:
     seconds: float = 0.0
     full: int = 0
     """Batches replayed in full (a node on probation or with a strike: ``ReplayConfig.replays_in_full``)."""
-    by_node: dict[str, int] = field(default_factory=dict)
+    batches_by_node: dict[str, int] = field(default_factory=dict)
     """Batches checked per node (its probation counts these)."""
     worst_margin: float | None = None
     """The smallest CDF margin an accepted batch had (how close honest rows came to a refusal)."""
@@ -320,12 +320,12 @@ class Replayer:
         ``node`` on probation or with ``strikes``), at ``node``'s engine's tolerances. The version
         must be held (``holds``)."""
         if picked is None:
-            seen = self.stats.by_node.get(node, 0) if node is not None else self.config.probation_batches
+            seen = self.stats.batches_by_node.get(node, 0) if node is not None else self.config.probation_batches
             full = self.config.replays_in_full(seen, strikes)
             self.stats.full += full
             picked = self.pick(len(rows), full=full)
         if node is not None:
-            self.stats.by_node[node] = self.stats.by_node.get(node, 0) + 1
+            self.stats.batches_by_node[node] = self.stats.batches_by_node.get(node, 0) + 1
         tol = self.config.tolerances(node)
         chosen = tuple(picked)
         read = [rows[i] for i in chosen]  # only these are read (``rows`` may make them on demand)

@@ -211,7 +211,7 @@ def test_a_new_node_and_a_struck_node_are_replayed_in_full(policy: tuple, honest
     assert sizes == [32, 32, 32, 32, 12]
     assert len(r.check(0, honest, node="i1", strikes=1).rows) == 32
     assert len(r.check(0, honest).rows) == 12  # no node named: the share
-    assert r.stats.full == 5 and r.stats.by_node == {"i1": 6}
+    assert r.stats.full == 5 and r.stats.batches_by_node == {"i1": 6}
 
 
 def test_only_the_last_versions_are_held(policy: tuple) -> None:
