@@ -3,12 +3,15 @@
 In one process, no store: a policy and ``--lag`` versions made from it by real GRPO steps (AdamW at
 ``--lr`` on honest batches; reward: the task's plus the share of digits in the completion, so a
 step always has a signal and versions move as a learning run's do), a ``TorchEngine`` serving the
-newest version V, and a ``Replayer`` (rl/replay.py, ``ReplayConfig()`` defaults: share 0.25,
-min_rows 8) holding every version, as a trainer does. For each behaviour, ``--batches`` batches of
+newest version V, and a ``Replayer`` (rl/replay.py, ``ReplayConfig()`` defaults: share 0.375,
+min_rows 8; no node named, so no probation: the steady state of a node past its first batches)
+holding every version, as a trainer does. For each behaviour, ``--batches`` batches of
 ``--prompts`` x ``--group`` rows answered at V by node i1 (problems ``assign_problems``, public
 draw keys ``DrawId(run, digest(V), "i1", V, b, k, i)``: ``ReplayRows``' convention) go through
 ``Hostile.generate`` (``publish`` for withhold) and the replay; the share refused is the rate.
 Honest batches give the false-refusal count and the margins (worst CDF margin, |Δ log-prob|).
+``landed_before_refusal``: for a sparse cheat (``one-row``), the batches landed before each refusal
+(issue 38's bound: < 2 in expectation).
 
     python scripts/hostile_rates.py --model tiny --batches 50
     python scripts/hostile_rates.py --model smollm2 --batches 12 --prompts 4
@@ -46,7 +49,7 @@ def behaviours(weak: str) -> list[str]:
     return [
         "honest", "chosen", "best-of-n", "scaled-logprobs", "scaled-logprobs:scale=0.9", "wrong-temperature",
         "wrong-temperature:temperature=0.95", "stale:lag=1", "stale:lag=2", "stale:lag=3", "perturbed",
-        f"perturbed:layer={weak}", "copy:victim=i0", "withhold",
+        f"perturbed:layer={weak}", "copy:victim=i0", "withhold", "one-row",
     ]  # fmt: skip
 
 
@@ -139,6 +142,7 @@ def main() -> None:
                 hostile.observe(v, s, digests[v])
         refused: dict[str, int] = {}
         margins, diffs, published = [], [], 0
+        runs, landed = [], 0  # batches landed (published, not refused) before each refusal
         for b in range(a.batches):
             probs = problems("i1", V, b)
             ids = ids_for("i1", V, digests[V], b)
@@ -153,6 +157,10 @@ def main() -> None:
             verdict = replayer.check(V, rows)
             if verdict.reason is not None:
                 refused[verdict.reason] = refused.get(verdict.reason, 0) + 1
+                runs.append(landed)
+                landed = 0
+            else:
+                landed += 1
             margins.append(verdict.margins)
             diffs.append(verdict.logprob_diffs)
         m, d = torch.cat(margins), torch.cat(diffs)
@@ -164,6 +172,10 @@ def main() -> None:
             "refused": n_ref,
             "rate": n_ref / published if published else None,
             "reasons": refused,
+            # the trainer's picks are independent per batch: each run of landed batches ended by a
+            # refusal is one sample of "batches landed before the first refusal" (issue 38)
+            "landed_before_refusal": {"mean": sum(runs) / len(runs) if runs else None, "max": max(runs, default=None),
+                                      "samples": len(runs), "after_last_refusal": landed},
             "tokens": int(m.numel()),
             "min_margin": float(m.min()),
             "share_margin_below_tol": float((m < -ReplayConfig().tolerances().cdf).float().mean()),

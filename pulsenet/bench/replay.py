@@ -16,7 +16,7 @@ does), medians over ``repeats`` batches after one untimed warm-up batch, each fi
 same batch:
 
 - ``step_s``: ``GRPOTrainer.step`` on the batch (forward, backward, AdamW; ``micro_batch_tokens``);
-- ``replay_s``: ``Replayer.check`` with the default ``ReplayConfig`` (share 0.4, at least 8 rows),
+- ``replay_s``: ``Replayer.check`` with the default ``ReplayConfig`` (share 0.375, at least 8 rows),
   the version's weights loaded into the replay model first (a new version each step, as a lone
   trainer sees it); ``replay_loaded_s``: another draw of rows, weights already loaded;
 - ``replay_all_s``: every row replayed (share 1.0);

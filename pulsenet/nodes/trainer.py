@@ -12,10 +12,11 @@ downloads and verification overlap the GRPO steps, which run in a thread), and t
 signed status objects, read every ``consumer_poll_s`` (the slowest live inference node bounds the
 publisher's retention: nodes/consumers.py).
 
-The loop owns the data: ``_inner_phase`` takes batches from the intake and hands each to the GRPO
-step itself; the round (``nodes/rounds.py``) only runs that phase and closes. A lone trainer's
-round is one step with no exchange (its version is the optimizer step); with peers (``loco_store``)
-it is a PULSELoCo round of H steps on this trainer's share of the rollouts (the intake partitions
+The loop owns the data: ``_inner_phase`` takes each step's rows from the feed (nodes/feed.py:
+batches from the intake, replayed and re-scored) and hands them to the GRPO step itself; the
+round (``nodes/rounds.py``) only runs that phase and closes. A lone trainer's round is one step
+with no exchange (its version is the optimizer step); with peers (``loco_store``) it is a
+PULSELoCo round of H steps on this trainer's share of the rollouts (the intake partitions
 batches among the round's trainers), and the version is the round. **Every trainer publishes
 every version to its own channel**: the global weights are bit-identical across trainers, so the
 versions (and digests) agree, inference follows any trusted channel, and losing a trainer, even

@@ -28,7 +28,7 @@ every row is caught in every batch; the share bounds the cost (one no-grad forwa
 a node's first ``probation_batches`` batches and for a node with a strike against it (the trainer's
 feed decides, nodes/feed.py). So a node that changes one row per batch is refused with probability
 at least ``share`` per batch, and lands ``(1 - share) / share`` batches in expectation before its
-first refusal (1.5 at the default 0.4; docs/rollouts.md, "Sparse cheats"); after that refusal
+first refusal (1.67 at the default 0.375; docs/rollouts.md, "Sparse cheats"); after that refusal
 every row of its batches is replayed, so no batch it changes lands again.
 
 Tolerances (``Tolerances``) are per engine and compute dtype (``ENGINE_TOLERANCES``, from the
@@ -109,10 +109,11 @@ class ReplayConfig:
     """Replay rows before training on them; off trusts every allowlisted node's rows as signed."""
     top_p: float = 1.0
     """The nucleus the inference nodes sample with (their ``top_p``); the temperature is GRPO's."""
-    share: float = 0.4
+    share: float = 0.375
     """Share of each batch's rows replayed (drawn by the trainer after the batch is committed): the
     probability at least that a batch with one changed row is refused (0.25 before issue 38: 3
-    batches landed in expectation before the first refusal; 0.4: 1.5)."""
+    batches landed in expectation before the first refusal; 0.375, 12 rows of 32: 1.67). What 10%
+    of a SmolLM2 GRPO step buys is 10-12 rows of 32 (docs/rollouts.md, "Cost")."""
     min_rows: int = 8
     """Rows replayed per batch at least (all of a smaller batch)."""
     probation_batches: int = 4
@@ -232,7 +233,7 @@ class ReplayStats:
     seconds: float = 0.0
     full: int = 0
     """Batches replayed in full (a node on probation or with a strike: ``ReplayConfig.replays_in_full``)."""
-    by_node: dict[str, int] = field(default_factory=dict)
+    batches_by_node: dict[str, int] = field(default_factory=dict)
     """Batches checked per node (its probation counts these)."""
     worst_margin: float | None = None
     """The smallest CDF margin an accepted batch had (how close honest rows came to a refusal)."""
@@ -319,12 +320,12 @@ class Replayer:
         ``node`` on probation or with ``strikes``), at ``node``'s engine's tolerances. The version
         must be held (``holds``)."""
         if picked is None:
-            seen = self.stats.by_node.get(node, 0) if node is not None else self.config.probation_batches
+            seen = self.stats.batches_by_node.get(node, 0) if node is not None else self.config.probation_batches
             full = self.config.replays_in_full(seen, strikes)
             self.stats.full += full
             picked = self.pick(len(rows), full=full)
         if node is not None:
-            self.stats.by_node[node] = self.stats.by_node.get(node, 0) + 1
+            self.stats.batches_by_node[node] = self.stats.batches_by_node.get(node, 0) + 1
         tol = self.config.tolerances(node)
         chosen = tuple(picked)
         read = [rows[i] for i in chosen]  # only these are read (``rows`` may make them on demand)

@@ -82,7 +82,7 @@ def test_bench_replay_tiny(tmp_path):
     token's margins within the default tolerances."""
     result = run_bench(tmp_path, "replay", "--model", "tiny", "--rows", "96", "--repeats", "2", "--rows-per-step", "16")
     assert result["schema"] == "pulsenet.bench.replay/1"
-    assert result["replay_config"] == {"share": 0.4, "min_rows": 8, "engine": "torch:float32", "cdf_tolerance": 1e-5,
+    assert result["replay_config"] == {"share": 0.375, "min_rows": 8, "engine": "torch:float32", "cdf_tolerance": 1e-5,
                                        "logprob_tolerance": 5e-3, "mean_logprob_tolerance": 1e-3}  # fmt: skip
     c = result["cost"]
     assert c["batches"] == 2 and c["rows_per_batch"] == 16 and c["rows_replayed"] == 8  # min_rows of a 16-row batch
