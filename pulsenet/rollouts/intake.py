@@ -44,12 +44,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet import runtime
-from pulsenet.codec.rollout import RolloutColumns
 from pulsenet.errors import PulsenetError, StoreError
 from pulsenet.rollouts import checks
 from pulsenet.rollouts.batch_queue import BatchQueue
 from pulsenet.rollouts.demand import Demand
-from pulsenet.rollouts.intake_types import IntakeStats, Refusal, RolloutBatch, RolloutIntakeConfig
+from pulsenet.rollouts.intake_types import AnswerOf, IntakeStats, Refusal, RolloutBatch, RolloutIntakeConfig
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
@@ -64,8 +63,11 @@ log = logging.getLogger(__name__)
 REPLAY_REASONS = ("replay_token", "replay_logprob", "replay_params")
 """What the trainer's replay of a batch's rows may refuse it for (``rl.replay``), via ``refused()``."""
 
-ANSWER_REASONS = ("group_id", "out_of_assignment", "mixed_batches", "group_size")
-"""What ``answer_of`` may refuse a batch for (``rl.tasks.Assignment.batch_of``)."""
+ANSWER_REASONS = (
+    "group_id", "out_of_assignment", "mixed_batches", "problem_repeated", "group_size", "group_size_changed",
+    "incomplete", "dropped_mismatch", "assignment_changed", "wrong_prompt", "row_shape",
+)  # fmt: skip
+"""What ``answer_of`` may refuse a batch for (``rl.answers.BatchCheck``, ``rl.tasks.Assignment.answers``)."""
 
 REASONS = (
     "too_large",
@@ -94,8 +96,17 @@ trainer no longer holds the weights of the batch's version (a restart), not the 
 ``TRUST_REASONS`` by the trust rules (trust.py: batches of a distrusted node or over an open node's
 budget skipped, an open node's key that changed, batch numbers withheld)."""
 
-STRIKE_REASONS = REPLAY_REASONS
-"""Refusals that count towards ``refusals_to_distrust`` (trust.py says why ``rescore`` does not)."""
+STRIKE_REASONS = (
+    *REPLAY_REASONS, "batch_repeated", "group_id", "mixed_batches", "problem_repeated", "group_size", "incomplete",
+    "row_shape",
+)  # fmt: skip
+"""Refusals that count towards ``refusals_to_distrust``: what an honest node never sends (issue 38).
+Not strikes, as they also follow from a setting changed or differing between the sites, which an
+operator fixes without a node having lied (each is still a refusal): ``rescore`` (trust.py),
+``out_of_assignment``, ``group_size_changed``, ``assignment_changed`` (batches made before a
+change of ``batches_per_version``, G or ``prompts_per_batch``), ``dropped_mismatch`` and
+``wrong_prompt`` (other prompt limits or settings), and the row limits (``ROW_REASONS``: another
+model or reward range)."""
 
 ANSWERED = "answered:"
 """Prefix of the answered batch ids in ``consumed()`` (batch ids proper start with a node id)."""
@@ -115,12 +126,12 @@ class RolloutIntake:
         *,
         trainer_id: str = "t0",
         participants: Sequence[str] | Callable[[int], Sequence[str]] | None = None,
-        answer_of: Callable[[RolloutColumns], str | None] | None = None,
+        answer_of: AnswerOf | None = None,
     ) -> None:
         """``digest_of(version)``: the model digest published for a policy version, None if unknown.
         ``participants``: the trainer ids sharing the pool (per version, or fixed); default just us.
-        ``answer_of(columns)``: the batch id a batch answers (unique per node and version; None:
-        none to check), or RolloutRowError naming why the batch answers none it may (check 10)."""
+        ``answer_of(columns, dropped)``: the batch id a batch answers (unique per node and version;
+        None: none to check), or RolloutRowError naming why the batch answers none it may (check 10)."""
         nodes = [check_node(s.node) for s in sources]
         if len(set(nodes)) != len(nodes) or not sources:
             raise ValueError(f"rollout sources need distinct node ids, got {nodes}")
@@ -226,6 +237,7 @@ class RolloutIntake:
             grants={n: share if n in alive else 0 for n in nodes},
             taken=taken,
             **({} if assignment is None else {"batches_per_version": assignment[0], "prompts_per_batch": assignment[1]}),
+            group_size=self.config.group_size,
         )
 
     def refused(self, batch: RolloutBatch, reason: str, why: str) -> None:
@@ -480,13 +492,19 @@ class RolloutIntake:
             return self._reject(node, key, *payload)
         rows = await checks.read_rows(m, payload, cfg.limits, self.answer_of)  # 7 to 10
         if isinstance(rows, Refusal):
-            return self._reject(node, key, *rows)
+            return self._reject(node, key, *rows, batch=name)
         columns, answer = rows
         if answer is not None and f"{node}/{answer}" in self._answered:  # 10: once per node
-            return self._reject(node, key, "batch_repeated", f"batch {answer} of {node} was answered before")
+            return self._reject(node, key, "batch_repeated", f"batch {answer} of {node} was answered before", batch=name)
         return RolloutBatch(m, columns, self.batch_id(node, name), answer)
 
-    def _reject(self, node: str, key: str, reason: str, why: str) -> None:
+    def _reject(self, node: str, key: str, reason: str, why: str, *, batch: BatchName | None = None) -> None:
+        """Count and log a refusal; a strike against a signed ``batch`` (``STRIKE_REASONS``) also
+        goes into the consumed record, so that a restarted trainer neither fetches it nor counts
+        the strike again."""
+        if batch is not None and reason in STRIKE_REASONS:
+            bid = self.batch_id(node, batch)
+            self._taken[bid] = self._accepted[bid] = batch.version
         self._count(node, reason)
         log.warning("rejected rollout batch %s of %s (%s): %s", key, node, reason, why)
         return None

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from pulsenet.nodes.rounds import load_consumed, save_consumed
 from pulsenet.nodes.status import NodeState, StatusServer
-from pulsenet.nodes.trainer import answer_of
+from pulsenet.rl.answers import answer_id
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.intake import REPLAY_REASONS
@@ -28,7 +28,7 @@ from tests.support.rollouts import DIGESTS, Site, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 
-ANSWER = functools.partial(answer_of, Assignment(batches_per_version=16, prompts_per_batch=4))
+ANSWER = functools.partial(answer_id, Assignment(batches_per_version=16, prompts_per_batch=4))
 
 
 @pytest.fixture
