@@ -83,7 +83,7 @@ class BatchCheck:
         return f"v{cols.version}-b{batch}"
 
     def _complete(self, prompts: Sequence[tuple[int, ...] | None], present: Sequence[int], dropped: Sequence[int]) -> None:
-        """Every problem present or dropped, and dropped exactly when the trainer's prompter drops it."""
+        """Every problem present or declared dropped, and declared exactly when the trainer's prompter drops it."""
         have, said = set(present), set(dropped)
         kept = {k for k, ids in enumerate(prompts) if ids is not None}
         if said & have:
@@ -95,9 +95,9 @@ class BatchCheck:
             whole = set(range(max(have | said) + 1)) == have | said
             reason = "assignment_changed" if whole and min(missing) > max(have | said) else "incomplete"
             raise RolloutRowError(reason, f"problems {sorted(missing)[:8]} of {len(prompts)} are missing, none declared dropped")
-        wrong = said - (set(range(len(prompts))) - kept)
+        wrong = said ^ (set(range(len(prompts))) - kept)
         if wrong:
-            raise RolloutRowError("dropped_mismatch", f"problems {sorted(wrong)[:8]} declared dropped are kept here")
+            raise RolloutRowError("dropped_mismatch", f"problems {sorted(wrong)[:8]}: declared dropped or dropped here, not both")
 
 
 def answer_id(assignment: Assignment, columns: RolloutColumns, dropped: Sequence[int] = ()) -> str:

@@ -53,7 +53,7 @@ from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.rows import ROW_REASONS
-from pulsenet.rollouts.sources import RolloutSource, SourceHead, head_moved, read_open_key
+from pulsenet.rollouts.sources import RolloutSource, SourceHead, head_moved, proves_key, read_open_key
 from pulsenet.rollouts.trust import DISTRUSTED, PINNED, STRIKES, TRUST_REASONS, Gaps, Trust, answered_batch
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectInfo
@@ -152,7 +152,10 @@ class RolloutIntake:
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
         self.answer_of = answer_of
-        self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once (``consumed``)
+        self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once
+        self._answers_taken: dict[str, int] = {}
+        """The answers of the batches taken (``consumed``): one accepted but not taken before a
+        restart is accepted again after it, not refused as its own repeat (a strike)."""
         self._queue = BatchQueue(config, self.stats)
         self._keys: dict[str, dict[str, Ed25519PublicKey]] = {s.node: dict(s.trusted) for s in sources}
         """Node -> the keys its documents verify under: configured, or an open node's pinned key."""
@@ -189,6 +192,8 @@ class RolloutIntake:
             self.stats.taken_by_node[b.node] = self.stats.taken_by_node.get(b.node, 0) + 1
             self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
             self._taken[b.batch_id] = b.version
+            if b.answer is not None:
+                self._answers_taken[f"{b.node}/{b.answer}"] = b.version
         return out
 
     def failed(self, batches: RolloutBatch | Iterable[RolloutBatch], why: str) -> None:
@@ -258,7 +263,7 @@ class RolloutIntake:
         batch ids answered: part of a trainer's resume state, so that a restarted trainer neither
         trains on a batch twice nor accepts a batch id answered again (``skip_consumed``); and the
         trust record (trust.py: strikes, distrusted nodes, open nodes' pinned keys)."""
-        return {**self._taken, **{ANSWERED + a: v for a, v in self._answered.items()}, **self.trust.record()}
+        return {**self._taken, **{ANSWERED + a: v for a, v in self._answers_taken.items()}, **self.trust.record()}
 
     def skip_consumed(self, consumed: Mapping[str, int]) -> None:
         """Never queue these batches (what ``consumed`` returned before a restart), and take back
@@ -274,7 +279,7 @@ class RolloutIntake:
                 )
         for key, v in consumed.items():
             if key.startswith(ANSWERED):
-                self._answered[key.removeprefix(ANSWERED)] = v
+                self._answered[key.removeprefix(ANSWERED)] = self._answers_taken[key.removeprefix(ANSWERED)] = v
             elif key.startswith((DISTRUSTED, STRIKES, PINNED)):
                 continue
             else:
@@ -353,9 +358,17 @@ class RolloutIntake:
             return False
         if got is not None:
             kid = key_id(got)
-            if any(kid in keys for other, keys in self._keys.items() if other != node):
+            theirs = any(kid in keys for other, keys in self._keys.items() if other != node)
+            if theirs or any(k == kid for other, k in self.trust.pinned.items() if other != node):
                 self._reject(node, layout.key, "wrong_node_key", f"key {kid} is another node's")
                 return False
+            if node not in self.trust.pinned:  # first sight: the node must prove it holds the key
+                proof = await proves_key(source, got, layout=layout, config=self.config)
+                if proof is not True:
+                    self._heads[node].key_etag = None  # read (and prove) it again next poll
+                    if isinstance(proof, Refusal):
+                        self._reject(node, layout.key, *proof)
+                    return False
             if not self.trust.pin(node, kid, self._version):
                 self._reject(node, layout.key, "key_changed", f"key {kid}; {self.trust.pinned[node]} was pinned")
                 return False
