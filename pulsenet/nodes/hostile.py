@@ -97,8 +97,8 @@ class HostileConfig:
     def __post_init__(self) -> None:
         if self.behaviour not in BEHAVIOURS:
             raise ConfigError(f"hostile: unknown behaviour {self.behaviour!r}; known: {', '.join(BEHAVIOURS)}")
-        if self.n < 1 or self.lag < 1 or not self.temperature > 0:
-            raise ConfigError("hostile: n >= 1, lag >= 1 and temperature > 0")
+        if self.n < 1 or self.lag < 1 or self.copies < 1 or not self.temperature > 0:
+            raise ConfigError("hostile: n >= 1, lag >= 1, copies >= 1 and temperature > 0")
 
     @classmethod
     def parse(cls, spec: str) -> HostileConfig:

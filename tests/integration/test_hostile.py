@@ -302,5 +302,6 @@ def test_the_chaos_audit_checks_replay_refused_the_hostile_node_and_no_honest_on
         return audit(events=events, roles=roles, settings=settings)["checks"]["hostile"]
 
     assert run({"rejected:i1:replay_token": 2, "rejected:i0:stale": 1})["ok"]
-    assert not run({"rejected:i1:reward_range": 2})["ok"]  # refused, but not by replay
+    assert not run({"rejected:i1:reward_range": 2})["ok"]  # refused, but for a limit, not a lie
+    assert run({"rejected:i1:problem_repeated": 1})["ok"]  # refused at intake (issue 38)
     assert not run({"rejected:i1:replay_token": 2, "rejected:i0:replay_logprob": 1})["ok"]  # a false refusal
