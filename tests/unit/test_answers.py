@@ -130,3 +130,39 @@ def test_problems_are_distinct_and_group_ids_have_one_spelling() -> None:
     for bad in ("n-v1-b0-p03", "n-v01-b0-p3", "n-v1-b00-p3", "n-v1-b0-p+3", "n-v1-b0-p3 "):
         assert a.check_group(bad, node="n", version=1) == "group_id", bad
     assert a.check_group("n-v1-b0-p0", node="n", version=1) == (0, 0)
+
+
+def test_the_demand_record_signs_g_and_a_manifest_declares_its_dropped_problems() -> None:
+    from pulsenet.errors import ManifestError
+    from pulsenet.rollouts.demand import Demand, assigned_group_size
+    from pulsenet.rollouts.layout import RolloutLayout
+    from pulsenet.rollouts.manifest import BatchManifest
+    from pulsenet.signed import ObjectRef
+
+    d = Demand(trainer="t0", version=3, max_staleness=2, participants=("t0",), grants={"i0": 8}, taken={}, group_size=8)
+    body = d.to_body()
+    assert body["schema"] == 3 and Demand.from_body(body).group_size == 8
+    old = dataclasses.replace(d, group_size=None).to_body()  # a trainer that sets no G writes schema 2, as before
+    assert old["schema"] == 2 and "group_size" not in old and Demand.from_body(old).group_size is None
+    for bad in ({**body, "group_size": 0}, {**body, "schema": 2}, {**old, "schema": 3}, {**body, "group_size": True}):
+        with pytest.raises(ManifestError):
+            Demand.from_body(bad)
+    other = dataclasses.replace(d, trainer="t1", group_size=4)
+    assert assigned_group_size([d], "i0") == 8 and assigned_group_size([d, other], "i0") is None  # they disagree
+    assert assigned_group_size([d], "i9") is None
+
+    layout = RolloutLayout()
+    sha = "c" * 64
+    m = BatchManifest(
+        node="i0", seq=1, version=2, model_digest=DIGEST, payload=ObjectRef(layout.batch(2, "i0", 1, sha), 10, sha),
+        rows=8, groups=2, tokens=40, publisher="k", created="now", dropped=(3, 5),
+    )  # fmt: skip
+    body = m.to_body()
+    assert body["schema"] == 2 and BatchManifest.from_body(body, layout) == m
+    v1 = {k: x for k, x in body.items() if k != "dropped"} | {"schema": 1}  # a node before issue 38
+    assert BatchManifest.from_body(v1, layout).dropped == ()
+    for bad in ([5, 3], [3, 3], [-1], [1 << 16], "3", [True]):
+        with pytest.raises(ManifestError):
+            BatchManifest.from_body({**body, "dropped": bad}, layout)
+    with pytest.raises(ManifestError):
+        BatchManifest.from_body({**v1, "dropped": [3]}, layout)  # schema 1 has no such field
