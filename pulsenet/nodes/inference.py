@@ -328,12 +328,10 @@ class InferenceNode:
             return "waiting_version"
         if not self.demand.sources:
             return None
+        live = await self.demand.poll()
+        _, prompts, size = self._assigned()
         wanted = batches_to_generate(
-            await self.demand.poll(),
-            node=self.config.id,
-            version=engine.version,
-            produced=self.writer.produced,
-            rows_per_batch=self._assigned()[1] * self._assigned()[2],
+            live, node=self.config.id, version=engine.version, produced=self.writer.produced, rows_per_batch=prompts * size
         )
         return "waiting_demand" if wanted == 0 else None
 
