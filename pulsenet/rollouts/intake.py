@@ -23,7 +23,8 @@ fetches only the batches it owns. A batch whose GRPO step failed is reported bac
 ``failed()``: counted, and kept in the consumed record so it is never trained on again.
 
 **Trust** (trust.py): a batch the trainer's replay refuses (``refused()`` with a
-``REPLAY_REASONS`` reason) is a strike against its node; after ``refusals_to_distrust`` strikes the
+``REPLAY_REASONS`` reason), or the intake refuses for what an honest node never sends
+(``STRIKE_REASONS``), is a strike against its node; after ``refusals_to_distrust`` strikes the
 node is distrusted: no GET of its store any more, its batches skipped from a listing made once per
 ``relist_after_s`` (counted under ``distrusted``), also
 after a restart (the trust record is part of ``consumed()``). With ``open_inference``, a source

@@ -61,8 +61,9 @@ class RolloutIntakeConfig:
     round_timeout_s: float | None = 600.0
     """Deadline of one whole poll in ``run()``."""
     refusals_to_distrust: int = 3
-    """Batches refused by the trainer's replay (``REPLAY_REASONS``) after which a node's batches
-    are no longer taken (trust.py; kept across restarts); 0: never."""
+    """Strikes (batches refused by the trainer's replay, or at intake for what an honest node never
+    sends: intake.py's ``STRIKE_REASONS``) after which a node's batches are no longer taken
+    (trust.py; kept across restarts); 0: never."""
     forgive: list[str] = field(default_factory=list)
     """Nodes whose distrust and strikes are lifted when the intake resumes (an operator's call
     after a node was fixed; an open node's pinned key is forgotten too, and pinned again)."""
