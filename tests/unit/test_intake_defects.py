@@ -94,3 +94,28 @@ def test_a_peer_chosen_markup_in_a_nodes_error_is_printed_as_text() -> None:
     sup = Supervisor(UpConfig(model="tiny"), [], Console(file=out, width=200))
     sup.say("i1 failed: RolloutError: group [/x] [bold]not[/bold] [/]")
     assert "i1 failed: RolloutError: group [/x] [bold]not[/bold] [/]" in out.getvalue()
+
+
+async def test_a_check_that_raises_unforeseen_refuses_its_batch_instead_of_failing_every_poll() -> None:
+    """Whatever makes a check raise is a refusal (``payload_malformed``), decided once like any
+    other: before, it failed the poll, and the batch was fetched again at every poll."""
+    from pulsenet.rollouts import checks
+    from pulsenet.rollouts.layout import RolloutLayout
+    from pulsenet.rollouts.manifest import BatchManifest
+    from pulsenet.rollouts.rows import RowLimits
+    from pulsenet.signed import ObjectRef
+    from tests.support.rollouts import make_rows
+
+    rows = make_rows("inf-a", 1)
+    data = encode_batch(rows)
+    m = BatchManifest(
+        node="inf-a", seq=0, version=1, model_digest=rows[0].model_digest,
+        payload=ObjectRef(RolloutLayout().batch(1, "inf-a", 0, "c" * 64), len(data), "c" * 64), rows=len(rows),
+        groups=2, tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows), publisher="k", created="now",
+    )  # fmt: skip
+
+    def raises(columns: Any, dropped: Any) -> str:
+        raise IndexError("a case nobody foresaw")
+
+    got = await checks.read_rows(m, data, RowLimits(), raises)
+    assert isinstance(got, checks.Refusal) and got.reason == "payload_malformed" and "IndexError" in got.why
