@@ -509,7 +509,9 @@ class Assignment:
     batch id once (``RolloutIntake``: ``batch_repeated``). The trainer signs both bounds into its
     demand record (rollouts/demand.py), and a node never makes more than they allow. So a node can
     neither choose its problems (before: any batch number of its choosing, per group) nor answer
-    one twice; it can still withhold a batch it does not like (issue 30 counts gaps).
+    one twice; it can still withhold a batch it does not like (issue 30 counts gaps). Which of a
+    batch's problems and rows it sends is not its choice either (issue 38, ``answers`` and
+    rl/answers.py): each group id in ``group_id``'s one spelling, each problem once, G rows a group.
 
     Every number of a group id is bounded here before anything is drawn: a group id is a claim.
     """
@@ -517,7 +519,7 @@ class Assignment:
     batches_per_version: int = 16
     """Batch numbers a node may use per version: ``b < batches_per_version``."""
     prompts_per_batch: int = 64
-    """Problems per batch at most: ``index < prompts_per_batch``."""
+    """Problems per batch: ``index < prompts_per_batch`` (``rl.answers.BatchCheck``: every one answered)."""
     max_group_rows: int | None = None
     """Rows one group may hold (a GRPO step never splits a group: at most its rows; None: no bound)."""
     group_size: int | None = None
