@@ -25,8 +25,10 @@ Checks:
   staleness bound), each trainer's own PULSELoCo rounds and the shared global states
   (``retain_rounds``). Kinds no retention covers (the PULSELoCo round records, kept by design) are
   listed under ``store`` as unbounded, not judged;
-- ``hostile`` (when a node plays a hostile behaviour: ``--hostile``): the trainers' replay refused
-  batches of each hostile node but a ``withhold`` one, and no batch of an honest node;
+- ``hostile`` (when a node plays a hostile behaviour: ``--hostile``): the trainers refused batches
+  of each hostile node, by replay or at intake for what an honest node never sends
+  (``STRIKE_REASONS``, issue 38), but a ``withhold`` or ``reward-one`` one (honest rows), and no
+  batch of an honest node;
 - ``resources``: each node life of at least ``min_life_s`` kept its RSS slope (second half of the
   life, least squares) and its descriptor growth within the limits; shorter lives and the store are
   reported only.
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pulsenet.nodes.events import VersionEvent
-from pulsenet.rollouts.intake import REPLAY_REASONS
+from pulsenet.rollouts.intake import ANSWER_REASONS, STRIKE_REASONS
 
 _POLICY_MANIFEST = re.compile(r"(?:^|/)policy/manifests/v(\d{12})\.json$")
 _POLICY_PAYLOAD = re.compile(r"(?:^|/)policy/payloads/v(\d{12})-(anchor|patch)-[0-9a-f]{16}\.pnp$")
@@ -372,16 +374,18 @@ def _slope(points: Sequence[tuple[float, float]]) -> float | None:
 def _hostile(
     events: Mapping[str, Sequence[VersionEvent]], trainers: Sequence[str], inference: Sequence[str], hostile: Mapping[str, str]
 ) -> tuple[bool, dict[str, Any]]:
-    """The trainers' replay refused batches of every hostile node that sends touched rows (all but
-    ``withhold``, whose rows are honest), and none of an honest node's. From the trainers' version
-    events (``rejected:NODE:REASON`` totals, per life: each life's last count, summed)."""
+    """The trainers refused batches of every hostile node that sends touched rows (all but
+    ``withhold`` and ``reward-one``, whose rows are honest draws: re-scoring replaces the rewards),
+    by replay or at intake, and none of an honest node's. From the trainers' version events
+    (``rejected:NODE:REASON`` totals, per life: each life's last count, summed)."""
+    reasons = set(STRIKE_REASONS) | set(ANSWER_REASONS)
     refused: dict[str, int] = defaultdict(int)
     for t in trainers:
         life: dict[str, float] = {}
         for e in events.get(t, ()):
             for key, n in e.totals.items():
                 parts = key.split(":")
-                if len(parts) != 3 or parts[0] != "rejected" or parts[2] not in REPLAY_REASONS:
+                if len(parts) != 3 or parts[0] != "rejected" or parts[2] not in reasons:
                     continue
                 if n < life.get(key, 0):  # a new life: its counts start again
                     refused[parts[1]] += int(life[key])
@@ -389,9 +393,9 @@ def _hostile(
         for key, n in life.items():
             refused[key.split(":")[1]] += int(n)
     wrong = [
-        f"{n} ({hostile[n]}): no batch refused by replay"
+        f"{n} ({hostile[n]}): no batch refused"
         for n in hostile
-        if not hostile[n].startswith("withhold") and not refused.get(n)
+        if not hostile[n].startswith(("withhold", "reward-one")) and not refused.get(n)
     ]
-    wrong += [f"{n} (honest): {refused[n]} batches refused by replay" for n in inference if n not in hostile and refused.get(n)]
-    return not wrong, {"refused_by_replay": dict(refused), "hostile": dict(hostile), "wrong": wrong}
+    wrong += [f"{n} (honest): {refused[n]} batches refused" for n in inference if n not in hostile and refused.get(n)]
+    return not wrong, {"refused": dict(refused), "hostile": dict(hostile), "wrong": wrong}

@@ -18,7 +18,7 @@ versions since the last fault's recovery:
   ``throttle_mbps``, for ``link_s``.
 
 Besides the faults, ``hostile`` makes inference nodes cheat (nodes/hostile.py, one behaviour each:
-``--hostile i1=best-of-n``); the audit then checks that the trainers refused their batches by replay.
+``--hostile i1=best-of-n``); the audit then checks that the trainers refused their batches (by replay or at intake).
 
 After each fault the schedule waits for the recovery: every node running and past the version the
 network had when the fault hit (trainers published a newer one, inference nodes serve one in their
@@ -103,9 +103,10 @@ class ChaosConfig(UpConfig):
     """Lives shorter than this are reported, not judged (start-up and warm-up dominate them)."""
     hostile: list[str] = field(default_factory=list)
     """Inference nodes that cheat, as NODE=BEHAVIOUR (nodes/hostile.py: chosen, best-of-n,
-    scaled-logprobs, wrong-temperature, stale, perturbed, copy, withhold; knobs as
-    ``stale:lag=3``), e.g. ``--hostile i1=best-of-n``. The audit's ``hostile`` check: the trainers'
-    replay refused each one's batches, and no honest node's."""
+    scaled-logprobs, wrong-temperature, stale, perturbed, copy, withhold; issue 38's better-half,
+    aliases, copies, cut-groups, prefix-cut, repeat, reward-one; knobs as ``stale:lag=3``), e.g.
+    ``--hostile i1=best-of-n``. The audit's ``hostile`` check: the trainers refused each one's
+    batches (by replay, or at intake for a lie), and no honest node's."""
 
     def __post_init__(self) -> None:
         bad = sorted({*self.faults, *self.kinds} - set(KINDS))

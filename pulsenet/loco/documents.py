@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_DOCUMENT = 1 << 20
 """Largest round document read (records are the largest: ~200 bytes per trainer)."""
+CHECKPOINT_READS = 8  # names read at most: a keyless writer can plant any number (retention leaves us 1 or 2)
 KIND_MEMBER = "pulseloco-member"
 KIND_MANIFEST = "pulseloco-payload"
 KIND_RECORD = "pulseloco-round"
@@ -537,11 +538,12 @@ class RoundStore:
         await self._put_doc(self.layout.checkpoint_manifest(self.id, round_), body, create_only=False)
 
     async def latest_checkpoint(self) -> tuple[int, ObjectRef] | None:
+        """Our newest verified checkpoint of the newest ``CHECKPOINT_READS`` names (planted ones: issue 38)."""
         infos = await self.store.list(self.layout.checkpoints(self.id), timeout=self.t.small_s)
         rounds = sorted(
             (r for i in infos if (r := self.layout.parse_checkpoint_manifest(self.id, i.key)) is not None), reverse=True
         )
-        for r in rounds:
+        for r in rounds[:CHECKPOINT_READS]:
             key = self.layout.checkpoint_manifest(self.id, r)
             try:
                 body = await self._read(key, KIND_CHECKPOINT, signer=self.id)

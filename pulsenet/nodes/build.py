@@ -34,12 +34,12 @@ from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.common import initial_model, key_map, open_site_store, site_map, text_codec
 from pulsenet.nodes.config import InferenceConfig, TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker
-from pulsenet.nodes.feed import answer_of
 from pulsenet.nodes.hostile import Hostile, HostileConfig
 from pulsenet.nodes.inference import InferenceNode
 from pulsenet.nodes.rounds import LocalRounds, LocoRounds, Rounds
 from pulsenet.nodes.status import NodeState
 from pulsenet.nodes.trainer import TrainerNode
+from pulsenet.rl.answers import BatchCheck
 from pulsenet.rl.eval import Evaluator
 from pulsenet.rl.grpo import GRPOTrainer
 from pulsenet.rl.inner import GRPOInner
@@ -47,6 +47,7 @@ from pulsenet.rl.models import model_hf_config, resolve_model
 from pulsenet.rl.prompts import TextCodec
 from pulsenet.rl.replay import Replayer
 from pulsenet.rl.rescore import Rescorer
+from pulsenet.rl.shape import RowShape
 from pulsenet.rl.tasks import Assignment, Task, build_task
 from pulsenet.rollouts import RolloutIntake, RolloutSource, RolloutWriter, RolloutWriterConfig
 from pulsenet.rollouts.demand import DemandConfig, DemandReader, DemandSource, DemandWriter
@@ -136,7 +137,9 @@ def compose_trainer(
     model = cast("PreTrainedModel", policy.grpo.local.model)
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     prompter = task.prompter(text, max_positions=max_positions)
-    assignment = Assignment(c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step)
+    assignment = Assignment(
+        c.batches_per_version, c.prompts_per_batch, max_group_rows=c.rows_per_step, group_size=c.intake.group_size
+    )
     rescorer = Rescorer(task, prompter, seed=c.seed, assignment=assignment)
     replayer = (  # replays rows under their version's weights before training (rl/replay.py)
         Replayer(
@@ -162,7 +165,10 @@ def compose_trainer(
         replace(c.intake, limits=row_limits(model, c.intake.limits, task.reward_range)),
         trainer_id=c.id,
         participants=tuple(sorted(peers)) or None,
-        answer_of=functools.partial(answer_of, assignment, ids=c.rescore),
+        answer_of=BatchCheck(  # every batch whole, every row's shape, whatever rescore says (rl/answers.py)
+            assignment, task, prompter, seed=c.seed,
+            shape=RowShape.of(prompter.sampling_params(), getattr(model.config, "eos_token_id", None), prompter.stopped),
+        ),
     )
     state = NodeState(role="trainer", node_id=c.id)
     state.rejected = intake.stats.rejected_by_node  # live: /status shows refusals as they happen

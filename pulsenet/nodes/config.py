@@ -69,8 +69,9 @@ class TrainerConfig:
     """Batches an inference node may answer per policy version (batch numbers below this), signed
     into this trainer's demand record (``rl.tasks.Assignment``); the inference nodes' setting must
     not exceed it (``pulsenet up`` sets both)."""
-    prompts_per_batch: int = 64
-    """Problems per rollout batch at most (problem numbers below this); signed into the demand record."""
+    prompts_per_batch: int = 8
+    """Problems per rollout batch, every one answered (problem numbers below this; issue 38), signed
+    into the demand record: the inference nodes' ``prompts`` (8 by default too; ``pulsenet up`` sets both)."""
     seed: int = 0
     """Seeds the warm-up and the trainer's generators."""
     state_dir: Path = Path("state/t0")

@@ -25,15 +25,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import overload
 
-import numpy as np
-
-from pulsenet.codec.rollout import Rollout, RolloutColumns
-from pulsenet.errors import RolloutRowError
+from pulsenet.codec.rollout import Rollout
+from pulsenet.errors import PulsenetError, RolloutRowError
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.replay import Replayer, ReplayRow
 from pulsenet.rl.rescore import Rescorer
-from pulsenet.rl.tasks import Assignment, parse_group_id
+from pulsenet.rl.tasks import parse_group_id
 from pulsenet.rollouts import RolloutBatch, RolloutIntake
 from pulsenet.rollouts.intake import REWARD_MISMATCH
 
@@ -163,7 +161,12 @@ class StepFeed:
             replayer.stats.unverifiable += 1
             self.intake.refused(batch, "unverifiable", f"v{batch.version}'s weights are not held here (a restart)")
             return None
-        refusal, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
+        try:
+            refusal, seconds, rows = await asyncio.to_thread(self._replay_and_rescore, batch)
+        except PulsenetError as e:  # the intake's batch check makes this unreachable; if a batch still
+            # trips replay or re-scoring, it is refused and recorded, never a crash at every restart
+            self.intake.refused(batch, "step_failed", f"{type(e).__name__}: {e}")
+            return None
         if replayer is not None:
             replayer.stats.seconds += seconds
             step.replay_s += seconds
@@ -211,7 +214,7 @@ class StepFeed:
 class ReplayRows(Sequence[ReplayRow]):
     """A batch's rows with their public draw keys, as replay reads them: completion ``i`` of a group is the group's ``i``-th row
     in the batch's order, its problem index and batch number from its group id (the intake checked
-    them against the assignment: ``answer_of``). A row is made, and its key hashed, only when read:
+    them against the assignment: ``rl.answers.BatchCheck``). A row is made, and its key hashed, only when read:
     replay reads the rows it picked (a quarter of a batch by default), not all of them."""
 
     def __init__(self, batch: RolloutBatch, run: str, digest: str) -> None:
@@ -265,18 +268,3 @@ def next_step(ready: Ready, rows_per_step: int) -> tuple[list[Rollout], list[Rol
         rows += group
         batches[batch.batch_id] = batch
     return rows, list(batches.values())
-
-
-def answer_of(assignment: Assignment, columns: RolloutColumns, *, ids: bool = True) -> str | None:
-    """The batch id a rollout batch answers, ``v{version}-b{batch}`` (``Assignment.batch_of``:
-    RolloutRowError if it answers none this trainer allows): the intake accepts each once per node.
-    ``ids=False`` (a trainer that does not re-score: its rows' problems are the nodes' word) checks
-    only that no group is larger than a step, and names no batch id."""
-    rows = np.bincount(columns.group, minlength=len(columns.groups)).tolist()
-    if not ids:
-        big = max(rows, default=0)
-        if assignment.max_group_rows is not None and big > assignment.max_group_rows:
-            raise RolloutRowError("group_size", f"a group of {big} rows; a step takes {assignment.max_group_rows}")
-        return None
-    batch = assignment.batch_of(columns.groups, rows, node=columns.node, version=columns.version)
-    return f"v{columns.version}-b{batch}"

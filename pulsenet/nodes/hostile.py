@@ -27,6 +27,18 @@ touches (docs/rollouts.md, "Adversaries and what catches them"):
   batches generated before (the first is published; the others are a gap in its batch numbers:
   a replay cannot see a batch it never gets; counting gaps per node is the intake's, issue 30 item 2).
 
+Behaviours that choose which honest rows the trainer sees (issue 38; ``Hostile.rework``, on the
+scored rows of an honest draw; the trainer's ``rl.answers.BatchCheck`` must refuse each):
+
+- ``better-half``: only the better-rewarded half of the batch's groups;
+- ``aliases``: the batch, and its best ``n`` groups again under zero-padded spellings of their
+  problem number (``p5`` as ``p05``, ``p005``): replay would start each copy at completion 0;
+- ``copies``: one batch of ``copies`` copies of its best group, each under another spelling;
+- ``cut-groups``: each group cut to its first rows up to where their mean reward peaks;
+- ``prefix-cut``: each wrong completion cut to its shortest prefix that scores, stop token gone;
+- ``repeat``: the batch, and the previous batch again (a new sequence number, the same batch id);
+- ``reward-one``: every reward claimed as 1.0 (re-scoring replaces them: the feed's to count).
+
 Lives in ``nodes`` (not ``chaos``): the inference node calls it, and nodes may not import chaos.
 Runs on the torch engine (a stale or perturbed model is a second ``TorchEngine`` beside it).
 """
@@ -44,15 +56,18 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from pulsenet.codec.rollout import Rollout
 from pulsenet.engines.base import Engine, Generation, SamplingParams
 from pulsenet.engines.torch_engine import TorchEngine, TorchEngineConfig
 from pulsenet.errors import ConfigError
+from pulsenet.nodes.hostile_rows import REWORKS, RowScore, rework
 from pulsenet.rl.draw import DrawId
 
 log = logging.getLogger(__name__)
 
 BEHAVIOURS = (
     "chosen", "best-of-n", "scaled-logprobs", "wrong-temperature", "stale", "perturbed", "copy", "withhold", "one-row",
+    *REWORKS,
 )  # fmt: skip
 """The hostile behaviours, one flag each (``InferenceConfig.hostile``, ``pulsenet chaos --hostile``)."""
 
@@ -83,12 +98,14 @@ class HostileConfig:
     row: int = -1
     """one-row: the row of each batch changed (-1: the batch's number of batches generated,
     modulo its rows, so every position is hit in turn)."""
+    copies: int = 32
+    """copies: copies of the best group in the one batch sent."""
 
     def __post_init__(self) -> None:
         if self.behaviour not in BEHAVIOURS:
             raise ConfigError(f"hostile: unknown behaviour {self.behaviour!r}; known: {', '.join(BEHAVIOURS)}")
-        if self.n < 1 or self.lag < 1 or not self.temperature > 0:
-            raise ConfigError("hostile: n >= 1, lag >= 1 and temperature > 0")
+        if self.n < 1 or self.lag < 1 or self.copies < 1 or not self.temperature > 0:
+            raise ConfigError("hostile: n >= 1, lag >= 1, copies >= 1 and temperature > 0")
 
     @classmethod
     def parse(cls, spec: str) -> HostileConfig:
@@ -135,6 +152,8 @@ class Hostile:
         """stale, perturbed: the engine that really samples, serving other weights under the label."""
         self._shadow_for: tuple[int, int] | None = None
         """(served version, version of the weights the shadow serves)."""
+        self._previous: list[Rollout] | None = None
+        """repeat: the batch sent before."""
 
     def observe(self, version: int, state: Mapping[str, torch.Tensor], digest: str) -> None:
         """A verified update (the honest engine takes it too)."""
@@ -176,7 +195,7 @@ class Hostile:
             )
         elif b == "one-row":
             gens, touched = self._one_row(engine, prompts, params, ids)
-        else:  # withhold: honest rows; ``publish`` decides
+        else:  # withhold and the reworks: honest rows; ``publish`` and ``rework`` decide
             gens, touched = engine.generate(prompts, params), False
         self.stats.touched += touched
         return gens
@@ -191,6 +210,16 @@ class Hostile:
         self.stats.withheld += 1
         self.stats.touched += 1
         return False
+
+    def rework(self, rows: Sequence[Rollout], score: RowScore) -> list[list[Rollout]]:
+        """The batches the node sends for the scored honest ``rows`` (``REWORKS``; else ``[rows]``)."""
+        b = self.config.behaviour
+        if b not in REWORKS:
+            return [list(rows)]
+        sends = rework(b, rows, score, previous=self._previous, n=self.config.n, copies=self.config.copies)
+        self._previous = list(rows)
+        self.stats.touched += sends != [list(rows)]
+        return sends
 
     # --- the behaviours --------------------------------------------------------------------------
 

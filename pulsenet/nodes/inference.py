@@ -46,7 +46,7 @@ from pulsenet.rl.draw import DrawId
 from pulsenet.rl.prompts import Prompter
 from pulsenet.rl.tasks import Task, assign_problems, group_id
 from pulsenet.rollouts import RolloutWriter
-from pulsenet.rollouts.demand import DemandReader, assigned, batches_to_generate
+from pulsenet.rollouts.demand import DemandReader, assigned, assigned_group_size, batches_to_generate
 from pulsenet.store.base import REQUEST_KINDS, ObjectStore
 from pulsenet.sync.subscriber import OnUpdate, Subscriber
 
@@ -328,24 +328,23 @@ class InferenceNode:
             return "waiting_version"
         if not self.demand.sources:
             return None
+        live = await self.demand.poll()
+        _, prompts, size = self._assigned()
         wanted = batches_to_generate(
-            await self.demand.poll(),
-            node=self.config.id,
-            version=engine.version,
-            produced=self.writer.produced,
-            rows_per_batch=self.config.prompts * self.config.group_size,
+            live, node=self.config.id, version=engine.version, produced=self.writer.produced, rows_per_batch=prompts * size
         )
         return "waiting_demand" if wanted == 0 else None
 
-    def _assigned(self) -> tuple[int, int]:
-        """(batches per version, prompts per batch) this node makes: its own settings, never more
-        than the trainers' demand records allow (``rl.tasks.Assignment``: a batch number or problem
-        past them would be refused)."""
-        c = self.config
-        bound = assigned(self.demand.live(), c.id)
+    def _assigned(self) -> tuple[int, int, int]:
+        """(batches per version, prompts per batch, G) this node makes: its own settings, but never
+        more batches than the trainers' demand records allow, and exactly the problems and G they
+        sign (``rl.tasks.Assignment``: a trainer refuses a batch missing a problem or a group of
+        another size)."""
+        c, live = self.config, self.demand.live()
+        bound, g = assigned(live, c.id), assigned_group_size(live, c.id)
         if bound is None:
-            return c.batches_per_version, c.prompts
-        return min(c.batches_per_version, bound[0]), min(c.prompts, bound[1])
+            return c.batches_per_version, c.prompts, g or c.group_size
+        return min(c.batches_per_version, bound[0]), bound[1], g or c.group_size
 
     async def _log_final(self) -> None:
         """On the way out: the bits this node ends with, hashed again from the engine's own weights,
@@ -384,8 +383,10 @@ class InferenceNode:
         version, engine_digest = engine.version, engine.digest
         index = self._batches_at.get(version, 0)
         self._batches_at[version] = index + 1
-        problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=self._assigned()[1], batch=index)
+        _, n, size = self._assigned()
+        problems = assign_problems(self.task, node=c.id, version=version, seed=c.seed, n=n, batch=index)
         asked = [(k, p, ids) for k, p in enumerate(problems) if (ids := self.prompter.encode(p.prompt)) is not None]
+        dropped = sorted(set(range(n)) - {k for k, _, _ in asked})  # declared in the manifest: the trainer checks
         if not asked:  # every prompt over the limits: counted by the prompter (prompts_dropped), nothing to send
             why = ", ".join(f"{n} {k}" for k, n in sorted(self.prompter.stats.dropped.items()))
             self._dropping = self.state.degraded = (
@@ -398,18 +399,18 @@ class InferenceNode:
         if self._dropping is not None and self.state.degraded == self._dropping:
             self.state.degraded = None  # prompts get through again
         self._dropping = None
-        prompts = [ids for _, _, ids in asked for _ in range(c.group_size)]
+        prompts = [ids for _, _, ids in asked for _ in range(size)]
         # Every token is drawn with the public draw of (run, digest, node, batch, problem, completion):
         # what a trainer replays (rl/replay.py); the node chooses none of it.
-        ids = [DrawId(c.run, engine_digest, c.id, version, index, k, i) for k, _, _ in asked for i in range(c.group_size)]
+        ids = [DrawId(c.run, engine_digest, c.id, version, index, k, i) for k, _, _ in asked for i in range(size)]
         params = replace(
             self.prompter.sampling_params(
                 temperature=c.temperature, top_p=c.top_p, seed=_sample_seed(c.seed, c.id, version, index)
             ),
             draws=tuple(d.key() for d in ids),
         )
-        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(c.group_size)]
-        problems = [p for _, p, _ in asked for _ in range(c.group_size)]
+        groups = [group_id(c.id, version, index, k) for k, _, _ in asked for _ in range(size)]
+        problems = [p for _, p, _ in asked for _ in range(size)]
 
         def score(gens: Sequence[Generation]) -> list[float]:
             texts = [self.prompter.completion_text(g.completion_ids) for g in gens]
@@ -431,8 +432,15 @@ class InferenceNode:
         if self.hostile is not None and not self.hostile.publish(rewards):
             log.warning("%s: hostile: v%d batch %d withheld (reward %.3f)", c.id, version, index, sum(rewards) / len(rewards))
             return version
-        rows = [g.to_rollout(group=grp, reward=r, node=c.id) for g, grp, r in zip(gens, groups, rewards, strict=True)]
-        manifest = await self.writer.write(rows)
+        rows = [x.to_rollout(group=grp, reward=r, node=c.id) for x, grp, r in zip(gens, groups, rewards, strict=True)]
+        def score_row(i: int, completion: Sequence[int]) -> float:
+            return self.task.score(self.prompter.completion_text(completion), problems[i])
+
+        # A hostile node (nodes/hostile.py) may send other batches than the one it made.
+        sends = [rows] if self.hostile is None else await asyncio.to_thread(self.hostile.rework, rows, score_row)
+        manifest = None
+        for batch in sends:
+            manifest = await self.writer.write(batch, dropped=dropped)
         newest = self.newest_verified()
         if newest is not None:
             await self.writer.retain(newest)

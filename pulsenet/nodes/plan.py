@@ -158,7 +158,7 @@ def plan_network(
             trust_inference=[f"{i}={public_keys / f'{i}.key.pub'}" for i in inference],
             rows_per_step=rows_per_step,
             batches_per_version=batches_per_version, prompts_per_batch=prompts,  # what the nodes make
-            intake=replace(base.intake, max_staleness=n.max_staleness),
+            intake=replace(base.intake, max_staleness=n.max_staleness, group_size=group_size),  # G, signed in demand
             publish=replace(base.publish, anchor_every=max(n.rounds + 1, 10)),
             task=copy.deepcopy(task), eval_every=n.eval_every, tracker=n.tracker,
             grpo=replace(base.grpo, lr=n.lr) if n.lr else base.grpo,

@@ -155,14 +155,19 @@ class Prompter:
             return tok.encode(self.text(prompt), add_special_tokens=False)
         return tok.encode(prompt, add_special_tokens=True)
 
+    def drop_reason(self, ids: Sequence[int]) -> str | None:
+        """Why a prompt of ``ids`` is dropped (``prompt_too_long``, ``context_too_long``), or None;
+        nothing counted: what a trainer asks to know which assigned problems a node must leave out."""
+        if len(ids) > self.config.max_prompt_tokens:
+            return "prompt_too_long"
+        if self.max_positions is not None and len(ids) + self.config.max_new_tokens > self.max_positions:
+            return "context_too_long"
+        return None
+
     def encode(self, prompt: str) -> list[int] | None:
         """The prompt's ids, or None (counted in ``stats.dropped``) when it is over a limit."""
         ids = self.ids(prompt)
-        reason = None
-        if len(ids) > self.config.max_prompt_tokens:
-            reason = "prompt_too_long"
-        elif self.max_positions is not None and len(ids) + self.config.max_new_tokens > self.max_positions:
-            reason = "context_too_long"
+        reason = self.drop_reason(ids)
         if reason is not None:
             self.stats.dropped[reason] = self.stats.dropped.get(reason, 0) + 1
             return None

@@ -53,6 +53,7 @@ from pulsenet.errors import ConfigError
 from pulsenet.rl.draw import boundary_margin, uniforms
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.sampling import SamplingParams
+from pulsenet.rl.shape import RowShape
 from pulsenet.rollouts.intake import REPLAY_REASONS
 
 REASONS = REPLAY_REASONS
@@ -267,10 +268,8 @@ class Replayer:
         self._loaded: int | None = None
         self.rng = rng or random.SystemRandom()
         self.stats = ReplayStats()
-        eos = getattr(hf_config, "eos_token_id", None)
-        eos_ids = set() if eos is None or not params.stop_at_eos else {eos} if isinstance(eos, int) else set(eos)
-        self._stop_ids = frozenset(params.stop_token_ids) | eos_ids
-        """What ends a completion: the task's stop tokens and, as the engines do, the model's EOS."""
+        self.shape = RowShape.of(params, getattr(hf_config, "eos_token_id", None), stopped)
+        """(c), also what the intake checks on every row (rl/shape.py)."""
 
     # --- the versions held ---------------------------------------------------------------------
 
@@ -392,24 +391,8 @@ class Replayer:
         return margins, (logp - reported).abs()
 
     def _params_broken(self, r: ReplayRow) -> str | None:
-        """(c): the completion's length and ending obey the task's sampling parameters."""
-        p, ids = self.params, r.completion_ids
-        if not ids:
-            return "an empty completion"
-        if len(ids) > p.max_new_tokens:
-            return f"{len(ids)} tokens, max_new_tokens is {p.max_new_tokens}"
-        if len(ids) != len(r.logprobs):
-            return f"{len(ids)} tokens but {len(r.logprobs)} log-probs"
-        stops = self._stop_ids
-        early = next((t for t, tok in enumerate(ids[:-1]) if tok in stops), None)
-        if early is not None:
-            return f"a stop token at {early} of {len(ids)}: the completion goes on past its end"
-        # The text of every shorter prefix is a prefix of this one's: one decode, not one per token.
-        if p.stop and self.stopped is not None and len(ids) > 1 and self.stopped(ids[:-1]):
-            return "a stop string ends the completion before its last token"
-        if len(ids) < p.max_new_tokens and ids[-1] not in stops and not (p.stop and self.stopped and self.stopped(ids)):
-            return f"ended at {len(ids)} tokens (< max_new_tokens {p.max_new_tokens}) without a stop token or string"
-        return None
+        """(c): the completion's length and ending obey the task's sampling parameters (rl/shape.py)."""
+        return self.shape.broken(r.completion_ids, len(r.logprobs))
 
     def _count(self, v: Verdict) -> Verdict:
         s = self.stats

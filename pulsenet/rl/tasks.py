@@ -483,11 +483,15 @@ def group_id(node: str, version: int, batch: int, index: int) -> str:
 
 
 def parse_group_id(group: str) -> tuple[str, int, int, int] | None:
-    """``(node, version, batch, index)`` of a ``group_id``, or None if it is not one."""
+    """``(node, version, batch, index)`` of a ``group_id``, or None if it is not one: exactly the
+    text ``group_id`` writes for them. ``p5``, ``p05`` and ``p005`` would all read as problem 5 under
+    ``int()``: as distinct groups of one problem, each replayed from completion 0, a node could send
+    its best group several times as honest draws (issue 38)."""
     m = _GROUP.fullmatch(group)
     if m is None:
         return None
-    return m["node"], int(m["version"]), int(m["batch"]), int(m["index"])
+    parsed = m["node"], int(m["version"]), int(m["batch"]), int(m["index"])
+    return parsed if group_id(*parsed) == group else None
 
 
 # --- what a node may answer -------------------------------------------------------------------------
@@ -505,7 +509,9 @@ class Assignment:
     batch id once (``RolloutIntake``: ``batch_repeated``). The trainer signs both bounds into its
     demand record (rollouts/demand.py), and a node never makes more than they allow. So a node can
     neither choose its problems (before: any batch number of its choosing, per group) nor answer
-    one twice; it can still withhold a batch it does not like (issue 30 counts gaps).
+    one twice; it can still withhold a batch it does not like (issue 30 counts gaps). Which of a
+    batch's problems and rows it sends is not its choice either (issue 38, ``answers`` and
+    rl/answers.py): each group id in ``group_id``'s one spelling, each problem once, G rows a group.
 
     Every number of a group id is bounded here before anything is drawn: a group id is a claim.
     """
@@ -513,15 +519,19 @@ class Assignment:
     batches_per_version: int = 16
     """Batch numbers a node may use per version: ``b < batches_per_version``."""
     prompts_per_batch: int = 64
-    """Problems per batch at most: ``index < prompts_per_batch``."""
+    """Problems per batch: ``index < prompts_per_batch`` (``rl.answers.BatchCheck``: every one answered)."""
     max_group_rows: int | None = None
     """Rows one group may hold (a GRPO step never splits a group: at most its rows; None: no bound)."""
+    group_size: int | None = None
+    """GRPO's G: every group holds exactly this many rows (signed into the demand record); None: any."""
 
     def __post_init__(self) -> None:
         if self.batches_per_version < 1 or self.prompts_per_batch < 1:
             raise ConfigError("batches_per_version and prompts_per_batch must be >= 1")
         if self.max_group_rows is not None and self.max_group_rows < 1:
             raise ConfigError("max_group_rows must be >= 1")
+        if self.group_size is not None and self.group_size < 1:
+            raise ConfigError("group_size must be >= 1")
 
     def check_group(self, group: str, *, node: str, version: int) -> tuple[int, int] | str:
         """``(batch, index)`` of a group id of ``node``'s rows served at ``version``, or the reason it
@@ -535,10 +545,16 @@ class Assignment:
             return "out_of_assignment"
         return batch, index
 
-    def batch_of(self, groups: Sequence[str], rows_per_group: Sequence[int], *, node: str, version: int) -> int:
-        """The one batch number every group of a rollout batch answers; RolloutRowError (reason
-        ``group_id``, ``out_of_assignment``, ``mixed_batches``, ``group_size``) otherwise."""
-        batches = set()
+    def answers(
+        self, groups: Sequence[str], rows_per_group: Sequence[int], *, node: str, version: int
+    ) -> tuple[int, list[int]]:
+        """The one batch number every group of a rollout batch answers and each group's problem
+        index; RolloutRowError otherwise, reason ``group_id``, ``out_of_assignment``, ``group_size``
+        (a group over ``max_group_rows``, or groups of unequal sizes or not of ``group_size``
+        rows), ``mixed_batches``, ``problem_repeated`` (two groups of one problem), or
+        ``group_size_changed`` (every group of one size, another than ``group_size``: what a batch
+        made before a change of G looks like)."""
+        batches, indices = set(), []
         for group, rows in zip(groups, rows_per_group, strict=True):
             got = self.check_group(group, node=node, version=version)
             if isinstance(got, str):
@@ -546,6 +562,19 @@ class Assignment:
             if self.max_group_rows is not None and rows > self.max_group_rows:
                 raise RolloutRowError("group_size", f"group {group!r} has {rows} rows, a step takes {self.max_group_rows}")
             batches.add(got[0])
+            indices.append(got[1])
         if len(batches) != 1:
             raise RolloutRowError("mixed_batches", f"one rollout batch answers batches {sorted(batches)[:8]}")
-        return batches.pop()
+        if len(set(indices)) != len(indices):
+            twice = sorted(k for k in set(indices) if indices.count(k) > 1)
+            raise RolloutRowError("problem_repeated", f"problems {twice[:8]} are answered by more than one group")
+        sizes = set(rows_per_group)
+        if len(sizes) > 1:
+            raise RolloutRowError("group_size", f"groups of {sorted(sizes)[:8]} rows in one batch")
+        if self.group_size is not None and sizes != {self.group_size}:
+            raise RolloutRowError("group_size_changed", f"groups of {sizes.pop()} rows; G is {self.group_size}")
+        return batches.pop(), indices
+
+    def batch_of(self, groups: Sequence[str], rows_per_group: Sequence[int], *, node: str, version: int) -> int:
+        """The one batch number every group of a rollout batch answers (``answers``)."""
+        return self.answers(groups, rows_per_group, node=node, version=version)[0]

@@ -22,10 +22,13 @@ A batch is accepted only if, in this order (the first failing check is the count
 9. every row is within the trainer's :class:`~pulsenet.rollouts.rows.RowLimits` (token ids below the
    vocabulary, lengths within the context, one prompt per group, logprobs and rewards in range) —
    ``rows.ROW_REASONS``;
-10. with ``answer_of`` (the trainer's ``rl.tasks.Assignment``): the batch answers one batch id the
-    trainer allows, every number of its group ids within bounds — ``ANSWER_REASONS``; and no batch
-    accepted before answered the same id — ``batch_repeated`` (the ids are part of the consumed
-    record, so this holds across a restart).
+10. with ``answer_of`` (the trainer's ``rl.answers.BatchCheck``): the batch answers one batch id
+    the trainer allows, whole: every group id exactly as ``group_id`` writes it, within bounds, each
+    problem once, every group G rows, every assigned problem answered or declared dropped in the
+    manifest as the trainer's prompter drops it, every prompt the problem's, every completion's
+    length and ending what the sampling parameters give (on every row) — ``ANSWER_REASONS``; and no
+    batch accepted before answered the same id — ``batch_repeated`` (the ids are part of the
+    consumed record, so this holds across a restart).
 
 Each check is a plain function here over what it needs; one that refuses returns a
 ``Refusal`` (intake_types.py). ``RolloutIntake._consider`` calls them in this order, holds check 3
@@ -36,7 +39,8 @@ reason.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+import logging
+from collections.abc import Mapping
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -51,7 +55,7 @@ from pulsenet.errors import (
     SizeMismatch,
     VerificationError,
 )
-from pulsenet.rollouts.intake_types import Refusal, RolloutIntakeConfig
+from pulsenet.rollouts.intake_types import AnswerOf, Refusal, RolloutIntakeConfig
 from pulsenet.rollouts.layout import BatchName, RolloutLayout
 from pulsenet.rollouts.manifest import BatchManifest, batch_manifest_from
 from pulsenet.rollouts.rows import RowLimits, check_rows
@@ -59,6 +63,8 @@ from pulsenet.rollouts.sources import RolloutSource
 from pulsenet.signed import fetch_document, fetch_object
 from pulsenet.signing import MAX_DOCUMENT
 from pulsenet.store.base import ObjectInfo
+
+log = logging.getLogger(__name__)
 
 
 async def read_manifest(
@@ -142,17 +148,22 @@ async def read_rows(
     m: BatchManifest,
     payload: bytes,
     limits: RowLimits,
-    answer_of: Callable[[RolloutColumns], str | None] | None,
+    answer_of: AnswerOf | None,
 ) -> tuple[RolloutColumns, str | None] | Refusal:
     """Checks 7 to 10 (the repeat of 10 aside), in threads: the rows and the batch id they answer
     (None: ``answer_of`` is None, or names none to check)."""
     try:
         columns = await asyncio.to_thread(decode_and_check, m, payload, limits)
-        answer = None if answer_of is None else await asyncio.to_thread(answer_of, columns)
+        answer = None if answer_of is None else await asyncio.to_thread(answer_of, columns, m.dropped)
     except RolloutRowError as e:
         return Refusal(e.reason, str(e))
     except RolloutError as e:
         return Refusal("payload_malformed", str(e))
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as e:
+        # A batch no check can judge (a case the checks do not foresee) is refused and remembered
+        # like any other, never retried at every poll: logged with its traceback, to be fixed.
+        log.error("rollout batch %s: a check raised", m.payload.key, exc_info=e)
+        return Refusal("payload_malformed", f"a check raised {type(e).__name__}: {e}")
     return columns, answer
 
 

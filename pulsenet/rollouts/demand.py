@@ -16,7 +16,7 @@ key::
      "participants": ["t0", "t1"],
      "grants": {"inf-a": 64, "inf-b": 64},
      "taken": {"inf-a": 3, "inf-b": 2},
-     "batches_per_version": 16, "prompts_per_batch": 64,
+     "batches_per_version": 16, "prompts_per_batch": 64, "group_size": 8,
      "publisher": "<key id>", "created": "2026-01-01T00:00:00.000000+00:00"}
 
 - ``version``: the trainer's policy version now; ``max_staleness``: the oldest version it accepts
@@ -30,7 +30,11 @@ key::
   (``rl.tasks.Assignment``): at each version it serves, batches ``b < batches_per_version`` of at
   most ``prompts_per_batch`` problems, each problem a pure function of (run seed, node, version,
   b). The trainer refuses a batch outside them, and a batch id answered twice; a node makes no
-  more than the smallest bounds of the records naming it.
+  more than the smallest bounds of the records naming it. Every batch answers exactly
+  ``prompts_per_batch`` problems (those its prompter drops declared in its manifest).
+- ``group_size`` (schema 3, issue 38): GRPO's G, the rows of every group; the trainer refuses any
+  other. A node makes groups of the G every record naming it agrees on. A record without it
+  (schema 2, still read and written when the trainer sets none) leaves G to the node's setting.
 - ``seq``: strictly increasing per trainer (microseconds of the writer's clock, or the last + 1):
   a reader keeps the newest record it verified and counts an older one (a replayed copy) as
   ``backwards``, never acting on it. A record that has not changed for ``ttl_s`` by the *reader's*
@@ -73,8 +77,9 @@ from pulsenet.store.base import ObjectStore
 log = logging.getLogger(__name__)
 
 FORMAT = "pulsenet-rollout-demand"
-SCHEMA = 2
-"""2: ``batches_per_version`` and ``prompts_per_batch`` (issue 29)."""
+SCHEMA = 3
+"""2: ``batches_per_version`` and ``prompts_per_batch`` (issue 29); 3: ``group_size`` (issue 38).
+A record without a group size is written and read as schema 2."""
 MAX_DEMAND = 1 << 20
 """Largest demand record a node fetches (about 30 bytes per inference node named)."""
 MAX_NODES = 1 << 15
@@ -87,6 +92,7 @@ _FIELDS = frozenset(
     {"format", "schema", "trainer", "seq", "version", "max_staleness", "participants", "grants", "taken",
      "batches_per_version", "prompts_per_batch", "publisher", "created"}
 )  # fmt: skip
+_FIELDS_V3 = _FIELDS | {"group_size"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -105,7 +111,9 @@ class Demand:
     batches_per_version: int = 16
     """Batch numbers a node may answer per version for this trainer (``b < batches_per_version``)."""
     prompts_per_batch: int = 64
-    """Problems per batch at most."""
+    """Problems per batch."""
+    group_size: int | None = None
+    """GRPO's G: rows of every group (None: the node's own setting; a schema 2 record)."""
     seq: int = 0
     publisher: str = ""
     created: str = ""
@@ -120,13 +128,15 @@ class Demand:
         return (
             self.version, self.max_staleness, self.participants,
             tuple(sorted(self.grants.items())), tuple(sorted(self.taken.items())),
-            self.batches_per_version, self.prompts_per_batch,
+            self.batches_per_version, self.prompts_per_batch, self.group_size,
         )  # fmt: skip
 
     def to_body(self) -> dict:
+        g = {} if self.group_size is None else {"group_size": self.group_size}
         return {
+            **g,
             "format": FORMAT,
-            "schema": SCHEMA,
+            "schema": 2 if self.group_size is None else SCHEMA,
             "trainer": self.trainer,
             "seq": self.seq,
             "version": self.version,
@@ -152,8 +162,10 @@ class Demand:
 
 
 def _from_body(body: Mapping) -> Demand:
-    if not isinstance(body, Mapping) or body.get("format") != FORMAT or body.get("schema") != SCHEMA or set(body) != _FIELDS:
-        raise ManifestError(f"not a {FORMAT} v{SCHEMA} record")
+    schema = body.get("schema") if isinstance(body, Mapping) else None
+    fields = {2: _FIELDS, 3: _FIELDS_V3}.get(schema) if type(schema) is int else None
+    if not isinstance(body, Mapping) or body.get("format") != FORMAT or set(body) != fields:
+        raise ManifestError(f"not a {FORMAT} v2 or v{SCHEMA} record")
     trainer = _node(body["trainer"], "trainer")
     parts = body["participants"]
     if not isinstance(parts, list) or not 0 < len(parts) <= MAX_PARTICIPANTS:
@@ -179,6 +191,7 @@ def _from_body(body: Mapping) -> Demand:
         taken=counts["taken"],
         batches_per_version=_positive(body["batches_per_version"], "batches_per_version"),
         prompts_per_batch=_positive(body["prompts_per_batch"], "prompts_per_batch"),
+        group_size=_positive(body["group_size"], "group_size") if schema == SCHEMA else None,
         publisher=body["publisher"],
         created=body["created"],
     )
@@ -204,6 +217,13 @@ def assigned(demands: Iterable[Demand], node: str) -> tuple[int, int] | None:
     if not named:
         return None
     return min(d.batches_per_version for d in named), min(d.prompts_per_batch for d in named)
+
+
+def assigned_group_size(demands: Iterable[Demand], node: str) -> int | None:
+    """The G every live record naming ``node`` signed (``group_size``), or None when none names one
+    or they disagree (the node's own setting then; a trainer with another G refuses its groups)."""
+    sizes = {d.group_size for d in demands if node in d.grants}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _int(v: object, what: str, most: int) -> int:

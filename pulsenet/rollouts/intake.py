@@ -23,7 +23,8 @@ fetches only the batches it owns. A batch whose GRPO step failed is reported bac
 ``failed()``: counted, and kept in the consumed record so it is never trained on again.
 
 **Trust** (trust.py): a batch the trainer's replay refuses (``refused()`` with a
-``REPLAY_REASONS`` reason) is a strike against its node; after ``refusals_to_distrust`` strikes the
+``REPLAY_REASONS`` reason), or the intake refuses for what an honest node never sends
+(``STRIKE_REASONS``), is a strike against its node; after ``refusals_to_distrust`` strikes the
 node is distrusted: no GET of its store any more, its batches skipped from a listing made once per
 ``relist_after_s`` (counted under ``distrusted``), also
 after a restart (the trust record is part of ``consumed()``). With ``open_inference``, a source
@@ -44,17 +45,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet import runtime
-from pulsenet.codec.rollout import RolloutColumns
 from pulsenet.errors import PulsenetError, StoreError
 from pulsenet.rollouts import checks
 from pulsenet.rollouts.batch_queue import BatchQueue
 from pulsenet.rollouts.demand import Demand
-from pulsenet.rollouts.intake_types import IntakeStats, Refusal, RolloutBatch, RolloutIntakeConfig
+from pulsenet.rollouts.intake_types import AnswerOf, IntakeStats, Refusal, RolloutBatch, RolloutIntakeConfig
 from pulsenet.rollouts.layout import BatchName, RolloutLayout, check_node
 from pulsenet.rollouts.manifest import BatchManifest
 from pulsenet.rollouts.partition import owner
 from pulsenet.rollouts.rows import ROW_REASONS
-from pulsenet.rollouts.sources import RolloutSource, SourceHead, head_moved, read_open_key
+from pulsenet.rollouts.sources import RolloutSource, SourceHead, head_moved, proves_key, read_open_key
 from pulsenet.rollouts.trust import DISTRUSTED, PINNED, STRIKES, TRUST_REASONS, Gaps, Trust, answered_batch
 from pulsenet.signing import key_id
 from pulsenet.store.base import ObjectInfo
@@ -69,8 +69,11 @@ REWARD_MISMATCH = "reward_mismatch"
 node never sends one (the same deterministic reward on both sides), so it is a strike like a replay
 refusal."""
 
-ANSWER_REASONS = ("group_id", "out_of_assignment", "mixed_batches", "group_size")
-"""What ``answer_of`` may refuse a batch for (``rl.tasks.Assignment.batch_of``)."""
+ANSWER_REASONS = (
+    "group_id", "out_of_assignment", "mixed_batches", "problem_repeated", "group_size", "group_size_changed",
+    "incomplete", "dropped_mismatch", "assignment_changed", "wrong_prompt", "row_shape",
+)  # fmt: skip
+"""What ``answer_of`` may refuse a batch for (``rl.answers.BatchCheck``, ``rl.tasks.Assignment.answers``)."""
 
 REASONS = (
     "too_large",
@@ -100,8 +103,18 @@ trainer no longer holds the weights of the batch's version (a restart), not the 
 ``TRUST_REASONS`` by the trust rules (trust.py: batches of a distrusted node or over an open node's
 budget skipped, an open node's key that changed, batch numbers withheld)."""
 
-STRIKE_REASONS = (*REPLAY_REASONS, REWARD_MISMATCH)
-"""Refusals that count towards ``refusals_to_distrust`` (trust.py says why ``rescore`` does not)."""
+STRIKE_REASONS = (
+    *REPLAY_REASONS, REWARD_MISMATCH, "batch_repeated", "group_id", "mixed_batches", "problem_repeated",
+    "group_size", "incomplete", "row_shape",
+)  # fmt: skip
+"""Refusals that count towards ``refusals_to_distrust``: what an honest node never sends (issue 38;
+``reward_mismatch`` is counted by the feed's re-scoring, nodes/feed.py).
+Not strikes, as they also follow from a setting changed or differing between the sites, which an
+operator fixes without a node having lied (each is still a refusal): ``rescore`` (trust.py),
+``out_of_assignment``, ``group_size_changed``, ``assignment_changed`` (batches made before a
+change of ``batches_per_version``, G or ``prompts_per_batch``), ``dropped_mismatch`` and
+``wrong_prompt`` (other prompt limits or settings), and the row limits (``ROW_REASONS``: another
+model or reward range)."""
 
 ANSWERED = "answered:"
 """Prefix of the answered batch ids in ``consumed()`` (batch ids proper start with a node id)."""
@@ -121,12 +134,12 @@ class RolloutIntake:
         *,
         trainer_id: str = "t0",
         participants: Sequence[str] | Callable[[int], Sequence[str]] | None = None,
-        answer_of: Callable[[RolloutColumns], str | None] | None = None,
+        answer_of: AnswerOf | None = None,
     ) -> None:
         """``digest_of(version)``: the model digest published for a policy version, None if unknown.
         ``participants``: the trainer ids sharing the pool (per version, or fixed); default just us.
-        ``answer_of(columns)``: the batch id a batch answers (unique per node and version; None:
-        none to check), or RolloutRowError naming why the batch answers none it may (check 10)."""
+        ``answer_of(columns, dropped)``: the batch id a batch answers (unique per node and version;
+        None: none to check), or RolloutRowError naming why the batch answers none it may (check 10)."""
         nodes = [check_node(s.node) for s in sources]
         if len(set(nodes)) != len(nodes) or not sources:
             raise ValueError(f"rollout sources need distinct node ids, got {nodes}")
@@ -147,7 +160,10 @@ class RolloutIntake:
         self._accepted: dict[str, int] = {}  # batch id -> version: never queued twice
         self._taken: dict[str, int] = {}  # batch id -> version: handed to the trainer (``consumed``)
         self.answer_of = answer_of
-        self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once (``consumed``)
+        self._answered: dict[str, int] = {}  # "node/answer" -> version: each accepted once
+        self._answers_taken: dict[str, int] = {}
+        """The answers of the batches taken (``consumed``): one accepted but not taken before a
+        restart is accepted again after it, not refused as its own repeat (a strike)."""
         self._queue = BatchQueue(config, self.stats)
         self._keys: dict[str, dict[str, Ed25519PublicKey]] = {s.node: dict(s.trusted) for s in sources}
         """Node -> the keys its documents verify under: configured, or an open node's pinned key."""
@@ -184,6 +200,8 @@ class RolloutIntake:
             self.stats.taken_by_node[b.node] = self.stats.taken_by_node.get(b.node, 0) + 1
             self.stats.staleness[lag] = self.stats.staleness.get(lag, 0) + 1
             self._taken[b.batch_id] = b.version
+            if b.answer is not None:
+                self._answers_taken[f"{b.node}/{b.answer}"] = b.version
         return out
 
     def failed(self, batches: RolloutBatch | Iterable[RolloutBatch], why: str) -> None:
@@ -232,6 +250,7 @@ class RolloutIntake:
             grants={n: share if n in alive else 0 for n in nodes},
             taken=taken,
             **({} if assignment is None else {"batches_per_version": assignment[0], "prompts_per_batch": assignment[1]}),
+            group_size=self.config.group_size,
         )
 
     def refused(self, batch: RolloutBatch, reason: str, why: str) -> None:
@@ -252,7 +271,7 @@ class RolloutIntake:
         batch ids answered: part of a trainer's resume state, so that a restarted trainer neither
         trains on a batch twice nor accepts a batch id answered again (``skip_consumed``); and the
         trust record (trust.py: strikes, distrusted nodes, open nodes' pinned keys)."""
-        return {**self._taken, **{ANSWERED + a: v for a, v in self._answered.items()}, **self.trust.record()}
+        return {**self._taken, **{ANSWERED + a: v for a, v in self._answers_taken.items()}, **self.trust.record()}
 
     def skip_consumed(self, consumed: Mapping[str, int]) -> None:
         """Never queue these batches (what ``consumed`` returned before a restart), and take back
@@ -268,7 +287,7 @@ class RolloutIntake:
                 )
         for key, v in consumed.items():
             if key.startswith(ANSWERED):
-                self._answered[key.removeprefix(ANSWERED)] = v
+                self._answered[key.removeprefix(ANSWERED)] = self._answers_taken[key.removeprefix(ANSWERED)] = v
             elif key.startswith((DISTRUSTED, STRIKES, PINNED)):
                 continue
             else:
@@ -347,9 +366,17 @@ class RolloutIntake:
             return False
         if got is not None:
             kid = key_id(got)
-            if any(kid in keys for other, keys in self._keys.items() if other != node):
+            theirs = any(kid in keys for other, keys in self._keys.items() if other != node)
+            if theirs or any(k == kid for other, k in self.trust.pinned.items() if other != node):
                 self._reject(node, layout.key, "wrong_node_key", f"key {kid} is another node's")
                 return False
+            if node not in self.trust.pinned:  # first sight: the node must prove it holds the key
+                proof = await proves_key(source, got, layout=layout, config=self.config)
+                if proof is not True:
+                    self._heads[node].key_etag = None  # read (and prove) it again next poll
+                    if isinstance(proof, Refusal):
+                        self._reject(node, layout.key, *proof)
+                    return False
             if not self.trust.pin(node, kid, self._version):
                 self._reject(node, layout.key, "key_changed", f"key {kid}; {self.trust.pinned[node]} was pinned")
                 return False
@@ -486,13 +513,19 @@ class RolloutIntake:
             return self._reject(node, key, *payload)
         rows = await checks.read_rows(m, payload, cfg.limits, self.answer_of)  # 7 to 10
         if isinstance(rows, Refusal):
-            return self._reject(node, key, *rows)
+            return self._reject(node, key, *rows, batch=name)
         columns, answer = rows
         if answer is not None and f"{node}/{answer}" in self._answered:  # 10: once per node
-            return self._reject(node, key, "batch_repeated", f"batch {answer} of {node} was answered before")
+            return self._reject(node, key, "batch_repeated", f"batch {answer} of {node} was answered before", batch=name)
         return RolloutBatch(m, columns, self.batch_id(node, name), answer)
 
-    def _reject(self, node: str, key: str, reason: str, why: str) -> None:
+    def _reject(self, node: str, key: str, reason: str, why: str, *, batch: BatchName | None = None) -> None:
+        """Count and log a refusal; a strike against a signed ``batch`` (``STRIKE_REASONS``) also
+        goes into the consumed record, so that a restarted trainer neither fetches it nor counts
+        the strike again."""
+        if batch is not None and reason in STRIKE_REASONS:
+            bid = self.batch_id(node, batch)
+            self._taken[bid] = self._accepted[bid] = batch.version
         self._count(node, reason)
         log.warning("rejected rollout batch %s of %s (%s): %s", key, node, reason, why)
         return None

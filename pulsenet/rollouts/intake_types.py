@@ -5,6 +5,7 @@ sources it reads are in sources.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -19,6 +20,12 @@ class Refusal(NamedTuple):
 
     reason: str
     why: str
+
+
+AnswerOf = Callable[[RolloutColumns, tuple[int, ...]], str | None]
+"""``answer_of(columns, dropped)``: the batch id a decoded batch answers, its manifest declaring the
+problems in ``dropped`` left out (the trainer's ``rl.answers.BatchCheck``); RolloutRowError names
+why it answers none the trainer allows (check 10)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,8 +61,9 @@ class RolloutIntakeConfig:
     round_timeout_s: float | None = 600.0
     """Deadline of one whole poll in ``run()``."""
     refusals_to_distrust: int = 3
-    """Batches refused by the trainer's replay (``REPLAY_REASONS``) after which a node's batches
-    are no longer taken (trust.py; kept across restarts); 0: never."""
+    """Strikes (batches refused by the trainer's replay, or at intake for what an honest node never
+    sends: intake.py's ``STRIKE_REASONS``) after which a node's batches are no longer taken
+    (trust.py; kept across restarts); 0: never."""
     forgive: list[str] = field(default_factory=list)
     """Nodes whose distrust and strikes are lifted when the intake resumes (an operator's call
     after a node was fixed; an open node's pinned key is forgotten too, and pinned again)."""
@@ -66,6 +74,9 @@ class RolloutIntakeConfig:
     trainer's replay on (a trainer checks that): rows are still replayed."""
     open_budget: int = 2
     """Batches per version this trainer takes from one open node; more are skipped before any GET."""
+    group_size: int | None = None
+    """GRPO's G: every group of a batch holds exactly this many rows (``rl.tasks.Assignment``),
+    signed into the demand record so that the nodes make it; None: not set (any, equal sizes)."""
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.max_batch_bytes < 1:
@@ -74,6 +85,8 @@ class RolloutIntakeConfig:
             raise ValueError("max_queued, max_queued_tokens and max_queued_bytes must be >= 1")
         if self.refusals_to_distrust < 0 or self.open_budget < 0:
             raise ValueError("refusals_to_distrust and open_budget must be >= 0")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError("group_size must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,12 +2,18 @@
 
 A manifest is a signed document (``pulsenet.signing``) whose body is::
 
-    {"format": "pulsenet-rollout-manifest", "schema": 1,
+    {"format": "pulsenet-rollout-manifest", "schema": 2,
      "node": "inf-0", "seq": 17, "version": 12,
      "model_digest": "<hex digest of the weights that served every row>",
      "payload": {"key": "rollouts/batches/v...-inf-0-00000017-<sha16>.parquet", "size": 81234, "sha256": "<hex>"},
-     "rows": 64, "groups": 8, "tokens": 9120,
+     "rows": 64, "groups": 8, "tokens": 9120, "dropped": [3],
      "publisher": "<key id of the signer>", "created": "2025-01-01T00:00:00.000000+00:00"}
+
+``dropped`` (schema 2, issue 38): the problem numbers of the batch's assignment the node left out
+because its prompter drops them (over ``max_prompt_tokens`` or the model's context), sorted and
+distinct: the trainer checks every assigned problem is answered or declared so, and declared only
+when its own prompter drops it too (rl/answers.py). A schema 1 manifest (no ``dropped``) reads as
+declaring none.
 
 It is signed for the context ``RolloutLayout.context(run, store_url, node)`` (see there for why), written
 create-only after the payload. Readers accept it only if a key trusted *for that node* signed it,
@@ -40,7 +46,11 @@ from pulsenet.signed import ObjectRef, is_sha256
 from pulsenet.signing import Signed, key_id, sign_document
 
 FORMAT = "pulsenet-rollout-manifest"
-SCHEMA = 1
+SCHEMA = 2
+"""2: ``dropped`` (issue 38); 1 is still read (no problem declared dropped)."""
+HEAD_SCHEMA = 1
+MAX_DROPPED = 1 << 16
+"""Most problem numbers one manifest may declare dropped (``Demand.prompts_per_batch`` at most)."""
 MAX_MANIFEST = 64 << 10
 """Largest batch manifest a writer reads back at start (a real one is about 700 bytes)."""
 _FIELDS = frozenset(
@@ -59,6 +69,8 @@ _FIELDS = frozenset(
         "created",
     }
 )
+_FIELDS_V1 = _FIELDS
+_FIELDS_V2 = _FIELDS | {"dropped"}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +90,8 @@ class BatchManifest:
     publisher: str
     """Key id of the signer."""
     created: str
+    dropped: tuple[int, ...] = ()
+    """Problem numbers of the assignment left out: the node's prompter drops them (module docstring)."""
 
     @property
     def name(self) -> BatchName:
@@ -95,6 +109,7 @@ class BatchManifest:
             "rows": self.rows,
             "groups": self.groups,
             "tokens": self.tokens,
+            "dropped": list(self.dropped),
             "publisher": self.publisher,
             "created": self.created,
         }
@@ -111,8 +126,10 @@ class BatchManifest:
 
 
 def _from_body(body: Mapping, layout: RolloutLayout) -> BatchManifest:
-    if body.get("format") != FORMAT or body.get("schema") != SCHEMA or set(body) != _FIELDS:
-        raise ManifestError(f"not a {FORMAT} v{SCHEMA} manifest (fields {sorted(body)[:20]})")
+    schema = body.get("schema")
+    fields = {1: _FIELDS_V1, 2: _FIELDS_V2}.get(schema) if type(schema) is int else None
+    if body.get("format") != FORMAT or set(body) != fields:
+        raise ManifestError(f"not a {FORMAT} v1 or v2 manifest (fields {sorted(body)[:20]})")
     node = body["node"]
     if not isinstance(node, str) or not NODE.fullmatch(node):
         raise ManifestError(f"rollout manifest node {str(node)[:80]!r} is not a node id")
@@ -127,6 +144,14 @@ def _from_body(body: Mapping, layout: RolloutLayout) -> BatchManifest:
         raise ManifestError(f"rollout manifest: {groups} groups for {rows} rows")
     if not isinstance(body["publisher"], str) or not isinstance(body["created"], str):
         raise ManifestError("rollout manifest publisher and created must be strings")
+    dropped = body.get("dropped", [])
+    if (
+        not isinstance(dropped, list)
+        or len(dropped) > MAX_DROPPED
+        or not all(type(k) is int and 0 <= k < MAX_DROPPED for k in dropped)
+        or dropped != sorted(set(dropped))
+    ):
+        raise ManifestError(f"rollout manifest dropped must be sorted distinct ints below {MAX_DROPPED}")
     return BatchManifest(
         node=node,
         seq=seq,
@@ -138,6 +163,7 @@ def _from_body(body: Mapping, layout: RolloutLayout) -> BatchManifest:
         tokens=tokens,
         publisher=body["publisher"],
         created=body["created"],
+        dropped=tuple(dropped),
     )
 
 
@@ -168,7 +194,7 @@ class RolloutHead:
     def to_body(self) -> dict:
         return {
             "format": HEAD_FORMAT,
-            "schema": SCHEMA,
+            "schema": HEAD_SCHEMA,
             "node": self.node,
             "seq": self.seq,
             "next_seq": self.next_seq,
@@ -182,8 +208,8 @@ def head_from(signed: Signed, node: str) -> RolloutHead:
     """The head record of ``node`` in a verified document, else ManifestError."""
     body = signed.body
     try:
-        if body.get("format") != HEAD_FORMAT or body.get("schema") != SCHEMA or set(body) != _HEAD_FIELDS:
-            raise ManifestError(f"not a {HEAD_FORMAT} v{SCHEMA} record")
+        if body.get("format") != HEAD_FORMAT or body.get("schema") != HEAD_SCHEMA or set(body) != _HEAD_FIELDS:
+            raise ManifestError(f"not a {HEAD_FORMAT} v{HEAD_SCHEMA} record")
         head = RolloutHead(
             node=body["node"],
             seq=_int(body, "seq", 1 << 62),

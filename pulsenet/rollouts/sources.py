@@ -25,7 +25,7 @@ from pulsenet.errors import ManifestError, ObjectNotFound, ObjectTooLarge
 from pulsenet.rollouts.intake_types import IntakeStats, Refusal, RolloutIntakeConfig
 from pulsenet.rollouts.layout import RolloutLayout
 from pulsenet.rollouts.manifest import MAX_HEAD, head_from
-from pulsenet.signing import verify_document
+from pulsenet.signing import key_id, verify_document
 from pulsenet.store.base import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -132,3 +132,27 @@ async def read_open_key(
         return Ed25519PublicKey.from_public_bytes(got.data)
     except ValueError as e:
         return Refusal("malformed", f"not a raw Ed25519 public key: {e}")
+
+
+async def proves_key(
+    source: RolloutSource, key: Ed25519PublicKey, *, layout: RolloutLayout, config: RolloutIntakeConfig
+) -> bool | Refusal:
+    """Whether open ``source`` holds the private half of the ``key`` it publishes: its head, signed
+    for its own context (run, store, node), verifies under it. A public key is public: without this
+    a node could publish an honest open node's key as its own, have it pinned first, and make the
+    honest node's every document a ``wrong_node_key`` (issue 38). False: no head yet (not pinned;
+    asked again next poll); a Refusal: a head that does not verify under it. Store errors other
+    than a missing or oversized head propagate."""
+    try:
+        data = await source.store.get(layout.head, max_bytes=MAX_HEAD, timeout=config.timeout_s)
+    except ObjectNotFound:
+        return False
+    except ObjectTooLarge as e:
+        return Refusal("too_large", f"head: {e}")
+    context = layout.head_context(config.run, source.store.url, source.node)
+    try:
+        signed = await asyncio.to_thread(verify_document, data, {key_id(key): key}, context=context)
+        head_from(signed, source.node)
+    except ManifestError as e:  # SignatureError included
+        return Refusal("wrong_node_key", f"its head does not verify under the key it publishes: {e}")
+    return True

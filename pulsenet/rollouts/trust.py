@@ -4,7 +4,9 @@ and the batches a node withheld (issue 30). Plain records and decisions, no I/O:
 consumed record (``record`` / ``restore``).
 
 - **Strikes**: each batch the trainer refuses for a ``strike_reasons`` reason (its replay found a
-  row the policy did not sample) is a strike against the node; at ``refusals_to_distrust`` strikes
+  row the policy did not sample; or the batch is one an honest node never sends: answered before,
+  a malformed or incomplete set of groups, a completion of a shape no engine makes: intake.py's
+  ``STRIKE_REASONS``) is a strike against the node; at ``refusals_to_distrust`` strikes
   (0: never) the node is *distrusted*: its batches are skipped before any GET from then on.
   ``rescore`` (no row of the batch passed re-scoring) is not a strike for an allowlisted node: it
   also follows from a task or prompt setting that differs between the sites, which an operator fixes
@@ -71,7 +73,10 @@ class Trust:
         self.strikes[node] = n = self.strikes.get(node, 0) + 1
         if self.refusals_to_distrust and n >= self.refusals_to_distrust:
             self.distrusted[node] = version
-            return f"{n} batches refused by replay (refusals_to_distrust = {self.refusals_to_distrust}; last: {reason})"
+            return (
+                f"{n} batches refused for what an honest node never sends "
+                f"(refusals_to_distrust = {self.refusals_to_distrust}; last: {reason})"
+            )
         return None
 
     def pin(self, node: str, kid: str, version: int) -> bool:

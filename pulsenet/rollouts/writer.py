@@ -238,8 +238,10 @@ class RolloutWriter:
                 raise r
         return [n for n in found if isinstance(n, BatchName)]
 
-    async def write(self, rows: Sequence[Rollout]) -> BatchManifest:
-        """Upload one batch (rows of one policy version and digest, sampled by this node)."""
+    async def write(self, rows: Sequence[Rollout], *, dropped: Sequence[int] = ()) -> BatchManifest:
+        """Upload one batch (rows of one policy version and digest, sampled by this node);
+        ``dropped``: the problem numbers of its assignment the node's prompter left out, declared in
+        the manifest (the trainer checks every other one is answered)."""
         if self.next_seq is None:
             await self.start()
         if not rows:
@@ -274,6 +276,7 @@ class RolloutWriter:
                 rows=len(rows),
                 groups=len({r.group for r in rows}),
                 tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in rows),
+                dropped=tuple(sorted(set(dropped))),
                 publisher=self.key_id,
                 created=now_iso(),
             )

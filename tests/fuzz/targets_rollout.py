@@ -42,7 +42,8 @@ from pulsenet.codec.rollout import (
     encode_batch,
 )
 from pulsenet.errors import RolloutError, RolloutRowError
-from pulsenet.nodes.feed import answer_of, next_step
+from pulsenet.nodes.feed import next_step
+from pulsenet.rl.answers import answer_id
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutBatch
@@ -399,18 +400,26 @@ def _assignment_seeds() -> list[bytes]:
 def _reference_answer(cols: RolloutColumns) -> tuple[str, str]:
     """``("ok", answer)`` or ``("refused", reason)``, as ``Assignment.batch_of`` must decide, in plain Python."""
     sizes = collections.Counter(int(k) for k in cols.group)
-    batches = set()
+    batches, problems = set(), []
     for k, gid in enumerate(cols.groups):
         m = _GROUP_RE.fullmatch(gid)
-        if m is None or any(len(x) > 15 for x in m.groups()[1:]) or m[1] != cols.node or int(m[2]) != cols.version:
+        if (
+            m is None or any(len(x) > 15 or x != str(int(x)) for x in m.groups()[1:])  # one spelling per number
+            or m[1] != cols.node or int(m[2]) != cols.version
+        ):  # fmt: skip
             return "refused", "group_id"
         if int(m[3]) >= _ASSIGN.batches_per_version or int(m[4]) >= _ASSIGN.prompts_per_batch:
             return "refused", "out_of_assignment"
         if sizes[k] > (_ASSIGN.max_group_rows or sizes[k]):
             return "refused", "group_size"
         batches.add(int(m[3]))
+        problems.append(int(m[4]))
     if len(batches) != 1:
         return "refused", "mixed_batches"
+    if len(set(problems)) != len(problems):
+        return "refused", "problem_repeated"
+    if len(set(sizes.values())) > 1:
+        return "refused", "group_size"
     return "ok", f"v{cols.version}-b{batches.pop()}"
 
 
@@ -440,7 +449,7 @@ def _answer(data: bytes) -> str:
     cols = decode_columns(data, max_rows=256, max_tokens=1 << 16)
     outcome, want = _reference_answer(cols)
     try:
-        got = answer_of(_ASSIGN, cols)
+        got = answer_id(_ASSIGN, cols)
     except RolloutRowError as e:
         if (outcome, want) != ("refused", e.reason):
             raise AssertionError(f"refused for {e.reason!r}, the reference says {outcome} {want!r}") from None

@@ -26,12 +26,13 @@ from pulsenet.nodes.build import compose_inference
 from pulsenet.nodes.common import text_codec
 from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.hostile import BEHAVIOURS, HostileConfig
+from pulsenet.nodes.hostile_rows import REWORKS
 from pulsenet.nodes.inference import InferenceNode
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.tasks import assign_problems, build_task, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.intake import ANSWERED, REPLAY_REASONS
+from pulsenet.rollouts.intake import ANSWER_REASONS, ANSWERED, REPLAY_REASONS
 from pulsenet.sync import SubscriberConfig
 from tests.support.peer import RUN, TASK, Site, Trainer, stop_node
 from tests.support.waiting import wait_until
@@ -134,7 +135,8 @@ async def _run(
                         hostile._batches_at.get(v, 0) >= batches_per_version
                         and _looked_at(t, "i1") >= hostile.writer.stats.batches
                     )
-                    return made or t.node.version != v or node.done()
+                    gone = "i1" in t.node.intake.trust.distrusted  # its batches are no longer looked at
+                    return made or gone or t.node.version != v or node.done()
 
                 await wait_until(decided, 60, f"i1's batches at v{v}", task=task)
                 if node.done():
@@ -150,7 +152,7 @@ async def _run(
     return t, hostile, policies[0], written
 
 
-TOUCHING = [b for b in BEHAVIOURS if b != "withhold"]
+TOUCHING = [b for b in BEHAVIOURS if b not in ("withhold", *REWORKS)]
 
 
 @pytest.mark.parametrize("behaviour", TOUCHING)
@@ -181,6 +183,63 @@ async def test_every_batch_a_hostile_behaviour_touches_is_refused_and_no_honest_
     untaken = len(written) * PROMPTS * G - len(honest)
     assert untaken == 0 or (stale and untaken == PROMPTS * G and t.node.version == VERSIONS + 1), (honest, written)
     assert t.node.state.rejected.get("i1") == refused  # what /status and /metrics show
+
+
+CHOOSING = {  # issue 38: what each behaviour that picks honest rows is refused for at intake
+    "better-half": {"incomplete", "assignment_changed"},  # the latter: the better half was the first
+    "aliases": {"group_id"},
+    "copies": {"group_id"},
+    "cut-groups": {"group_size", "group_size_changed"},  # the latter: every group cut to one length
+    "repeat": {"batch_repeated"},
+}
+"""``prefix-cut`` needs a wrong completion with a prefix that scores, which the untrained tiny
+model here hardly samples: ``test_a_prefix_cut_row_and_claimed_rewards_at_the_batch_check``."""
+
+
+@pytest.mark.parametrize("behaviour", sorted(CHOOSING))
+async def test_a_node_that_chooses_honest_rows_gets_none_of_its_choices_trained_on(tmp_path: Path, behaviour: str) -> None:
+    """Every batch i1 reworked is refused at intake (before any step), for a reason an honest
+    node never gives (a strike); the honest node: 0 refusals. What i1 sent unchanged (a first
+    batch ``repeat`` cannot repeat yet; a ``prefix-cut`` batch with no wrong row that a prefix
+    mends; a ``cut-groups`` batch whose every group peaks at its last row) is trained on."""
+    t, hostile, trained, written = await _run(tmp_path, behaviour, batches_per_version=2)
+    assert hostile.hostile is not None and hostile.hostile.stats.touched >= 1
+    refused = t.node.intake.stats.rejected_by_node.get("i1", {})
+    reasons = set(refused) - {"distrusted"}
+    assert reasons and reasons <= CHOOSING[behaviour], refused
+    assert reasons <= set(ANSWER_REASONS) | {"batch_repeated"}  # at intake: before replay, before any step
+    if behaviour == "repeat":  # its first answers are honest batches, trained on; every copy refused
+        assert refused["batch_repeated"] >= 1
+    else:  # every batch it sent was reworked: none trained on
+        assert not [v for n, v in trained.rows if n == "i1"]
+    assert t.node.intake.stats.rejected_by_node.get("i0", {}) == {}  # 0 false refusals
+    assert {v for n, v in trained.rows if n == "i0"} <= set(written)
+
+
+def test_the_reworks_choose_rows_as_described() -> None:
+    from pulsenet.nodes.hostile_rows import alias, rework
+
+    def row(group: str, reward: float, ids: tuple[int, ...] = (49, 10)) -> Rollout:
+        return Rollout(
+            group=group, prompt_ids=(1,), completion_ids=ids, logprobs=tuple(-0.1 for _ in ids), reward=reward,
+            version=0, model_digest="0" * 64, node="i1", seed=0,
+        )
+
+    g = [f"i1-v0-b0-p{k}" for k in range(4)]
+    rows = [row(g[k], r) for k, rs in enumerate([(0, 0), (1, 1), (1, 0), (0, 1)]) for r in rs]
+    score = lambda i, ids: 1.0 if list(ids) == [49] else 0.0  # noqa: E731
+    [half] = rework("better-half", rows, score, previous=None, n=2, copies=3)
+    assert [r.group for r in half] == [g[1], g[1], g[2], g[2]]
+    [al] = rework("aliases", rows, score, previous=None, n=1, copies=3)
+    assert [r.group for r in al[8:]] == ["i1-v0-b0-p01"] * 2 + ["i1-v0-b0-p001"] * 2 and alias(g[1], 0) == g[1]
+    [cp] = rework("copies", rows, score, previous=None, n=1, copies=3)
+    assert [r.group for r in cp] == [g[1], g[1], "i1-v0-b0-p01", "i1-v0-b0-p01", "i1-v0-b0-p001", "i1-v0-b0-p001"]
+    [cut] = rework("cut-groups", rows, score, previous=None, n=1, copies=3)
+    assert [(r.group, r.reward) for r in cut] == [(g[0], 0), (g[1], 1), (g[2], 1), (g[3], 0), (g[3], 1)]
+    [pre] = rework("prefix-cut", rows, score, previous=None, n=1, copies=3)
+    assert [r.completion_ids for r in pre] == [(49,), (49,), (49, 10), (49, 10), (49, 10), (49,), (49,), (49, 10)]
+    assert rework("repeat", rows, score, previous=rows[:2], n=1, copies=3) == [rows, rows[:2]]
+    assert {r.reward for r in rework("reward-one", rows, score, previous=None, n=1, copies=3)[0]} == {1.0}
 
 
 async def test_withholding_passes_replay_and_leaves_gaps_in_its_batch_numbers(tmp_path: Path) -> None:
@@ -243,5 +302,6 @@ def test_the_chaos_audit_checks_replay_refused_the_hostile_node_and_no_honest_on
         return audit(events=events, roles=roles, settings=settings)["checks"]["hostile"]
 
     assert run({"rejected:i1:replay_token": 2, "rejected:i0:stale": 1})["ok"]
-    assert not run({"rejected:i1:reward_range": 2})["ok"]  # refused, but not by replay
+    assert not run({"rejected:i1:reward_range": 2})["ok"]  # refused, but for a limit, not a lie
+    assert run({"rejected:i1:problem_repeated": 1})["ok"]  # refused at intake (issue 38)
     assert not run({"rejected:i1:replay_token": 2, "rejected:i0:replay_logprob": 1})["ok"]  # a false refusal

@@ -15,9 +15,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from prometheus_client import generate_latest
 
-from pulsenet.nodes.feed import answer_of
 from pulsenet.nodes.rounds import load_consumed, save_consumed
 from pulsenet.nodes.status import NodeState, StatusServer
+from pulsenet.rl.answers import answer_id
 from pulsenet.rl.tasks import Assignment, group_id
 from pulsenet.rollouts import RolloutIntake, RolloutIntakeConfig, RolloutSource
 from pulsenet.rollouts.intake import REPLAY_REASONS
@@ -28,7 +28,7 @@ from tests.support.rollouts import DIGESTS, Site, make_rows, make_sites
 
 pytestmark = pytest.mark.timeout(120)
 
-ANSWER = functools.partial(answer_of, Assignment(batches_per_version=16, prompts_per_batch=4))
+ANSWER = functools.partial(answer_id, Assignment(batches_per_version=16, prompts_per_batch=4))
 
 
 @pytest.fixture
@@ -235,8 +235,8 @@ async def test_withheld_batch_numbers_are_counted_and_honest_nodes_never_blamed(
 
 
 def _answers(ti: RolloutIntake, node: str) -> list[str]:
-    """Batch ids of ``node`` ``ti`` accepted (its consumed record's answered entries)."""
-    return [k.removeprefix(f"answered:{node}/") for k in ti.consumed() if k.startswith(f"answered:{node}/")]
+    """Batch ids of ``node`` ``ti`` accepted (taken or not: the consumed record holds the taken ones)."""
+    return [k.removeprefix(f"{node}/") for k in ti._answered if k.startswith(f"{node}/")]
 
 
 async def test_a_restarted_trainer_blames_no_one_for_versions_its_node_deleted(sites: list[Site]) -> None:
@@ -271,7 +271,7 @@ async def test_an_open_node_is_pinned_budgeted_and_dropped_on_its_first_refusal(
     before = o.read.requests.snapshot()
     assert await ti.poll(1) == 2
     assert rejected(ti, o.node) == {"over_budget": 1} and ti.trust.pinned[o.node] == wo.key_id
-    assert (o.read.requests - before).get == 1 + 1 + 2 * 2  # key, head, two manifests and payloads
+    assert (o.read.requests - before).get == 1 + 1 + 1 + 2 * 2  # key, head to prove it, head, two manifests and payloads
     await wo.write(batch(o.node, 2, 0))  # a new version: a new budget
     assert await ti.poll(2) == 1
     assert await ti.poll(2) == 0  # and the pinned key answers 304: no new read
@@ -323,6 +323,30 @@ async def test_an_open_nodes_key_that_changes_is_refused_also_after_a_restart(si
     await o.own.put("rollouts/key.pub", b"not a key", timeout=10)
     fourth = intake([a.source(), open_source(o)], open_inference=True)
     assert await fourth.poll(1) == 0 and rejected(fourth, o.node) == {"malformed": 1}
+
+
+async def test_an_open_node_cannot_pin_another_open_nodes_key_as_its_own(sites: list[Site], tmp_path) -> None:
+    """Issue 38: o publishes a's public key as its own. A key is pinned only once the node's head,
+    signed for its own context, verifies under it: o cannot, so o is refused (and, an open node,
+    dropped); a is pinned and its batches taken, in either order of polling, also after a restart."""
+    a, o = sites
+    raw = a.key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    wa, wo = a.writer(), o.writer()
+    await wo.write(batch(o.node, 1, 0))
+    await o.own.put("rollouts/key.pub", raw, timeout=10)  # after its start wrote its own
+    for order in ([open_source(o), open_source(a)], [open_source(a), open_source(o)]):
+        ti = intake(order, open_inference=True)
+        assert await ti.poll(1) == 0
+        assert rejected(ti, o.node) == {"wrong_node_key": 1} and o.node in ti.stats.distrusted
+        assert o.node not in ti.trust.pinned
+    await wa.write(batch(a.node, 1, 0))
+    assert await ti.poll(1) == 1 and ti.trust.pinned[a.node] == wa.key_id and rejected(ti, a.node) == {}
+    assert [b.node for b in ti.take(1)] == [a.node]
+    save_consumed(tmp_path / "consumed.json", 7, ti.consumed())
+    again = intake([open_source(o), open_source(a)], open_inference=True)
+    again.skip_consumed(load_consumed(tmp_path / "consumed.json", 7, "t0"))
+    await wa.write(batch(a.node, 1, 1))
+    assert await again.poll(1) == 1 and rejected(again, a.node) == {} and o.node in again.stats.distrusted
 
 
 def test_a_trainer_takes_a_source_without_a_key_only_with_open_inference(tmp_path) -> None:

@@ -46,6 +46,8 @@ from pulsenet.loco.state import TrainerState
 from pulsenet.nodes.common import initial_model, text_codec
 from pulsenet.rl.distributed import GroupGRPOInner, RankGroup
 from pulsenet.rl.grpo import GRPOConfig, GRPOTrainer
+from pulsenet.rl.models import BYTE_EOS
+from pulsenet.rl.tasks import assign_problems, build_task, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
 from pulsenet.signing import generate_keypair, load_private_key, trusted_keys
 from pulsenet.store import LocalStore, S3Store
@@ -77,25 +79,37 @@ def one_thread() -> Iterator[None]:
 
 
 def _batches(n: int, seed: int = 3) -> list[list[dict[str, Any]]]:
-    """``n`` fixed batches of rows (version and digest filled in when written)."""
+    """``n`` fixed batches of completions; ``_rows`` makes them batch ``b``'s answers at a version
+    (the trainer checks the whole batch, issue 38: group ids, prompts, G = 4 rows a group), each
+    completion ended by EOS as an engine ends it."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for b in range(n):
         rows = []
         for k in range(2):
-            prompt = tuple(int(x) for x in torch.randint(48, 58, (6,), generator=g))
             for i in range(4):
-                length = 3 + (i + k + b) % 4
-                ids = tuple(int(x) for x in torch.randint(32, 127, (length,), generator=g))
+                length = 2 + (i + k + b) % 4  # at most the shipped max-new-tokens, 5
+                ids = (*(int(x) for x in torch.randint(32, 127, (length - 1,), generator=g)), BYTE_EOS)
                 logprobs = tuple(-0.25 * int(x) for x in torch.randint(2, 12, (length,), generator=g))
-                rows.append(dict(group=f"b{b}g{k}", prompt_ids=prompt, completion_ids=ids, logprobs=logprobs,
+                rows.append(dict(batch=b, problem=k, completion_ids=ids, logprobs=logprobs,
                                  reward=float((i * 7 + k + b) % 3 == 0), seed=i))  # fmt: skip
         out.append(rows)
     return out
 
 
 def _rows(batch: list[dict[str, Any]], version: int, digest: str) -> list[Rollout]:
-    return [Rollout(**r, version=version, model_digest=digest, node="i0") for r in batch]
+    """``batch`` as node i0's answer of its batch number at ``version``: the assigned problems' prompts."""
+    task = build_task("arith", seed=0)
+    prompter = task.prompter(text_codec("tiny"))
+    out = []
+    for r in batch:
+        b, k = r["batch"], r["problem"]
+        problem = assign_problems(task, node="i0", version=version, seed=0, n=2, batch=b)[k]
+        rest = {x: v for x, v in r.items() if x not in ("batch", "problem")}
+        out.append(Rollout(**rest, group=group_id("i0", version, b, k), prompt_ids=tuple(prompter.ids(problem.prompt)),
+                           version=version, model_digest=digest, node="i0"))  # fmt: skip
+    task.close()
+    return out
 
 
 class Site2:
@@ -146,6 +160,8 @@ class Site2:
             "PULSENET_CONSUMER_POLL_S": "1",
             "PULSENET_LOCO_STORE": "",  # a lone site: the shipped config is t0 of a PULSELoCo pair
             "PULSENET_RESCORE": "false",  # the rows are the test's own, not drawn from the task: train on them as they are
+            "PULSENET_PROMPTS_PER_BATCH": "2",  # what ``_batches`` answer: 2 problems of G = 4 rows
+            "PULSENET_INTAKE__GROUP_SIZE": "4",
         } | self.extra
 
     def start(self) -> subprocess.Popen[bytes]:

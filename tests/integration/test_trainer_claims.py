@@ -27,7 +27,8 @@ import pytest
 
 from pulsenet.codec.rollout import Rollout
 from pulsenet.errors import ManifestError
-from pulsenet.nodes.feed import answer_of, next_step
+from pulsenet.nodes.feed import next_step
+from pulsenet.rl.answers import answer_id
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.prompts import byte_codec
 from pulsenet.rl.rescore import Rescorer
@@ -81,7 +82,7 @@ def test_a_huge_problem_number_is_refused_before_anything_is_drawn() -> None:
 
 async def test_batches_answer_one_allowed_batch_id_once_also_after_a_restart(sites: list[Site]) -> None:
     a = Assignment(batches_per_version=4, prompts_per_batch=8, max_group_rows=6)
-    check = functools.partial(answer_of, a)
+    check = functools.partial(answer_id, a)
     node, v = sites[0].node, 5
     w = sites[0].writer()
     await w.start()
@@ -98,7 +99,7 @@ async def test_batches_answer_one_allowed_batch_id_once_also_after_a_restart(sit
     }
     for rows in sent.values():
         await w.write(rows)
-    ti = intake(sites)
+    ti = intake(sites, refusals_to_distrust=0)  # each refusal here is a strike: these count refusals only
     ti.answer_of = check
     assert await ti.poll(v) == 2
     refused = ti.stats.rejected_by_node[node]
@@ -109,12 +110,13 @@ async def test_batches_answer_one_allowed_batch_id_once_also_after_a_restart(sit
 
     # a restarted trainer (its consumed record): b0 and b3 stay answered, the refused stay refused
     await w.write(_grouped(node, v, [group_id(node, v, 3, 1)]))
-    again = intake(sites)
+    again = intake(sites, refusals_to_distrust=0)
     again.answer_of = check
     again.skip_consumed(ti.consumed())
     assert await again.poll(v) == 0 and len(again) == 0
-    assert again.stats.rejected_by_node[node]["batch_repeated"] == 2  # b0 and the new b3
-    assert again.stats.rejected_by_node[node]["out_of_assignment"] == 2
+    # The new b3; the refused repeat, group ids and mixed batch were strikes, kept in the consumed
+    # record: not fetched (nor counted) again. The numbers out of bounds are refused again.
+    assert again.stats.rejected_by_node[node] == {"batch_repeated": 1, "out_of_assignment": 2}
 
 
 def test_the_demand_signs_the_assignment_and_nodes_take_the_smallest() -> None:
@@ -243,5 +245,6 @@ async def test_a_trainer_refuses_a_huge_group_number_and_a_repeated_batch_and_no
         await second.writer.write(batch_rows(0, d0, 3))
 
     await second.run(feed_more)
-    assert second.refused == {"out_of_assignment": 1, "batch_repeated": 2}, second.refused
+    # The repeat refused before the restart is a strike in the consumed record: never fetched again.
+    assert second.refused == {"out_of_assignment": 1, "batch_repeated": 1}, second.refused
     assert [v for v, _ in second.published] == [3]

@@ -129,8 +129,9 @@ class Trainer:
                 run=RUN,
                 steps=steps,
                 rows_per_step=8,  # one batch per step
+                prompts_per_batch=2,  # what ``batch_rows`` and the tests' nodes answer
                 state_dir=state_dir,
-                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3),
+                intake=RolloutIntakeConfig(interval_s=0.1, max_staleness=3, group_size=4),  # ``batch_rows``' G
                 replay=ReplayConfig(enabled=replay),
             ),
             store=net.store("t0"),

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from pulsenet.errors import RolloutRowError
 from pulsenet.nodes.common import text_codec
-from pulsenet.nodes.feed import StepFeed, answer_of
+from pulsenet.nodes.feed import StepFeed
 from pulsenet.nodes.rounds import load_consumed, save_consumed
 from pulsenet.nodes.status import NodeState
+from pulsenet.rl.answers import answer_id
+from pulsenet.rl.replay import ReplayStats
 from pulsenet.rl.rescore import Rescorer
 from pulsenet.rl.tasks import Assignment, build_task
 from pulsenet.rollouts import (
@@ -41,7 +44,7 @@ class Harness:
             [RolloutSource("i0", net.store("i0"), net.trusted("i0"))],
             {0: DIGEST}.get,
             RolloutIntakeConfig(run=RUN, max_staleness=max_staleness),
-            answer_of=functools.partial(answer_of, ASSIGN),
+            answer_of=functools.partial(answer_id, ASSIGN),
         )
         task = build_task(TASK, seed=0)
         self.state = NodeState(role="trainer", node_id="t0")
@@ -98,6 +101,9 @@ async def test_a_failed_steps_batches_stay_in_the_consumed_record_and_a_restart_
     step = await again.feed.next(0, give_up_s=0)
     assert len(step.batches) == 1 and step.batches[0].batch_id not in (failed, *_batches(h.intake.consumed()))
     assert again.intake.stats.taken == 1
+    # Batch 1, accepted but never taken before the restart, is not in the record: taken now, not lost.
+    second = await again.feed.next(0, give_up_s=0)
+    assert len(second.batches) == 1 and second.batches[0].batch_id not in (failed, step.batches[0].batch_id)
     assert not (await again.feed.next(0, give_up_s=0)).rows  # nothing else to take: gives up
 
 
@@ -134,3 +140,31 @@ async def test_a_reward_that_disagrees_with_the_trainers_refuses_the_batch_as_a_
     assert h.intake.trust.strikes == {"i0": 1}
     kept = load_consumed(h.path, 0, "t0") or {}
     assert kept.get("strikes:i0") == 1 and len(_batches(kept)) == 1  # durable: the refused batch
+
+
+class _RaisingReplayer:
+    """A fault injector in the replayer's place: its check raises what a batch the intake's checks
+    missed would make replay raise (the ``g0`` defect of issue 38)."""
+
+    def __init__(self) -> None:
+        self.stats = ReplayStats()
+
+    def holds(self, version: int) -> bool:
+        return True
+
+    def check(self, *a: object, **kw: object) -> None:
+        raise RolloutRowError("group_id", "injected: a group id replay cannot read")
+
+
+async def test_a_batch_that_makes_replay_raise_is_refused_and_recorded_not_a_crash(tmp_path: Path) -> None:
+    """Issue 38: a batch that trips replay is refused (``step_failed``) and kept in the consumed
+    record, so the trainer neither dies on it nor takes it again after a restart."""
+    net = Site(tmp_path, "i0")
+    await _writer(net).write(batch_rows(0, DIGEST, 0))
+    h = Harness(net, tmp_path)
+    h.feed.replayer = _RaisingReplayer()  # type: ignore[assignment]  # the injected fault
+    await h.intake.poll(0)
+    step = await h.feed.next(0, give_up_s=0)
+    assert not step.rows
+    assert h.intake.stats.rejected_by_node["i0"] == {"step_failed": 1}
+    assert len(_batches(load_consumed(h.path, 0, "t0") or {})) == 1  # durable: never taken again

@@ -18,6 +18,8 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from rich.markup import escape
+
 from pulsenet.logs import suppressed
 from pulsenet.nodes.events import read_events
 from pulsenet.nodes.supervisor import (
@@ -229,7 +231,8 @@ class Supervisor:
     def say(self, msg: str) -> None:
         """Log ``msg`` and print it under the table."""
         log.info("%s", msg)
-        self.console.print(f"[bold]pulsenet up[/]: {msg}", soft_wrap=True)
+        # escaped: msg quotes nodes' errors, text a peer can choose ("[/x]" would raise MarkupError)
+        self.console.print(f"[bold]pulsenet up[/]: {escape(msg)}", soft_wrap=True)
 
     # --- processes ----------------------------------------------------------------------------
 
