@@ -360,14 +360,18 @@ class LocalTrainer:
         if self.device.type == "cuda" and "cuda" in state:  # absent in a CPU trainer's checkpoint
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
-    def checkpoint(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically; ``torch.save``-able."""
-        return {
-            "steps": self.steps,
-            "weights": self.state_fp32(),
-            "optimizer": self.optimizer_state(),
-            "rng": self.rng_state(),
-        }
+    def checkpoint(self, *, snapshot: bool = True) -> dict[str, Any]:
+        """Everything needed to continue bit-identically; ``torch.save``-able.
+
+        ``snapshot=False``, on the CPU unsharded: the live weight and AdamW moment tensors, not
+        copies (12 bytes per parameter less at the moment a lone trainer writes its resume point),
+        for a caller that serialises them before the next step; else the same as a snapshot."""
+        if snapshot or self.device != _CPU or self.sharded:
+            weights, optimizer = self.state_fp32(), self.optimizer_state()
+        else:
+            weights = {name: p.detach() for name, p in self._params.items()}
+            optimizer = self.optimizer.state_dict()
+        return {"steps": self.steps, "weights": weights, "optimizer": optimizer, "rng": self.rng_state()}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         self.load_state_fp32(checkpoint["weights"])

@@ -158,7 +158,8 @@ def test_state_fp32_is_a_copy_and_load_resets_weights_only() -> None:
         trainer.load_state_fp32({**start, TIED[0]: start[TIED[0]].double()})
 
 
-def test_checkpoint_restore_continues_bit_identically() -> None:
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_checkpoint_restore_continues_bit_identically(snapshot: bool) -> None:
     reference, task = _trainer(5, lr=1e-3, grad_clip=1.0)
     for _ in range(5):
         reference.train_step(task)
@@ -168,8 +169,14 @@ def test_checkpoint_restore_continues_bit_identically() -> None:
     for _ in range(3):
         first.train_step(task)
     buf = io.BytesIO()
-    torch.save(first.checkpoint(), buf)
-    del first
+    ck = first.checkpoint(snapshot=snapshot)
+    name, p = next(iter(first.model.named_parameters()))
+    moment = first.optimizer.state[p]["exp_avg"]
+    # the live view shares the weights' and moments' memory (nothing copied); a snapshot does not
+    assert (ck["weights"][name].data_ptr() == p.data_ptr()) is not snapshot
+    assert (ck["optimizer"]["state"][0]["exp_avg"].data_ptr() == moment.data_ptr()) is not snapshot
+    torch.save(ck, buf)
+    del first, ck
     torch.manual_seed(123), random.seed(123)  # clobber global RNGs; restore must bring them back
 
     resumed, _ = _trainer(99, lr=1e-3, grad_clip=1.0)  # different init: restore must overwrite it
