@@ -136,6 +136,30 @@ def bf16_rounded(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: _RoundToBF16.apply(p) for name, p in params.items()}
 
 
+def _rerounded_for_backward(
+    rounded: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]
+) -> contextlib.AbstractContextManager[Any]:
+    """While the forward runs: a rounded weight the backward will need (a matmul saves it) is
+    saved as its FP32 master and rounded again when the backward reads it, the same bits (the
+    master does not move before the step), so the rounded copy (4 bytes per parameter) is freed
+    after the forward instead of living through the backward beside the gradients."""
+    if not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    by_storage = {r.untyped_storage().data_ptr(): masters[n] for n, r in rounded.items()}
+
+    def pack(t: torch.Tensor) -> Any:
+        master = by_storage.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
+        return t if master is None else (master, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        master, size, stride, offset = saved
+        return master.detach().to(torch.bfloat16).to(torch.float32).as_strided(size, stride, offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 class LocalTrainer:
     """AdamW on FP32 master weights with a BF16-faithful forward (``LocalTrainerConfig.forward``)."""
 
@@ -258,10 +282,12 @@ class LocalTrainer:
             return self.model(input_ids=input_ids, use_cache=False)
         # tie_weights: the tied lm_head (absent from _params) uses the rounded embedding too;
         # strict=False: buffers (rotary frequencies) are not parameters and stay as they are.
-        return functional_call(
-            self.model, bf16_rounded(self._params), (), {"input_ids": input_ids, "use_cache": False},
-            tie_weights=True, strict=False,
-        )  # fmt: skip
+        rounded = bf16_rounded(self._params)
+        with _rerounded_for_backward(rounded, self._params):
+            return functional_call(
+                self.model, rounded, (), {"input_ids": input_ids, "use_cache": False},
+                tie_weights=True, strict=False,
+            )  # fmt: skip
 
     def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.forward == "autocast-bf16":
