@@ -194,6 +194,10 @@ class TorchEngine(Engine):
     def close(self) -> None:
         """Nothing to release: the model is memory, freed with the engine."""
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The compute copy: the model's parameters in ``compute_dtype`` (FP32 on the CPU)."""
+        return {f"engine_{dtype_name(self.dtype)}": [t for t in self._params.values() if t.device.type == "cpu"]}
+
     # --- updates -------------------------------------------------------------------------------
 
     def update(
@@ -271,7 +275,8 @@ class TorchEngine(Engine):
         self._broken = None
         self._version, self._digest = up.version, digest
         self.stats.tensors_copied += len(changed)
-        self.stats.bytes_copied += sum(up.state[n].numel() * up.state[n].element_size() for n in changed)
+        self.stats.bytes_last_update = sum(up.state[n].numel() * up.state[n].element_size() for n in changed)
+        self.stats.bytes_copied += self.stats.bytes_last_update
         self.stats.record_update(time.perf_counter() - t0)
 
     def _rehash(self, name: str) -> None:

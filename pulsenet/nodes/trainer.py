@@ -49,6 +49,7 @@ from pulsenet.loco import RoundReport
 from pulsenet.nodes.config import TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
+from pulsenet.nodes.memory import trainer_probe
 from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.draw import DrawId
@@ -154,6 +155,7 @@ class TrainerNode:
         than ``rows_per_step`` rows feeds several steps (``_next_step``)."""
         self.stale_rows = 0
         """Rows of ``_ready`` that went stale before a step could take them."""
+        self.state.memory = trainer_probe(self)  # /status memory: what each holder holds (nodes/memory.py)
 
     # --- lifecycle --------------------------------------------------------------------------------
 

@@ -121,6 +121,10 @@ class VersionStore:
                 out[name].view(-1)[u.positions.long()] = u.values
         return out
 
+    def patches(self) -> list[Undo]:
+        """Every undo patch held (what the older versions cost)."""
+        return [u for p in self._undo.values() for u in p.values()]
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held: ``newest`` (the whole state, shared with the publisher) and ``patches``."""
         newest = 0 if self._newest is None else sum(t.numel() * t.element_size() for t in self._newest[1].values())
