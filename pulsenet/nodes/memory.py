@@ -100,6 +100,47 @@ def report(holders: Mapping[str, int], *, params: int | None, budget: Budget) ->
     }
 
 
+def available_memory() -> int | None:
+    """``MemAvailable`` of /proc/meminfo (bytes); None without it."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def network_need(params: int, trainers: int, inference: int, engine: str = "torch") -> int:
+    """Peak memory of a one-machine network at its nodes' budgets (the store's is not counted)."""
+    return trainers * BUDGETS["trainer"].limit(params) + inference * budget_for("inference", engine).limit(params)
+
+
+def network_refusal(params: int, trainers: int, inference: int, engine: str, available: int) -> str | None:
+    """Why a network of these nodes does not fit ``available`` bytes, with the flags that make it
+    fit (fewer trainers first: each costs the most); None when it fits."""
+    need = network_need(params, trainers, inference, engine)
+    if need <= available:
+        return None
+    fits = [
+        (t, i) for t in range(trainers, 0, -1) for i in range(inference, 0, -1)
+        if network_need(params, t, i, engine) <= available
+    ]  # fmt: skip
+    t_b, i_b = BUDGETS["trainer"], budget_for("inference", engine)
+    why = (
+        f"{trainers} trainer(s) and {inference} inference node(s) of a {params / 1e6:.1f}M-parameter model need up to "
+        f"{need / GiB:.1f} GiB at peak (a trainer {t_b.bytes_per_param:g} bytes per parameter + {t_b.overhead / GiB:g} GiB, "
+        f"an inference node with the {engine} engine {i_b.bytes_per_param:g} + {i_b.overhead / GiB:g} GiB: "
+        f"nodes/memory.py); this machine has {available / GiB:.1f} GiB available"
+    )
+    if fits:
+        t, i = fits[0]
+        changes = (f"--trainers {t}" if t != trainers else "", f"--inference {i}" if i != inference else "")
+        flags = " ".join(f for f in changes if f)
+        return f"{why}: run with {flags} ({network_need(params, t, i, engine) / GiB:.1f} GiB), or --no-memory-check to try anyway"
+    return f"{why}: even one trainer and one inference node do not fit; use a larger machine, or --no-memory-check to try anyway"
+
+
 class Probe:
     """A callable a ``NodeState`` keeps for ``/status``: survives ``dataclasses.asdict`` (no copy)."""
 
