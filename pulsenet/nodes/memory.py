@@ -100,15 +100,19 @@ def report(holders: Mapping[str, int], *, params: int | None, budget: Budget) ->
     }
 
 
-def available_memory() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (bytes); None without it."""
+def meminfo(key: str = "MemAvailable") -> int | None:
+    """A line of /proc/meminfo in bytes (``MemAvailable``: what can be had without swapping); None without it."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(f"{key}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def available_memory() -> int | None:
+    return meminfo("MemAvailable")
 
 
 def network_need(params: int, trainers: int, inference: int, engine: str = "torch") -> int:

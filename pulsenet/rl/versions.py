@@ -24,14 +24,24 @@ _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class Undo:
     """What turns one tensor of a version's successor back into the version's own."""
 
-    positions: torch.Tensor
-    """Flat positions whose bits differ (int32 where the tensor allows, else int64), ascending."""
+    positions: torch.Tensor | None
+    """Flat positions whose bits differ (int32 where the tensor allows, else int64), ascending;
+    None: ``values`` is the older tensor whole (most of it changed: positions would cost more)."""
     values: torch.Tensor
     """The older version's values there (its dtype)."""
 
     @property
     def nbytes(self) -> int:
-        return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
+        pos = 0 if self.positions is None else self.positions.numel() * self.positions.element_size()
+        return pos + self.values.numel() * self.values.element_size()
+
+    def apply(self, flat: torch.Tensor) -> None:
+        """Write the older values into ``flat`` (a flat tensor of the successor's values, any dtype
+        they widen to exactly)."""
+        if self.positions is None:
+            flat.copy_(self.values.reshape(-1))
+        else:
+            flat[self.positions.long()] = self.values.to(flat.dtype)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -39,8 +49,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def undo(old: torch.Tensor, new: torch.Tensor) -> Undo | None:
-    """The positions where ``old``'s bits differ from ``new``'s and ``old``'s values there; None if
-    none differ (or ``old`` is ``new``). Shapes and dtypes must agree."""
+    """The positions where ``old``'s bits differ from ``new``'s and ``old``'s values there, or
+    ``old`` itself (by reference) when that costs less; None if none differ (or ``old`` is ``new``).
+    Shapes and dtypes must agree."""
     if old is new:
         return None
     if old.shape != new.shape or old.dtype != new.dtype:
@@ -49,6 +60,8 @@ def undo(old: torch.Tensor, new: torch.Tensor) -> Undo | None:
     if not where.numel():
         return None
     positions = where.to(torch.int32) if old.numel() < 2**31 else where
+    if where.numel() * (positions.element_size() + old.element_size()) >= old.numel() * old.element_size():
+        return Undo(None, old)
     return Undo(positions, old.detach().reshape(-1)[where].clone())
 
 
@@ -107,7 +120,7 @@ class VersionStore:
                 for patch in path:
                     u = patch.get(name)
                     if u is not None:
-                        flat[u.positions.long()] = u.values.to(p.dtype)
+                        u.apply(flat)
 
     def state(self, version: int) -> dict[str, torch.Tensor]:
         """``version``'s whole state (a new dict; the newest's own tensors where no patch touches them)."""
@@ -118,7 +131,7 @@ class VersionStore:
                 if name not in copied:
                     out[name] = out[name].clone()
                     copied.add(name)
-                out[name].view(-1)[u.positions.long()] = u.values
+                u.apply(out[name].view(-1))
         return out
 
     def patches(self) -> list[Undo]:

@@ -81,3 +81,17 @@ def test_undo_of_identical_or_shared_tensors_is_nothing() -> None:
     u = undo(t, neg)
     assert u is not None and u.positions.tolist() == [3]
     assert u.values.view(torch.int16).tolist() == t[3:4].view(torch.int16).tolist()
+
+
+def test_a_mostly_changed_tensor_is_kept_whole_by_reference() -> None:
+    old = torch.randn(1000).bfloat16()
+    new = (old.float() + 1).bfloat16()  # every value moves: positions would cost 3x the tensor
+    u = undo(old, new)
+    assert u is not None and u.positions is None and u.values is old
+    store = VersionStore(keep=2)
+    store.remember(0, {"w": old})
+    store.remember(1, {"w": new})
+    assert store.nbytes()["patches"] == 2000 and _same(store.state(0), {"w": old})
+    params = {"w": torch.zeros(1000)}
+    store.load_into(0, params)
+    assert torch.equal(params["w"], old.float())
