@@ -36,7 +36,6 @@ from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from pulsenet.errors import ConfigError
 from pulsenet.rl import sharding
@@ -136,19 +135,35 @@ def bf16_rounded(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: _RoundToBF16.apply(p) for name, p in params.items()}
 
 
-def _rerounded_for_backward(
-    rounded: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]
-) -> contextlib.AbstractContextManager[Any]:
-    """While the forward runs: a rounded weight the backward will need (a matmul saves it) is
+@contextlib.contextmanager
+def _rounded_per_module(model: torch.nn.Module) -> Iterator[None]:
+    """The ``bf16-weights`` forward with one module's rounded weights alive at a time.
+
+    Each module's own parameters are swapped for ``fp32(bf16(θ))`` (``_RoundToBF16``) just before
+    its forward and put back just after it, so the rounded copies of the whole model (4 bytes per
+    parameter) never exist at once; a rounded weight the backward needs (a matmul saves it) is
     saved as its FP32 master and rounded again when the backward reads it, the same bits (the
-    master does not move before the step), so the rounded copy (4 bytes per parameter) is freed
-    after the forward instead of living through the backward beside the gradients."""
-    if not torch.is_grad_enabled():
-        return contextlib.nullcontext()
-    by_storage = {r.untyped_storage().data_ptr(): masters[n] for n, r in rounded.items()}
+    master does not move before the step). The values every op sees are those of rounding every
+    weight up front, as ``torch.func.functional_call`` with ``bf16_rounded`` did."""
+    live: dict[int, torch.Tensor] = {}  # the storage of each rounded weight in use -> its master
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.dtype == torch.float32:
+                r = _RoundToBF16.apply(p)
+                live[r.untyped_storage().data_ptr()] = p
+                swapped.append((module, name, p))
+                module._parameters[name] = r  # the registration (and its order) stays: only its value
+
+    def after(module: torch.nn.Module, args: Any, out: Any) -> None:
+        while swapped and swapped[-1][0] is module:
+            _, name, p = swapped.pop()
+            live.pop(module._parameters[name].untyped_storage().data_ptr(), None)  # its memory may be reused
+            module._parameters[name] = p
 
     def pack(t: torch.Tensor) -> Any:
-        master = by_storage.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
+        master = live.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
         return t if master is None else (master, t.size(), t.stride(), t.storage_offset())
 
     def unpack(saved: Any) -> torch.Tensor:
@@ -157,7 +172,16 @@ def _rerounded_for_backward(
         master, size, stride, offset = saved
         return master.detach().to(torch.bfloat16).to(torch.float32).as_strided(size, stride, offset)
 
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+    owners = [m for m in model.modules() if any(p is not None for p in m._parameters.values())]
+    handles = [h for m in owners for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        for module, name, p in reversed(swapped):  # a forward that raised: put every master back
+            module._parameters[name] = p
 
 
 class LocalTrainer:
@@ -280,14 +304,10 @@ class LocalTrainer:
     def _forward(self, input_ids: torch.Tensor) -> Any:
         if self.config.forward != "bf16-weights" or self.sharded:  # sharded: rl.sharding's hooks round
             return self.model(input_ids=input_ids, use_cache=False)
-        # tie_weights: the tied lm_head (absent from _params) uses the rounded embedding too;
-        # strict=False: buffers (rotary frequencies) are not parameters and stay as they are.
-        rounded = bf16_rounded(self._params)
-        with _rerounded_for_backward(rounded, self._params):
-            return functional_call(
-                self.model, rounded, (), {"input_ids": input_ids, "use_cache": False},
-                tie_weights=True, strict=False,
-            )  # fmt: skip
+        # Every module's weights rounded as it runs (the tied lm_head rounds the embedding's
+        # master again: the same values); buffers (rotary frequencies) stay as they are.
+        with _rounded_per_module(self.model):
+            return self.model(input_ids=input_ids, use_cache=False)
 
     def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.forward == "autocast-bf16":
