@@ -146,13 +146,25 @@ def network_refusal(params: int, trainers: int, inference: int, engine: str, ava
 
 
 class Probe:
-    """A callable a ``NodeState`` keeps for ``/status``: survives ``dataclasses.asdict`` (no copy)."""
+    """A callable a ``NodeState`` keeps for ``/status``: survives ``dataclasses.asdict`` (no copy).
 
-    def __init__(self, fn: Callable[[], dict[str, Any]]) -> None:
-        self.fn = fn
+    ``held``: bytes by holder, counted now (``fn(None)`` is called with them) or, for a node whose
+    tensors change under a running step (a trainer: autograd writes ``.grad`` and the forward swaps
+    weights in another thread), counted only at ``refresh()``, which its loop calls between steps."""
+
+    def __init__(
+        self, fn: Callable[[dict[str, int] | None], dict[str, Any]], *, counted: Callable[[], dict[str, int]] | None = None
+    ) -> None:
+        self.fn, self.counted = fn, counted
+        self.held: dict[str, int] | None = None
+
+    def refresh(self) -> None:
+        """Count the holders now (call it where no other thread touches the node's tensors)."""
+        if self.counted is not None:
+            self.held = self.counted()
 
     def __call__(self) -> dict[str, Any]:
-        return self.fn()
+        return self.fn(self.held)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Probe:
         return self
@@ -178,9 +190,12 @@ def trainer_holders(node: Any) -> dict[str, list[torch.Tensor | None]]:
 
 
 def trainer_probe(node: Any) -> Probe:
-    """The ``/status`` ``memory`` of a ``TrainerNode``."""
+    """The ``/status`` ``memory`` of a ``TrainerNode``; its holders are counted at ``refresh()``
+    (the trainer calls it after publishing a version: no step runs then), not when ``/status`` is
+    read, which may be in the middle of a GRPO step."""
     params = sum(p.numel() for p in node.policy.grpo.local.model.parameters())
-    return Probe(lambda: report(held(trainer_holders(node)), params=params, budget=BUDGETS["trainer"]))
+    return Probe(lambda counted: report(counted or {}, params=params, budget=BUDGETS["trainer"]),
+                 counted=lambda: held(trainer_holders(node)))  # fmt: skip
 
 
 def inference_probe(node: Any) -> Probe:
@@ -188,7 +203,7 @@ def inference_probe(node: Any) -> Probe:
     what its engine holds besides (``Engine.held_tensors``), and the bytes of its last update."""
     budget = budget_for("inference", node.config.engine)
 
-    def probe() -> dict[str, Any]:
+    def probe(_: dict[str, int] | None) -> dict[str, Any]:
         states = [s.state for s in node.subscribers if s.state is not None]
         holders: dict[str, list[torch.Tensor | None]] = {"verified_bf16": [t for s in states for t in s.values()]}
         engine = node.engine

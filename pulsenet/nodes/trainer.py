@@ -399,6 +399,7 @@ class TrainerNode:
             eval_s=None if result is None else result.wall_s,
         )
         self._rollout_bytes = downloaded
+        self.state.memory.refresh()  # between steps: /status counts the weights' holders now
         self.state.record(self.events.emit(event))
         self.tracker.log(event.as_dict(), step=event.version)
         return event

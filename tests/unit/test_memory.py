@@ -41,9 +41,12 @@ def test_report_reads_this_process_and_judges_the_peak() -> None:
 def test_status_calls_the_probe_and_survives_asdict() -> None:
     state = NodeState("trainer", "t0")
     calls = []
-    state.memory = Probe(lambda: calls.append(1) or {"holders": {"a": 1}, "peak_rss": 2, "budget": 3})
+    state.memory = Probe(lambda held: calls.append(held) or {"holders": held, "peak_rss": 2, "budget": 3},
+                         counted=lambda: {"a": 1})  # fmt: skip
+    assert state.to_json()["memory"]["holders"] is None  # not counted until a refresh (a trainer: between steps)
+    state.memory.refresh()
     d = state.to_json()
-    assert d["memory"]["holders"] == {"a": 1} and calls == [1]
+    assert d["memory"]["holders"] == {"a": 1} and calls == [None, {"a": 1}]
     assert NodeState("inference", "i0").to_json()["memory"] is None
 
 
