@@ -276,3 +276,24 @@ def test_smollm2_one_step_changes_a_few_percent_of_bf16(tmp_path_factory: pytest
     changed = sum(int((before[k].view(torch.int16) != after[k].view(torch.int16)).sum()) for k in before)
     frac = changed / sum(t.numel() for t in before.values())
     assert 0.001 < frac < 0.10, frac
+
+
+def test_bf16_weights_rounds_one_module_at_a_time_and_puts_the_masters_back() -> None:
+    trainer, task = _trainer(0, lr=1e-3, forward="bf16-weights")
+    layers = trainer.model.model.layers
+    seen = []
+
+    def inside(module: torch.nn.Module, args: object, out: object) -> None:  # in layer 1's gate_proj forward
+        mine = module._parameters["weight"]
+        other = layers[0].mlp.gate_proj._parameters["weight"]
+        seen.append((isinstance(mine, torch.nn.Parameter), isinstance(other, torch.nn.Parameter)))
+        assert torch.equal(mine, mine.to(torch.bfloat16).float())  # what the op saw: the rounded value
+
+    handle = layers[1].mlp.gate_proj.register_forward_hook(inside)
+    try:  # runs before the trainer's own after-hook: sees its weight swapped, layer 0's put back
+        trainer.train_step(task)
+    finally:
+        handle.remove()
+    assert seen == [(False, True)]
+    params = [p for m in trainer.model.modules() for p in m._parameters.values() if p is not None]
+    assert all(isinstance(p, torch.nn.Parameter) for p in params)
