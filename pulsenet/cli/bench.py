@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale|engines|replay``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines|replay|memory``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
@@ -39,6 +39,10 @@ BENCHES = {
     "replay": (
         "the trainer's replay of rollout rows on the torch engine: cost vs the GRPO step, honest rows' margins",
         "ReplayBenchSettings",
+    ),
+    "memory": (
+        "peak memory of every node of a pulsenet up run, measured from outside, against its budget",
+        "MemoryBenchSettings",
     ),
 }
 """name -> (help, the settings class in ``pulsenet.bench.<name>``)."""

@@ -81,7 +81,9 @@ class EngineStats:
     tensors_copied: int = 0
     """Tensors rewritten by updates, over all updates (unchanged ones are never copied)."""
     bytes_copied: int = 0
-    """BF16 bytes of those tensors."""
+    """BF16 bytes of those tensors (vLLM: what was handed to its workers, whole layers)."""
+    bytes_last_update: int = 0
+    """``bytes_copied`` by the last update alone."""
     updates_failed: int = 0
     """Deferred updates that failed when applied (logged); the previous weights kept serving unless
     the digest check failed, which stops generation until a verified update."""
@@ -150,6 +152,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release what the engine holds beyond memory (processes, threads)."""
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The weight tensors this engine holds in the node's own process, by holder (a node's
+        ``/status`` ``memory`` counts each storage once, so a tensor shared with the node's verified
+        state is not counted twice)."""
+        return {}
 
 
 def check_layout(served: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> None:

@@ -2,10 +2,11 @@
 
 Weights: the engine serves exactly the verified BF16 values. On CUDA the model runs in BF16; on
 CPU it runs in FP32 on ``fp32(bf16(w))`` (BF16 matmuls are very slow on CPUs without AVX512-BF16,
-and the widening is exact, so the served weights are still bit-for-bit the BF16 ones). A host
-mirror of the BF16 weights by name (tied ``lm_head`` once, as ``rl/models.bf16_state_dict``) is
-what updates are compared against; the digest is always recomputed from the model's own
-parameters, never from the mirror or the caller's tensors.
+and the widening is exact, so the served weights are still bit-for-bit the BF16 ones). The engine
+holds no other copy: an update is compared against the parameters themselves, each narrowed to
+BF16 one tensor at a time (a host mirror would cost 2 more bytes per parameter, beside the verified
+BF16 state the node's subscriber already holds); the digest is always recomputed from the model's
+own parameters, never from the caller's tensors.
 
 Updates (``update``) are applied in place between batches: a ``threading.Lock`` is held for a whole
 batch; an update that cannot take it is parked in a one-slot pending box (newest wins) and applied
@@ -113,7 +114,10 @@ class TorchEngine(Engine):
         model.eval()
         self.model = model
         self._params = {n: t for n, t in unique_state_dict(model).items()}
-        self._mirror = {n: self._as_bf16(t).cpu().contiguous() for n, t in self._params.items()}
+        self._layout = {  # names, shapes and served dtypes, no memory: what an update must match
+            n: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype, device="meta")
+            for n, t in self._params.items()
+        }
         self._records: dict[str, bytes] = {}
         for name in self._params:
             self._rehash(name)
@@ -185,10 +189,14 @@ class TorchEngine(Engine):
 
     def served_state(self) -> dict[str, torch.Tensor]:
         """A copy of the served BF16 weights by name (HF coordinates, tied ``lm_head`` once)."""
-        return {n: t.clone() for n, t in self._mirror.items()}
+        return {n: self._served(n, copy=True) for n in self._params}
 
     def close(self) -> None:
         """Nothing to release: the model is memory, freed with the engine."""
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The compute copy: the model's parameters in ``compute_dtype`` (FP32 on the CPU)."""
+        return {f"engine_{dtype_name(self.dtype)}": [t for t in self._params.values() if t.device.type == "cpu"]}
 
     # --- updates -------------------------------------------------------------------------------
 
@@ -239,17 +247,15 @@ class TorchEngine(Engine):
 
     def _apply(self, up: _Pending) -> None:
         t0 = time.perf_counter()
-        check_layout(self._mirror, up.state)
+        check_layout(self._layout, up.state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change cannot
         # slip through, because the digest over the parameters then differs from the published one.
         hint = up.changed if self.config.verify_updates else None
         candidates = [n for n in self._params if hint is None or n in hint]
-        changed = [n for n in candidates if not same_bits(self._mirror[n], up.state[n])]
+        changed = [n for n in candidates if not same_bits(self._served(n), up.state[n])]
         with torch.no_grad():
             for name in changed:
-                src = up.state[name]
-                self._mirror[name].copy_(src)
-                self._params[name].copy_(src.to(self.device, non_blocking=True))
+                self._params[name].copy_(up.state[name].to(self.device, non_blocking=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         if self.config.verify_updates:
@@ -269,9 +275,8 @@ class TorchEngine(Engine):
         self._broken = None
         self._version, self._digest = up.version, digest
         self.stats.tensors_copied += len(changed)
-        self.stats.bytes_copied += sum(
-            self._mirror[n].numel() * self._mirror[n].element_size() for n in changed
-        )
+        self.stats.bytes_last_update = sum(up.state[n].numel() * up.state[n].element_size() for n in changed)
+        self.stats.bytes_copied += self.stats.bytes_last_update
         self.stats.record_update(time.perf_counter() - t0)
 
     def _rehash(self, name: str) -> None:
@@ -280,6 +285,13 @@ class TorchEngine(Engine):
             t = self._as_bf16(t)
         t = t.detach().cpu().contiguous()
         self._records[name] = tensor_record(name, dtype_name(t.dtype), t.shape, tensor_sha256(t))
+
+    def _served(self, name: str, *, copy: bool = False) -> torch.Tensor:
+        """One parameter as served, on the host: BF16 (or its own dtype if not floating); ``copy``:
+        never the parameter's own memory."""
+        t = self._params[name].detach()
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        return t.to("cpu", dtype, copy=copy).contiguous()
 
     @staticmethod
     def _as_bf16(t: torch.Tensor) -> torch.Tensor:

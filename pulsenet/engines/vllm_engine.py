@@ -102,11 +102,15 @@ class HostMirror:
     """The served BF16 weights by HF name, with per-tensor digest records (no vLLM involved).
 
     ``stage`` finds the changed tensors of an update and checks the digest the mirror *would*
-    have; ``commit`` then copies them in. Split so a bad update is refused before any worker sees it.
+    have; ``commit`` then takes them in. Split so a bad update is refused before any worker sees it.
+
+    The mirror holds the verified tensors it is handed by reference, not copies (verified states
+    are never written to: a Subscriber rebuilds changed tensors off to the side), so on an inference
+    node it and the subscriber's verified state are one BF16 copy, not two.
     """
 
     def __init__(self, state: StateDict) -> None:
-        self.tensors = {n: t.detach().cpu().contiguous().clone() for n, t in state.items()}
+        self.tensors = {n: t.detach().cpu().contiguous() for n, t in state.items()}
         self.records = {n: _record(n, t) for n, t in self.tensors.items()}
 
     @property
@@ -135,8 +139,7 @@ class HostMirror:
         return tensors, records
 
     def commit(self, tensors: Mapping[str, torch.Tensor], records: Mapping[str, bytes]) -> None:
-        for name, t in tensors.items():
-            self.tensors[name].copy_(t)
+        self.tensors.update(tensors)
         self.records.update(records)
 
 
@@ -254,6 +257,11 @@ class VLLMEngine(Engine):
             self._thread.join(timeout=30)
         shutil.rmtree(self._handoff_dir, ignore_errors=True)
 
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The host mirror (the verified state's own tensors when built from a channel's); vLLM's
+        runtime weights live in its engine core, another process."""
+        return {"vllm_host_mirror": list(self.mirror.tensors.values())}
+
     def __enter__(self) -> VLLMEngine:
         return self
 
@@ -312,7 +320,8 @@ class VLLMEngine(Engine):
             self._run(self._swap(payload, records, version=version, digest=digest), self.config.update_timeout_s)
             self.mirror.commit(tensors, records)
             self.stats.tensors_copied += len(payload)
-            self.stats.bytes_copied += sum(t.numel() * t.element_size() for t in payload.values())
+            self.stats.bytes_last_update = sum(t.numel() * t.element_size() for t in payload.values())
+            self.stats.bytes_copied += self.stats.bytes_last_update
             self.stats.record_update(time.perf_counter() - t0)
 
     def _whole_layers(self, names: Set[str]) -> list[str]:

@@ -41,6 +41,7 @@ from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
 from pulsenet.nodes.hostile import Hostile
+from pulsenet.nodes.memory import inference_probe
 from pulsenet.nodes.status import NodeState, StatusServer
 from pulsenet.rl.draw import DrawId
 from pulsenet.rl.prompts import Prompter
@@ -88,6 +89,7 @@ class InferenceNode:
         """This site's own store and key: rollout batches and the signed status object."""
         self.writer = writer
         self.subscribers = [subscriber(k, functools.partial(self._on_update, k)) for k in range(channels)]
+        self.state.memory = inference_probe(self)  # /status memory: what each holder holds (nodes/memory.py)
         self.demand = demand
         """The trainers' signed demand records (the channels whose trainer id is known): how many batches
         to generate at the served version (``rollouts.demand.batches_to_generate``)."""

@@ -78,6 +78,9 @@ class NodeState:
     """Why the node is degraded though its loop moves (waiting on a peer, a dead channel), or None."""
     last_event: dict[str, Any] | None = None
     """The node's last ``VersionEvent`` (nodes/events.py), as a dict."""
+    memory: Any = None
+    """What the node holds, by holder, against its budget (a ``nodes.memory.Probe``, called when
+    ``/status`` is read: ``nodes.memory.report``); None where the daemon sets none."""
 
     def beat(self) -> None:
         """The loop made progress."""
@@ -112,6 +115,7 @@ class NodeState:
         d = asdict(self)
         d["idle_s"] = round(time.monotonic() - self.last_beat, 3)
         del d["last_beat"]
+        d["memory"] = self.memory() if self.memory is not None else None
         return d
 
 
@@ -136,6 +140,14 @@ class _StateCollector(Collector):
         yield gauge("staleness", "Versions between the policy and the rollouts it trains on", s.staleness)
         yield gauge("reward_mean", "Mean reward of the last batch", s.reward)
         yield gauge("idle_seconds", "Seconds since the loop last made progress", time.monotonic() - s.last_beat)
+        if s.memory is not None:
+            mem = s.memory()
+            yield gauge("memory_peak_rss_bytes", "Peak resident memory of the node's process", mem.get("peak_rss"))
+            yield gauge("memory_budget_bytes", "The node's peak memory budget (nodes/memory.py)", mem.get("budget"))
+            held = GaugeMetricFamily("pulsenet_memory_held_bytes", "Weight bytes held, by holder", labels=[*labels, "holder"])
+            for holder, n in mem["holders"].items():
+                held.add_metric([*ids, holder], n)
+            yield held
         rollouts = CounterMetricFamily("pulsenet_rollouts", "Rollouts by outcome", labels=[*labels, "outcome"])
         for outcome, n in s.rollouts.items():
             rollouts.add_metric([*ids, outcome], n)

@@ -46,6 +46,7 @@ from pulsenet.nodes.config import TrainerConfig
 from pulsenet.nodes.consumers import ConsumerTracker, poll_consumers
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, published_event
 from pulsenet.nodes.feed import StepFeed
+from pulsenet.nodes.memory import trainer_probe
 from pulsenet.nodes.rounds import Published, Rounds, finite
 from pulsenet.nodes.status import NodeState
 from pulsenet.rl.eval import Evaluator
@@ -156,6 +157,7 @@ class TrainerNode:
             name=config.id,
         )
         """Taken batches, replayed and re-scored, cut into steps (nodes/feed.py)."""
+        self.state.memory = trainer_probe(self)  # /status memory: what each holder holds (nodes/memory.py)
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -306,6 +308,7 @@ class TrainerNode:
             eval_s=None if result is None else result.wall_s,
         )
         self._rollout_bytes = downloaded
+        self.state.memory.refresh()  # between steps: /status counts the weights' holders now
         self.state.record(self.events.emit(event))
         self.tracker.log(event.as_dict(), step=event.version)
         return event

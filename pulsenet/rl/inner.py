@@ -130,8 +130,9 @@ class GRPOInner(LocalInner):
         return self.grpo.bf16_state()
 
     def full_checkpoint(self) -> dict[str, Any]:
-        """``LocalTrainer.checkpoint``: weights, optimizer, RNG and step counter."""
-        return self.grpo.local.checkpoint()
+        """``LocalTrainer.checkpoint``: weights, optimizer, RNG and step counter, the live tensors
+        (no copy): serialise it before the next step, as ``LocalRounds`` does."""
+        return self.grpo.local.checkpoint(snapshot=False)
 
     def restore_full(self, checkpoint: Mapping[str, Any]) -> None:
         """Put back what ``full_checkpoint`` returned."""

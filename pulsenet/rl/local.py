@@ -36,7 +36,6 @@ from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from pulsenet.errors import ConfigError
 from pulsenet.rl import sharding
@@ -134,6 +133,55 @@ class _RoundToBF16(torch.autograd.Function):
 def bf16_rounded(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every FP32 parameter as the BF16 value a BF16 forward would use, in FP32, gradients straight through."""
     return {name: _RoundToBF16.apply(p) for name, p in params.items()}
+
+
+@contextlib.contextmanager
+def _rounded_per_module(model: torch.nn.Module) -> Iterator[None]:
+    """The ``bf16-weights`` forward with one module's rounded weights alive at a time.
+
+    Each module's own parameters are swapped for ``fp32(bf16(θ))`` (``_RoundToBF16``) just before
+    its forward and put back just after it, so the rounded copies of the whole model (4 bytes per
+    parameter) never exist at once; a rounded weight the backward needs (a matmul saves it) is
+    saved as its FP32 master and rounded again when the backward reads it, the same bits (the
+    master does not move before the step). The values every op sees are those of rounding every
+    weight up front, as ``torch.func.functional_call`` with ``bf16_rounded`` did."""
+    live: dict[int, torch.Tensor] = {}  # the storage of each rounded weight in use -> its master
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.dtype == torch.float32:
+                r = _RoundToBF16.apply(p)
+                live[r.untyped_storage().data_ptr()] = p
+                swapped.append((module, name, p))
+                module._parameters[name] = r  # the registration (and its order) stays: only its value
+
+    def after(module: torch.nn.Module, args: Any, out: Any) -> None:
+        while swapped and swapped[-1][0] is module:
+            _, name, p = swapped.pop()
+            live.pop(module._parameters[name].untyped_storage().data_ptr(), None)  # its memory may be reused
+            module._parameters[name] = p
+
+    def pack(t: torch.Tensor) -> Any:
+        master = live.get(t.untyped_storage().data_ptr()) if t.dtype == torch.float32 else None
+        return t if master is None else (master, t.size(), t.stride(), t.storage_offset())
+
+    def unpack(saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        master, size, stride, offset = saved
+        return master.detach().to(torch.bfloat16).to(torch.float32).as_strided(size, stride, offset)
+
+    owners = [m for m in model.modules() if any(p is not None for p in m._parameters.values())]
+    handles = [h for m in owners for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+        for module, name, p in reversed(swapped):  # a forward that raised: put every master back
+            module._parameters[name] = p
 
 
 class LocalTrainer:
@@ -256,12 +304,10 @@ class LocalTrainer:
     def _forward(self, input_ids: torch.Tensor) -> Any:
         if self.config.forward != "bf16-weights" or self.sharded:  # sharded: rl.sharding's hooks round
             return self.model(input_ids=input_ids, use_cache=False)
-        # tie_weights: the tied lm_head (absent from _params) uses the rounded embedding too;
-        # strict=False: buffers (rotary frequencies) are not parameters and stay as they are.
-        return functional_call(
-            self.model, bf16_rounded(self._params), (), {"input_ids": input_ids, "use_cache": False},
-            tie_weights=True, strict=False,
-        )  # fmt: skip
+        # Every module's weights rounded as it runs (the tied lm_head rounds the embedding's
+        # master again: the same values); buffers (rotary frequencies) stay as they are.
+        with _rounded_per_module(self.model):
+            return self.model(input_ids=input_ids, use_cache=False)
 
     def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.forward == "autocast-bf16":
@@ -360,14 +406,18 @@ class LocalTrainer:
         if self.device.type == "cuda" and "cuda" in state:  # absent in a CPU trainer's checkpoint
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
-    def checkpoint(self) -> dict[str, Any]:
-        """Everything needed to continue bit-identically; ``torch.save``-able."""
-        return {
-            "steps": self.steps,
-            "weights": self.state_fp32(),
-            "optimizer": self.optimizer_state(),
-            "rng": self.rng_state(),
-        }
+    def checkpoint(self, *, snapshot: bool = True) -> dict[str, Any]:
+        """Everything needed to continue bit-identically; ``torch.save``-able.
+
+        ``snapshot=False``, on the CPU unsharded: the live weight and AdamW moment tensors, not
+        copies (12 bytes per parameter less at the moment a lone trainer writes its resume point),
+        for a caller that serialises them before the next step; else the same as a snapshot."""
+        if snapshot or self.device != _CPU or self.sharded:
+            weights, optimizer = self.state_fp32(), self.optimizer_state()
+        else:
+            weights = {name: p.detach() for name, p in self._params.items()}
+            optimizer = self.optimizer.state_dict()
+        return {"steps": self.steps, "weights": weights, "optimizer": optimizer, "rng": self.rng_state()}
 
     def restore(self, checkpoint: dict[str, Any]) -> None:
         self.load_state_fp32(checkpoint["weights"])

@@ -42,7 +42,6 @@ the torch engine's on CPU), from the trainer's own copy of that version's publis
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -54,6 +53,7 @@ from pulsenet.rl.draw import boundary_margin, uniforms
 from pulsenet.rl.grpo import micro_batches
 from pulsenet.rl.sampling import SamplingParams
 from pulsenet.rl.shape import RowShape
+from pulsenet.rl.versions import VersionStore
 from pulsenet.rollouts.intake import REPLAY_REASONS
 
 REASONS = REPLAY_REASONS
@@ -243,7 +243,8 @@ class ReplayStats:
 
 
 class Replayer:
-    """Holds the last ``keep`` versions' BF16 weights and replays rows against them."""
+    """Holds the last ``keep`` versions' BF16 weights (``versions``) and replays rows against them
+    in one FP32 forward model."""
 
     def __init__(
         self,
@@ -264,7 +265,8 @@ class Replayer:
         self.params, self.keep, self.stopped = params, max(1, keep), stopped
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
         self._params = dict(self.model.named_parameters())
-        self.states: OrderedDict[int, Mapping[str, torch.Tensor]] = OrderedDict()
+        self.versions = VersionStore(self.keep)
+        """The versions held: the newest whole, older ones as undo patches (rl/versions.py)."""
         self._loaded: int | None = None
         self.rng = rng or random.SystemRandom()
         self.stats = ReplayStats()
@@ -275,26 +277,20 @@ class Replayer:
 
     def remember(self, version: int, state: Mapping[str, torch.Tensor]) -> None:
         """A version this trainer published (its BF16 state, not copied: published states are
-        never written to); the oldest beyond ``keep`` is forgotten."""
+        never written to; the previous newest is kept as an undo patch against it); the oldest
+        beyond ``keep`` is forgotten."""
         missing = set(self._params) - set(state)
         if missing:
             raise ConfigError(f"replay: the published state lacks {sorted(missing)[:4]}")
-        self.states[version] = state
-        self.states.move_to_end(version)
-        while len(self.states) > self.keep:
-            self.states.popitem(last=False)
+        self.versions.remember(version, state)
 
     def holds(self, version: int) -> bool:
-        return version in self.states
+        return version in self.versions
 
     def _load(self, version: int) -> None:
-        if self._loaded == version:
-            return
-        state = self.states[version]
-        with torch.no_grad():
-            for name, p in self._params.items():
-                p.copy_(state[name])
-        self._loaded = version
+        if self._loaded != version:
+            self.versions.load_into(version, self._params)
+            self._loaded = version
 
     # --- the check -----------------------------------------------------------------------------
 

@@ -74,7 +74,7 @@ def _honest(t: Trainer, version: int, batch: int = 0) -> list[Rollout]:
         assert t.node.replayer is not None
         digest = t.node.digests[version]
         engine = TorchEngine.from_state(
-            t.grpo.local.model.config, t.node.replayer.states[version], digest, version=version, decode=text.decode
+            t.grpo.local.model.config, t.node.replayer.versions.state(version), digest, version=version, decode=text.decode
         )
         prompts = [prompter.encode(p.prompt) for p in problems for _ in range(G)]
         keys = tuple(DrawId(RUN, digest, "i0", version, batch, k, i).key() for k in range(PROMPTS) for i in range(G))

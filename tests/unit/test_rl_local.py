@@ -158,7 +158,8 @@ def test_state_fp32_is_a_copy_and_load_resets_weights_only() -> None:
         trainer.load_state_fp32({**start, TIED[0]: start[TIED[0]].double()})
 
 
-def test_checkpoint_restore_continues_bit_identically() -> None:
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_checkpoint_restore_continues_bit_identically(snapshot: bool) -> None:
     reference, task = _trainer(5, lr=1e-3, grad_clip=1.0)
     for _ in range(5):
         reference.train_step(task)
@@ -168,8 +169,14 @@ def test_checkpoint_restore_continues_bit_identically() -> None:
     for _ in range(3):
         first.train_step(task)
     buf = io.BytesIO()
-    torch.save(first.checkpoint(), buf)
-    del first
+    ck = first.checkpoint(snapshot=snapshot)
+    name, p = next(iter(first.model.named_parameters()))
+    moment = first.optimizer.state[p]["exp_avg"]
+    # the live view shares the weights' and moments' memory (nothing copied); a snapshot does not
+    assert (ck["weights"][name].data_ptr() == p.data_ptr()) is not snapshot
+    assert (ck["optimizer"]["state"][0]["exp_avg"].data_ptr() == moment.data_ptr()) is not snapshot
+    torch.save(ck, buf)
+    del first, ck
     torch.manual_seed(123), random.seed(123)  # clobber global RNGs; restore must bring them back
 
     resumed, _ = _trainer(99, lr=1e-3, grad_clip=1.0)  # different init: restore must overwrite it
@@ -269,3 +276,24 @@ def test_smollm2_one_step_changes_a_few_percent_of_bf16(tmp_path_factory: pytest
     changed = sum(int((before[k].view(torch.int16) != after[k].view(torch.int16)).sum()) for k in before)
     frac = changed / sum(t.numel() for t in before.values())
     assert 0.001 < frac < 0.10, frac
+
+
+def test_bf16_weights_rounds_one_module_at_a_time_and_puts_the_masters_back() -> None:
+    trainer, task = _trainer(0, lr=1e-3, forward="bf16-weights")
+    layers = trainer.model.model.layers
+    seen = []
+
+    def inside(module: torch.nn.Module, args: object, out: object) -> None:  # in layer 1's gate_proj forward
+        mine = module._parameters["weight"]
+        other = layers[0].mlp.gate_proj._parameters["weight"]
+        seen.append((isinstance(mine, torch.nn.Parameter), isinstance(other, torch.nn.Parameter)))
+        assert torch.equal(mine, mine.to(torch.bfloat16).float())  # what the op saw: the rounded value
+
+    handle = layers[1].mlp.gate_proj.register_forward_hook(inside)
+    try:  # runs before the trainer's own after-hook: sees its weight swapped, layer 0's put back
+        trainer.train_step(task)
+    finally:
+        handle.remove()
+    assert seen == [(False, True)]
+    params = [p for m in trainer.model.modules() for p in m._parameters.values() if p is not None]
+    assert all(isinstance(p, torch.nn.Parameter) for p in params)

@@ -44,6 +44,7 @@ except an exited node's last error (``supervisor.last_error``: an ERROR record, 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -129,8 +130,30 @@ def _check(c: UpConfig) -> None:
         raise ConfigError("pulsenet up: --trainers, --inference and --rounds must be >= 1")
     from pulsenet.rl.models import resolve_model
 
-    resolve_model(c.model)  # a model that is not there stops here, with how to get it
+    ref = resolve_model(c.model)  # a model that is not there stops here, with how to get it
+    if c.memory_check and c.model != "tiny":  # the tiny model's nodes take ~0.5 GiB each, far below any budget
+        _check_memory(c, ref)
     if c.max_staleness < 0:
         raise ConfigError("pulsenet up: --max-staleness must be >= 0")
     if c.node_threads < 0:
         raise ConfigError("pulsenet up: --node-threads must be >= 0 (0: the cores shared among the nodes)")
+
+
+def _check_memory(c: UpConfig, ref: Any) -> None:
+    """The nodes' peak memory budgets against this machine's available memory (nodes/memory.py);
+    a model whose architecture cannot be read without weights here (SmolLM2 before its
+    conversion) is not checked."""
+    from pulsenet.nodes.memory import available_memory, network_refusal
+    from pulsenet.rl.models import model_hf_config, served_layout
+
+    available = available_memory()
+    try:
+        layout = served_layout(model_hf_config(ref))
+    except (ConfigError, OSError):
+        return
+    if available is None:
+        return
+    params = sum(math.prod(shape) for shape, _ in layout.values())
+    why = network_refusal(params, c.trainers, c.inference, c.engine, available)
+    if why is not None:
+        raise ConfigError(f"pulsenet up: {why}")

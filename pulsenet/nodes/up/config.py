@@ -37,5 +37,9 @@ class UpConfig(NetworkSettings):
     the nodes, at least 1 each (or OMP_NUM_THREADS, if set here). Every node on every core makes
     their threads spin-wait on one another (measured with two busy processes on two cores: a tiny
     GRPO step took 44 ms with two threads, 19 ms with one, 11 ms on the quiet machine)."""
+    memory_check: bool = True
+    """Refuse at start a network whose nodes' peak memory budgets (nodes/memory.py: a trainer 24
+    bytes per parameter + 2 GiB, an inference node 6 + 1.5 GiB with the torch engine, 2 + 1.5 GiB
+    with vLLM) add up to more than this machine's available memory, naming the flag to change."""
     supervise: SuperviseConfig = field(default_factory=SuperviseConfig)
     """Restarts (backoff, crash loop), the round deadline of a stuck network, liveness restarts."""

@@ -122,6 +122,7 @@ def summarize_up(config: UpConfig, outcome: Outcome) -> dict[str, Any]:
             "pids": list(n.pids),
             "restarts": n.restarts.count,
             "exits": [dataclasses.asdict(e) for e in n.restarts.exits],
+            "memory": n.status.get("memory"),  # its last /status: weight bytes by holder, peak RSS, budget
         }
     summary["efficiency"], summary["requests"] = efficiency(outcome.events, roles), requests(outcome.events, roles)
     summary["extra"] = {

@@ -1,0 +1,71 @@
+"""What a node holds (nodes/memory.py): holders by storage, the budget, and the engines' own copies."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pulsenet.codec.digest import model_digest
+from pulsenet.engines.torch_engine import TorchEngine
+from pulsenet.engines.vllm_engine import HostMirror
+from pulsenet.nodes.memory import BUDGETS, GiB, Probe, budget_for, held, proc_memory, report
+from pulsenet.nodes.status import NodeState
+from pulsenet.rl.models import bf16_state_dict, build_tiny_model
+
+
+def test_each_storage_counts_once_for_its_first_holder() -> None:
+    a, b = torch.zeros(10), torch.zeros(4, dtype=torch.bfloat16)
+    view = a[2:5]  # a view of a's storage: not another copy
+    out = held({"first": [a, None], "second": [view, b, torch.empty(3, device="meta")], "none": []})
+    assert out == {"first": 40, "second": 8, "none": 0}
+
+
+def test_budgets_are_the_issue_formulas() -> None:
+    p = 361_821_120  # the 0.35B directory
+    assert BUDGETS["trainer"].limit(p) == 24 * p + 2 * GiB
+    assert budget_for("inference").limit(p) == 6 * p + 3 * GiB // 2
+    assert budget_for("inference", "vllm").limit(p) == 2 * p + 3 * GiB // 2
+
+
+def test_report_reads_this_process_and_judges_the_peak() -> None:
+    mem = proc_memory(os.getpid())
+    assert mem is not None and 0 < mem["rss"] <= mem["peak_rss"]
+    r = report({"x": 5}, params=1, budget=BUDGETS["trainer"])
+    assert r["held"] == 5 and r["within_budget"] is True and r["budget"] == 24 + 2 * GiB
+    tight = report({}, params=1, budget=type(BUDGETS["trainer"])(0, 1))
+    assert tight["within_budget"] is False
+    assert report({}, params=None, budget=BUDGETS["trainer"])["within_budget"] is None
+
+
+def test_status_calls_the_probe_and_survives_asdict() -> None:
+    state = NodeState("trainer", "t0")
+    calls = []
+    state.memory = Probe(lambda held: calls.append(held) or {"holders": held, "peak_rss": 2, "budget": 3},
+                         counted=lambda: {"a": 1})  # fmt: skip
+    assert state.to_json()["memory"]["holders"] is None  # not counted until a refresh (a trainer: between steps)
+    state.memory.refresh()
+    d = state.to_json()
+    assert d["memory"]["holders"] == {"a": 1} and calls == [None, {"a": 1}]
+    assert NodeState("inference", "i0").to_json()["memory"] is None
+
+
+def test_the_torch_engine_holds_only_its_compute_copy_and_the_mirror_shares_the_state() -> None:
+    model = build_tiny_model(0)
+    state = bf16_state_dict(model)
+    engine = TorchEngine.from_state(model.config, state, model_digest(state), version=0)
+    holders = held({"verified_bf16": list(state.values()), **engine.held_tensors()})
+    numel = sum(t.numel() for t in state.values())
+    assert holders == {"verified_bf16": 2 * numel, "engine_F32": 4 * numel}
+    assert engine.weights_digest() == model_digest(state)
+    served = engine.served_state()  # a copy, never the parameters' own memory
+    assert all(served[n].data_ptr() != p.data_ptr() for n, p in engine._params.items())
+    mirror = HostMirror(state)  # the vLLM engine's: the verified tensors themselves
+    assert held({"verified_bf16": list(state.values()), "mirror": list(mirror.tensors.values())})["mirror"] == 0
+    new = dict(state)
+    name = "model.norm.weight"
+    new[name] = (state[name].float() + 0.5).to(torch.bfloat16)
+    engine.update(1, new, model_digest(new), changed={name})
+    assert engine.stats.bytes_last_update == new[name].numel() * 2 and engine.digest == model_digest(new)
+    mirror.commit(*mirror.stage(new, model_digest(new)))
+    assert mirror.tensors[name].data_ptr() == new[name].data_ptr()  # taken in, not copied
