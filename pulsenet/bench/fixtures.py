@@ -269,8 +269,8 @@ def make_pair(model_dir: Path, out: Path, spec: PairSpec | None = None) -> Path:
             _link_model(model_dir, tmp / "old")
             losses = [_first_step(model_dir, tmp / "new", spec)]
         changed = changed_entries(Checkpoint(tmp / "old"), Checkpoint(tmp / "new"))
-        record = {"method": method, "params": numel, "changed": changed, "changed_fraction": changed / numel,
-                  "losses": losses, "seconds": time.perf_counter() - t0, **asdict(spec)}
+        record = {**asdict(spec), "method": method, "params": numel, "changed": changed,
+                  "changed_fraction": changed / numel, "losses": losses, "seconds": time.perf_counter() - t0}
         (tmp / "pair.json").write_text(json.dumps(record, indent=1))
     return out
 

@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale|engines|fixture|replay``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines|fixture|size|replay``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
@@ -39,6 +39,11 @@ BENCHES = {
     "fixture": (
         "a random-init model at a published size (135M..3B, no download) and an update pair for it",
         "FixtureBenchSettings",
+    ),
+    "size": (
+        "the codec and PULSESync at 135M..3B: SHA-256 floor, encode/apply on 1 and all cores, CLI memory, "
+        "version latency through a throttled link",
+        "SizeBenchSettings",
     ),
     "replay": (
         "the trainer's replay of rollout rows on the torch engine: cost vs the GRPO step, honest rows' margins",

@@ -1,0 +1,49 @@
+"""``pulsenet bench size`` at a tiny shape of the same code (the budgets' arithmetic, the CLI
+children's peak memory, publish/pull through throttled link relays): seconds, not minutes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pulsenet.bench import fixtures
+from pulsenet.bench.size import SizeBenchSettings, run
+from pulsenet.codec.threads import codec_threads
+
+TINY = fixtures.Shape("test", 64, 128, 2, 4, 2, 10000.0, 256)
+
+
+@pytest.fixture
+def tiny_size(monkeypatch, tmp_path):
+    monkeypatch.setitem(fixtures.SIZES, "test", TINY)
+    monkeypatch.setattr(fixtures, "CACHE", tmp_path / "fixtures")
+    return "test"
+
+
+def test_codec_threads_take_the_callers_share(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = codec_threads()
+    assert cores >= 1 and codec_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert codec_threads() == 1 and codec_threads(0) == 1 and codec_threads(2) == 2
+
+
+@pytest.mark.timeout(300)
+def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
+    r = run(SizeBenchSettings(params=tiny_size, repeat=1, link_mbps=[50.0], subscribers=2, workdir=tmp_path))
+    pair = r["fixture"]["pair"]
+    assert pair["method"] == "adamw" and len(pair["losses"]) == 2 and 0 < pair["changed_fraction"] < 0.2
+    assert r["bytes"]["patch"] < r["bytes"]["model_bf16"] / 5 and r["bytes"]["changed_entries"] == pair["changed"]
+    assert r["sha256"]["one_core_GBps"] > 0
+    for c in r["codec"].values():
+        assert c["one_thread_s"] > 0 and c["all_threads_s"] > 0
+    for k in ("encode", "apply", "apply_known_base"):
+        rss = r["cli"][k]["peak_rss_bytes"]
+        assert 50e6 < rss < 4e9  # a real child's peak (python + torch), counted by the kernel
+    versions = r["e2e"]["versions"]
+    assert [v["kind"] for v in versions] == ["anchor", "patch"]
+    v = versions[1]
+    assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
+    assert v["all_verified_s"] >= v["link_time_s"]  # the relay did hold it to 50 Mbit/s
+    b = r["budgets"]
+    assert b["latency_50mbps"]["pass"] == (v["all_verified_s"] <= v["budget_s"])
+    assert {"memory_cli_encode", "memory_cli_apply", "rate_encode_known_base", "rate_apply_verify"} <= set(b)
