@@ -47,3 +47,26 @@ def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
     b = r["budgets"]
     assert b["latency_50mbps"]["pass"] == (v["all_verified_s"] <= v["budget_s"])
     assert {"memory_cli_encode", "memory_cli_apply", "rate_encode_known_base", "rate_apply_verify"} <= set(b)
+
+
+def test_scaling_table_fits_and_projects():
+    from pulsenet.bench.size_table import constants, fit_through_origin, table
+
+    assert fit_through_origin([1.0, 2.0], [2.0, 4.0]) == 2.0
+
+    def result(params: int, enc_s: float, patch: int, changed: int) -> dict:
+        codec = {"one_thread_s": 2 * enc_s, "all_threads_s": enc_s, "ratio_to_sha_floor_x_threads": 0.4}
+        return {
+            "config": {"params": f"{params}"}, "machine": {"threads_used": 2, "load_average_start": [1.0]},
+            "fixture": {"pair": {"params": params, "changed_fraction": changed / params, "method": "adamw"}},
+            "bytes": {"model_bf16": 2 * params, "patch": patch, "ratio": 2 * params / patch, "changed_entries": changed},
+            "codec": {"encode_known_base": codec, "encode_hash_base": codec, "apply_verify": codec},
+            "cli": None, "e2e": None,
+        }
+
+    rows = [result(10**8, 1.0, 2_000_000, 10**6), result(10**9, 10.0, 20_000_000, 10**7)]
+    c = constants(rows)
+    assert c["encode_known_base"] == pytest.approx(1e-8) and c["bytes_per_changed_entry"] == pytest.approx(2.0)
+    md = table(rows)
+    assert "| 7B (projected) | 7B | 14 GB | 1% (assumed) | 140 MB |" in md  # 2 B x 1% x 7e9
+    assert "- / 70 |" in md and "108 MB" in md
