@@ -10,7 +10,7 @@ shape and an update pair at lr 3e-6, built once and cached):
    ``pulsenet patch encode``), and apply + verify (every rebuilt tensor's SHA-256 and the model
    digest; what a subscriber does), each with 1 thread and with every core. Best of ``repeat``.
 3. **Memory**: ``pulsenet patch encode`` and ``apply`` as child processes, their peak RSS from the
-   kernel (``os.wait4``'s ``ru_maxrss``: resident pages of every kind, mmapped weights included).
+   kernel (each child's ``VmHWM``: resident pages of every kind, mmapped weights included).
 4. **Version latency** (``--e2e``): an embedded SeaweedFS, a ``Publisher`` writing straight to it
    (the trainer beside its store) and ``subscribers`` each pulling through its own link throttled
    to each ``link_mbps`` (the store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``; the
@@ -190,18 +190,37 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
 
 
 def _child(cmd: list[str]) -> dict:
-    """Run ``cmd``; its wall time and peak RSS (the kernel's own count for that child)."""
+    """Run ``cmd``; its wall time and peak RSS.
+
+    The peak is the child's own ``VmHWM`` (/proc/<pid>/status: the high-water mark of the address
+    space it exec'd into), read every 20 ms until it exits. ``wait4``'s ``ru_maxrss`` would not
+    do: Linux carries the forking parent's RSS into the child's count across ``execve``.
+    """
+    peak = 0
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: nothing blocks while we wait
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        status_file = Path(f"/proc/{proc.pid}/status")
+        while proc.poll() is None:
+            peak = max(peak, _vm_hwm(status_file))
+            time.sleep(0.02)
         wall = time.perf_counter() - t
         log.seek(0)
         output = log.read().decode(errors="replace")
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-2000:]}")
-    return {"wall_s": wall, "peak_rss_bytes": usage.ru_maxrss * 1024, "output": output.strip().splitlines()[-2:]}
+    return {"wall_s": wall, "peak_rss_bytes": peak, "output": output.strip().splitlines()[-2:]}
+
+
+def _vm_hwm(status_file: Path) -> int:
+    """VmHWM in bytes, 0 once the process is gone (or a zombie, which has no address space)."""
+    try:
+        for line in status_file.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def measure_cli(old: Path, new: Path, threads: int, digest_old: str, scratch: Path) -> dict:
