@@ -55,7 +55,8 @@ def test_scaling_table_fits_and_projects():
     assert fit_through_origin([1.0, 2.0], [2.0, 4.0]) == 2.0
 
     def result(params: int, enc_s: float, patch: int, changed: int) -> dict:
-        codec = {"one_thread_s": 2 * enc_s, "all_threads_s": enc_s, "ratio_to_sha_floor_x_threads": 0.4}
+        codec = {"one_thread_s": 2 * enc_s, "all_threads_s": enc_s, "ratio_to_sha_floor_x_threads": 0.4,
+                 "ratio_to_sha_floor_one_thread": 0.5}
         return {
             "config": {"params": f"{params}"}, "machine": {"threads_used": 2, "load_average_start": [1.0]},
             "fixture": {"pair": {"params": params, "changed_fraction": changed / params, "method": "adamw"}},
