@@ -1,4 +1,4 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale|engines|replay|memory``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines|fixture|size|replay|memory``: benchmarks with JSON output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
@@ -36,6 +36,15 @@ BENCHES = {
         "the PyTorch engine vs vLLM on one machine: start, update->first token, tokens/s, memory",
         "EnginesBenchSettings",
     ),
+    "fixture": (
+        "a random-init model at a published size (135M..3B, no download) and an update pair for it",
+        "FixtureBenchSettings",
+    ),
+    "size": (
+        "the codec and PULSESync at 135M..3B: SHA-256 floor, encode/apply on 1 and all cores, CLI memory, "
+        "version latency through a throttled link",
+        "SizeBenchSettings",
+    ),
     "replay": (
         "the trainer's replay of rollout rows on the torch engine: cost vs the GRPO step, honest rows' margins",
         "ReplayBenchSettings",
@@ -45,7 +54,10 @@ BENCHES = {
         "MemoryBenchSettings",
     ),
 }
-"""name -> (help, the settings class in ``pulsenet.bench.<name>``)."""
+"""name -> (help, the settings class in ``pulsenet.bench.<name>``, or in ``MODULES[name]``)."""
+
+MODULES = {"fixture": "fixtures"}
+"""Benchmarks whose module is not named after them."""
 
 ALIASES = {"loco": {"--H": "--inner-steps"}, "rl": {"--steps": "--rounds"}}
 """Flag spellings from before the schema (docs and results use them) -> the field's flag."""
@@ -59,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"pulsenet.bench.{args.bench}")
+    module = importlib.import_module(f"pulsenet.bench.{MODULES.get(args.bench, args.bench)}")
     settings = command_settings(args, getattr(module, BENCHES[args.bench][1]))
     result = module.run(settings)
     if settings.json is not None:

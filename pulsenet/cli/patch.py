@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     enc.add_argument("-o", "--output", type=Path, required=True, help="patch file to write")
     enc.add_argument("--zones", type=int, default=None, help="context zones per tensor (1 = fastest, default 12)")
     enc.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
-    enc.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    enc.add_argument("--threads", type=int, default=0,
+                     help="codec threads (default 0: this process's cores, capped by OMP_NUM_THREADS)")
+    enc.add_argument("--base-digest", default=None,
+                     help="OLD's model digest when already known (a publisher knows its last version's): skips hashing OLD")
     enc.set_defaults(func=_encode)
 
     app = psub.add_parser("apply", help="rebuild the target from BASE and PATCH, verified bit for bit")
@@ -28,9 +30,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     app.add_argument("patch", type=Path)
     app.add_argument("-o", "--output", type=Path, required=True,
                      help="output .safetensors file (or directory when BASE is a directory)")
-    app.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    app.add_argument("--threads", type=int, default=0,
+                     help="codec threads (default 0: this process's cores, capped by OMP_NUM_THREADS)")
     app.add_argument("--max-output-bytes", type=int, default=None,
                      help="refuse a patch that rebuilds more bytes than this (default: twice BASE, at least 1 GiB)")
+    app.add_argument("--base-digest", default=None,
+                     help="BASE's verified model digest when already known (a subscriber knows the version it serves): "
+                          "skips hashing BASE; every rebuilt tensor is still checked")
     app.set_defaults(func=_apply)
 
     ins = psub.add_parser("inspect", help="tensors, changes, sizes and digests of a patch")
@@ -40,7 +46,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     dig = sub.add_parser("digest", help="print the model digest (SHA-256 over sorted tensor values)")
     dig.add_argument("model", type=Path, help=".safetensors file or HF directory")
-    dig.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    dig.add_argument("--threads", type=int, default=0,
+                     help="codec threads (default 0: this process's cores, capped by OMP_NUM_THREADS)")
     dig.set_defaults(func=_digest)
 
 
@@ -69,7 +76,7 @@ def _encode(args: argparse.Namespace) -> int:
     total = new.nbytes
     t0 = time.perf_counter()
     enc = PatchEncoder(level=args.level, threads=args.threads, max_zones=args.zones or MAX_ZONES)
-    data = enc.encode(old, new, progress=_progress(total, "encode"))
+    data = enc.encode(old, new, base_digest=args.base_digest, progress=_progress(total, "encode"))
     from pulsenet.fsutil import atomic_write_bytes
 
     atomic_write_bytes(args.output, data)
@@ -102,7 +109,8 @@ def _apply(args: argparse.Namespace) -> int:
         copy_model_files(args.base, out)
         out = out / SINGLE_NAME
     t0 = time.perf_counter()
-    write_safetensors(out, meta, iter_apply(base, patch, threads=args.threads, max_output_bytes=limit))
+    rebuilt = iter_apply(base, patch, base_digest=args.base_digest, threads=args.threads, max_output_bytes=limit)
+    write_safetensors(out, meta, rebuilt)
     print(f"wrote {out}: digest {patch.target_digest} verified ({time.perf_counter() - t0:.1f}s)")
     return 0
 

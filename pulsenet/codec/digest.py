@@ -23,6 +23,7 @@ import torch
 
 from pulsenet.codec.bf16 import bits
 from pulsenet.codec.dtypes import dtype_name
+from pulsenet.codec.threads import codec_threads
 
 DIGEST_DOMAIN = b"pulsenet-model-digest-v1\n"
 
@@ -66,15 +67,15 @@ def model_digest_from_records(records: Mapping[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def tensor_hashes(tensors: Mapping[str, torch.Tensor], threads: int = 2) -> dict[str, bytes]:
-    """SHA-256 of every tensor's values, hashed in parallel threads."""
+def tensor_hashes(tensors: Mapping[str, torch.Tensor], threads: int = 0) -> dict[str, bytes]:
+    """SHA-256 of every tensor's values, hashed in parallel threads (0: ``codec_threads``)."""
     names = list(tensors)
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+    with ThreadPoolExecutor(max_workers=codec_threads(threads)) as pool:
         digests = list(pool.map(lambda n: tensor_sha256(tensors[n]), names))
     return dict(zip(names, digests, strict=True))
 
 
-def model_digest(tensors: Mapping[str, torch.Tensor], threads: int = 2) -> str:
+def model_digest(tensors: Mapping[str, torch.Tensor], threads: int = 0) -> str:
     """Hex model digest of a state dict (see module docstring)."""
     hashes = tensor_hashes(tensors, threads)
     return model_digest_from_records(

@@ -49,6 +49,7 @@ from pulsenet.codec.coding import (
 )
 from pulsenet.codec.digest import model_digest_from_records, sha256_array, tensor_record
 from pulsenet.codec.dtypes import dtype_from_name, dtype_name
+from pulsenet.codec.threads import codec_threads
 from pulsenet.errors import (
     BaseMismatchError,
     DigestMismatchError,
@@ -140,12 +141,13 @@ class PatchEncoder:
     """Encode the change A -> B. Tensors are read one at a time from the (lazy) mappings, so
     memory stays near ``threads`` x 2 tensors plus the payload, whatever the model size."""
 
-    def __init__(self, *, level: int = PATCH_ZSTD_LEVEL, threads: int = 2, max_zones: int = maskcode.MAX_ZONES) -> None:
-        """``max_zones``: context zones per tensor (1 = no context model: fastest, largest)."""
+    def __init__(self, *, level: int = PATCH_ZSTD_LEVEL, threads: int = 0, max_zones: int = maskcode.MAX_ZONES) -> None:
+        """``threads``: 0 = this node's share of its cores (``codec_threads``). ``max_zones``: context
+        zones per tensor (1 = no context model: fastest, largest)."""
         if not 1 <= max_zones <= maskcode.MAX_ZONES:
             raise ValueError(f"max_zones must be in 1..{maskcode.MAX_ZONES}, got {max_zones}")
         self.level = level
-        self.threads = max(1, threads)
+        self.threads = codec_threads(threads)
         self.max_zones = max_zones
 
     def encode(
@@ -402,12 +404,13 @@ def iter_apply(
     patch: Patch | bytes,
     *,
     base_digest: str | None = None,
-    threads: int = 2,
+    threads: int = 0,
     window_bytes: int | None = None,
     max_output_bytes: int | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
 
+    ``threads``: 0 = this node's share of its cores (``codec_threads``).
     ``base_digest``: the caller's verified digest of ``base``; compared with the patch's instead of
     hashing the base. Pass None to hash the base first (a wrong base is then named as such). The
     final model digest is checked after the last tensor: consume the whole iterator before trusting
@@ -426,6 +429,7 @@ def iter_apply(
         patch = parse_patch(patch, max_table_raw=table_cap(len(base)))
     named = check_base(patch, base)
     check_output_size(patch, output_cap(named) if max_output_bytes is None else max_output_bytes)
+    threads = codec_threads(threads)
     if base_digest is None:
         from pulsenet.codec.digest import model_digest
 
@@ -435,7 +439,6 @@ def iter_apply(
             f"base digest {base_digest[:16]}… does not match the patch's base {patch.base_digest[:16]}…: "
             "this patch applies to a different version"
         )
-    threads = max(1, threads)
     sizes = [0 if e.op == "keep" else e.numel * e.itemsize for e in patch.tensors]  # keep: shared, no copy
     limit = window_bytes if window_bytes is not None else 2 * max(sizes, default=0)
     records: dict[str, bytes] = {}

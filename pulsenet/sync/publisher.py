@@ -85,8 +85,9 @@ class PublisherConfig:
     None keeps everything."""
     pending: int = 1
     """States waiting for upload; publishing into a full queue drops the oldest waiting one."""
-    threads: int = 2
-    """Codec threads (encode, and the rebuild on resume)."""
+    threads: int = 0
+    """Codec threads (encode, and the rebuild on resume); 0: this node's share of its cores
+    (``codec.threads.codec_threads``: its CPU affinity, capped by OMP_NUM_THREADS)."""
     zstd_level: int = PATCH_ZSTD_LEVEL
     """zstd level of the patch codec."""
     max_zones: int = MAX_ZONES

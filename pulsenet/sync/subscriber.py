@@ -91,8 +91,9 @@ class SubscriberConfig:
     """Deadline of one payload download."""
     round_timeout_s: float | None = 1800.0
     """Deadline of one whole poll-and-update round."""
-    threads: int = 2
-    """Codec threads for applying and verifying."""
+    threads: int = 0
+    """Codec threads for applying and verifying; 0: this node's share of its cores
+    (``codec.threads.codec_threads``: its CPU affinity, capped by OMP_NUM_THREADS)."""
     parallel_downloads: int = 4
     """Payloads fetched at once when catching up."""
     max_targets: int = 3

@@ -1,0 +1,402 @@
+"""``pulsenet bench size``: the codec and PULSESync at a model size (issue 37, items 3 and 5).
+
+On one machine, for one fixture size (``bench/fixtures.py``: a random-init model at a published
+shape and an update pair at lr 3e-6, built once and cached):
+
+1. **The SHA-256 floor**: one core hashing the model's BF16 values from the page cache (the rate
+   every speed below is compared with, measured in the same run).
+2. **Codec speed** in this process, from the safetensors files (page cache warm): encode with the
+   base digest known (what a publisher does: it published the base) and without it (a cold
+   ``pulsenet patch encode``), and apply + verify (every rebuilt tensor's SHA-256 and the model
+   digest; what a subscriber does), each with 1 thread and with every core. Best of ``repeat``.
+3. **Memory**: ``pulsenet patch encode`` and ``apply`` as child processes, their peak RSS from the
+   kernel (each child's ``VmHWM``: resident pages of every kind, mmapped weights included).
+4. **Version latency** (``--e2e``): an embedded SeaweedFS, a ``Publisher`` writing straight to it
+   (the trainer beside its store) and ``subscribers`` each pulling through its own link throttled
+   to each ``link_mbps`` (the store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``; the
+   chaos relay, ``chaos/link.py``, sits beside bench in the layers and may not be imported here):
+   from ``publish()`` of the new state until every subscriber serves it verified. The anchor (v0)
+   goes through open links first; a full-checkpoint sync over the same link is its bytes over the
+   link rate.
+
+Budgets (issue 37) are checked and written as ``budgets.<name>.pass``. JSON schema: docs/bench.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pulsenet.bench import BenchSettings, config_of
+
+SCHEMA = "pulsenet.bench.size/1"
+GiB = 1 << 30
+
+
+@dataclass(kw_only=True)
+class SizeBenchSettings(BenchSettings):
+    """The codec and PULSESync at a model size: SHA-256 floor, encode/apply speed on 1 and all cores,
+    CLI peak memory, version latency through a throttled link (docs/scale.md)."""
+
+    params: str = "1B"
+    """Fixture size: 135M, 0.35B, 1B or 3B (bench/fixtures.py)."""
+    seed: int = 0
+    """Fixture seed."""
+    method: str = "auto"
+    """Pair method: auto, adamw or first-step."""
+    steps: int = 0
+    """adamw steps of the pair (0: 2 for adamw, so the pair carries Adam moments; 1 for first-step)."""
+    threads: int = 0
+    """Threads of the all-cores runs (0: this process's cores, capped by OMP_NUM_THREADS)."""
+    repeat: int = 2
+    """Runs of each in-process speed measurement (the best is kept)."""
+    cli: bool = True
+    """Run pulsenet patch encode/apply as child processes (peak RSS)."""
+    e2e: bool = True
+    """Publish/pull through the embedded store and throttled links (version latency)."""
+    link_mbps: list[float] = field(default_factory=lambda: [100.0, 1000.0])
+    """Link rates of the latency runs (Mbit/s), one patch version each."""
+    subscribers: int = 1
+    """Subscribers (inference nodes) of the latency runs, each with its own link."""
+    workdir: Path | None = None
+    """Scratch (patches, CLI outputs, the store); None: a temporary directory beside the fixture."""
+
+
+def run(s: SizeBenchSettings) -> dict:
+    from pulsenet.bench.fixtures import PairSpec, build_model_dir, default_dirs, make_pair, resolve_method
+    from pulsenet.checkpoint import Checkpoint
+    from pulsenet.codec.threads import available_cores, codec_threads
+
+    load0 = os.getloadavg()
+    model_dir, pair_dir = default_dirs(s.params, s.seed)
+    build_model_dir(model_dir, params=s.params, seed=s.seed)
+    import json
+
+    numel = sum(t.numel() for t in Checkpoint(model_dir).values())
+    method = resolve_method(PairSpec(method=s.method), numel)
+    steps = s.steps or (2 if method == "adamw" else 1)
+    make_pair(model_dir, pair_dir, PairSpec(method=method, steps=steps, seed=s.seed))
+    pair = json.loads((pair_dir / "pair.json").read_text())
+    old, new = pair_dir / "old", pair_dir / "new"
+    threads = codec_threads(s.threads)
+    scratch_parent = pair_dir.parent
+    with tempfile.TemporaryDirectory(prefix="size-", dir=s.workdir or scratch_parent) as tmp:
+        scratch = Path(tmp)
+        speed = measure_codec(old, new, threads, s.repeat, scratch)
+        cli = measure_cli(old, new, threads, speed["digests"]["old"], scratch) if s.cli else None
+        e2e = asyncio.run(measure_e2e(old, new, s, threads, scratch)) if s.e2e else None
+    model_bytes = speed["bytes"]["model_bf16"]
+    result = {
+        "schema": SCHEMA,
+        "config": config_of(s) | {"threads": threads},
+        "machine": {
+            "load_average_start": list(load0),
+            "load_average_end": list(os.getloadavg()),
+            "cores_available": available_cores(),
+            "threads_used": threads,
+            "platform": platform.platform(),
+            "processor": _cpu_model(),
+            "python": sys.version.split()[0],
+        },
+        "fixture": {"model": str(model_dir), "pair": pair},
+        **{k: v for k, v in speed.items() if k != "digests"},
+        "cli": cli,
+        "e2e": e2e,
+    }
+    result["budgets"] = budgets(result, model_bytes, threads)
+    _print(result)
+    return result
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _best(repeat: int, fn):
+    """(fastest wall time of ``repeat`` runs, the last result, the fastest run's CPU seconds). On a
+    shared machine the fastest run is the least disturbed, and CPU seconds per byte say what the
+    work costs whatever share of the cores the other processes left us."""
+    best, out, cpu = float("inf"), None, 0.0
+    for _ in range(max(1, repeat)):
+        out = None
+        t, c = time.perf_counter(), time.process_time()
+        result = fn()
+        wall, used = time.perf_counter() - t, time.process_time() - c
+        if wall < best:
+            best, cpu = wall, used
+        out = result
+    return best, out, cpu
+
+
+def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path) -> dict:
+    """SHA-256 floor, encode and apply+verify speeds (1 thread and ``threads``), from the files."""
+    from pulsenet.bench.e2e import _warm_up_codec
+    from pulsenet.checkpoint import Checkpoint
+    from pulsenet.codec.digest import model_digest
+    from pulsenet.codec.patch import PatchEncoder, iter_apply, parse_patch
+
+    a, b = Checkpoint(old), Checkpoint(new)
+    nbytes = b.nbytes
+    _warm_up_codec()
+    model_digest(a, threads), model_digest(b, threads)  # page cache warm, as a node that just wrote them
+    t_sha1, _, cpu_sha1 = _best(repeat, lambda: model_digest(b, 1))
+    t_shaN, digest_new, _ = _best(repeat, lambda: model_digest(b, threads))
+    digest_old = model_digest(a, threads)
+    floor = nbytes / t_sha1
+    out: dict = {"sha256": {"one_core_GBps": floor / 1e9, "all_threads_GBps": nbytes / t_shaN / 1e9,
+                            "one_core_s": t_sha1, "all_threads_s": t_shaN, "one_core_cpu_s": cpu_sha1,
+                            "cpu_GBps": nbytes / max(cpu_sha1, 1e-9) / 1e9}}
+    rows: dict = {}
+    data = b""
+    for n in sorted({1, threads}):
+        enc = PatchEncoder(threads=n)
+        t_warm, data, c_warm = _best(repeat, lambda enc=enc: enc.encode(a, b, base_digest=digest_old))
+        t_cold, _, c_cold = _best(1, lambda enc=enc: enc.encode(a, b))
+
+        def apply(n=n, data=data) -> int:
+            count = 0
+            for _, _t in iter_apply(a, data, base_digest=digest_old, threads=n):
+                count += 1
+            return count
+
+        t_apply, _, c_apply = _best(repeat, apply)
+        rows[n] = {"encode_known_base_s": t_warm, "encode_hash_base_s": t_cold, "apply_verify_s": t_apply,
+                   "encode_known_base_cpu": c_warm, "encode_hash_base_cpu": c_cold, "apply_verify_cpu": c_apply}
+    (scratch / "step.patch").write_bytes(data)
+    p = parse_patch(data)
+    if p.target_digest != digest_new:
+        raise AssertionError("the patch's target digest is not the new model's")
+    one, many = rows[1], rows[threads]
+    out["bytes"] = {"model_bf16": nbytes, "patch": len(data), "ratio": nbytes / len(data),
+                    "changed_entries": sum(e.nnz for e in p.tensors if e.op == "sparse")}
+    out["codec"] = {}
+    for key in ("encode_known_base_s", "encode_hash_base_s", "apply_verify_s"):
+        name = key.removesuffix("_s")
+        cpu = name + "_cpu"
+        out["codec"][name] = {
+            "one_thread_s": one[key], "all_threads_s": many[key], "speedup": one[key] / many[key],
+            "one_thread_GBps": nbytes / one[key] / 1e9, "all_threads_GBps": nbytes / many[key] / 1e9,
+            "ratio_to_sha_floor_one_thread": (nbytes / one[key]) / floor,
+            "ratio_to_sha_floor_x_threads": (nbytes / many[key]) / (threads * floor),
+            "cpu_s_one_thread": one[cpu], "cpu_s_all_threads": many[cpu],
+            "cores_busy_all_threads": many[cpu] / many[key],
+            "cpu_ratio_to_sha": cpu_sha1 / max(many[cpu], 1e-9),
+        }
+    out["digests"] = {"old": digest_old, "new": digest_new}
+    return out
+
+
+def _child(cmd: list[str]) -> dict:
+    """Run ``cmd``; its wall time and peak RSS.
+
+    The peak is the child's own ``VmHWM`` (/proc/<pid>/status: the high-water mark of the address
+    space it exec'd into), read every 20 ms until it exits. ``wait4``'s ``ru_maxrss`` would not
+    do: Linux carries the forking parent's RSS into the child's count across ``execve``.
+    """
+    peak = 0
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: nothing blocks while we wait
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        status_file = Path(f"/proc/{proc.pid}/status")
+        while proc.poll() is None:
+            peak = max(peak, _vm_hwm(status_file))
+            time.sleep(0.02)
+        wall = time.perf_counter() - t
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-2000:]}")
+    return {"wall_s": wall, "peak_rss_bytes": peak, "output": output.strip().splitlines()[-2:]}
+
+
+def _vm_hwm(status_file: Path) -> int:
+    """VmHWM in bytes, 0 once the process is gone (or a zombie, which has no address space)."""
+    try:
+        for line in status_file.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def measure_cli(old: Path, new: Path, threads: int, digest_old: str, scratch: Path) -> dict:
+    """``pulsenet patch encode`` and ``apply`` as child processes (all threads): wall and peak RSS.
+    The wall time includes starting Python and importing torch (~2-4 s)."""
+    py = [sys.executable, "-m", "pulsenet"]
+    patch, out = scratch / "cli.patch", scratch / "cli-out"
+    common = ["--threads", str(threads)]
+    res = {
+        "encode": _child([*py, "patch", "encode", str(old), str(new), "-o", str(patch), "--level", "1", *common]),
+        "encode_known_base": _child([*py, "patch", "encode", str(old), str(new), "-o", str(patch), "--level", "1",
+                                     "--base-digest", digest_old, *common]),
+        "apply": _child([*py, "patch", "apply", str(old), str(patch), "-o", str(out), *common]),
+        "apply_known_base": _child([*py, "patch", "apply", str(old), str(patch), "-o", str(out),
+                                    "--base-digest", digest_old, *common]),
+    }
+    res["startup_s"] = _child([sys.executable, "-c", "import torch, pulsenet.codec.patch"])["wall_s"]
+    return res
+
+
+async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, scratch: Path) -> dict:
+    """Publish old (the anchor, links open), then new and old alternately as patches, one per rate
+    in ``link_mbps``: the time from ``publish()`` until every subscriber serves it verified.
+
+    Each round starts fresh subscribers whose store link is throttled to that round's rate (the
+    store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``) and which resume from the
+    verified weights the previous round's subscriber persisted (``state_dir``), as a node that has
+    served the previous version: only the new version's patch crosses the link. The publisher
+    writes straight to the store (the trainer beside its bucket; the inference nodes are remote).
+    """
+    import resource
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from pulsenet.checkpoint import Checkpoint
+    from pulsenet.signing import key_id
+    from pulsenet.store import S3Store
+    from pulsenet.store.seaweed import SeaweedServer
+    from pulsenet.sync import Publisher, PublisherConfig
+
+    key = Ed25519PrivateKey.generate()
+    trusted = {key_id(key.public_key()): key.public_key()}
+    states = [Checkpoint(old), Checkpoint(new)]
+    sub_threads = max(1, threads // max(1, s.subscribers))
+    rows = []
+    with SeaweedServer(scratch / "s3") as server:
+        server.create_buckets("bench")
+        pub_store = S3Store("bench", "size", server.config())
+        pub = Publisher(pub_store, key, PublisherConfig(anchor_every=10**9, keep_anchors=None, threads=threads,
+                                                        transfer_timeout_s=3600.0))
+        async with pub:
+            for version, mbps in enumerate([None, *s.link_mbps]):
+                row = await _round(server, pub, states[version % 2], version, mbps, s, sub_threads, trusted, scratch)
+                rows.append(row)
+                print(f"v{version} {row['kind']} link {mbps or 'open'}: "
+                      f"{sum(row['payload_bytes'].values()) / 1e6:.1f} MB, all verified {row['all_verified_s']:.2f}s",
+                      file=sys.stderr)
+        await pub_store.close()
+    return {"subscribers": s.subscribers, "subscriber_threads": sub_threads, "versions": rows,
+            "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "note": "publisher and subscribers share this one process (and its cores): the per-node memory "
+                    "figures are the CLI's"}
+
+
+async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBenchSettings, sub_threads: int,
+                 trusted, scratch: Path) -> dict:
+    """One version through fresh subscribers on links of ``mbps`` (None: open)."""
+    from pulsenet.store import S3Store
+    from pulsenet.sync import Subscriber, SubscriberConfig
+
+    verified: dict[tuple[int, int], float] = {}
+    saved: set[tuple[int, int]] = set()
+    cond = asyncio.Condition()
+
+    def hooks(i: int):
+        async def on_update(v: int, _state, _digest: str) -> None:
+            verified[(i, v)] = time.perf_counter()
+            async with cond:
+                cond.notify_all()
+
+        def on_saved(v: int, _digest: str) -> None:
+            saved.add((i, v))
+
+        return on_update, on_saved
+
+    async def until(pred) -> None:
+        while not pred():
+            async with cond:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(cond.wait(), 0.2)  # on_saved runs in a thread: poll too
+
+    n = s.subscribers
+    stores = [S3Store("bench", "size", dataclasses.replace(server.config("reader"), link_mbps=mbps)) for _ in range(n)]
+    subs = []
+    for i, st in enumerate(stores):
+        on_update, on_saved = hooks(i)
+        cfg = SubscriberConfig(interval_s=0.05, jitter=0.2, threads=sub_threads, transfer_timeout_s=3600.0,
+                               state_dir=scratch / f"sub{i}" / "state", cache_dir=scratch / f"sub{i}" / "cache")
+        subs.append(Subscriber(st, trusted, cfg, on_update=on_update, on_saved=on_saved))
+    stop = asyncio.Event()
+    try:
+        for sub in subs:
+            await sub.start()  # resume the previous version from disk, outside the measurement
+        if version:
+            await until(lambda: all((i, version - 1) in verified for i in range(n)))
+        async with asyncio.TaskGroup() as tg:
+            for sub in subs:
+                tg.create_task(sub.run(stop))
+            t0 = time.perf_counter()
+            pub.publish(state, step=version)
+            await until(lambda: all((i, version) in verified for i in range(n)))
+            latency = max(verified[(i, version)] for i in range(n)) - t0
+            await until(lambda: all((i, version) in saved for i in range(n)))
+            stop.set()
+    finally:
+        stop.set()
+        for sub, st in zip(subs, stores, strict=True):
+            await sub.close()
+            await st.close()
+    rec = pub.records[-1]
+    row = {"version": version, "kind": rec.kind, "link_mbps": mbps, "payload_bytes": rec.payload_bytes,
+           "full_bytes": rec.full_bytes, "encode_s": rec.encode_s, "upload_s": rec.upload_s,
+           "published_s": rec.latency_s, "all_verified_s": latency,
+           "subscriber_download_s": [sub.stats.last_download_s for sub in subs],
+           "subscriber_apply_s": [sub.stats.last_apply_s for sub in subs]}
+    if mbps is not None:
+        link_s = rec.payload_bytes["patch"] * 8 / (mbps * 1e6)
+        row |= {"link_time_s": link_s, "budget_s": 1.25 * link_s + 2.0,
+                "full_checkpoint_link_time_s": rec.full_bytes * 8 / (mbps * 1e6)}
+        row["pass"] = latency <= row["budget_s"]
+    return row
+
+
+def budgets(r: dict, model_bytes: int, threads: int) -> dict:
+    """Issue 37's budgets, each with its measured value, its limit and pass/fail."""
+    out: dict = {}
+    mem_limit = 2 * model_bytes + GiB
+    if r["cli"]:
+        for k in ("encode", "encode_known_base", "apply", "apply_known_base"):
+            v = r["cli"][k]["peak_rss_bytes"]
+            out[f"memory_cli_{k}"] = {"value": v, "limit": mem_limit, "pass": v <= mem_limit}
+    for k in ("encode_known_base", "apply_verify"):
+        c = r["codec"][k]
+        if threads > 1:
+            out[f"speedup_{k}"] = {"value": c["speedup"], "limit": 1.6, "pass": c["speedup"] >= 1.6}
+        out[f"rate_{k}"] = {"value": c["ratio_to_sha_floor_x_threads"], "limit": 0.5,
+                            "pass": c["ratio_to_sha_floor_x_threads"] >= 0.5,
+                            "what": "all-threads rate / (threads x one core's SHA-256 rate)"}
+    if r["e2e"]:
+        for v in r["e2e"]["versions"]:
+            if v["link_mbps"] is not None:
+                out[f"latency_{v['link_mbps']:g}mbps"] = {"value": v["all_verified_s"], "limit": v["budget_s"],
+                                                          "pass": v["pass"]}
+    return out
+
+
+def _print(r: dict) -> None:
+    gb = r["bytes"]["model_bf16"] / 1e9
+    print(f"{r['config']['params']}: {gb:.2f} GB BF16, patch {r['bytes']['patch'] / 1e6:.2f} MB "
+          f"({r['fixture']['pair']['changed_fraction'] * 100:.2f}% changed, {r['fixture']['pair']['method']}); "
+          f"SHA-256 one core {r['sha256']['one_core_GBps']:.2f} GB/s; load {r['machine']['load_average_start'][0]:.1f}")
+    for k, c in r["codec"].items():
+        print(f"  {k:18s} 1 thread {c['one_thread_s']:.2f}s, {r['machine']['threads_used']} threads "
+              f"{c['all_threads_s']:.2f}s (x{c['speedup']:.2f}; {c['ratio_to_sha_floor_x_threads']:.2f} of the floor; "
+              f"{c['cores_busy_all_threads']:.2f} cores busy; CPU cost {1 / c['cpu_ratio_to_sha']:.2f} x SHA-256's)")
+    for name, b in r["budgets"].items():
+        print(f"  budget {name}: {b['value']:.4g} vs {b['limit']:.4g}: {'pass' if b['pass'] else 'FAIL'}")

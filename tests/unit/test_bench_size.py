@@ -1,0 +1,73 @@
+"""``pulsenet bench size`` at a tiny shape of the same code (the budgets' arithmetic, the CLI
+children's peak memory, publish/pull through throttled link relays): seconds, not minutes."""
+
+from __future__ import annotations
+
+import pytest
+
+from pulsenet.bench import fixtures
+from pulsenet.bench.size import SizeBenchSettings, run
+from pulsenet.codec.threads import codec_threads
+
+TINY = fixtures.Shape("test", 64, 128, 2, 4, 2, 10000.0, 256)
+
+
+@pytest.fixture
+def tiny_size(monkeypatch, tmp_path):
+    monkeypatch.setitem(fixtures.SIZES, "test", TINY)
+    monkeypatch.setattr(fixtures, "CACHE", tmp_path / "fixtures")
+    return "test"
+
+
+def test_codec_threads_take_the_callers_share(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = codec_threads()
+    assert cores >= 1 and codec_threads(3) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert codec_threads() == 1 and codec_threads(0) == 1 and codec_threads(2) == 2
+
+
+@pytest.mark.timeout(300)
+def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
+    r = run(SizeBenchSettings(params=tiny_size, repeat=1, link_mbps=[50.0], subscribers=2, workdir=tmp_path))
+    pair = r["fixture"]["pair"]
+    assert pair["method"] == "adamw" and len(pair["losses"]) == 2 and 0 < pair["changed_fraction"] < 0.2
+    assert r["bytes"]["patch"] < r["bytes"]["model_bf16"] / 5 and r["bytes"]["changed_entries"] == pair["changed"]
+    assert r["sha256"]["one_core_GBps"] > 0
+    for c in r["codec"].values():
+        assert c["one_thread_s"] > 0 and c["all_threads_s"] > 0
+    for k in ("encode", "apply", "apply_known_base"):
+        rss = r["cli"][k]["peak_rss_bytes"]
+        assert 50e6 < rss < 4e9  # a real child's peak (python + torch), counted by the kernel
+    versions = r["e2e"]["versions"]
+    assert [v["kind"] for v in versions] == ["anchor", "patch"]
+    v = versions[1]
+    assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
+    assert v["all_verified_s"] >= v["link_time_s"]  # the relay did hold it to 50 Mbit/s
+    b = r["budgets"]
+    assert b["latency_50mbps"]["pass"] == (v["all_verified_s"] <= v["budget_s"])
+    assert {"memory_cli_encode", "memory_cli_apply", "rate_encode_known_base", "rate_apply_verify"} <= set(b)
+
+
+def test_scaling_table_fits_and_projects():
+    from pulsenet.bench.size_table import constants, fit_through_origin, table
+
+    assert fit_through_origin([1.0, 2.0], [2.0, 4.0]) == 2.0
+
+    def result(params: int, enc_s: float, patch: int, changed: int) -> dict:
+        codec = {"one_thread_s": 2 * enc_s, "all_threads_s": enc_s, "ratio_to_sha_floor_x_threads": 0.4,
+                 "ratio_to_sha_floor_one_thread": 0.5}
+        return {
+            "config": {"params": f"{params}"}, "machine": {"threads_used": 2, "load_average_start": [1.0]},
+            "fixture": {"pair": {"params": params, "changed_fraction": changed / params, "method": "adamw"}},
+            "bytes": {"model_bf16": 2 * params, "patch": patch, "ratio": 2 * params / patch, "changed_entries": changed},
+            "codec": {"encode_known_base": codec, "encode_hash_base": codec, "apply_verify": codec},
+            "cli": None, "e2e": None,
+        }
+
+    rows = [result(10**8, 1.0, 2_000_000, 10**6), result(10**9, 10.0, 20_000_000, 10**7)]
+    c = constants(rows)
+    assert c["encode_known_base"] == pytest.approx(1e-8) and c["bytes_per_changed_entry"] == pytest.approx(2.0)
+    md = table(rows)
+    assert "| 7B (projected) | 7B | 14 GB | 1% (assumed) | 140 MB |" in md  # 2 B x 1% x 7e9
+    assert "- / 70 |" in md and "108 MB" in md
