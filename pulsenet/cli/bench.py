@@ -1,4 +1,5 @@
-"""``pulsenet bench sync|e2e|loco|rl|scale|engines|fixture|size|replay|memory``: benchmarks with JSON output and a table on the terminal.
+"""``pulsenet bench sync|e2e|loco|rl|scale|engines|fixture|size|replay|memory``: benchmarks with JSON
+output and a table on the terminal.
 
 Each benchmark lives in ``pulsenet/bench/<name>.py`` with its settings dataclass (one schema,
 ``pulsenet/settings.py``: table ``[bench.<name>]``, ``PULSENET_<FIELD>``, flags; ``--help`` lists
