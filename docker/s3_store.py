@@ -5,7 +5,7 @@ Same users and secrets as the MinIO bootstrap: user ``site-<s>`` with secret ``P
 writes only bucket ``pulsenet-<s>`` and reads every bucket; the trainers' users also write
 ``pulsenet-loco``; ``pulsenet-admin`` (``MINIO_ROOT_PASSWORD``) may do anything. SeaweedFS binds to
 127.0.0.1 inside this container (its hardening: docs/store.md); only the S3 port is relayed to the
-container's network, on ``--listen`` (docker/link.py, no delay, no rate: the sites' links shape).
+container's network, on ``--listen`` (pulsenet/chaos/link.py, no delay, no rate: the sites' links shape).
 
     python docker/s3_store.py --dir /data --listen 0.0.0.0:9000     # env: SITES, TRAINERS, secrets
 """
@@ -19,8 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import link  # docker/link.py, beside this file
+from pulsenet.chaos.link import LinkProxy, address, serve
 
 
 def identities(sites: list[str], trainers: list[str]) -> list[dict]:
@@ -59,12 +58,12 @@ def main() -> int:
     with server:
         server.create_buckets()
         print(f"s3_store: SeaweedFS at {server.endpoint_url}; buckets {', '.join(server.create_buckets())}", flush=True)
-        return asyncio.run(_serve(server, link._address(a.listen)))
+        return asyncio.run(_serve(server, address(a.listen)))
 
 
 async def _serve(server, listen: tuple[str, int]) -> int:
     """Relay S3 until SIGTERM (0) or until weed exits (1: the restart policy starts the store again)."""
-    relay = asyncio.create_task(link.relay(listen, ("127.0.0.1", server.port), 0.0))
+    relay = asyncio.create_task(serve(LinkProxy(f"http://127.0.0.1:{server.port}", listen=listen)))
     while not relay.done():
         if not server.running:
             print(f"s3_store: weed mini exited:\n{server.log_tail()}", file=sys.stderr, flush=True)

@@ -1,4 +1,5 @@
-"""One node's link to the store, as a TCP relay the chaos schedule can throttle or cut.
+"""One node's link to the store, as a TCP relay the chaos schedule can throttle or cut, or that a
+container network runs as a site's shaped link (``python -m pulsenet.chaos.link``).
 
 ``pulsenet chaos`` gives each node that a link fault targets its own relay (its ``AWS_ENDPOINT_URL``
 points here instead of at the store), run in the launcher's event loop. Everything the node says to
@@ -12,15 +13,31 @@ calls, as over a real link.
   still accepted by the kernel) and hang until the node's own deadlines fire: what a dead route
   looks like to TCP, not the quick "connection refused" of a stopped server;
 - ``restore()``: full speed again; bytes held during a cut then flow (to connections the node may
-  have given up on, which then see them or a reset).
+  have given up on, which then see them or a reset);
+- ``delay_s``: every chunk is delivered that long after it was read, each direction in order, so a
+  request and its answer each pay it once (a round trip: twice). This kernel has ``tc``'s ``tbf``
+  but not ``netem``: delay has to be userspace.
+
+As a program (docker/compose.yaml's ``link-<site>`` services, docker/s3_store.py): a relay from
+``--listen`` to ``--upstream`` with ``--delay-ms``, its rate set by the kernel: ``tc qdisc tbf`` on
+each of its interfaces (egress: towards the store, the site's uplink; towards the site, its
+downlink). That needs CAP_NET_ADMIN; it exits non-zero when the rate cannot be set rather than run
+an unshaped link silently::
+
+    python -m pulsenet.chaos.link --listen 0.0.0.0:9000 --upstream minio:9000 --delay-ms 40 --rate 100mbit
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -30,6 +47,8 @@ from pulsenet.logs import suppressed
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
+QUEUED = 256
+"""Chunks in flight per direction of a delayed connection (16 MiB): a full queue stops reading, as TCP would."""
 
 
 @dataclass(slots=True)
@@ -43,15 +62,18 @@ class LinkStats:
 
 class LinkProxy:
     """A relay from a local port to ``upstream`` (an ``http://host:port`` URL); bound at construction
-    so the node's endpoint is known before the event loop runs, serving from ``start()``."""
+    (``listen``: 127.0.0.1 on a free port by default) so the node's endpoint is known before the
+    event loop runs, serving from ``start()``; every chunk delivered ``delay_s`` after it was read."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, *, listen: tuple[str, int] = ("127.0.0.1", 0), delay_s: float = 0.0) -> None:
         parts = urlsplit(upstream)
         if not parts.hostname or not parts.port:
             raise ValueError(f"link upstream must be http://host:port, got {upstream!r}")
         self.host, self.port_up, self.scheme = parts.hostname, parts.port, parts.scheme
+        self.delay_s = delay_s
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(listen)
         self.sock.listen(128)  # connections made before start() wait in the backlog
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
@@ -127,22 +149,44 @@ class LinkProxy:
             self._tasks.discard(task)
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, direction: str) -> None:
-        while True:
-            await self._open.wait()
-            data = await src.read(CHUNK)
-            if not data:
-                with contextlib.suppress(OSError):
-                    dst.write_eof()
-                return
-            await self._open.wait()  # cut while reading: hold the bytes
-            if self.mbps:
-                await self._pace(direction, len(data))
-            dst.write(data)
-            await dst.drain()
-            if direction == "up":
-                self.stats.up += len(data)
-            else:
-                self.stats.down += len(data)
+        """Read chunks as they come and deliver each ``delay_s`` later, in order, paced to ``mbps``:
+        the reader runs ahead of the writer (up to ``QUEUED`` chunks), so a delay costs latency,
+        not throughput."""
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(QUEUED)
+
+        async def read() -> None:
+            data = b"?"
+            try:
+                while data:
+                    await self._open.wait()
+                    data = await src.read(CHUNK)
+                    await queue.put((time.monotonic() + self.delay_s, data))
+            except OSError:  # the other end reset: the writer ends this direction
+                await queue.put((time.monotonic(), b""))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                due, data = await queue.get()
+                if (wait := due - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
+                if not data:
+                    with contextlib.suppress(OSError):
+                        dst.write_eof()
+                    return
+                await self._open.wait()  # cut while reading: hold the bytes
+                if self.mbps:
+                    await self._pace(direction, len(data))
+                dst.write(data)
+                await dst.drain()
+                if direction == "up":
+                    self.stats.up += len(data)
+                else:
+                    self.stats.down += len(data)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OSError, asyncio.IncompleteReadError):
+                await reader
 
     async def _pace(self, direction: str, n: int) -> None:
         """Hold ``n`` bytes until a link of ``mbps`` would have carried them (after what it carries already)."""
@@ -151,3 +195,57 @@ class LinkProxy:
         done = max(now, self._next[direction]) + n * 8 / (self.mbps * 1e6)
         self._next[direction] = done
         await asyncio.sleep(done - now)
+
+
+def shape(rate: str, burst: str = "64kb", latency: str = "100ms") -> list[str]:
+    """``tc qdisc tbf`` at ``rate`` on every interface but loopback (egress: each direction of the
+    link gets its own bucket). Returns the commands run; raises CalledProcessError if one failed."""
+    done = []
+    for dev in sorted(n for n in os.listdir("/sys/class/net") if n != "lo"):
+        cmd = ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst, "latency", latency]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        done.append(" ".join(cmd))
+    return done
+
+
+async def serve(link: LinkProxy, stop: asyncio.Event | None = None) -> None:
+    """Run ``link`` until ``stop`` is set (None: until SIGTERM or SIGINT)."""
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    await link.start()
+    try:
+        await stop.wait()
+    finally:
+        await link.close()
+
+
+def address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (HOST may be empty: every address) as a socket address."""
+    host, _, port = text.rpartition(":")
+    return host or "0.0.0.0", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A site's link to the store: a TCP relay with a delay and a rate.")
+    p.add_argument("--listen", default="0.0.0.0:9000")
+    p.add_argument("--upstream", required=True, help="HOST:PORT of the store")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
+    p.add_argument("--rate", default="", help="tc rate, e.g. 100mbit; empty: not shaped")
+    a = p.parse_args(argv)
+    if a.rate:
+        try:
+            for cmd in shape(a.rate):
+                print(f"link: {cmd}", flush=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"link: cannot shape the link to {a.rate}: {getattr(e, 'stderr', '') or e}", file=sys.stderr)
+            return 1
+    link = LinkProxy(f"http://{a.upstream}", listen=address(a.listen), delay_s=a.delay_ms / 1000)
+    print(f"link: {a.listen} -> {a.upstream}, {a.delay_ms:g} ms each way, rate {a.rate or 'unshaped'}", flush=True)
+    asyncio.run(serve(link))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

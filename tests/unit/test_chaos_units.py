@@ -114,6 +114,26 @@ async def _roundtrip(port: int, payload: bytes) -> bytes:
 
 
 @pytest.mark.timeout(60)
+async def test_a_delayed_link_costs_each_direction_its_delay_not_throughput() -> None:
+    """A site's link in the container network (``delay_s``): a round trip pays the delay twice, and
+    1 MB crosses in about that too, since chunks in flight are not held back one by one."""
+    server, port = await _echo_server()
+    link = LinkProxy(f"http://127.0.0.1:{port}", delay_s=0.2)
+    await link.start()
+    try:
+        t0 = time.monotonic()
+        assert await _roundtrip(link.port, b"a" * 10) == b"a" * 10
+        small = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert await _roundtrip(link.port, b"b" * 1_000_000) == b"b" * 1_000_000
+        big = time.monotonic() - t0
+        assert 0.4 <= small < 2.0 and big < 3.0  # one chunk at a time would take 16 x 0.4 s
+    finally:
+        await link.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
 async def test_the_link_relays_throttles_cuts_and_restores() -> None:
     server, port = await _echo_server()
     link = LinkProxy(f"http://127.0.0.1:{port}")

@@ -366,7 +366,7 @@ def test_long_running_services_restart_and_are_health_checked(compose: dict[str,
 
 
 def test_each_site_is_its_own_network_with_a_link_to_the_store(compose: dict[str, Any]) -> None:
-    """A node is only on its site's network; its link (docker/link.py) is on that network and the
+    """A node is only on its site's network; its link (pulsenet/chaos/link.py) is on that network and the
     store's, and is the node's endpoint. The store and its bootstrap are only on the store's network."""
     services = compose["services"]
     assert services["minio"]["networks"] == ["store"] and services["bootstrap"]["networks"] == ["store"]
@@ -377,7 +377,7 @@ def test_each_site_is_its_own_network_with_a_link_to_the_store(compose: dict[str
         link = services[f"link-{site}"]
         assert sorted(link["networks"]) == ["site-" + site, "store"]
         entry = link["entrypoint"]
-        assert entry[:2] == ["python", "/opt/pulsenet/docker/link.py"]
+        assert entry[:3] == ["python", "-m", "pulsenet.chaos.link"]
         assert entry[entry.index("--upstream") + 1] == "minio:9000"
         assert link["cap_add"] == ["NET_ADMIN"] and link["restart"] == "unless-stopped"
         assert _env(svc)["AWS_ENDPOINT_URL"] == f"http://link-{site}:9000"
