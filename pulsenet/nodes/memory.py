@@ -67,7 +67,9 @@ def proc_memory(pid: int | str = "self") -> dict[str, int] | None:
 
 
 def held(holders: Mapping[str, Iterable[torch.Tensor | None]]) -> dict[str, int]:
-    """Bytes per holder, each storage counted once (for the first holder that has it); CPU only."""
+    """Bytes per holder, each storage counted once (for the first holder that has it); CPU only. A
+    sharded parameter (FSDP2's DTensor, a torchrun site) counts its local shard; a tensor with no
+    readable storage (a wrapper subclass) is left out rather than failing the node that asked."""
     seen: set[int] = set()
     out: dict[str, int] = {}
     for name, tensors in holders.items():
@@ -75,11 +77,16 @@ def held(holders: Mapping[str, Iterable[torch.Tensor | None]]) -> dict[str, int]
         for t in tensors:
             if t is None or t.device.type != "cpu":
                 continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in seen or storage.nbytes() == 0:
+            local = getattr(t, "to_local", None)  # DTensor: this rank's shard
+            try:
+                storage = (local() if callable(local) else t).untyped_storage()
+                ptr, size = storage.data_ptr(), storage.nbytes()
+            except RuntimeError:
                 continue
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
+            if ptr in seen or size == 0:
+                continue
+            seen.add(ptr)
+            total += size
         out[name] = total
     return out
 
