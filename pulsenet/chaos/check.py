@@ -27,7 +27,8 @@ Checks:
   listed under ``store`` as unbounded, not judged;
 - ``hostile`` (when a node plays a hostile behaviour: ``--hostile``): the trainers refused batches
   of each hostile node, by replay or at intake for what an honest node never sends
-  (``STRIKE_REASONS``, issue 38), but a ``withhold`` or ``reward-one`` one (honest rows), and no
+  (``STRIKE_REASONS``, issue 38; a lied reward is ``reward_mismatch``), but a ``withhold`` one (its
+  batches are honest: it only leaves some out), and no
   batch of an honest node;
 - ``resources``: each node life of at least ``min_life_s`` kept its RSS slope (second half of the
   life, least squares) and its descriptor growth within the limits; shorter lives and the store are
@@ -375,7 +376,8 @@ def _hostile(
     events: Mapping[str, Sequence[VersionEvent]], trainers: Sequence[str], inference: Sequence[str], hostile: Mapping[str, str]
 ) -> tuple[bool, dict[str, Any]]:
     """The trainers refused batches of every hostile node that sends touched rows (all but
-    ``withhold`` and ``reward-one``, whose rows are honest draws: re-scoring replaces the rewards),
+    ``withhold``, whose batches are honest: it only leaves some out; ``reward-one`` is refused for
+    its rewards, ``reward_mismatch``),
     by replay or at intake, and none of an honest node's. From the trainers' version events
     (``rejected:NODE:REASON`` totals, per life: each life's last count, summed)."""
     reasons = set(STRIKE_REASONS) | set(ANSWER_REASONS)
@@ -395,7 +397,7 @@ def _hostile(
     wrong = [
         f"{n} ({hostile[n]}): no batch refused"
         for n in hostile
-        if not hostile[n].startswith(("withhold", "reward-one")) and not refused.get(n)
+        if not hostile[n].startswith("withhold") and not refused.get(n)
     ]
     wrong += [f"{n} (honest): {refused[n]} batches refused" for n in inference if n not in hostile and refused.get(n)]
     return not wrong, {"refused": dict(refused), "hostile": dict(hostile), "wrong": wrong}

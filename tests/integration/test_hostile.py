@@ -32,7 +32,7 @@ from pulsenet.rl.draw import DrawId
 from pulsenet.rl.inner import GRPOInner
 from pulsenet.rl.tasks import assign_problems, build_task, group_id
 from pulsenet.rollouts import RolloutWriter, RolloutWriterConfig
-from pulsenet.rollouts.intake import ANSWER_REASONS, ANSWERED, REPLAY_REASONS
+from pulsenet.rollouts.intake import ANSWER_REASONS, ANSWERED, REPLAY_REASONS, REWARD_MISMATCH
 from pulsenet.sync import SubscriberConfig
 from tests.support.peer import RUN, TASK, Site, Trainer, stop_node
 from tests.support.waiting import wait_until
@@ -191,6 +191,7 @@ CHOOSING = {  # issue 38: what each behaviour that picks honest rows is refused 
     "copies": {"group_id"},
     "cut-groups": {"group_size", "group_size_changed"},  # the latter: every group cut to one length
     "repeat": {"batch_repeated"},
+    "reward-one": {REWARD_MISMATCH},  # honest rows, lied rewards: the feed's re-score, before any step
 }
 """``prefix-cut`` needs a wrong completion with a prefix that scores, which the untrained tiny
 model here hardly samples: ``test_a_prefix_cut_row_and_claimed_rewards_at_the_batch_check``."""
@@ -207,7 +208,7 @@ async def test_a_node_that_chooses_honest_rows_gets_none_of_its_choices_trained_
     refused = t.node.intake.stats.rejected_by_node.get("i1", {})
     reasons = set(refused) - {"distrusted"}
     assert reasons and reasons <= CHOOSING[behaviour], refused
-    assert reasons <= set(ANSWER_REASONS) | {"batch_repeated"}  # at intake: before replay, before any step
+    assert reasons <= set(ANSWER_REASONS) | {"batch_repeated", REWARD_MISMATCH}  # before replay, before any step
     if behaviour == "repeat":  # its first answers are honest batches, trained on; every copy refused
         assert refused["batch_repeated"] >= 1
     else:  # every batch it sent was reworked: none trained on
