@@ -194,6 +194,18 @@ v_to=$(awk '{print $1}' <<<"$SAME")
 VPM=$(python3 -c "import sys; print(f'{(int(sys.argv[2])-int(sys.argv[1]))*60/float(sys.argv[3]):.2f}')" "$v_from" "$v_to" "$(since "$v_t")")
 say "v$v_to everywhere, one digest ($SAME); ${VPM} versions/min through the links"
 
+# Rollouts: the nodes make batches to the trainers' signed demand (G, prompts: the ids in
+# PULSENET_POLICY, defect 2) and the trainers train on them, refusing none of these honest nodes'.
+for n in trainer-t0 trainer-t1; do
+  read -r consumed rejected <<<"$(curl -s -m 5 "http://127.0.0.1:${PORT[$n]}/status" | python3 -c '
+import json, sys
+r = json.load(sys.stdin)["rollouts"]
+print(r.get("consumed", 0), r.get("rejected", 0))' 2>/dev/null || echo "0 ?")"
+  [ "${consumed:-0}" -gt 0 ] 2>/dev/null || fail "$n took no rollout rows by v$v_to"
+  [ "$rejected" = 0 ] || fail "$n refused $rejected batches of honest nodes"
+  say "$n: $consumed rollout rows taken, 0 batches refused"
+done
+
 # Sites: a node reaches the store only through its link; its credentials write only its bucket.
 store_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' "${PROJECT}_minio_1" | awk '{print $1}')
 for n in "${NODES[@]}"; do
