@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pulsenet.bench import BenchSettings, config_of
+from pulsenet.nodes.memory import GiB, proc_memory
 
 SCHEMA = "pulsenet.bench.size/1"
-GiB = 1 << 30
 
 
 @dataclass(kw_only=True)
@@ -212,9 +212,8 @@ def _child(cmd: list[str]) -> dict:
     with tempfile.TemporaryFile() as log:  # a file, not a pipe: nothing blocks while we wait
         t = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        status_file = Path(f"/proc/{proc.pid}/status")
-        while proc.poll() is None:
-            peak = max(peak, _vm_hwm(status_file))
+        while proc.poll() is None:  # a zombie has no VmHWM: proc_memory is None then
+            peak = max(peak, (proc_memory(proc.pid) or {}).get("peak_rss", 0))
             time.sleep(0.02)
         wall = time.perf_counter() - t
         log.seek(0)
@@ -222,17 +221,6 @@ def _child(cmd: list[str]) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-2000:]}")
     return {"wall_s": wall, "peak_rss_bytes": peak, "output": output.strip().splitlines()[-2:]}
-
-
-def _vm_hwm(status_file: Path) -> int:
-    """VmHWM in bytes, 0 once the process is gone (or a zombie, which has no address space)."""
-    try:
-        for line in status_file.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def measure_cli(old: Path, new: Path, threads: int, digest_old: str, scratch: Path) -> dict:
