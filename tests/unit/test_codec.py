@@ -113,6 +113,23 @@ def test_round_trip_realistic_bf16_and_beats_paper(lr, zones):
         assert len(data) < paper_patch_size(a, b) / 1.5
 
 
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.04, 0.12, 0.5, 0.97, 1.0])
+def test_change_histogram_counts_every_change_whatever_a_group_holds(density):
+    """The change count takes a group's first four changes without a branch and loops over the
+    rest: groups of 0, 1-4 and 5-32 changes all count exactly (against one entry at a time)."""
+    rng = np.random.default_rng(int(density * 1000))
+    n = 40_037
+    x = bits(torch.from_numpy(rng.standard_normal(n) * 0.05).to(torch.bfloat16)).copy()
+    y = x.copy()
+    moved = rng.random(n) < density
+    y[moved] ^= rng.integers(1, 1 << 16, moved.sum(), dtype=np.uint16)  # any nonzero change of bits
+    ctx = Context.of("BF16", 2)
+    args = np.uint64(ctx.magmask), np.uint64(ctx.shift), ctx.nbins
+    exact = kernels.bin_histogram(x, y, *args, 1)
+    _, k_bin, _ = kernels.change_histogram(x, y, kernels.packed_words(x)[1], kernels.packed_words(y)[1], *args, 17)
+    assert (k_bin == exact[1]).all() and k_bin.sum() == (x != y).sum()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("n", [50_001, 50_003, 50_007])  # tails past the last 64-bit word and 32-entry group
 def test_zoned_kernels_every_mode_and_tail(dtype, n):
