@@ -29,7 +29,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet.codec.digest import model_digest
-from pulsenet.codec.patch import apply_patch, parse_patch
+from pulsenet.codec.patch import apply_patch, iter_apply, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import (
     ConfigError,
@@ -382,18 +382,24 @@ async def rebuild(
     timings: dict[str, float] | None = None,
     changed: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights.
-
-    Payloads download in parallel (at most ``parallel`` at once) before any is applied; each is
-    checked against its manifest on read, every rebuilt tensor against its SHA-256 and each version's
-    weights against the manifest's model digest. A payload found missing or wrong is added to
-    ``bad`` and the error raised: ObjectNotFound or VerificationError. Transient store errors
-    propagate as they are (the payload is not to blame). ``timings`` receives ``download_s`` and
-    ``apply_s`` (decode + verify). ``changed`` receives the names of the tensors the path may have
-    changed relative to ``base``: every name for an anchor path, else those the patches rewrite
-    (op ``full`` or ``sparse``), add or remove; a patch's ``keep`` tensors are the base's own.
-    """
+    """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights:
+    :func:`fetch_payloads`, then :func:`apply_payloads` (which say what is checked and raised).
+    ``timings`` receives ``download_s`` and ``apply_s`` (decode + verify)."""
     bad = bad if bad is not None else set()
+    t0 = time.perf_counter()
+    payloads = await fetch_payloads(path, cache, parallel=parallel, bad=bad)
+    t1 = time.perf_counter()
+    state = await apply_payloads(path, payloads, base, threads=threads, bad=bad, changed=changed)
+    if timings is not None:
+        timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
+    return state
+
+
+async def fetch_payloads(path: ChainPath, cache: PayloadCache, *, parallel: int = 4, bad: set[str]) -> list[bytes]:
+    """``path``'s payloads, downloaded in parallel (at most ``parallel`` at once), each checked
+    against its manifest on read. A payload found missing or wrong is added to ``bad`` and the error
+    raised: ObjectNotFound or VerificationError. Transient store errors propagate as they are (the
+    payload is not to blame)."""
     gate = asyncio.Semaphore(max(1, parallel))
 
     async def fetch(step: Step) -> bytes:
@@ -404,30 +410,60 @@ async def rebuild(
                 bad.add(step.payload.key)
                 raise
 
-    t0 = time.perf_counter()
-    payloads = await all_of(fetch(s) for s in path.steps)
-    t1 = time.perf_counter()
+    return await all_of(fetch(s) for s in path.steps)
 
+
+async def apply_payloads(
+    path: ChainPath,
+    payloads: list[bytes],
+    base: StateDict | None,
+    *,
+    threads: int = 2,
+    bad: set[str],
+    changed: set[str] | None = None,
+    consume: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Apply ``path``'s fetched payloads to ``base`` (None for an anchor path), in threads.
+
+    Every rebuilt tensor is checked against its SHA-256 and each version's weights against the
+    manifest's model digest; a payload that fails is added to ``bad`` and VerificationError raised.
+    ``changed`` receives the names of the tensors the path may have changed relative to ``base``:
+    every name for an anchor path, else those the patches rewrite (op ``full`` or ``sparse``), add
+    or remove; a patch's ``keep`` tensors are the base's own.
+
+    ``consume``: ``base`` is a dict the caller gives up. A patch path rebuilds into it: each
+    verified tensor replaces its entry as soon as it is rebuilt (tensors are never written to, only
+    entries replaced), so the tensor it replaces is freed unless someone else holds it, and a node
+    holds one state and the codec's window instead of two states (issue 37). After a failure it
+    holds a mix of versions and must be discarded (the subscriber reloads its persisted state).
+    Without ``consume`` the base is only read.
+    """
     state: StateDict = {} if path.start is None else (base if base is not None else {})
+    into = consume and path.start is not None and isinstance(state, dict)
     digest = EMPTY_DIGEST if path.start is None else path.steps[0].manifest.base_digest
     for step, payload in zip(path.steps, payloads, strict=True):
         m = step.manifest
         try:
-            state = await asyncio.to_thread(_apply, state, digest, step, payload, threads, changed)
+            state = await asyncio.to_thread(_apply, state, digest, step, payload, threads, changed, into)
         except (PatchError, VerificationError) as e:
             bad.add(step.payload.key)
             raise VerificationError(f"v{m.version} {step.role} payload {step.payload.key}: {e}") from e
         digest = m.model_digest
-    if timings is not None:
-        timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
     return dict(state)
 
 
 def _apply(
-    state: StateDict, digest: str | None, step: Step, data: bytes, threads: int, changed: set[str] | None = None
+    state: StateDict,
+    digest: str | None,
+    step: Step,
+    data: bytes,
+    threads: int,
+    changed: set[str] | None = None,
+    into: bool = False,
 ) -> dict:
     """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest;
-    adds the names it rewrites to ``changed``."""
+    adds the names it rewrites to ``changed``. ``into``: replace ``state``'s entries (a dict) as the
+    tensors are verified, and return it (``rebuild``'s ``consume``)."""
     m = step.manifest
     expect_base = EMPTY_DIGEST if step.role == "anchor" else m.base_digest
     patch = parse_patch(data)
@@ -446,4 +482,11 @@ def _apply(
     # An anchor rebuilds from nothing, so the codec's default cap (relative to the base) would refuse
     # a model over 1 GiB; the size a trusted key signed is the exact bound instead.
     cap = {"max_output_bytes": m.full_bytes} if step.role == "anchor" else {}
-    return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
+    if not into:
+        return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
+    assert isinstance(state, dict)
+    for name, tensor in iter_apply(state, patch, base_digest=digest, threads=threads, **cap):
+        state[name] = tensor  # the replaced tensor goes now, not after the whole model is rebuilt
+    for name in patch.removed:  # iter_apply finished: every tensor and the model digest verified
+        del state[name]
+    return state

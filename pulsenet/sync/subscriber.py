@@ -60,7 +60,14 @@ from pulsenet.errors import (
 )
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync import localstate
-from pulsenet.sync.chain import ManifestReader, PayloadCache, candidate_paths, check_cache_dir, rebuild
+from pulsenet.sync.chain import (
+    ManifestReader,
+    PayloadCache,
+    apply_payloads,
+    candidate_paths,
+    check_cache_dir,
+    fetch_payloads,
+)
 from pulsenet.sync.layout import DEFAULT_RUN, Layout
 from pulsenet.sync.manifest import MAX_MANIFEST, Head, Manifest
 
@@ -96,6 +103,11 @@ class SubscriberConfig:
     (``codec.threads.codec_threads``: its CPU affinity, capped by OMP_NUM_THREADS)."""
     parallel_downloads: int = 4
     """Payloads fetched at once when catching up."""
+    rebuild_in_place: bool = True
+    """With ``state_dir``: rebuild each version into the current state, tensor by tensor, once
+    that state is persisted (``chain.rebuild``'s ``consume``): a node holds one BF16 state plus the
+    codec's window, not two states; a rebuild that fails reloads the persisted state. False (or no
+    ``state_dir``): the current state stays whole until the new one is verified."""
     max_targets: int = 3
     """Versions whose payloads are tried per round, newest first, when the newest cannot be built
     (rejected manifests do not count: they cost one small fetch each, once)."""
@@ -128,6 +140,8 @@ class SubscriberStats:
     """Fetching the payloads of the last update."""
     last_apply_s: float = 0.0
     """Decoding and verifying the last update."""
+    state_reloads: int = 0
+    """Failed rebuilds in place after which the persisted weights were reloaded."""
     last_changed: int | None = None
     """Tensors the last update changed (``changed`` handed to ``on_update``)."""
     errors: list[str] = field(default_factory=list)
@@ -190,6 +204,11 @@ class Subscriber:
         """Version of the weights serving now (None before the first)."""
         self.digest: str | None = None
         self.state: Mapping[str, torch.Tensor] | None = None
+        """The verified weights of ``version``; None before the first, and while a rebuild in place
+        holds them (``SubscriberConfig.rebuild_in_place``) or after one failed until they are
+        reloaded."""
+        self._persisted: tuple[int, str] | None = None
+        """(version, digest) of the weights in ``state_dir``, as this process last wrote or read them."""
         self.resumed_from: int | None = None
         """Version loaded from ``state_dir`` at start, if any."""
         self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s, config.max_manifest_bytes)
@@ -243,6 +262,7 @@ class Subscriber:
             localstate.write_info, state_dir, local.version, local.digest, channel=self.layout.channel
         )
         self.resumed_from = local.version
+        self._persisted = (local.version, local.digest)
         log.info("resumed v%d (%s…) from %s", local.version, local.digest[:16], state_dir)
         await self._swap(local.version, local.state, local.digest, persist=False, changed=frozenset(local.state))
 
@@ -343,8 +363,12 @@ class Subscriber:
         return None
 
     async def _update_to(self, target: Manifest) -> None:
+        if self.state is None and self.version is not None:  # a rebuild in place failed: reload
+            await self._reload_persisted()
         current = (
-            (self.version, self.digest) if self.version is not None and self.digest is not None else None
+            (self.version, self.digest)
+            if self.version is not None and self.digest is not None and self.state is not None
+            else None
         )
         paths = await candidate_paths(self._reader, target, current, self._bad_payloads)
         if not paths:
@@ -357,25 +381,43 @@ class Subscriber:
                 continue
             log.info("building %s", path.describe())
             before = len(self._bad_payloads)
-            timings: dict[str, float] = {}
             changed: set[str] = set()
+            if path.start is not None and self.state is None:
+                continue  # the weights it would patch were lost with a failed rebuild: anchors only
             fetched = self.cache.bytes_downloaded
+            t0 = time.perf_counter()
             try:
-                state = await rebuild(
-                    path,
-                    self.cache,
-                    self.state,
-                    threads=self.config.threads,
-                    parallel=self.config.parallel_downloads,
-                    bad=self._bad_payloads,
-                    timings=timings,
-                    changed=changed,
+                payloads = await fetch_payloads(
+                    path, self.cache, parallel=self.config.parallel_downloads, bad=self._bad_payloads
                 )
+                t1 = time.perf_counter()
+                base, consume = self.state, self._may_consume()
+                if consume:  # given up to the rebuild, which replaces its tensors one by one
+                    self.state = None
+                    if path.start is None:
+                        base = None  # an anchor needs no base: the old weights go now
+                try:
+                    state = await apply_payloads(
+                        path,
+                        payloads,
+                        base,
+                        threads=self.config.threads,
+                        bad=self._bad_payloads,
+                        changed=changed,
+                        consume=consume,
+                    )
+                except VerificationError:
+                    if consume:
+                        base = None  # a mix of two versions: freed before the persisted copy is read
+                        await self._reload_persisted()
+                    raise
             except (VerificationError, ObjectNotFound) as e:
                 self.stats.payloads_rejected += len(self._bad_payloads) - before
                 log.warning("path %s failed: %s; trying the next", path.describe(), e)
                 failures.append(f"{path.describe()}: {e}")
                 continue
+            del payloads, base
+            timings = {"download_s": t1 - t0, "apply_s": time.perf_counter() - t1}
             self.stats.bytes_downloaded += self.cache.bytes_downloaded - fetched
             self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
             self.stats.anchors_applied += sum(s.role == "anchor" for s in path.steps)
@@ -386,6 +428,41 @@ class Subscriber:
             return
         raise VerificationError(
             f"v{target.version} could not be verified: {'; '.join(failures) or 'no usable path'}"
+        )
+
+    def _may_consume(self) -> bool:
+        """Whether the next rebuild may take the current state apart: only while an exact copy of
+        it is persisted to come back to."""
+        return (
+            self.config.rebuild_in_place
+            and self.config.state_dir is not None
+            and self.state is not None
+            and self.version is not None
+            and self._persisted == (self.version, self.digest)
+        )
+
+    async def _reload_persisted(self) -> None:
+        """Bring back the current weights a failed rebuild in place took apart, from ``state_dir``
+        (hashed: they must be the serving version's). If they cannot be had, the next version comes
+        from an anchor: ``state`` stays None, so no patch path is offered."""
+        assert self.config.state_dir is not None
+        try:
+            local = await asyncio.to_thread(localstate.load, Path(self.config.state_dir), threads=self.config.threads)
+        except (PulsenetError, OSError, ValueError) as e:
+            local, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "it holds another version" if local is not None else "it is gone"
+        if local is not None and (local.version, local.digest) == (self.version, self.digest):
+            self.state = local.state
+            self.stats.state_reloads += 1
+            log.info("reloaded v%d from %s after a failed rebuild", local.version, self.config.state_dir)
+            return
+        self._persisted = None
+        log.error(
+            "could not reload v%s from %s (%s): the next version comes from an anchor",
+            self.version,
+            self.config.state_dir,
+            why,
         )
 
     async def _swap(
@@ -405,7 +482,8 @@ class Subscriber:
         self.stats.last_changed = len(changed)
         if self.on_update is not None:
             extra = {"changed": changed} if self._pass_changed else {}
-            result = self.on_update(version, state, digest, **extra)
+            # a dict of its own: the next rebuild in place replaces entries of ``self.state``
+            result = self.on_update(version, dict(state), digest, **extra)
             if inspect.isawaitable(result):
                 await result
         if persist and self.config.state_dir is not None:
@@ -417,6 +495,7 @@ class Subscriber:
                 state,
                 channel=self.layout.channel,
             )
+            self._persisted = (version, digest)
             if self.on_saved is not None:
                 self.on_saved(version, digest)
         log.info("now at v%d (%s…)", version, digest[:16])

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -265,6 +267,86 @@ async def test_missing_patch_falls_back_to_anchor_and_resume_skips_it(
         async with Subscriber(store, trusted, cfg, on_update=on_update) as fresh:
             assert fresh.resumed_from is None and seen == []
             assert await fresh.sync_once() == 4 and fresh.stats.anchors_applied == 1
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+async def test_rebuild_in_place_lets_each_old_tensor_go_as_its_new_one_lands(
+    tmp_path: Path, states: list[dict], monkeypatch: pytest.MonkeyPatch, in_place: bool
+) -> None:
+    """With its weights persisted, a subscriber rebuilds the next version into its state: each
+    tensor the patch rewrites replaces the old one as soon as it is verified, so the old ones are
+    gone before the last new one lands (one state plus the codec's window, not two; issue 37).
+    Without it, every old tensor lives until the whole new state is verified."""
+    from pulsenet.codec import patch as codec_patch
+    from pulsenet.sync import chain
+
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    cfg = SubscriberConfig(state_dir=tmp_path / "sub", cache_dir=tmp_path / "cache", rebuild_in_place=in_place)
+    live: list[int] = []
+    old: dict[str, weakref.ref] = {}  # the v1 tensors v2 rewrites, filled once v1 is served
+    real = chain.iter_apply
+
+    def counting(base, patch, **kw):
+        for name, t in real(base, patch, **kw):
+            live.append(sum(r() is not None for r in old.values()))  # before this tensor is placed
+            yield name, t
+
+    monkeypatch.setattr(chain, "iter_apply", counting)  # the rebuild in place
+    monkeypatch.setattr(codec_patch, "iter_apply", counting)  # apply_patch, the whole-state rebuild
+    async with Publisher(store, key) as pub, Subscriber(store, trusted, cfg) as sub:
+        for s in states[:2]:
+            await pub.publish_now(s)
+        assert await sub.sync_once() == 1
+        assert sub.state is not None
+        old.update({n: weakref.ref(t) for n, t in sub.state.items() if not same_bits({n: t}, {n: states[2][n]})})
+        live.clear()
+        await pub.publish_now(states[2])
+        assert await sub.sync_once() == 2 and same_bits(sub.state, states[2])
+    assert len(old) >= 4 and live
+    if in_place:  # the rewritten tensors go one by one
+        assert live[0] == len(old) and live[-1] <= 1, live
+    else:  # all of them held until the swap
+        assert set(live) == {len(old)}, live
+    assert sub.stats.state_reloads == 0
+
+
+async def test_a_failed_rebuild_in_place_reloads_the_persisted_weights(tmp_path: Path, states: list[dict]) -> None:
+    """A trusted key signs a patch whose last tensor does not decode (the payload matches its
+    manifest, so only applying it finds out): the rebuild in place has replaced the tensors before
+    it, so the subscriber reloads the persisted version (hashed), keeps serving it, and takes the
+    next version by an anchor. Nothing unverified is ever handed out."""
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    seen: list[int] = []
+
+    def on_update(version: int, state, digest: str) -> None:
+        assert model_digest(state) == digest
+        seen.append(version)
+
+    cfg = SubscriberConfig(state_dir=tmp_path / "sub", cache_dir=tmp_path / "cache")
+    async with (
+        Publisher(store, key, PublisherConfig(anchor_every=3, keep_anchors=None)) as pub,
+        Subscriber(store, trusted, cfg, on_update=on_update) as sub,
+    ):
+        for s in states[:2]:
+            await pub.publish_now(s)
+        assert await sub.sync_once() == 1
+        await pub.publish_now(states[2])
+        m2 = await pub._reader.get(2)
+        assert m2.patch is not None and m2.anchor is None
+        good = await store.get(m2.patch.key)
+        bad = good[:-8] + bytes(b ^ 0x5A for b in good[-8:])  # the body's last section: the last tensor
+        ref = ObjectRef(m2.patch.key.replace("-patch-", "-patch-bad-"), len(bad), hashlib.sha256(bad).hexdigest())
+        await store.put(ref.key, bad)
+        signed = sign_manifest(dataclasses.replace(m2, patch=ref), key, context=pub.layout.context)
+        await store.put(pub.layout.manifest(2), signed)
+        with pytest.raises(VerificationError):
+            await sub.sync_once()
+        assert sub.version == 1 and sub.stats.state_reloads == 1 and same_bits(sub.state, states[1])
+        assert seen == [1]
+        await pub.publish_now(states[3])  # v3 carries an anchor: the way past the bad patch
+        assert await sub.sync_once() == 3 and same_bits(sub.state, states[3]) and seen == [1, 3]
 
 
 async def test_followers_take_the_patch_of_an_anchor_version(tmp_path: Path, states: list[dict]) -> None:
