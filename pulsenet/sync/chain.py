@@ -463,7 +463,7 @@ def _apply(
 ) -> dict:
     """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest;
     adds the names it rewrites to ``changed``. ``into``: replace ``state``'s entries (a dict) as the
-    tensors are verified, and return it (``rebuild``'s ``consume``)."""
+    tensors are verified, and return it (``apply_payloads``'s ``consume``)."""
     m = step.manifest
     expect_base = EMPTY_DIGEST if step.role == "anchor" else m.base_digest
     patch = parse_patch(data)

@@ -105,7 +105,7 @@ class SubscriberConfig:
     """Payloads fetched at once when catching up."""
     rebuild_in_place: bool = True
     """With ``state_dir``: rebuild each version into the current state, tensor by tensor, once
-    that state is persisted (``chain.rebuild``'s ``consume``): a node holds one BF16 state plus the
+    that state is persisted (``chain.apply_payloads``'s ``consume``): a node holds one BF16 state plus the
     codec's window, not two states; a rebuild that fails reloads the persisted state. False (or no
     ``state_dir``): the current state stays whole until the new one is verified."""
     max_targets: int = 3
