@@ -104,10 +104,8 @@ class SubscriberConfig:
     parallel_downloads: int = 4
     """Payloads fetched at once when catching up."""
     rebuild_in_place: bool = True
-    """With ``state_dir``: rebuild each version into the current state, tensor by tensor, once
-    that state is persisted (``chain.apply_payloads``'s ``consume``): a node holds one BF16 state plus the
-    codec's window, not two states; a rebuild that fails reloads the persisted state. False (or no
-    ``state_dir``): the current state stays whole until the new one is verified."""
+    """Rebuild into the persisted current state, tensor by tensor (``chain.apply_payloads``'s
+    ``consume``): one BF16 state held, not two; a failed rebuild reloads it from ``state_dir``."""
     max_targets: int = 3
     """Versions whose payloads are tried per round, newest first, when the newest cannot be built
     (rejected manifests do not count: they cost one small fetch each, once)."""
@@ -140,8 +138,7 @@ class SubscriberStats:
     """Fetching the payloads of the last update."""
     last_apply_s: float = 0.0
     """Decoding and verifying the last update."""
-    state_reloads: int = 0
-    """Failed rebuilds in place after which the persisted weights were reloaded."""
+    state_reloads: int = 0  # failed rebuilds in place after which the persisted weights were reloaded
     last_changed: int | None = None
     """Tensors the last update changed (``changed`` handed to ``on_update``)."""
     errors: list[str] = field(default_factory=list)
@@ -204,11 +201,8 @@ class Subscriber:
         """Version of the weights serving now (None before the first)."""
         self.digest: str | None = None
         self.state: Mapping[str, torch.Tensor] | None = None
-        """The verified weights of ``version``; None before the first, and while a rebuild in place
-        holds them (``SubscriberConfig.rebuild_in_place``) or after one failed until they are
-        reloaded."""
-        self._persisted: tuple[int, str] | None = None
-        """(version, digest) of the weights in ``state_dir``, as this process last wrote or read them."""
+        """``version``'s weights; None before it, or given up to a rebuild in place until reloaded."""
+        self._persisted: tuple[int, str | None] | None = None  # (version, digest) in ``state_dir``
         self.resumed_from: int | None = None
         """Version loaded from ``state_dir`` at start, if any."""
         self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s, config.max_manifest_bytes)
@@ -261,8 +255,7 @@ class Subscriber:
         await asyncio.to_thread(
             localstate.write_info, state_dir, local.version, local.digest, channel=self.layout.channel
         )
-        self.resumed_from = local.version
-        self._persisted = (local.version, local.digest)
+        self.resumed_from, self._persisted = local.version, (local.version, local.digest)
         log.info("resumed v%d (%s…) from %s", local.version, local.digest[:16], state_dir)
         await self._swap(local.version, local.state, local.digest, persist=False, changed=frozenset(local.state))
 
@@ -365,11 +358,8 @@ class Subscriber:
     async def _update_to(self, target: Manifest) -> None:
         if self.state is None and self.version is not None:  # a rebuild in place failed: reload
             await self._reload_persisted()
-        current = (
-            (self.version, self.digest)
-            if self.version is not None and self.digest is not None and self.state is not None
-            else None
-        )
+        known = self.version is not None and self.digest is not None and self.state is not None
+        current = (self.version, self.digest) if known else None
         paths = await candidate_paths(self._reader, target, current, self._bad_payloads)
         if not paths:
             raise VerificationError(
@@ -384,31 +374,19 @@ class Subscriber:
             changed: set[str] = set()
             if path.start is not None and self.state is None:
                 continue  # the weights it would patch were lost with a failed rebuild: anchors only
-            fetched = self.cache.bytes_downloaded
-            t0 = time.perf_counter()
+            fetched, t0 = self.cache.bytes_downloaded, time.perf_counter()
             try:
-                payloads = await fetch_payloads(
-                    path, self.cache, parallel=self.config.parallel_downloads, bad=self._bad_payloads
-                )
+                payloads = await fetch_payloads(path, self.cache, parallel=self.config.parallel_downloads, bad=self._bad_payloads)
                 t1 = time.perf_counter()
                 base, consume = self.state, self._may_consume()
-                if consume:  # given up to the rebuild, which replaces its tensors one by one
-                    self.state = None
-                    if path.start is None:
-                        base = None  # an anchor needs no base: the old weights go now
+                if consume:  # given up to the rebuild, which replaces its tensors one by one (an anchor's at once)
+                    self.state, base = None, base if path.start is not None else None
                 try:
-                    state = await apply_payloads(
-                        path,
-                        payloads,
-                        base,
-                        threads=self.config.threads,
-                        bad=self._bad_payloads,
-                        changed=changed,
-                        consume=consume,
-                    )
+                    state = await apply_payloads(path, payloads, base, threads=self.config.threads,
+                                                 bad=self._bad_payloads, changed=changed, consume=consume)  # fmt: skip
                 except VerificationError:
-                    if consume:
-                        base = None  # a mix of two versions: freed before the persisted copy is read
+                    if consume:  # ``base`` holds a mix of two versions: freed before the persisted copy is read
+                        base = None
                         await self._reload_persisted()
                     raise
             except (VerificationError, ObjectNotFound) as e:
@@ -417,9 +395,8 @@ class Subscriber:
                 failures.append(f"{path.describe()}: {e}")
                 continue
             del payloads, base
-            timings = {"download_s": t1 - t0, "apply_s": time.perf_counter() - t1}
             self.stats.bytes_downloaded += self.cache.bytes_downloaded - fetched
-            self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
+            self.stats.last_download_s, self.stats.last_apply_s = t1 - t0, time.perf_counter() - t1
             self.stats.anchors_applied += sum(s.role == "anchor" for s in path.steps)
             self.stats.patches_applied += sum(s.role == "patch" for s in path.steps)
             await self._swap(target.version, state, target.model_digest, persist=True, changed=frozenset(changed))
@@ -431,39 +408,25 @@ class Subscriber:
         )
 
     def _may_consume(self) -> bool:
-        """Whether the next rebuild may take the current state apart: only while an exact copy of
-        it is persisted to come back to."""
-        return (
-            self.config.rebuild_in_place
-            and self.config.state_dir is not None
-            and self.state is not None
-            and self.version is not None
-            and self._persisted == (self.version, self.digest)
-        )
+        """Whether the next rebuild may take the state apart: only while its exact copy is persisted."""
+        here = (self.version, self.digest)
+        return self.config.rebuild_in_place and self.state is not None and self._persisted == here
 
     async def _reload_persisted(self) -> None:
-        """Bring back the current weights a failed rebuild in place took apart, from ``state_dir``
-        (hashed: they must be the serving version's). If they cannot be had, the next version comes
-        from an anchor: ``state`` stays None, so no patch path is offered."""
-        assert self.config.state_dir is not None
+        """The weights a failed rebuild in place took apart, from ``state_dir`` (hashed), or, if they
+        cannot be had, ``state`` stays None: no patch path is offered, the next version is an anchor."""
+        where = Path(self.config.state_dir or ".")
         try:
-            local = await asyncio.to_thread(localstate.load, Path(self.config.state_dir), threads=self.config.threads)
+            local = await asyncio.to_thread(localstate.load, where, threads=self.config.threads)
         except (PulsenetError, OSError, ValueError) as e:
-            local, why = None, f"{type(e).__name__}: {e}"
-        else:
-            why = "it holds another version" if local is not None else "it is gone"
+            local = None
+            log.error("reloading v%s from %s failed: %s", self.version, where, e)
         if local is not None and (local.version, local.digest) == (self.version, self.digest):
-            self.state = local.state
-            self.stats.state_reloads += 1
-            log.info("reloaded v%d from %s after a failed rebuild", local.version, self.config.state_dir)
+            self.state, self.stats.state_reloads = local.state, self.stats.state_reloads + 1
+            log.info("reloaded v%d from %s after a failed rebuild", local.version, where)
             return
         self._persisted = None
-        log.error(
-            "could not reload v%s from %s (%s): the next version comes from an anchor",
-            self.version,
-            self.config.state_dir,
-            why,
-        )
+        log.error("could not reload v%s from %s: the next version comes from an anchor", self.version, where)
 
     async def _swap(
         self,
