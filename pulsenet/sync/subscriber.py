@@ -415,9 +415,9 @@ class Subscriber:
     async def _reload_persisted(self) -> None:
         """The weights a failed rebuild in place took apart, from ``state_dir`` (hashed), or, if they
         cannot be had, ``state`` stays None: no patch path is offered, the next version is an anchor."""
-        where = Path(self.config.state_dir or ".")
+        where = self.config.state_dir  # set whenever a rebuild in place ran (``_persisted``)
         try:
-            local = await asyncio.to_thread(localstate.load, where, threads=self.config.threads)
+            local = await asyncio.to_thread(localstate.load, Path(where), threads=self.config.threads) if where else None
         except (PulsenetError, OSError, ValueError) as e:
             local = None
             log.error("reloading v%s from %s failed: %s", self.version, where, e)
