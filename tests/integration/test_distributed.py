@@ -118,6 +118,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _why_ranks_failed(log: str) -> str:
+    """What a failed site says about its cause, first (a long traceback would push it out of CI's tail):
+    torchrun's root-cause block (a rank's exit code; -9 is a kill) and each rank's last error line."""
+    lines = log.splitlines()
+    cause = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    errors = {}
+    for line in lines:
+        rank, _, text = line.partition("]: ")
+        if rank.startswith("[rank") and text[:1].isalpha() and not text.startswith(("Traceback", "File ")):
+            errors[rank + "]"] = text  # the last such line of each rank: its exception
+    summary = lines[cause[0] : cause[0] + 12] if cause else lines[-12:]
+    return "\n".join([*summary, *(f"{r}: {t}" for r, t in errors.items())])
+
+
 def _run_site(mode: str, out: Path) -> list[dict[str, object]]:
     """The site as a real one starts: ``torchrun`` (static rendezvous on 127.0.0.1) and WORLD ranks."""
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +140,9 @@ def _run_site(mode: str, out: Path) -> list[dict[str, object]]:
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, mode, str(out),
     ]  # fmt: skip
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    subprocess.run(cmd, env=env, check=True, timeout=120)
+    done = subprocess.run(cmd, env=env, timeout=120, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"torchrun exited {done.returncode}:\n{_why_ranks_failed(done.stdout + done.stderr)}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
