@@ -42,6 +42,7 @@ CHUNK = 1 << 13  # entries per chunk: the chunk and its per-zone member lists st
 
 
 GROUP = 32  # entries tested at once: one bit each in a uint32 mask
+HIST_BLOCK = 1 << 17  # change_histogram's block (entries): both its passes over a block find it in L2
 
 
 def _vector_load(context, builder, arr_type, arr, i):
@@ -113,40 +114,45 @@ def change_histogram(a, b, aw, bw, magmask, shift, nbins, stride):
         return n_bin, k_bin, 1
     k0, k1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
     k2, k3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
-    one = np.uint32(1)
-    g1 = a.size // GROUP * GROUP
-    for g in range(0, g1, GROUP):
-        d = _group_changes(a, b, g)
-        if d == 0:
-            continue
-        # A group's first four changes without a branch on how many there are (at RL rates a
-        # group holds 0-3 changes, a coin flip the predictor cannot learn): a missing one reads
-        # entry g (``tz(0) & 31`` is 0) and adds 0. Four tables, as for the entries below.
-        n = _popcount(np.uint64(d))
-        i0 = trailing_zeros(d) & 31
-        d &= d - one
-        i1 = trailing_zeros(d) & 31
-        d &= d - one
-        i2 = trailing_zeros(d) & 31
-        d &= d - one
-        i3 = trailing_zeros(d) & 31
-        d &= d - one
-        k0[(np.uint64(a[g + i0]) & magmask) >> shift] += 1
-        k1[(np.uint64(a[g + i1]) & magmask) >> shift] += n > 1
-        k2[(np.uint64(a[g + i2]) & magmask) >> shift] += n > 2
-        k3[(np.uint64(a[g + i3]) & magmask) >> shift] += n > 3
-        while d:
-            k0[(np.uint64(a[g + trailing_zeros(d)]) & magmask) >> shift] += 1
-            d &= d - one
-    k_bin = k0 + k1 + k2 + k3
     h0, h1 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
     h2, h3 = np.zeros(nbins, dtype=np.int64), np.zeros(nbins, dtype=np.int64)
-    for wi in range(0, aw.size, stride):
-        w = aw[wi]
-        h0[(w & magmask) >> shift] += 1
-        h1[((w >> np.uint64(16)) & magmask) >> shift] += 1
-        h2[((w >> np.uint64(32)) & magmask) >> shift] += 1
-        h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
+    one = np.uint32(1)
+    g1 = a.size // GROUP * GROUP
+    # block by block: its changes, then its sampled words while ``a``'s block is in cache (one
+    # block when there is no whole group; the last one samples the words to the end)
+    for e0 in range(0, max(g1, 1), HIST_BLOCK):
+        for g in range(e0, min(e0 + HIST_BLOCK, g1), GROUP):
+            d = _group_changes(a, b, g)
+            if d == 0:
+                continue
+            # A group's first four changes without a branch on how many there are (at RL rates a
+            # group holds 0-3 changes, a coin flip the predictor cannot learn): a missing one reads
+            # entry g (``tz(0) & 31`` is 0) and adds 0. Four tables, as for the entries below.
+            n = _popcount(np.uint64(d))
+            i0 = trailing_zeros(d) & 31
+            d &= d - one
+            i1 = trailing_zeros(d) & 31
+            d &= d - one
+            i2 = trailing_zeros(d) & 31
+            d &= d - one
+            i3 = trailing_zeros(d) & 31
+            d &= d - one
+            k0[(np.uint64(a[g + i0]) & magmask) >> shift] += 1
+            k1[(np.uint64(a[g + i1]) & magmask) >> shift] += n > 1
+            k2[(np.uint64(a[g + i2]) & magmask) >> shift] += n > 2
+            k3[(np.uint64(a[g + i3]) & magmask) >> shift] += n > 3
+            while d:
+                k0[(np.uint64(a[g + trailing_zeros(d)]) & magmask) >> shift] += 1
+                d &= d - one
+        w0 = (e0 // 4 + stride - 1) // stride * stride  # the first sampled word of the block
+        w1 = aw.size if e0 + HIST_BLOCK >= g1 else (e0 + HIST_BLOCK) // 4  # the last block takes the rest
+        for wi in range(w0, w1, stride):
+            w = aw[wi]
+            h0[(w & magmask) >> shift] += 1
+            h1[((w >> np.uint64(16)) & magmask) >> shift] += 1
+            h2[((w >> np.uint64(32)) & magmask) >> shift] += 1
+            h3[((w >> np.uint64(48)) & magmask) >> shift] += 1
+    k_bin = k0 + k1 + k2 + k3
     n_bin = (h0 + h1 + h2 + h3) * stride
     for i in range(aw.size * 4, a.size):  # the tail past the last whole word
         n_bin[(np.uint64(a[i]) & magmask) >> shift] += 1
@@ -409,14 +415,14 @@ def _scan_chunk(a, b, c0, c1, magmask, shift, lo, hi, lut, bufs, complement):
 
 
 @njit(inline="always")
-def _encode_ones(a, b, magmask, lo, hi, ranks, ro, rc, vals, vo, vc, signmag, M, S, top):
-    """A "ones" zone (few changes among many members): members are only counted, ``GROUP`` at a
-    time with one popcount; groups with a changed member (rare) list its rank and code.
-    Returns (members, listed ranks, changed entries)."""
+def _encode_ones(a, b, magmask, lo, hi, e0, e1, r, k, ranks, ro, rc, vals, vo, vc, signmag, M, S, top):
+    """Entries [e0, e1) (``e0`` on a group boundary) of a "ones" zone (few changes among many
+    members), continuing its count of ``r`` members and ``k`` listed ranks: members are only
+    counted, ``GROUP`` at a time with one popcount; groups with a changed member (rare) list its
+    rank and code. Returns the new (r, k)."""
     span = hi - lo
-    g1 = a.size // GROUP * GROUP
-    r = k = 0
-    for g in range(0, g1, GROUP):
+    g1 = e0 + (e1 - e0) // GROUP * GROUP
+    for g in range(e0, g1, GROUP):
         mem = _group_members(a, g, magmask, lo, span)
         chm = mem & _group_changes(a, b, g)
         while chm:
@@ -427,7 +433,7 @@ def _encode_ones(a, b, magmask, lo, hi, ranks, ro, rc, vals, vo, vc, signmag, M,
             k += 1
             chm &= chm - np.uint32(1)
         r += np.int64(_popcount(np.uint64(mem)))
-    for i in range(g1, a.size):  # entries past the last whole group
+    for i in range(g1, e1):  # entries past the last whole group (the tensor's end)
         x, y = np.uint64(a[i]), np.uint64(b[i])
         if (x & magmask) >= lo and (x & magmask) < hi:
             if x != y:
@@ -435,20 +441,20 @@ def _encode_ones(a, b, magmask, lo, hi, ranks, ro, rc, vals, vo, vc, signmag, M,
                 vals[vo + min(k, vc)] = _code(x, y, signmag, M, S, top)
                 k += 1
             r += 1
-    return r, k, k
+    return r, k
 
 
 @njit(inline="always")
-def _decode_ones(a, out, magmask, lo, hi, ranks, ro, vals, vo, vc, signmag, M, S, top):
-    """Inverse of :func:`_encode_ones`: count members a group at a time; in the group holding the
-    next listed rank, find that member's bit. Returns (members, ranks consumed, changes applied)."""
+def _decode_ones(a, out, magmask, lo, hi, e0, e1, r, p, ranks, ro, vals, vo, vc, signmag, M, S, top):
+    """Inverse of :func:`_encode_ones` over entries [e0, e1), continuing from ``r`` members and
+    ``p`` ranks consumed: count members a group at a time; in the group holding the next listed
+    rank, find that member's bit. Returns the new (r, p)."""
     span = hi - lo
-    g1 = a.size // GROUP * GROUP
+    g1 = e0 + (e1 - e0) // GROUP * GROUP
     big = np.int64(1) << 62
-    r = p = 0
-    nxt = ranks[ro]
+    nxt = ranks[ro + p]
     nxt = big if nxt < 0 else nxt  # the list's -1 sentinel: nothing more listed
-    for g in range(0, g1, GROUP):
+    for g in range(e0, g1, GROUP):
         mem = _group_members(a, g, magmask, lo, span)
         c = np.int64(_popcount(np.uint64(mem)))
         while nxt < r + c:  # (ranks increase: nxt >= r here)
@@ -461,7 +467,7 @@ def _decode_ones(a, out, magmask, lo, hi, ranks, ro, vals, vo, vc, signmag, M, S
             nxt = ranks[ro + p]
             nxt = big if nxt < 0 else nxt
         r += c
-    for i in range(g1, a.size):
+    for i in range(g1, e1):  # entries past the last whole group (the tensor's end)
         x = np.uint64(a[i])
         if (x & magmask) >= lo and (x & magmask) < hi:
             if r == nxt:
@@ -470,7 +476,7 @@ def _decode_ones(a, out, magmask, lo, hi, ranks, ro, vals, vo, vc, signmag, M, S
                 nxt = ranks[ro + p]
                 nxt = big if nxt < 0 else nxt
             r += 1
-    return r, p, p
+    return r, p
 
 
 @njit(nogil=True, cache=True)
@@ -728,19 +734,14 @@ def encode_zones(
     listed = np.zeros(nz, dtype=np.int64)
     nval = np.zeros(nz, dtype=np.int64)
     acc = np.zeros(nz, dtype=np.uint64)
-    cz, scan = -1, False
+    cz, scan, counted = -1, False, False
     for z in range(nz):
         if how[z] == COUNT:
-            rank[z], listed[z], nval[z] = _encode_ones(
-                a, b, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift,
-                ranks, rk_off[z], rk_cap[z], vals, val_off[z], val_cap[z], signmag, M, S, top,
-            )
+            counted = True
         else:
             scan = True
             if how[z] == COMPLEMENT:
                 cz = z
-    if not scan:
-        return rank, listed, nval
     lo, hi, lut = _scan_table(los, his, how, nbins, shift)
     n, lanes = a.size, 8 // a.itemsize
     bufs = _chunk_buffers(nz)
@@ -748,7 +749,16 @@ def encode_zones(
     below = 0  # entries in [lo, hi) before the chunk
     touch = np.uint64(0)
     for c0 in range(0, n, CHUNK):
-        if cz < 0:  # pull b's chunk into cache in order (else the scan reads it): members read it at random
+        for z in range(nz):  # counted zones first: they read the chunk in order, into cache
+            if how[z] == COUNT:
+                rank[z], listed[z] = _encode_ones(
+                    a, b, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift, c0, min(c0 + CHUNK, n),
+                    rank[z], listed[z], ranks, rk_off[z], rk_cap[z], vals, val_off[z], val_cap[z], signmag, M, S, top,
+                )  # fmt: skip
+                nval[z] = listed[z]
+        if not scan:
+            continue
+        if cz < 0 and not counted:  # pull b's chunk into cache in order (else the scan reads it): members read it at random
             for wi in range(c0 // lanes, min((c0 + CHUNK) // lanes, bw.size), 8):
                 touch ^= bw[wi]
         nf, nt = _scan_chunk(a, b, c0, min(c0 + CHUNK, n), magmask, shift, lo, hi, lut, bufs, cz >= 0)
@@ -815,42 +825,44 @@ def decode_zones(
     ptr = np.zeros(nz, dtype=np.int64)
     nval = np.zeros(nz, dtype=np.int64)
     acc = np.zeros(nz, dtype=np.uint64)
-    cz, scan = -1, False
+    cz = -1
     for z in range(nz):
-        if how[z] != COUNT:
-            scan = True
-            if how[z] == COMPLEMENT:
-                cz = z
-    if not scan:
-        _copy(a, out)
-    else:
-        lo, hi, lut = _scan_table(los, his, how, nbins, shift)
-        _decode_chunks(a, out, magmask, shift, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off,
-                       vals, val_off, val_cnt, signmag, M, S, top, rank, ptr, nval, acc, cz)  # fmt: skip
-    for z in range(nz):  # after the copy
-        if how[z] == COUNT:
-            rank[z], ptr[z], nval[z] = _decode_ones(
-                a, out, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift,
-                ranks, rk_off[z], vals, val_off[z], val_cnt[z], signmag, M, S, top,
-            )
+        if how[z] == COMPLEMENT:
+            cz = z
+    lo, hi, lut = _scan_table(los, his, how, nbins, shift)
+    _decode_chunks(a, out, magmask, shift, los, his, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off,
+                   vals, val_off, val_cnt, signmag, M, S, top, rank, ptr, nval, acc, cz)  # fmt: skip
     return rank, ptr, nval
 
 
 @njit(inline="always")
 def _decode_chunks(
-    a, out, magmask, shift, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off, vals, val_off, val_cnt,
-    signmag, M, S, top, rank, ptr, nval, acc, cz,
+    a, out, magmask, shift, los, his, zmode, how, lo, hi, lut, bm, bm_off, bm_words, ranks, rk_off, vals, val_off,
+    val_cnt, signmag, M, S, top, rank, ptr, nval, acc, cz,
 ):
-    """The chunk loop of :func:`decode_zones`: bucketed and complement zones."""
+    """The chunk loop of :func:`decode_zones`: the chunk's copy, then its counted, bucketed and
+    complement zones' changes while it is in cache."""
     nz = zmode.size
     big = np.int64(1) << 62
     n = a.size
+    scan = False
+    for z in range(nz):
+        scan |= how[z] != COUNT
     bufs = _chunk_buffers(nz)
     flat, lists, cnt = bufs[0], bufs[1], bufs[2]
     below = 0
     for c0 in range(0, n, CHUNK):
         c1 = min(c0 + CHUNK, n)
         _copy(a[c0:c1], out[c0:c1])
+        for z in range(nz):
+            if how[z] == COUNT:
+                rank[z], ptr[z] = _decode_ones(
+                    a, out, magmask, np.uint64(los[z]) << shift, np.uint64(his[z]) << shift, c0, c1, rank[z], ptr[z],
+                    ranks, rk_off[z], vals, val_off[z], val_cnt[z], signmag, M, S, top,
+                )  # fmt: skip
+                nval[z] = ptr[z]
+        if not scan:
+            continue
         nf, _ = _scan_chunk(a, a, c0, c1, magmask, shift, lo, hi, lut, bufs, False)
         for z in range(nz):
             if how[z] != BUCKET:
