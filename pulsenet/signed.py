@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +176,24 @@ async def fetch_object(store: ObjectStore, ref: ObjectRef, *, timeout: float | N
         raise SizeMismatch(f"{ref.key} is larger than the {ref.size} bytes its reference gives: {e}") from None
     await asyncio.to_thread(check_bytes, ref, data)
     return data
+
+
+async def fetch_streamed(
+    store: ObjectStore, ref: ObjectRef, sink: Callable[[bytes], object], *, timeout: float | None
+) -> None:
+    """Hand the bytes ``ref`` names to ``sink`` in order as they land (``ObjectStore.get_stream``),
+    never past ``ref.size``: ObjectNotFound if gone, SizeMismatch if another size.
+
+    The bytes reach ``sink`` before the whole is checked: the caller runs :func:`check_bytes` on
+    them once they have all landed, and whatever it builds from them before that must verify
+    itself (a patch's tensors are checked one by one against the signed model digest).
+    """
+    try:
+        size = await store.get_stream(ref.key, sink, max_bytes=ref.size, timeout=timeout)
+    except ObjectTooLarge as e:
+        raise SizeMismatch(f"{ref.key} is larger than the {ref.size} bytes its reference gives: {e}") from None
+    if size != ref.size:
+        raise SizeMismatch(f"{ref.key}: {size} bytes, its reference gives {ref.size}")
 
 
 async def fetch_file(store: ObjectStore, ref: ObjectRef, path: str | os.PathLike[str], *, timeout: float | None) -> None:

@@ -16,9 +16,9 @@ Two parts:
    per-prefix limits, the egress per version and per month, and the monthly bill at published S3
    and R2 prices (``PRICES``, with their sources and dates).
 
-The payload of a 7B version is fetched with the same requests as the tiny one's, plus one ranged
-GET per ``S3Config.multipart_chunk`` (8 MiB) of the bigger payload: that is how ``get_file``
-downloads (a HEAD, then ranges).
+The patch of a 7B version is fetched with the same requests as the tiny one's: a following node
+streams a one-patch path in one GET whatever its size (``ObjectStore.get_stream``, decoded as it
+lands); the publisher's uploads and PULSELoCo's downloads are per ``S3Config.multipart_chunk``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ SCHEMA = "pulsenet.bench.scale/1"
 MONTH_S = 30 * 86400
 """A billing month: 30 days (R2 bills per 30 days; S3's monthly tiers fit it)."""
 KINDS = ("get", "get_not_modified", "head", "list", "put", "delete")
+PATCH_GETS = 1  # a following node streams a version's patch in one GET (chain.rebuild), whatever its size
 S3_PREFIX_GET_PER_S = 5500
 """S3: GET/HEAD requests per second per partitioned prefix (docs, "Best practices design patterns:
 optimizing Amazon S3 performance"); above it S3 answers 503 SlowDown until it repartitions."""
@@ -236,9 +237,8 @@ async def _measure(server: Any, states: list[dict], args: ScaleBenchSettings) ->
         announced_idle = _delta(sub_store, before)
     patch_sizes = [r["payload_bytes"]["patch"] for r in rows]
     node_rows = [r["inference_node"] for r in rows]
-    # One ranged GET per range_bytes of the patch: what changes with the model's size.
-    ranges = [math.ceil(s / args.range_bytes) for s in patch_sizes]
-    fixed = _mean([{**d, "get": d["get"] - n} for d, n in zip(node_rows, ranges, strict=True)])
+    # The patch itself: one streamed GET whatever its size (PATCH_GETS).
+    fixed = _mean([{**d, "get": d["get"] - PATCH_GETS} for d in node_rows])
     return {
         "store": f"SeaweedFS ({server.weed.name} mini) on 127.0.0.1, bucket pulsenet-t0, prefix run/policy/",
         "source": "measured",
@@ -272,8 +272,7 @@ def _from_rl_json(path: Path) -> dict[str, Any]:
             "(issue 23's names); run bench scale without it to measure them"
         )
     per_version = {k: float(req["per_version_per_inference_node"].get(k, 0)) for k in KINDS}
-    # Without the payload size behind its GETs, assume one ranged GET of the patch per version.
-    fixed = {**per_version, "get": max(per_version["get"] - 1, 0.0)}
+    fixed = {**per_version, "get": max(per_version["get"] - PATCH_GETS, 0.0)}
     return {
         "source": str(path),
         "idle_poll": {k: float(req["idle_poll"].get(k, 0)) for k in KINDS} | {"bytes_down": 0.0},
@@ -317,10 +316,10 @@ class _Month:
             self.requests[k] += counts.get(k, 0) * times
 
 
-def per_version_node_counts(measured: dict[str, Any], patch_bytes: float, range_bytes: int) -> dict[str, float]:
-    """A following node's requests for one version of a model whose patch is ``patch_bytes``."""
+def per_version_node_counts(measured: dict[str, Any]) -> dict[str, float]:
+    """A following node's requests for one version, whatever its patch's size (streamed: one GET)."""
     fixed = measured["per_version_per_inference_node_without_ranges"]
-    return {**{k: fixed.get(k, 0) for k in KINDS}, "get": fixed["get"] + math.ceil(patch_bytes / range_bytes)}
+    return {**{k: fixed.get(k, 0) for k in KINDS}, "get": fixed["get"] + PATCH_GETS}
 
 
 def project(measured: dict[str, Any], args: ScaleBenchSettings, nodes: int) -> dict[str, Any]:
@@ -328,7 +327,7 @@ def project(measured: dict[str, Any], args: ScaleBenchSettings, nodes: int) -> d
     versions = MONTH_S / args.version_interval_s
     polls = MONTH_S / args.poll_interval_s
     idle = measured["idle_poll"]
-    per_version = per_version_node_counts(measured, args.patch_bytes, args.range_bytes)
+    per_version = per_version_node_counts(measured)
     # Nodes spread evenly over the trainers' channels (each trainer publishes every version).
     per_channel = math.ceil(nodes / args.trainers)
 

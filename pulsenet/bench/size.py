@@ -144,16 +144,17 @@ def _best(repeat: int, fn):
 
 
 def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path) -> dict:
-    """SHA-256 floor, encode and apply+verify speeds (1 thread and ``threads``), from the files."""
+    """SHA-256 floor, encode and apply+verify speeds (1 thread and ``threads``), on the weights in
+    memory as a node holds them (the floor hashes those same tensors): reading the files is the
+    CLI's part (``measure_cli``), not the codec's."""
     from pulsenet.bench.e2e import _warm_up_codec
     from pulsenet.checkpoint import Checkpoint
     from pulsenet.codec.digest import model_digest
     from pulsenet.codec.patch import PatchEncoder, iter_apply, parse_patch
 
-    a, b = Checkpoint(old), Checkpoint(new)
-    nbytes = b.nbytes
+    a, b = dict(Checkpoint(old)), dict(Checkpoint(new))
+    nbytes = sum(t.numel() * t.element_size() for t in b.values())
     _warm_up_codec()
-    model_digest(a, threads), model_digest(b, threads)  # page cache warm, as a node that just wrote them
     t_sha1, _, cpu_sha1 = _best(repeat, lambda: model_digest(b, 1))
     t_shaN, digest_new, _ = _best(repeat, lambda: model_digest(b, threads))
     digest_old = model_digest(a, threads)
@@ -249,7 +250,8 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
     store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``) and which resume from the
     verified weights the previous round's subscriber persisted (``state_dir``), as a node that has
     served the previous version: only the new version's patch crosses the link. The publisher
-    writes straight to the store (the trainer beside its bucket; the inference nodes are remote).
+    writes straight to the store (the trainer beside its bucket; the inference nodes are remote),
+    from weights already in memory (a trainer's at the end of its step), not read from disk.
     """
     import resource
 
@@ -263,7 +265,7 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
 
     key = Ed25519PrivateKey.generate()
     trusted = {key_id(key.public_key()): key.public_key()}
-    states = [Checkpoint(old), Checkpoint(new)]
+    states = [dict(Checkpoint(old)), dict(Checkpoint(new))]  # in memory, as a trainer's weights are at step end
     sub_threads = max(1, threads // max(1, s.subscribers))
     rows = []
     with SeaweedServer(scratch / "s3") as server:

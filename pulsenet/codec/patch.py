@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -107,21 +108,34 @@ class TensorEntry:
         return d
 
 
+class Sliceable(Protocol):
+    """Bytes with a length, sliced ``x[start:stop]`` into something bytes-like (``memoryview``)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, key: slice, /) -> bytes | memoryview: ...
+
+
 @dataclass(slots=True)
 class Patch:
-    """A parsed, structurally validated patch; ``body`` sections are decompressed on demand."""
+    """A parsed, structurally validated patch; its body's sections are decompressed on demand.
+
+    ``data``: the patch's bytes, or anything sliced like them whose slices may block until their
+    bytes arrive (``sync.arriving.ArrivingBytes``: a download decoded as it lands)."""
 
     base_digest: str
     target_digest: str
     tensors: list[TensorEntry]
     removed: list[str]
-    body: memoryview
+    data: Sliceable
+    body_start: int
     size: int
 
     def section(self, entry: TensorEntry, name: str) -> bytes:
         off, size, raw = entry.sections[name]
+        start = self.body_start + off
         try:
-            return decompress(bytes(self.body[off : off + size]), raw)
+            return decompress(bytes(self.data[start : start + size]), raw)
         except PatchError as e:
             raise type(e)(f"tensor {entry.name!r} section {name!r}: {e}") from None
 
@@ -247,12 +261,15 @@ def _record(name: str, t: torch.Tensor) -> bytes:
 # --------------------------------------------------------------------------- parsing
 
 
-def parse_patch(data: bytes | memoryview, *, max_table_raw: int = MAX_TABLE_RAW) -> Patch:
-    """Parse and structurally validate a patch (no base needed). Raises PatchFormatError/CorruptError."""
-    mv = memoryview(data)
+def parse_patch(data: bytes | memoryview | Sliceable, *, max_table_raw: int = MAX_TABLE_RAW) -> Patch:
+    """Parse and structurally validate a patch (no base needed). Raises PatchFormatError/CorruptError.
+
+    ``data`` may be a ``Sliceable`` whose slices block until their bytes arrive: only the header
+    and the table are read here."""
+    mv = memoryview(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if len(mv) < HEADER_SIZE:
         raise PatchFormatError(f"patch is {len(mv)} bytes, shorter than the {HEADER_SIZE}-byte header")
-    magic, version, flags, tsize, traw, bsize = _HEADER.unpack_from(mv)
+    magic, version, flags, tsize, traw, bsize = _HEADER.unpack(mv[:HEADER_SIZE])
     if magic != MAGIC:
         raise PatchFormatError(f"bad magic {bytes(magic)!r}: not a pulsenet patch")
     if version != VERSION:
@@ -270,16 +287,16 @@ def parse_patch(data: bytes | memoryview, *, max_table_raw: int = MAX_TABLE_RAW)
         table = json.loads(decompress(bytes(mv[HEADER_SIZE : HEADER_SIZE + tsize]), traw))
     except (ValueError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
         raise PatchCorruptError(f"patch table is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
-    body = mv[HEADER_SIZE + tsize :]
     try:
-        return _parse_table(table, body, len(mv))
+        return _parse_table(table, mv, HEADER_SIZE + tsize)
     except (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError) as e:
         if isinstance(e, PatchError):
             raise
         raise PatchCorruptError(f"malformed patch table: {type(e).__name__}: {str(e)[:200]}") from None
 
 
-def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
+def _parse_table(table: dict, data: Sliceable, body_start: int) -> Patch:
+    body_size = len(data) - body_start
     if not isinstance(table, dict) or table.get("format") != "pulsenet-patch" or table.get("version") != VERSION:
         raise PatchCorruptError("table is not a pulsenet-patch v1 table")
     tensors: list[TensorEntry] = []
@@ -307,8 +324,8 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
             raise PatchCorruptError(f"tensor {name!r}: unknown op {reprlib.repr(e.op)}")
         for s in want:
             off, sz, raw = d[s]
-            if not all(isinstance(x, int) and x >= 0 for x in (off, sz, raw)) or off + sz > len(body):
-                raise PatchCorruptError(f"tensor {name!r}: section {s} [{off}, {sz}] outside the {len(body)}-byte body")
+            if not all(isinstance(x, int) and x >= 0 for x in (off, sz, raw)) or off + sz > body_size:
+                raise PatchCorruptError(f"tensor {name!r}: section {s} [{off}, {sz}] outside the {body_size}-byte body")
             e.sections[s] = (off, sz, raw)
         n, w = e.numel, e.itemsize
         if e.op == "full" and e.sections["data"][2] != n * w:
@@ -331,7 +348,7 @@ def _parse_table(table: dict, body: memoryview, size: int) -> Patch:
     digests = (table["base_digest"], table["target_digest"])
     if not all(isinstance(x, str) and len(x) == 64 for x in digests):
         raise PatchCorruptError("base/target digest missing or malformed")
-    return Patch(digests[0], digests[1], tensors, list(removed), body, size)
+    return Patch(digests[0], digests[1], tensors, list(removed), data, body_start, len(data))
 
 
 # --------------------------------------------------------------------------- decoder
@@ -413,8 +430,10 @@ def iter_apply(
     ``threads``: 0 = this node's share of its cores (``codec_threads``).
     ``base_digest``: the caller's verified digest of ``base``; compared with the patch's instead of
     hashing the base. Pass None to hash the base first (a wrong base is then named as such). The
-    final model digest is checked after the last tensor: consume the whole iterator before trusting
-    (or renaming into place) anything it produced. The base is only read, never written.
+    table's tensor hashes are checked against the patch's target digest before anything is decoded
+    (a forged table fails before its bytes are read), then each tensor against its hash as it is
+    rebuilt: a tensor yielded is the target's, but consume the whole iterator before trusting (or
+    renaming into place) the model. The base is only read, never written.
 
     Workers run ahead of the consumer by up to ``window_bytes`` of rebuilt tensors (default: twice
     the largest), so a big tensor at the head of the line does not idle the other threads while
@@ -439,9 +458,11 @@ def iter_apply(
             f"base digest {base_digest[:16]}… does not match the patch's base {patch.base_digest[:16]}…: "
             "this patch applies to a different version"
         )
+    records = {e.name: tensor_record(e.name, e.dtype, e.shape, bytes.fromhex(e.sha256)) for e in patch.tensors}
+    if model_digest_from_records(records) != patch.target_digest:
+        raise DigestMismatchError(f"the patch's tensor hashes do not make its target digest {patch.target_digest[:16]}…")
     sizes = [0 if e.op == "keep" else e.numel * e.itemsize for e in patch.tensors]  # keep: shared, no copy
     limit = window_bytes if window_bytes is not None else 2 * max(sizes, default=0)
-    records: dict[str, bytes] = {}
     arena = _Arena()
     with ThreadPoolExecutor(threads) as pool:
         window: deque[tuple[Future, int]] = deque()
@@ -457,10 +478,7 @@ def iter_apply(
             future, size = window.popleft()
             entry, t = future.result()
             ahead -= size
-            records[entry.name] = tensor_record(entry.name, entry.dtype, entry.shape, bytes.fromhex(entry.sha256))
             yield entry.name, t
-    if model_digest_from_records(records) != patch.target_digest:
-        raise DigestMismatchError(f"rebuilt model digest does not match the patch's target {patch.target_digest[:16]}…")
 
 
 def apply_patch(base: StateDict, patch: Patch | bytes, **kw) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ import datetime as dt
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from types import TracebackType
 from typing import Self
 
@@ -31,6 +31,7 @@ from pulsenet.deadlines import SMALL_CALL_S
 from pulsenet.errors import ObjectNotFound, ObjectTooLarge, StoreTimeout
 
 ByteRange = tuple[int, int]
+STREAM_CHUNK = 1 << 20  # what get_stream hands over at a time: 84 ms of a 100 Mbit/s link
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,6 +308,31 @@ class ObjectStore(abc.ABC):
         async with self._deadline("get_file", key, timeout, transfer=True):
             return await self._get_file(key, os.fspath(path), limit)
 
+    async def get_stream(
+        self,
+        key: str,
+        sink: Callable[[bytes], object],
+        *,
+        max_bytes: int,
+        chunk: int = STREAM_CHUNK,
+        timeout: float | None = None,
+    ) -> int:
+        """Read an object front to back, handing it to ``sink`` (called on the event loop: keep it
+        cheap) ``chunk`` bytes at a time, in order, as the bytes land: a reader decodes an object's
+        front while its back is still on the wire. Returns the object's size.
+
+        On S3 this is one GET whose body is read as it arrives (a transient failure resumes from
+        the bytes already handed over, pinned to the object's ETag). An object larger than
+        ``max_bytes`` raises :class:`~pulsenet.errors.ObjectTooLarge` before its excess reaches
+        ``sink``; what reached ``sink`` is unchecked: callers check the whole, as a payload's
+        SHA-256 is checked (``signed.fetch_streamed``).
+        """
+        check_key(key)
+        limit = _check_limit(max_bytes)
+        assert limit is not None and chunk > 0
+        async with self._deadline("get_stream", key, timeout, transfer=True):
+            return await self._get_stream(key, sink, limit, chunk)
+
     async def head(self, key: str, *, timeout: float | None = None) -> ObjectInfo:
         """Size, ETag and modification time; :class:`~pulsenet.errors.ObjectNotFound` if missing."""
         check_key(key)
@@ -368,6 +394,19 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     async def _get_file(self, key: str, path: str, max_bytes: int | None) -> int:
         """Must raise ObjectTooLarge before writing ``path`` when the object exceeds ``max_bytes``."""
+
+    async def _get_stream(self, key: str, sink: Callable[[bytes], object], max_bytes: int, chunk: int) -> int:
+        """Ranged reads in order, one at a time (backends that can stream one request override it)."""
+        size = 0
+        while True:
+            data = await self._get(key, (size, size + chunk), None)
+            if size + len(data) > max_bytes:
+                raise ObjectTooLarge(f"{key!r} in {self.url} is over the {max_bytes}-byte limit")
+            size += len(data)
+            if data:
+                sink(data)
+            if len(data) < chunk:
+                return size
 
     @abc.abstractmethod
     async def _head(self, key: str) -> ObjectInfo: ...

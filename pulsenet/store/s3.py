@@ -23,6 +23,7 @@ readers only trust objects a manifest names.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import datetime as dt
 import functools
@@ -31,6 +32,7 @@ import logging
 import math
 import os
 import re
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,6 +48,7 @@ from pulsenet.errors import (
     ConditionFailed,
     ConfigError,
     ObjectNotFound,
+    ObjectTooLarge,
     StoreError,
 )
 from pulsenet.runtime import all_of
@@ -271,6 +274,57 @@ class S3Store(ObjectStore):
             return info.size
         finally:
             await asyncio.shield(asyncio.to_thread(unlink_quiet, tmp))
+
+    async def _get_stream(self, key: str, sink: Callable[[bytes], object], max_bytes: int, chunk: int) -> int:
+        """One GET, its body read ``chunk`` bytes at a time in a worker thread; each chunk passes the
+        link's limiter and ``sink`` on the event loop before the thread reads the next (so the
+        thread never runs ahead). A transient failure retries from the bytes already handed over
+        (``Range``, pinned to the first answer's ETag: an object replaced mid-read fails instead of
+        splicing two versions)."""
+        loop = asyncio.get_running_loop()
+        got, etag, stop = 0, None, threading.Event()
+
+        async def deliver(data: bytes) -> None:
+            nonlocal got
+            if got + len(data) > max_bytes:
+                raise ObjectTooLarge(f"{key!r} in bucket {self.bucket} is over the {max_bytes}-byte limit")
+            await self._received(len(data))
+            got += len(data)
+            sink(data)
+
+        def read() -> None:  # in the worker thread
+            nonlocal etag
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
+            if got:
+                kwargs |= {"Range": f"bytes={got}-"} | ({"IfMatch": f'"{etag}"'} if etag else {})
+            resp = self._client.get_object(**kwargs)
+            etag = etag or str(resp.get("ETag", "")).strip('"')
+            too_large(key, got + int(resp.get("ContentLength") or 0), max_bytes, f"bucket {self.bucket}")
+            with resp["Body"] as body:
+                while not stop.is_set() and (data := body.read(min(chunk, max_bytes + 1 - got))):
+                    handed = asyncio.run_coroutine_threadsafe(deliver(data), loop)
+                    while True:  # waits in slices: a call cancelled or a store closed meanwhile frees the thread
+                        try:
+                            handed.result(timeout=1.0)
+                            break
+                        except concurrent.futures.TimeoutError:
+                            if stop.is_set() or self._closed:
+                                handed.cancel()
+                                return
+
+        async def once() -> None:
+            try:
+                await self._run(read)
+            except bex.ClientError as e:
+                if got and http_status(e) == 416:  # resumed at the end: nothing was left to read
+                    return
+                raise
+
+        try:
+            await self._call("get_stream", key, once, kind="get")
+        finally:
+            stop.set()  # a cancelled call's thread stops at its next chunk
+        return got
 
     async def _head(self, key: str) -> ObjectInfo:
         async def once() -> dict[str, Any]:

@@ -40,9 +40,18 @@ from pulsenet.errors import (
     VerificationError,
 )
 from pulsenet.runtime import all_of
-from pulsenet.signed import ObjectRef, fetch_document, fetch_document_if_changed, fetch_file, fetch_unverified
+from pulsenet.signed import (
+    ObjectRef,
+    check_bytes,
+    fetch_document,
+    fetch_document_if_changed,
+    fetch_file,
+    fetch_streamed,
+    fetch_unverified,
+)
 from pulsenet.store.base import ObjectInfo, ObjectStore
 from pulsenet.store.local import TMP_PREFIX
+from pulsenet.sync.arriving import ArrivingBytes
 from pulsenet.sync.layout import Layout
 from pulsenet.sync.manifest import MAX_HEAD, MAX_MANIFEST, Head, Manifest, head_from, manifest_from
 
@@ -381,18 +390,72 @@ async def rebuild(
     bad: set[str] | None = None,
     timings: dict[str, float] | None = None,
     changed: set[str] | None = None,
+    consume: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights:
-    :func:`fetch_payloads`, then :func:`apply_payloads` (which say what is checked and raised).
-    ``timings`` receives ``download_s`` and ``apply_s`` (decode + verify)."""
+    """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights
+    (:func:`apply_payloads` says what is checked, raised and ``consume``d).
+
+    A path of one patch not yet cached streams (:func:`_stream_patch`): its tensors are rebuilt as
+    its bytes land, so the link and the decode overlap (issue 37: a version's latency is the link's
+    time plus the last tensor's). Other paths are fetched whole (:func:`fetch_payloads`), then
+    applied. ``timings`` receives ``download_s`` (until the last byte landed) and ``apply_s`` (the
+    rebuild's time after that)."""
     bad = bad if bad is not None else set()
     t0 = time.perf_counter()
-    payloads = await fetch_payloads(path, cache, parallel=parallel, bad=bad)
-    t1 = time.perf_counter()
-    state = await apply_payloads(path, payloads, base, threads=threads, bad=bad, changed=changed)
+    one_patch = len(path.steps) == 1 and path.steps[0].role == "patch"
+    if one_patch and not await asyncio.to_thread(cache.path(path.steps[0].payload).exists):
+        state, t1 = await _stream_patch(path, cache, base, threads=threads, bad=bad, changed=changed, consume=consume)
+    else:
+        payloads = await fetch_payloads(path, cache, parallel=parallel, bad=bad)
+        t1 = time.perf_counter()
+        state = await apply_payloads(path, payloads, base, threads=threads, bad=bad, changed=changed, consume=consume)
     if timings is not None:
         timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
     return state
+
+
+async def _stream_patch(
+    path: ChainPath, cache: PayloadCache, base: StateDict | None, *, bad: set[str], **apply_kw
+) -> tuple[dict[str, torch.Tensor], float]:
+    """:func:`rebuild` of a one-patch path while the patch downloads; returns the weights and when
+    its last byte landed.
+
+    The bytes are decoded before the payload's SHA-256 is known, which is safe: the table's tensor
+    hashes must make the signed model digest before any tensor is decoded, and every tensor must
+    match its hash (``iter_apply``); the payload's SHA-256 is still checked once it has landed, and
+    a mismatch fails the rebuild as it always did. The patch is not cached (a retry downloads it
+    again). A failed download fails the decode, and its error (not the decoder's) is raised: a
+    store outage is not the payload's fault.
+    """
+    ref = path.steps[0].payload
+    arriving = ArrivingBytes(ref.size)
+    landed = 0.0
+
+    async def download() -> None:
+        nonlocal landed
+        try:
+            await fetch_streamed(cache.store, ref, arriving.feed, timeout=cache.timeout_s)
+            landed = time.perf_counter()
+            await asyncio.to_thread(check_bytes, ref, arriving.whole())
+        except BaseException as e:
+            arriving.fail(e)  # the decoder threads waiting for bytes raise now
+            if isinstance(e, ObjectNotFound | VerificationError):
+                bad.add(ref.key)
+            raise
+        cache.downloaded.append(ref.key)
+        cache.bytes_downloaded += ref.size
+
+    task = asyncio.create_task(download())
+    try:
+        state = await apply_payloads(path, [arriving], base, bad=bad, **apply_kw)
+    except BaseException:
+        task.cancel()
+        await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            raise task.exception() from None  # type: ignore[misc]
+        raise
+    await task
+    return state, landed
 
 
 async def fetch_payloads(path: ChainPath, cache: PayloadCache, *, parallel: int = 4, bad: set[str]) -> list[bytes]:
@@ -415,7 +478,7 @@ async def fetch_payloads(path: ChainPath, cache: PayloadCache, *, parallel: int 
 
 async def apply_payloads(
     path: ChainPath,
-    payloads: list[bytes],
+    payloads: list[bytes] | list[ArrivingBytes],
     base: StateDict | None,
     *,
     threads: int = 2,
@@ -456,7 +519,7 @@ def _apply(
     state: StateDict,
     digest: str | None,
     step: Step,
-    data: bytes,
+    data: bytes | ArrivingBytes,
     threads: int,
     changed: set[str] | None = None,
     into: bool = False,

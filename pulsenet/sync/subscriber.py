@@ -63,10 +63,9 @@ from pulsenet.sync import localstate
 from pulsenet.sync.chain import (
     ManifestReader,
     PayloadCache,
-    apply_payloads,
     candidate_paths,
     check_cache_dir,
-    fetch_payloads,
+    rebuild,
 )
 from pulsenet.sync.layout import DEFAULT_RUN, Layout
 from pulsenet.sync.manifest import MAX_MANIFEST, Head, Manifest
@@ -102,7 +101,7 @@ class SubscriberConfig:
     """Codec threads for applying and verifying; 0: this node's share of its cores
     (``codec.threads.codec_threads``: its CPU affinity, capped by OMP_NUM_THREADS)."""
     parallel_downloads: int = 4
-    """Payloads fetched at once when catching up."""
+    """Payloads (or ranges of a streamed patch) fetched at once."""
     rebuild_in_place: bool = True
     """Rebuild into the persisted current state, tensor by tensor (``chain.apply_payloads``'s
     ``consume``): one BF16 state held, not two; a failed rebuild reloads it from ``state_dir``."""
@@ -135,9 +134,9 @@ class SubscriberStats:
     bytes_downloaded: int = 0
     """Payload bytes fetched from the store."""
     last_download_s: float = 0.0
-    """Fetching the payloads of the last update."""
+    """Fetching the payloads of the last update (a streamed patch: until its last byte landed)."""
     last_apply_s: float = 0.0
-    """Decoding and verifying the last update."""
+    """Decoding and verifying the last update, after its download (a streamed patch decodes during it)."""
     state_reloads: int = 0  # failed rebuilds in place after which the persisted weights were reloaded
     last_changed: int | None = None
     """Tensors the last update changed (``changed`` handed to ``on_update``)."""
@@ -374,29 +373,25 @@ class Subscriber:
             changed: set[str] = set()
             if path.start is not None and self.state is None:
                 continue  # the weights it would patch were lost with a failed rebuild: anchors only
-            fetched, t0 = self.cache.bytes_downloaded, time.perf_counter()
-            try:
-                payloads = await fetch_payloads(path, self.cache, parallel=self.config.parallel_downloads, bad=self._bad_payloads)
-                t1 = time.perf_counter()
-                base, consume = self.state, self._may_consume()
-                if consume:  # given up to the rebuild, which replaces its tensors one by one (an anchor's at once)
-                    self.state, base = None, base if path.start is not None else None
-                try:
-                    state = await apply_payloads(path, payloads, base, threads=self.config.threads,
-                                                 bad=self._bad_payloads, changed=changed, consume=consume)  # fmt: skip
-                except VerificationError:
-                    if consume:  # ``base`` holds a mix of two versions: freed before the persisted copy is read
-                        base = None
-                        await self._reload_persisted()
-                    raise
+            fetched, timings = self.cache.bytes_downloaded, {}
+            base, consume = self.state, self._may_consume()
+            if consume:  # given up to the rebuild, which replaces its tensors one by one (an anchor's at once)
+                self.state, base = None, base if path.start is not None else None
+            try:  # (any other error leaves ``state`` None: the next _update_to reloads it first)
+                state = await rebuild(path, self.cache, base, threads=self.config.threads, bad=self._bad_payloads,
+                                      parallel=self.config.parallel_downloads, timings=timings, changed=changed,
+                                      consume=consume)  # fmt: skip
             except (VerificationError, ObjectNotFound) as e:
+                if consume:  # ``base`` holds a mix of two versions: freed before the persisted copy is read
+                    base = None
+                    await self._reload_persisted()
                 self.stats.payloads_rejected += len(self._bad_payloads) - before
                 log.warning("path %s failed: %s; trying the next", path.describe(), e)
                 failures.append(f"{path.describe()}: {e}")
                 continue
-            del payloads, base
+            del base
             self.stats.bytes_downloaded += self.cache.bytes_downloaded - fetched
-            self.stats.last_download_s, self.stats.last_apply_s = t1 - t0, time.perf_counter() - t1
+            self.stats.last_download_s, self.stats.last_apply_s = timings["download_s"], timings["apply_s"]
             self.stats.anchors_applied += sum(s.role == "anchor" for s in path.steps)
             self.stats.patches_applied += sum(s.role == "patch" for s in path.steps)
             await self._swap(target.version, state, target.model_digest, persist=True, changed=frozenset(changed))

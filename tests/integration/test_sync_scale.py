@@ -18,12 +18,12 @@ ZERO = {"get": 0.0, "get_not_modified": 0.0, "head": 0.0, "list": 0.0, "put": 0.
 
 def _measured(per_version_get: float = 3.0) -> dict:
     """What the SeaweedFS run measures: an idle poll is one 304; a version is head GET, LIST,
-    manifest GET, payload HEAD and one ranged GET (the tiny payload)."""
+    manifest GET and the patch streamed in one GET."""
     return {
         "source": "test",
         "idle_poll": ZERO | {"get_not_modified": 1.0},
-        "per_version_per_inference_node": ZERO | {"get": per_version_get, "head": 1.0, "list": 1.0},
-        "per_version_per_inference_node_without_ranges": ZERO | {"get": per_version_get - 1, "head": 1.0, "list": 1.0},
+        "per_version_per_inference_node": ZERO | {"get": per_version_get, "list": 1.0},
+        "per_version_per_inference_node_without_ranges": ZERO | {"get": per_version_get - 1, "list": 1.0},
         "per_version_publisher_without_payloads": ZERO | {"put": 2.0, "list": 1.0},
     }
 
@@ -32,13 +32,13 @@ def test_projection_arithmetic_by_hand() -> None:
     args = ScaleBenchSettings()  # 2 s polls, a version a minute, 4 trainers, 108 MB patches, 8 MiB ranges
     row = project(_measured(), args, 1000)
     versions, polls = MONTH_S / 60, MONTH_S / 2  # 43,200 and 1,296,000 a month
-    per_version = per_version_node_counts(_measured(), 108e6, 8 << 20)
-    assert per_version["get"] == 2 + 13  # head and manifest, then ceil(108e6 / 8 MiB) ranges
+    per_version = per_version_node_counts(_measured())
+    assert per_version["get"] == 3 and per_version["head"] == 0  # head, manifest, the patch streamed whole
     node = row["per_node_per_month"]["requests"]
     assert node["get_not_modified"] == pytest.approx(polls - versions)
-    assert node["get"] == pytest.approx(15 * versions) and node["list"] == pytest.approx(versions)
+    assert node["get"] == pytest.approx(3 * versions) and node["list"] == pytest.approx(versions)
     # R2 (no egress fee): Class B = 304s + GETs + HEADs, Class A = LISTs, for 1,000 nodes.
-    class_b = 1000 * (polls - versions + 15 * versions + versions)
+    class_b = 1000 * (polls - versions + 3 * versions)
     class_a = 1000 * versions
     assert row["monthly_usd"]["r2"]["pulsesync"] == pytest.approx(class_b * 0.36e-6 + class_a * 4.5e-6)
     # S3: the same requests plus egress in tiers (10 TB at 0.09, 40 TB at 0.085, 100 TB at 0.07, rest 0.05).
@@ -51,10 +51,11 @@ def test_projection_arithmetic_by_hand() -> None:
     assert row["monthly_usd"]["r2"]["before_conditional_polling"] > 5 * row["monthly_usd"]["r2"]["total"]
     # Rates on one channel's prefix: 250 nodes per channel; a version lands on all within one poll.
     rates = row["per_channel_prefix"]
-    assert rates["get_head_per_s_burst"] == pytest.approx(250 * 16 / 2)
+    assert rates["get_head_per_s_burst"] == pytest.approx(250 * 3 / 2)
     assert rates["list_per_s_before"] == pytest.approx(125) and rates["list_per_s_mean"] == pytest.approx(250 / 60)
     assert row["within_s3_prefix_limits"]
-    assert not project(_measured(), args, 10_000)["within_s3_prefix_limits"]  # 20,000 GET/s in a burst
+    assert project(_measured(), args, 10_000)["within_s3_prefix_limits"]  # 3,750 GET/s in a burst
+    assert not project(_measured(), args, 100_000)["within_s3_prefix_limits"]  # 37,500
     assert {p.name for p in PRICES} == {"s3", "r2"} and all("2026" in p.source for p in PRICES)
 
 
@@ -97,8 +98,8 @@ def test_bench_scale_measures_on_seaweedfs(tmp_path: Path) -> None:
     m = result["measured"]
     assert m["idle_polls_all_equal"] and m["idle_poll"] == ZERO | {"get_not_modified": 1.0, "bytes_down": 0.0, "bytes_up": 0.0}
     per_version = m["per_version_per_inference_node"]
-    assert (per_version["list"], per_version["head"], per_version["put"]) == (1, 1, 0)
-    assert per_version["get"] == 3  # the head, the manifest, the (one-range) patch
+    assert (per_version["list"], per_version["head"], per_version["put"]) == (1, 0, 0)
+    assert per_version["get"] == 3  # the head, the manifest, the patch (one streamed GET)
     assert m["announced_idle"]["get_not_modified"] == 1 and sum(m["announced_idle"].values()) == 1
     assert m["join"]["list"] == 1 and m["per_version_publisher"]["put"] >= 3  # patch, manifest, head
     assert result["requests"]["idle_poll"] == {"get": 0, "get_not_modified": 1, "list": 0}

@@ -35,7 +35,17 @@ def forge(table: dict | bytes, body: bytes = b"", *, tail: bytes = b"") -> bytes
     return struct.pack("<8sHHIIQ", b"PULSEPAT", 1, 0, len(zt), len(raw), len(body)) + zt + body
 
 
-def table_of(tensors: list[dict], base_digest: str = EMPTY, target_digest: str = "0" * 64) -> dict:
+def table_of(tensors: list[dict], base_digest: str = EMPTY, target_digest: str | None = None) -> dict:
+    """A table whose target digest is, by default, the one its tensor hashes make: iter_apply checks
+    that before decoding anything, and a hostile table that got it wrong would never reach the
+    decoder paths these tests aim at."""
+    if target_digest is None:
+        try:
+            records = {t["name"]: tensor_record(t["name"], t["dtype"], tuple(t["shape"]), bytes.fromhex(t["sha256"]))
+                       for t in tensors}  # fmt: skip
+            target_digest = model_digest_from_records(records)
+        except (KeyError, TypeError, ValueError):  # too malformed to hash: the parser refuses it first
+            target_digest = "0" * 64
     return {"format": "pulsenet-patch", "version": 1, "base_digest": base_digest, "target_digest": target_digest,
             "tensors": tensors, "removed": []}
 

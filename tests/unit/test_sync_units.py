@@ -7,6 +7,8 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import queue
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -16,7 +18,15 @@ import torch
 
 from pulsenet.checkpoint import save_state
 from pulsenet.codec.digest import model_digest
-from pulsenet.errors import ManifestError, ReplayError, SignatureError, StoreUnavailable, VerificationError
+from pulsenet.codec.patch import PatchEncoder, iter_apply, parse_patch
+from pulsenet.errors import (
+    ManifestError,
+    ReplayError,
+    SignatureError,
+    StoreTimeout,
+    StoreUnavailable,
+    VerificationError,
+)
 from pulsenet.signed import ObjectRef
 from pulsenet.signing import key_id, sign_document
 from pulsenet.store import LocalStore
@@ -29,6 +39,7 @@ from pulsenet.sync import (
     SubscriberConfig,
     localstate,
 )
+from pulsenet.sync.arriving import ArrivingBytes, DownloadFailed
 from pulsenet.sync.chain import PayloadCache
 from pulsenet.sync.manifest import Head, sign_head, sign_manifest, verify_manifest
 from tests.support.store import CountingStore
@@ -347,6 +358,78 @@ async def test_a_failed_rebuild_in_place_reloads_the_persisted_weights(tmp_path:
         assert seen == [1]
         await pub.publish_now(states[3])  # v3 carries an anchor: the way past the bad patch
         assert await sub.sync_once() == 3 and same_bits(sub.state, states[3]) and seen == [1, 3]
+
+
+def test_a_patch_decodes_as_its_bytes_land(states: list[dict]) -> None:
+    """A streamed patch (``ArrivingBytes``): its first tensor is rebuilt and verified while the rest
+    of the patch has not landed, and the whole comes out bit-exact once it has (issue 37)."""
+    data = PatchEncoder().encode(states[0], states[1])
+    first = next(e for e in parse_patch(data).tensors if e.op != "keep")
+    cut = parse_patch(data).body_start + max(off + size for off, size, _ in first.sections.values())
+    arriving, names = ArrivingBytes(len(data)), queue.Queue()
+    arriving.feed(data[:cut])
+    rebuilt: dict[str, torch.Tensor] = {}
+
+    def decode() -> None:
+        for name, t in iter_apply(states[0], parse_patch(arriving), threads=2):
+            rebuilt[name] = t
+            names.put(name)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    assert names.get(timeout=60) <= first.name  # (keep tensors before it come out too)
+    assert arriving.filled == cut < len(data)
+    arriving.feed(data[cut:])
+    worker.join(60)
+    assert same_bits(rebuilt, states[1])
+
+
+def test_a_failed_download_frees_the_decoder_threads_waiting_for_it(states: list[dict]) -> None:
+    data = PatchEncoder().encode(states[0], states[1])
+    arriving = ArrivingBytes(len(data))
+    arriving.feed(data[: len(data) // 2])
+    errors: list[BaseException] = []
+
+    def decode() -> None:
+        try:
+            dict(iter_apply(states[0], parse_patch(arriving), threads=2))
+        except DownloadFailed as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    time.sleep(0.2)
+    arriving.fail(StoreUnavailable("the store went away"))
+    worker.join(60)
+    assert not worker.is_alive() and isinstance(errors[0].__cause__, StoreUnavailable)
+
+
+async def test_a_download_cut_mid_patch_is_the_stores_fault_not_the_payloads(
+    tmp_path: Path, states: list[dict]
+) -> None:
+    """The link gives out while a patch streams into a subscriber rebuilding in place: the store's
+    error is raised (not the decoder's), the payload is not marked bad, and the next round reloads
+    the persisted version and takes the same patch."""
+    store = LocalStore(tmp_path / "store")
+    key, trusted = keypair()
+    cfg = SubscriberConfig(state_dir=tmp_path / "sub", cache_dir=tmp_path / "cache")
+    async with Publisher(store, key) as pub, Subscriber(store, trusted, cfg) as sub:
+        for s in states[:2]:
+            await pub.publish_now(s)
+        assert await sub.sync_once() == 1  # v1 persisted
+        await pub.publish_now(states[2])
+        patch = (await pub._reader.get(2)).patch
+    assert patch is not None
+    slow = LocalStore(tmp_path / "store", link_mbps=patch.size * 8 / 1e6)  # the patch takes ~1 s
+    async with Subscriber(slow, trusted, dataclasses.replace(cfg, transfer_timeout_s=0.3)) as sub:
+        await sub.start()
+        assert sub.version == 1
+        with pytest.raises(StoreTimeout):
+            await sub.sync_once()
+        assert sub._bad_payloads == set() and sub.version == 1
+        sub.cache.timeout_s = 30.0
+        assert await sub.sync_once() == 2 and same_bits(sub.state, states[2])
+        assert sub.stats.state_reloads == 1 and sub.stats.payloads_rejected == 0
 
 
 async def test_followers_take_the_patch_of_an_anchor_version(tmp_path: Path, states: list[dict]) -> None:
