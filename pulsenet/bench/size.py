@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,10 @@ class SizeBenchSettings(BenchSettings):
     e2e: bool = True
     """Publish/pull through the embedded store and throttled links (version latency)."""
     link_mbps: list[float] = field(default_factory=lambda: [100.0, 1000.0])
-    """Link rates of the latency runs (Mbit/s), one patch version each."""
+    """Link rates of the latency runs (Mbit/s)."""
+    latency_repeat: int = 3
+    """Patch versions per link rate: each is reported, the budget judges their median (one
+    version's latency on a shared VM swings by a few tenths of a second)."""
     subscribers: int = 1
     """Subscribers (inference nodes) of the latency runs, each with its own link."""
     workdir: Path | None = None
@@ -274,7 +278,8 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
         pub = Publisher(pub_store, key, PublisherConfig(anchor_every=10**9, keep_anchors=None, threads=threads,
                                                         transfer_timeout_s=3600.0))
         async with pub:
-            for version, mbps in enumerate([None, *s.link_mbps]):
+            rates = [m for m in s.link_mbps for _ in range(max(1, s.latency_repeat))]
+            for version, mbps in enumerate([None, *rates]):
                 row = await _round(server, pub, states[version % 2], version, mbps, s, sub_threads, trusted, scratch)
                 rows.append(row)
                 print(f"v{version} {row['kind']} link {mbps or 'open'}: "
@@ -372,10 +377,12 @@ def budgets(r: dict, model_bytes: int, threads: int) -> dict:
                             "pass": c["ratio_to_sha_floor_x_threads"] >= 0.5,
                             "what": "all-threads rate / (threads x one core's SHA-256 rate)"}
     if r["e2e"]:
-        for v in r["e2e"]["versions"]:
-            if v["link_mbps"] is not None:
-                out[f"latency_{v['link_mbps']:g}mbps"] = {"value": v["all_verified_s"], "limit": v["budget_s"],
-                                                          "pass": v["pass"]}
+        for mbps in sorted({v["link_mbps"] for v in r["e2e"]["versions"] if v["link_mbps"] is not None}):
+            rows = [v for v in r["e2e"]["versions"] if v["link_mbps"] == mbps]
+            value, limit = (statistics.median(v[k] for v in rows) for k in ("all_verified_s", "budget_s"))
+            out[f"latency_{mbps:g}mbps"] = {"value": value, "limit": limit, "pass": value <= limit,
+                                             "what": f"median of {len(rows)} versions",
+                                             "each": [v["all_verified_s"] for v in rows]}
     return out
 
 

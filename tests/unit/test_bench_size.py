@@ -40,12 +40,16 @@ def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
         rss = r["cli"][k]["peak_rss_bytes"]
         assert 50e6 < rss < 4e9  # a real child's peak (python + torch), counted by the kernel
     versions = r["e2e"]["versions"]
-    assert [v["kind"] for v in versions] == ["anchor", "patch"]
-    v = versions[1]
-    assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
-    assert v["all_verified_s"] >= v["link_time_s"]  # the relay did hold it to 50 Mbit/s
+    assert [v["kind"] for v in versions] == ["anchor", "patch", "patch", "patch"]  # latency_repeat: 3
+    for v in versions[1:]:
+        assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
+        assert v["all_verified_s"] >= v["link_time_s"]  # the link did hold it to 50 Mbit/s
     b = r["budgets"]
-    assert b["latency_50mbps"]["pass"] == (v["all_verified_s"] <= v["budget_s"])
+    latencies = sorted(v["all_verified_s"] for v in versions[1:])
+    assert b["latency_50mbps"]["value"] == latencies[1] and b["latency_50mbps"]["each"] == [
+        v["all_verified_s"] for v in versions[1:]
+    ]
+    assert b["latency_50mbps"]["pass"] == (latencies[1] <= sorted(v["budget_s"] for v in versions[1:])[1])
     assert {"memory_cli_encode", "memory_cli_apply", "rate_encode_known_base", "rate_apply_verify"} <= set(b)
 
 
