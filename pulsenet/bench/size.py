@@ -333,6 +333,7 @@ async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBe
             await sub.start()  # resume the previous version from disk, outside the measurement
         if version:
             await until(lambda: all((i, version - 1) in verified for i in range(n)))
+        await asyncio.to_thread(os.sync)  # the last round's 2 GB state files written back before t0, not during
         async with asyncio.TaskGroup() as tg:
             for sub in subs:
                 tg.create_task(sub.run(stop))

@@ -183,8 +183,12 @@ class PatchEncoder:
                 progress(name, enc.entry.numel * enc.entry.itemsize)
             return enc
 
+        # largest first (the work goes with the size): the last tensors left are small ones, so no
+        # core idles while another finishes a big one; the patch keeps name order
+        by_size = sorted(names, key=lambda n: -new[n].numel() * new[n].element_size())
         with ThreadPoolExecutor(self.threads) as pool:
-            encoded = list(pool.map(one, names))
+            done = dict(zip(by_size, pool.map(one, by_size), strict=True))
+            encoded = [done[n] for n in names]
             base_records = {e.entry.name: e.base_record for e in encoded if e.base_record is not None}
             if hash_base:
                 extra = [n for n in old if n not in new or n not in base_records]
