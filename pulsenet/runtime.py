@@ -12,6 +12,7 @@ loop), ``CancelledError`` is never caught; :func:`unless_stopped` abandons one p
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
@@ -214,3 +215,14 @@ def first_error(eg: BaseExceptionGroup) -> BaseException:
     for extra in leaves[1:]:
         log.debug("also failed: %s: %s", type(extra).__name__, extra)
     return leaves[0] if leaves else asyncio.CancelledError()
+
+
+def settled(future: concurrent.futures.Future, timeout: float) -> bool:
+    """Wait up to ``timeout`` s for a thread-safe ``future`` (its error raised); False if it is still
+    running. A thread waiting on the event loop waits in such slices, so it can notice that its
+    caller gave up (the loop may never run the future if it is closing)."""
+    try:
+        future.result(timeout=timeout)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True

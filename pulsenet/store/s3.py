@@ -23,7 +23,6 @@ readers only trust objects a manifest names.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import datetime as dt
 import functools
@@ -48,10 +47,9 @@ from pulsenet.errors import (
     ConditionFailed,
     ConfigError,
     ObjectNotFound,
-    ObjectTooLarge,
     StoreError,
 )
-from pulsenet.runtime import all_of
+from pulsenet.runtime import all_of, settled
 from pulsenet.store.base import ByteRange, Fetched, ObjectInfo, ObjectStore, backoff_delay, too_large
 from pulsenet.store.local import fsync_path, new_tmp_file, unlink_quiet, write_at
 from pulsenet.store.ratelimit import RateLimiter, charge
@@ -276,49 +274,38 @@ class S3Store(ObjectStore):
             await asyncio.shield(asyncio.to_thread(unlink_quiet, tmp))
 
     async def _get_stream(self, key: str, sink: Callable[[bytes], object], max_bytes: int, chunk: int) -> int:
-        """One GET, its body read ``chunk`` bytes at a time in a worker thread; each chunk passes the
-        link's limiter and ``sink`` on the event loop before the thread reads the next (so the
-        thread never runs ahead). A transient failure retries from the bytes already handed over
-        (``Range``, pinned to the first answer's ETag: an object replaced mid-read fails instead of
-        splicing two versions)."""
-        loop = asyncio.get_running_loop()
-        got, etag, stop = 0, None, threading.Event()
+        """One GET, its body read ``chunk`` bytes at a time in a worker thread, each chunk through the
+        link limiter and ``sink`` on the event loop before the next is read. A transient failure
+        resumes at the bytes handed over (``Range``, ``If-Match`` on the first answer's ETag)."""
+        loop, got, etag, stop = asyncio.get_running_loop(), 0, "", threading.Event()
 
         async def deliver(data: bytes) -> None:
             nonlocal got
-            if got + len(data) > max_bytes:
-                raise ObjectTooLarge(f"{key!r} in bucket {self.bucket} is over the {max_bytes}-byte limit")
+            too_large(key, got + len(data), max_bytes, f"bucket {self.bucket}")
             await self._received(len(data))
             got += len(data)
             sink(data)
 
         def read() -> None:  # in the worker thread
             nonlocal etag
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._full(key)}
-            if got:
-                kwargs |= {"Range": f"bytes={got}-"} | ({"IfMatch": f'"{etag}"'} if etag else {})
-            resp = self._client.get_object(**kwargs)
+            resume = {"Range": f"bytes={got}-"} | ({"IfMatch": f'"{etag}"'} if etag else {}) if got else {}
+            resp = self._client.get_object(Bucket=self.bucket, Key=self._full(key), **resume)
             etag = etag or str(resp.get("ETag", "")).strip('"')
             too_large(key, got + int(resp.get("ContentLength") or 0), max_bytes, f"bucket {self.bucket}")
             with resp["Body"] as body:
                 while not stop.is_set() and (data := body.read(min(chunk, max_bytes + 1 - got))):
                     handed = asyncio.run_coroutine_threadsafe(deliver(data), loop)
-                    while True:  # waits in slices: a call cancelled or a store closed meanwhile frees the thread
-                        try:
-                            handed.result(timeout=1.0)
-                            break
-                        except concurrent.futures.TimeoutError:
-                            if stop.is_set() or self._closed:
-                                handed.cancel()
-                                return
+                    while not settled(handed, 1.0):  # a cancelled call or a closed store frees the thread
+                        if stop.is_set() or self._closed:
+                            handed.cancel()
+                            return
 
         async def once() -> None:
             try:
                 await self._run(read)
             except bex.ClientError as e:
-                if got and http_status(e) == 416:  # resumed at the end: nothing was left to read
-                    return
-                raise
+                if not (got and http_status(e) == 416):  # 416: resumed at the very end, nothing left
+                    raise
 
         try:
             await self._call("get_stream", key, once, kind="get")
@@ -610,3 +597,4 @@ def _multipart_etag(parts: list[dict[str, str | int]]) -> str:
     """The ETag S3 gives a multipart object: MD5 of the parts' binary MD5s, then ``-<count>``."""
     digests = b"".join(bytes.fromhex(str(p["ETag"]).strip('"')) for p in parts)
     return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
+

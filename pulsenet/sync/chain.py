@@ -448,11 +448,12 @@ async def _stream_patch(
     task = asyncio.create_task(download())
     try:
         state = await apply_payloads(path, [arriving], base, bad=bad, **apply_kw)
-    except BaseException:
+    except BaseException as e:
         task.cancel()
         await asyncio.wait([task])
-        if not task.cancelled() and task.exception() is not None:
-            raise task.exception() from None  # type: ignore[misc]
+        failed = None if task.cancelled() else task.exception()
+        if failed is not None and not isinstance(e, asyncio.CancelledError):
+            raise failed from None  # the download's error, not the decoder's DownloadFailed
         raise
     await task
     return state, landed
