@@ -316,6 +316,22 @@ class PayloadCache:
         self.bytes_downloaded += ref.size
         return await asyncio.to_thread(_read_fetched, path, ref)
 
+    async def stream(self, ref: ObjectRef, into: ArrivingBytes) -> float:
+        """Download the payload into ``into`` as it lands, for a decoder reading it meanwhile (not
+        kept on disk), then check it whole: ObjectNotFound, SizeMismatch or VerificationError as
+        :meth:`read`. Any failure fails ``into`` first, so the decoder's waiting threads stop.
+        Returns when the last byte landed."""
+        try:
+            await fetch_streamed(self.store, ref, into.feed, timeout=self.timeout_s)
+            landed = time.perf_counter()
+            await asyncio.to_thread(check_bytes, ref, into.whole())
+        except BaseException as e:
+            into.fail(e)
+            raise
+        self.downloaded.append(ref.key)
+        self.bytes_downloaded += ref.size
+        return landed
+
     def sweep(self) -> None:
         """Remove temporary files a killed download left behind (blocking: call in a thread)."""
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -429,21 +445,13 @@ async def _stream_patch(
     """
     ref = path.steps[0].payload
     arriving = ArrivingBytes(ref.size)
-    landed = 0.0
 
-    async def download() -> None:
-        nonlocal landed
+    async def download() -> float:
         try:
-            await fetch_streamed(cache.store, ref, arriving.feed, timeout=cache.timeout_s)
-            landed = time.perf_counter()
-            await asyncio.to_thread(check_bytes, ref, arriving.whole())
-        except BaseException as e:
-            arriving.fail(e)  # the decoder threads waiting for bytes raise now
-            if isinstance(e, ObjectNotFound | VerificationError):
-                bad.add(ref.key)
+            return await cache.stream(ref, arriving)
+        except (ObjectNotFound, VerificationError):
+            bad.add(ref.key)
             raise
-        cache.downloaded.append(ref.key)
-        cache.bytes_downloaded += ref.size
 
     task = asyncio.create_task(download())
     try:
@@ -455,8 +463,7 @@ async def _stream_patch(
         if failed is not None and not isinstance(e, asyncio.CancelledError):
             raise failed from None  # the download's error, not the decoder's DownloadFailed
         raise
-    await task
-    return state, landed
+    return state, await task
 
 
 async def fetch_payloads(path: ChainPath, cache: PayloadCache, *, parallel: int = 4, bad: set[str]) -> list[bytes]:

@@ -101,7 +101,7 @@ class SubscriberConfig:
     """Codec threads for applying and verifying; 0: this node's share of its cores
     (``codec.threads.codec_threads``: its CPU affinity, capped by OMP_NUM_THREADS)."""
     parallel_downloads: int = 4
-    """Payloads (or ranges of a streamed patch) fetched at once."""
+    """Payloads fetched at once when catching up (a streamed patch is one GET)."""
     rebuild_in_place: bool = True
     """Rebuild into the persisted current state, tensor by tensor (``chain.apply_payloads``'s
     ``consume``): one BF16 state held, not two; a failed rebuild reloads it from ``state_dir``."""
