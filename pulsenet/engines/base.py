@@ -153,6 +153,13 @@ class Engine(abc.ABC):
     def close(self) -> None:
         """Release what the engine holds beyond memory (processes, threads)."""
 
+    def release_shared_state(self) -> None:
+        """Drop any reference to the tensors of the state last handed in (construction or ``update``),
+        whose owner is about to replace them in place (a Subscriber's rebuild): held here, the old
+        tensors would stay resident beside the new ones. The next ``update`` hands a state again.
+        Default: nothing (an engine that copies what it is handed holds none)."""
+        return None
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The weight tensors this engine holds in the node's own process, by holder (a node's
         ``/status`` ``memory`` counts each storage once, so a tensor shared with the node's verified

@@ -12,11 +12,16 @@ memory. A budget larger than the memory available is a ConfigError that names th
 
 from __future__ import annotations
 
+import importlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pulsenet.errors import ConfigError, EngineError
+
+ENGINE_MODULES = ("vllm.engine.arg_utils", "vllm.sampling_params", "vllm.v1.engine.async_llm")
+"""The vLLM modules the engine imports besides ``vllm`` (``prepare_vllm`` imports them first)."""
 
 
 def import_vllm() -> Any:
@@ -136,6 +141,31 @@ def check_head_size(model_dir: Path, device_type: str) -> None:
             f"vLLM-CPU runs attention heads of size {sizes}; this model's are {head} "
             "(the built-in tiny model's are 16): use engine = \"torch\" or another model"
         )
+
+
+def prepare_vllm(model_dir: Path) -> tuple[Any, str]:
+    """vLLM imported (with the modules an engine uses) and ``model_dir`` checked against its platform:
+    (the ``vllm`` module, the device type). Raises what ``import_vllm``, ``vllm_device_type`` and
+    ``check_head_size`` raise.
+
+    Runs on a thread of its own, whose stack holds nothing but this. Some vLLM modules keep the
+    exception of an optional import that failed (``vllm/multimodal/media/audio.py`` keeps
+    torchcodec's, which the vllm-cpu install removes), and its traceback keeps every frame that was
+    on the importing stack alive with its locals, for the life of the process. Imported from an
+    engine's constructor, that was the verified state it was built with: a whole extra BF16 copy of
+    the model, forever (measured: 0.72 GB at 0.35B, issue 37).
+    """
+
+    def prepare() -> tuple[Any, str]:
+        vllm = import_vllm()
+        device_type = vllm_device_type()
+        check_head_size(Path(model_dir), device_type)
+        for name in ENGINE_MODULES:  # imported here, they are not imported later from another stack
+            importlib.import_module(name)
+        return vllm, device_type
+
+    with ThreadPoolExecutor(1, thread_name_prefix="pulsenet-vllm-import") as pool:
+        return pool.submit(prepare).result()
 
 
 def vllm_device_type() -> str:

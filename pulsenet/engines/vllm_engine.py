@@ -81,10 +81,8 @@ from pulsenet.codec.dtypes import dtype_name
 from pulsenet.engines.base import Engine, EngineStats, Generation, SamplingParams, check_layout, same_bits
 from pulsenet.engines.vllm_config import (
     VLLMEngineConfig,
-    check_head_size,
     host_memory_bytes,
-    import_vllm,
-    vllm_device_type,
+    prepare_vllm,
 )
 from pulsenet.engines.vllm_worker import PARENT_ENV, REFUSED, layer_groups
 from pulsenet.errors import ConfigError, EngineError
@@ -106,12 +104,19 @@ class HostMirror:
 
     The mirror holds the verified tensors it is handed by reference, not copies (verified states
     are never written to: a Subscriber rebuilds changed tensors off to the side), so on an inference
-    node it and the subscriber's verified state are one BF16 copy, not two.
+    node it and the subscriber's verified state are one BF16 copy, not two. ``release`` drops those
+    references (records and layout stay) before their owner replaces them in place: held, they
+    would keep the old copy resident beside the new one for the whole rebuild. A released mirror
+    stages by comparing records instead of bits, and ``commit`` takes the new state's tensors.
     """
 
     def __init__(self, state: StateDict) -> None:
-        self.tensors = {n: t.detach().cpu().contiguous() for n, t in state.items()}
-        self.records = {n: _record(n, t) for n, t in self.tensors.items()}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.layout = {n: torch.empty_like(t, device="meta") for n, t in state.items()}
+        """Names, shapes and dtypes of the served model (meta tensors: no memory)."""
+        self.records: dict[str, bytes] = {}
+        self.released = False
+        self.commit({}, {}, state)
 
     @property
     def digest(self) -> str:
@@ -121,16 +126,17 @@ class HostMirror:
         self, state: StateDict, digest: str, changed: Set[str] | None = None
     ) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         """Changed tensors (host, contiguous) and their records; EngineError if the result's digest is not ``digest``."""
-        check_layout(self.tensors, state)
+        check_layout(self.layout, state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change is
         # caught by the digest check below.
-        names = [
-            n
-            for n in self.tensors
-            if (changed is None or n in changed) and not same_bits(self.tensors[n], state[n])
-        ]
-        tensors = {n: state[n].detach().cpu().contiguous() for n in names}
-        records = {n: _record(n, t) for n, t in tensors.items()}
+        names = [n for n in self.layout if changed is None or n in changed]
+        if self.released:  # no bits to compare with: a tensor whose record differs has changed
+            hashed = {n: _record(n, state[n].detach().cpu().contiguous()) for n in names}
+            records = {n: r for n, r in hashed.items() if r != self.records[n]}
+            tensors = {n: state[n].detach().cpu().contiguous() for n in records}
+        else:
+            tensors = {n: state[n].detach().cpu().contiguous() for n in names if not same_bits(self.tensors[n], state[n])}
+            records = {n: _record(n, t) for n, t in tensors.items()}
         result = model_digest_from_records({**self.records, **records})
         if result != digest:
             raise EngineError(
@@ -138,9 +144,23 @@ class HostMirror:
             )
         return tensors, records
 
-    def commit(self, tensors: Mapping[str, torch.Tensor], records: Mapping[str, bytes]) -> None:
-        self.tensors.update(tensors)
+    def commit(self, tensors: Mapping[str, torch.Tensor], records: Mapping[str, bytes], state: StateDict | None = None) -> None:
+        """Take in a staged update. ``state``: the whole verified state it came from, whose tensors
+        the mirror then holds (all of them: one owner's copy, never a mix); required once released."""
+        if state is None:
+            if self.released:
+                raise EngineError("a released host mirror takes the whole state it is updated from")
+            self.tensors.update(tensors)
+        else:
+            self.tensors = {n: state[n].detach().cpu().contiguous() for n in self.layout}
+            self.released = False
+        missing = [n for n in self.layout if n not in self.records and n not in records]
         self.records.update(records)
+        self.records.update({n: _record(n, self.tensors[n]) for n in missing})  # the first state's
+
+    def release(self) -> None:
+        """Drop the tensors (records and layout stay); see the class docstring."""
+        self.tensors, self.released = {}, True
 
 
 class VLLMEngine(Engine):
@@ -159,9 +179,7 @@ class VLLMEngine(Engine):
         the checkpoint's own weights rounded to BF16. Either way they are pushed to the workers once,
         so what runs is exactly the mirror, whatever rounding vLLM's own loader would have done."""
         self.config = config = config or VLLMEngineConfig()
-        vllm = import_vllm()
-        self.device_type = vllm_device_type()
-        check_head_size(Path(model_dir), self.device_type)
+        vllm, self.device_type = prepare_vllm(Path(model_dir))
         available = host_memory_bytes() if self.device_type == "cpu" else None
         self._memory_args = config.memory_args(self.device_type, available)
         from_channel = state is not None
@@ -183,7 +201,7 @@ class VLLMEngine(Engine):
         self._dirty: set[str] = set()  # sent by an update that failed while loading: resent next time
         # The handoff directory (vllm_worker.py): private (mkdtemp: 0700), in memory where /dev/shm
         # holds a full update (a container's is often 64 MiB), else the temporary directory.
-        shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.tensors.values())
+        shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.layout.values())
         in_memory = shm.is_dir() and shutil.disk_usage(shm).free > need
         self._handoff_dir = Path(tempfile.mkdtemp(prefix="pulsenet-vllm-", dir=shm if in_memory else None))
         self._handoffs = 0
@@ -288,14 +306,28 @@ class VLLMEngine(Engine):
 
     def served_state(self) -> dict[str, torch.Tensor]:
         """A copy of the host mirror: the served BF16 weights in HF coordinates."""
-        return {n: t.clone() for n, t in self.mirror.tensors.items()}
+        with self._update_lock:
+            return {n: t.clone() for n, t in self._mirror_tensors().items()}
 
     def weights_digest(self) -> str:
         """The model digest rehashed from the host mirror: the weights every worker verified and
         loaded (vLLM's fused, repacked runtime tensors have no HF digest of their own)."""
         from pulsenet.codec.digest import model_digest
 
-        return model_digest(self.mirror.tensors)
+        with self._update_lock:
+            return model_digest(self._mirror_tensors())
+
+    def release_shared_state(self) -> None:
+        """Drop the host mirror's references to the state last handed in (``HostMirror.release``):
+        its owner is about to rebuild it in place. Until the next update ``served_state`` and
+        ``weights_digest`` raise EngineError; serving goes on (the workers hold their own weights)."""
+        with self._update_lock:
+            self.mirror.release()
+
+    def _mirror_tensors(self) -> dict[str, torch.Tensor]:
+        if self.mirror.released:
+            raise EngineError("the host mirror was released to an in-place rebuild; the next update takes it back")
+        return self.mirror.tensors
 
     # --- updates ---------------------------------------------------------------------------------
 
@@ -318,7 +350,7 @@ class VLLMEngine(Engine):
             send = self._whole_layers({*tensors, *self._dirty})
             payload = {n: tensors[n] if n in tensors else state[n].detach().cpu().contiguous() for n in send}
             self._run(self._swap(payload, records, version=version, digest=digest), self.config.update_timeout_s)
-            self.mirror.commit(tensors, records)
+            self.mirror.commit(tensors, records, state)
             self.stats.tensors_copied += len(payload)
             self.stats.bytes_last_update = sum(t.numel() * t.element_size() for t in payload.values())
             self.stats.bytes_copied += self.stats.bytes_last_update
@@ -327,7 +359,7 @@ class VLLMEngine(Engine):
     def _whole_layers(self, names: Set[str]) -> list[str]:
         """``names`` and every other tensor of the decoder layers they belong to (vllm_worker.py:
         a vLLM layer is reloaded whole), in the mirror's order."""
-        groups = layer_groups(self.mirror.tensors)
+        groups = layer_groups(self.mirror.layout)
         return [n for members in groups.values() if any(m in names for m in members) for n in members]
 
     async def _swap(

@@ -304,9 +304,14 @@ def compose_inference(
 
 
 def _subscriber(
-    c: InferenceConfig, policy_stores: list[ObjectStore], trusted: dict, channel: int, on_update: OnUpdate
+    c: InferenceConfig,
+    policy_stores: list[ObjectStore],
+    trusted: dict,
+    channel: int,
+    on_update: OnUpdate,
+    on_consume: Callable[[], object],
 ) -> Subscriber:
-    """Channel ``channel``'s subscriber; the node hands it ``on_update`` (its own method)."""
+    """Channel ``channel``'s subscriber; the node hands it ``on_update`` and ``on_consume`` (its own methods)."""
     return Subscriber(
         policy_stores[channel],
         trusted,
@@ -318,4 +323,5 @@ def _subscriber(
             cache_dir=None if c.subscribe.cache_dir is None else Path(c.subscribe.cache_dir) / f"policy-{channel}",
         ),
         on_update=on_update,
+        on_consume=on_consume,
     )

@@ -36,7 +36,7 @@ import torch
 
 from pulsenet import runtime
 from pulsenet.engines.base import Engine, Generation
-from pulsenet.errors import ConfigError, PulsenetError
+from pulsenet.errors import ConfigError, EngineError, PulsenetError
 from pulsenet.nodes.config import InferenceConfig
 from pulsenet.nodes.consumers import write_status
 from pulsenet.nodes.events import EVENTS_FILE, EventLog, VersionEvent, inference_event
@@ -71,15 +71,15 @@ class InferenceNode:
         prompter: Prompter,
         writer: RolloutWriter,
         channels: int,
-        subscriber: Callable[[int, OnUpdate], Subscriber],
+        subscriber: Callable[[int, OnUpdate, Callable[[], object]], Subscriber],
         demand: DemandReader,
         engine: Callable[..., Engine],
         stores: dict[str, ObjectStore],
         hostile: Hostile | None = None,
     ) -> None:
-        """``subscriber(k, on_update)``: channel k's subscriber, delivering to ``on_update`` (this
-        node's own ``_on_update``, so it is made here); ``engine(state=, digest=, version=)``: the
-        engine, built from the first verified weights."""
+        """``subscriber(k, on_update, on_consume)``: channel k's subscriber, delivering to ``on_update``
+        and warning ``on_consume`` (this node's own ``_on_update`` and ``_on_consume``, so it is made
+        here); ``engine(state=, digest=, version=)``: the engine, built from the first verified weights."""
         self.config = config
         self.state = state
         """What /status and /metrics show (the prompter's drops among them, live)."""
@@ -88,7 +88,10 @@ class InferenceNode:
         self.store, self.key = store, key
         """This site's own store and key: rollout batches and the signed status object."""
         self.writer = writer
-        self.subscribers = [subscriber(k, functools.partial(self._on_update, k)) for k in range(channels)]
+        self.subscribers = [
+            subscriber(k, functools.partial(self._on_update, k), functools.partial(self._on_consume, k))
+            for k in range(channels)
+        ]
         self.state.memory = inference_probe(self)  # /status memory: what each holder holds (nodes/memory.py)
         self.demand = demand
         """The trainers' signed demand records (the channels whose trainer id is known): how many batches
@@ -101,6 +104,8 @@ class InferenceNode:
         self._delivered: dict[int, int] = {}
         """Channel -> the version its subscriber last delivered (``_on_update``)."""
         self.engine: Engine | None = None
+        self._engine_channel: int | None = None
+        """The channel whose verified state the engine was last handed (it may hold its tensors)."""
         self.events = EventLog(Path(config.state_dir) / EVENTS_FILE)
         """One ``served`` event per verified version swapped in, one ``stopped`` on the way out."""
         self._downloaded = 0
@@ -144,6 +149,7 @@ class InferenceNode:
             t = time.perf_counter()
             if self.engine is None:
                 try:
+                    self._engine_channel = channel
                     self.engine = await asyncio.to_thread(self._make_engine, state=state, digest=digest, version=version)
                 except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
                     self._fatal = e
@@ -151,6 +157,7 @@ class InferenceNode:
                     raise
             else:
                 same_base = since is not None and since == self.engine.version
+                self._engine_channel = channel  # set first: a failed update may have taken some of its tensors
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
             self._emit("served", version, digest, apply_s=time.perf_counter() - t)
             if self._start_floor is None or version >= self._start_floor:
@@ -161,6 +168,14 @@ class InferenceNode:
                     self.state.degraded = None
                 self._first.set()
             self._newer.set()
+
+    async def _on_consume(self, channel: int) -> None:
+        """Channel ``channel``'s subscriber is about to rebuild its state in place: if the engine was
+        handed that state, it lets go of its tensors first (``Engine.release_shared_state``), so the
+        node holds one BF16 copy through the rebuild, not two (issue 37)."""
+        async with self._update_lock:  # never in the middle of an engine update
+            if self.engine is not None and self._engine_channel == channel:
+                await asyncio.to_thread(self.engine.release_shared_state)
 
     def _emit(self, kind: str, version: int, digest: str, **fields: Any) -> VersionEvent:
         """Emit this node's ``kind`` event (``events.inference_event``; ``fields``: its own)."""
@@ -359,7 +374,11 @@ class InferenceNode:
             engine = self.engine
             if engine.version is None:
                 return
-            own = await asyncio.to_thread(engine.weights_digest)
+            try:
+                own: str | None = await asyncio.to_thread(engine.weights_digest)
+            except EngineError as e:  # e.g. its host copy released to a rebuild that did not finish
+                own = None
+                log.warning("%s: own weights not hashed again: %s", self.config.id, e)
             assert engine.digest is not None
             self._emit("stopped", engine.version, engine.digest, weights_digest=own, counts=idle)
 

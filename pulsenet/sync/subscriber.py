@@ -178,6 +178,7 @@ class Subscriber:
         *,
         on_update: OnUpdate | None = None,
         on_saved: Callable[[int, str], None] | None = None,
+        on_consume: Callable[[], object] | None = None,
     ) -> None:
         """``on_update(version, state, digest, *, changed)``, sync or async, receives only verified
         weights, as soon as they are verified. ``changed`` (a frozenset of tensor names) names the
@@ -186,7 +187,9 @@ class Subscriber:
         tensors themselves (shared: treat them as read-only), so an engine updates only ``changed``
         (``InferenceEngine.update(..., changed=...)`` takes the same keyword). A callback without a
         ``changed`` parameter (or ``**kwargs``) is called with the first three only.
-        ``on_saved(version, digest)`` runs once they are persisted in ``state_dir``."""
+        ``on_saved(version, digest)`` runs once they are persisted in ``state_dir``. ``on_consume()``,
+        sync or async, runs before a rebuild in place takes the last state handed over apart: a holder
+        of its tensors drops them there, or they stay resident beside the rebuilt ones."""
         if not trusted:
             raise ManifestError("a subscriber needs at least one trusted publisher key")
         self.store = store
@@ -195,6 +198,7 @@ class Subscriber:
         self.on_update = on_update
         self._pass_changed = on_update is not None and _takes_keyword(on_update, "changed")
         self.on_saved = on_saved
+        self.on_consume = on_consume
         self.stats = SubscriberStats()
         self.version: int | None = None
         """Version of the weights serving now (None before the first)."""
@@ -361,9 +365,7 @@ class Subscriber:
         current = (self.version, self.digest) if known else None
         paths = await candidate_paths(self._reader, target, current, self._bad_payloads)
         if not paths:
-            raise VerificationError(
-                f"no usable path to v{target.version}: every anchor or link to it is missing or bad"
-            )
+            raise VerificationError(f"no usable path to v{target.version}: every anchor or link to it is missing or bad")
         failures: list[str] = []
         for path in paths:
             if any(s.payload.key in self._bad_payloads for s in path.steps):
@@ -375,6 +377,8 @@ class Subscriber:
                 continue  # the weights it would patch were lost with a failed rebuild: anchors only
             fetched, timings = self.cache.bytes_downloaded, {}
             base, consume = self.state, self._may_consume()
+            if consume and self.on_consume is not None and inspect.isawaitable(result := self.on_consume()):
+                await result
             if consume:  # given up to the rebuild, which replaces its tensors one by one (an anchor's at once)
                 self.state, base = None, base if path.start is not None else None
             try:  # (any other error leaves ``state`` None: the next _update_to reloads it first)

@@ -187,6 +187,71 @@ async def test_vllm_matches_the_torch_engine_after_every_verified_patch(
     print(f"vLLM vs PyTorch engine: max |Δ logprob| {worst:.4f} (tolerance {TOL}); tensors sent {per_update}")
 
 
+async def test_an_engine_that_lets_go_of_its_state_keeps_no_old_tensor_through_a_rebuild_in_place(
+    served: VLLMEngine, model_dir: Path, tmp_path: Path
+) -> None:
+    """An inference node's path (nodes/inference.py ``_on_consume``): the subscriber rebuilds its
+    state in place and warns the engine first (``release_shared_state``). When the new version is
+    handed over not one tensor of the old one is alive (the host mirror held them all), the engine
+    finds what changed by its records, and serves, hashes and labels the new weights."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    key, trusted = keypair()
+    store = LocalStore(tmp_path / "store")
+    base = served.served_state()
+    master = {n: t.float() for n, t in base.items()}
+    start = served.version or 0
+    old: dict[str, StorageWeakRef] = {}
+    alive: list[list[str]] = []
+
+    def on_update(v: int, state: Mapping[str, torch.Tensor], digest: str, *, changed: frozenset[str]) -> None:
+        alive.append([n for n in changed if n in old and not old[n].expired()])  # unchanged ones are shared
+        served.update(start + 1 + v, state, digest, changed=changed if v else None)
+
+    sub = Subscriber(store, trusted, SubscriberConfig(state_dir=tmp_path / "state"), on_update=on_update,
+                     on_consume=served.release_shared_state)  # fmt: skip
+    async with Publisher(store, key, PublisherConfig(anchor_every=10)) as pub, sub:
+        await pub.publish_now(base, step=0)  # the served bits: the engine now holds the subscriber's copy
+        assert await sub.sync_once() == 0 and served.weights_digest() == served.digest
+        assert sub.state is not None
+        old.update({n: StorageWeakRef(t.untyped_storage()) for n, t in sub.state.items()})
+        rec = await pub.publish_now(step(master, sorted(master), torch.Generator().manual_seed(7)), step=1)
+        assert await sub.sync_once() == 1
+        assert alive == [[], []] and sub.stats.last_changed is not None and sub.stats.last_changed > len(old) // 2
+        assert (served.version, served.digest, served.weights_digest()) == (start + 2, rec.digest, rec.digest)
+        ref = reference(model_dir, sub.state, rec.digest, start + 2)
+        mine = served.generate(PROMPTS, GREEDY)
+        assert all(g.version == start + 2 and g.digest == rec.digest for g in mine)
+        compare(ref, ref.generate(PROMPTS, GREEDY), mine)
+
+
+def test_preparing_vllm_keeps_nothing_of_the_caller_s_stack(model_dir: Path) -> None:
+    """vLLM keeps the exception of a failed optional import (torchcodec's in
+    vllm/multimodal/media/audio.py), whose traceback keeps every frame of the importing stack. Built
+    from an engine's constructor that was the first verified state, kept for the process's life
+    (0.72 GB at 0.35B). ``prepare_vllm`` imports on a stack of its own: in a fresh interpreter (vLLM
+    not imported yet), a tensor local to its caller is freed when the caller returns."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from torch.multiprocessing.reductions import StorageWeakRef\n"
+        "from pulsenet.engines.vllm_config import prepare_vllm\n"
+        "def build(model_dir):\n"
+        "    state = torch.ones(1 << 16)  # what an engine is built with\n"
+        "    ref = StorageWeakRef(state.untyped_storage())\n"
+        "    prepare_vllm(Path(model_dir))\n"
+        "    return ref\n"
+        "ref = build(sys.argv[1])\n"
+        "print('vllm' in sys.modules, 'expired' if ref.expired() else 'alive')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["True", "expired"], out.stdout[-500:]
+
+
 def test_a_wrong_or_partial_update_is_refused_or_detected(
     served: VLLMEngine, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

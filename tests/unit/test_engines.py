@@ -474,3 +474,71 @@ async def test_an_inference_node_discards_a_batch_with_a_completion_that_spans_a
     eng.generate = real  # type: ignore[method-assign]
     await node.generate_batch()
     assert node.writer.stats.batches == 1 and node.state.rollouts["produced"] == 4
+
+
+def test_a_released_host_mirror_stages_by_records_and_takes_the_new_state_whole() -> None:
+    """``HostMirror.release`` drops its tensors (an in-place rebuild is about to replace them): it
+    still refuses an update whose digest is not the published one, finds the changed tensors by
+    their records, and then holds the whole new state's tensors, none of the old."""
+    base = bf16_state_dict(build_tiny_model(0))
+    mirror = HostMirror(base)
+    mirror.release()
+    assert mirror.released and mirror.tensors == {} and mirror.digest == model_digest(base)
+    new = dict(base)
+    name = "model.layers.0.mlp.down_proj.weight"
+    new[name] = (base[name].float() * 1.25).to(torch.bfloat16)
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(base))
+    with pytest.raises(EngineError, match="refused"):
+        mirror.stage(new, model_digest(new), changed={"model.norm.weight"})  # a hint that hides the change
+    with pytest.raises(EngineError, match="served model"):  # the layout is kept without the tensors
+        mirror.stage({**new, "extra": new[name]}, model_digest(new))
+    tensors, records = mirror.stage(new, model_digest(new))  # no hint: every record compared
+    assert list(tensors) == [name] and tensors[name].data_ptr() == new[name].data_ptr()
+    with pytest.raises(EngineError, match="whole state"):
+        mirror.commit(tensors, records)
+    assert mirror.released  # nothing half taken
+    mirror.commit(tensors, records, new)
+    assert not mirror.released and mirror.digest == model_digest(new) == model_digest(mirror.tensors)
+    assert all(mirror.tensors[n].data_ptr() == new[n].data_ptr() for n in new)
+
+
+async def test_an_inference_node_has_its_engine_let_go_only_of_the_channel_it_was_handed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before a channel's subscriber rebuilds its state in place, the node has the engine let go of
+    that state's tensors (``Engine.release_shared_state``), but only when the engine was handed
+    that channel's state: another channel's rebuild leaves the engine's alone."""
+    from pulsenet.nodes.build import compose_inference
+    from pulsenet.nodes.common import text_codec
+    from pulsenet.nodes.config import InferenceConfig
+    from pulsenet.rl.tasks import TaskConfig, build_task
+
+    key, trusted = keypair()
+    stores = [LocalStore(tmp_path / "t0"), LocalStore(tmp_path / "t1")]
+    node = compose_inference(
+        InferenceConfig(id="i0", run="release", prompts=2, group_size=2, task=TaskConfig(max_new_tokens=2),
+                        state_dir=tmp_path / "i0"),
+        store=LocalStore(tmp_path / "i0s"), policy_stores=stores, trusted=trusted, key=key,
+        task=build_task("arith", seed=0), text=text_codec("tiny"),
+    )  # fmt: skip
+    states = train_states(3)
+    released: list[int | None] = []
+    pubs = [Publisher(s, key, PublisherConfig(anchor_every=10, run="release")) for s in stores]
+    async with pubs[0], pubs[1], node.subscribers[0], node.subscribers[1]:
+
+        async def version(channel: int, v: int) -> None:
+            await pubs[channel].publish_now(states[v], step=v)
+            assert await node.subscribers[channel].sync_once() == v
+
+        await version(0, 0)  # the engine is built from channel 0's state
+        assert node.engine is not None
+        real = node.engine.release_shared_state
+        monkeypatch.setattr(node.engine, "release_shared_state", lambda: released.append(node._engine_channel) or real())
+        await version(1, 0)  # not newer: the engine keeps channel 0's
+        await version(1, 1)  # channel 1 rebuilds in place: the engine holds channel 0's, nothing to let go
+        assert released == [] and node.engine.version == 1
+        await version(0, 1)  # channel 0 rebuilds: the engine now holds channel 1's (it served v1 from there)
+        assert released == []
+        await version(1, 2)  # channel 1 rebuilds the state the engine was handed: let go first
+        assert released == [1] and node.engine.version == 2 and node.engine.weights_digest() == node.engine.digest
