@@ -12,10 +12,11 @@ shape and an update pair at lr 3e-6, built once and cached):
 3. **Memory**: ``pulsenet patch encode`` and ``apply`` as child processes, their peak RSS from the
    kernel (each child's ``VmHWM``: resident pages of every kind, mmapped weights included).
 4. **Version latency** (``--e2e``): an embedded SeaweedFS, a ``Publisher`` writing straight to it
-   (the trainer beside its store) and ``subscribers`` each pulling through its own link throttled
-   to each ``link_mbps`` (the store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``; the
-   chaos relay, ``chaos/link.py``, sits beside bench in the layers and may not be imported here):
-   from ``publish()`` of the new state until every subscriber serves it verified. The anchor (v0)
+   (the trainer beside its store) and ``subscribers`` each pulling through its own link at each
+   ``link_mbps``: the chaos link relay (``python -m pulsenet.chaos.link --mbps``, a TCP relay in a
+   process of its own, paced each way; run as a program because chaos sits beside bench in the
+   layers), so the patch crosses a real socket at that rate, as over a site's link: from
+   ``publish()`` of the new state until every subscriber serves it verified. The anchor (v0)
    goes through open links first; a full-checkpoint sync over the same link is its bytes over the
    link rate.
 
@@ -36,6 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from pulsenet.bench import BenchSettings, config_of
 from pulsenet.nodes.memory import GiB, proc_memory
@@ -250,8 +252,8 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
     """Publish old (the anchor, links open), then new and old alternately as patches, one per rate
     in ``link_mbps``: the time from ``publish()`` until every subscriber serves it verified.
 
-    Each round starts fresh subscribers whose store link is throttled to that round's rate (the
-    store's token bucket, ``S3Config.link_mbps``, as ``bench e2e``) and which resume from the
+    Each round starts fresh subscribers, each reaching the store through its own link relay at that
+    round's rate (``_links``), which resume from the
     verified weights the previous round's subscriber persisted (``state_dir``), as a node that has
     served the previous version: only the new version's patch crosses the link. The publisher
     writes straight to the store (the trainer beside its bucket; the inference nodes are remote),
@@ -320,7 +322,8 @@ async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBe
                     await asyncio.wait_for(cond.wait(), 0.2)  # on_saved runs in a thread: poll too
 
     n = s.subscribers
-    stores = [S3Store("bench", "size", dataclasses.replace(server.config("reader"), link_mbps=mbps)) for _ in range(n)]
+    links = _links(n, server.config("reader").endpoint_url, mbps, scratch)
+    stores = [S3Store("bench", "size", dataclasses.replace(server.config("reader"), endpoint_url=url)) for url, _ in links]
     subs = []
     for i, st in enumerate(stores):
         on_update, on_saved = hooks(i)
@@ -348,8 +351,14 @@ async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBe
         for sub, st in zip(subs, stores, strict=True):
             await sub.close()
             await st.close()
+        for _, proc in links:
+            if proc is not None:
+                proc.terminate()
+                await asyncio.to_thread(proc.wait, 10)
     rec = pub.records[-1]
-    row = {"version": version, "kind": rec.kind, "link_mbps": mbps, "payload_bytes": rec.payload_bytes,
+    row = {"version": version, "kind": rec.kind, "link_mbps": mbps,
+           "link": "open" if mbps is None else "chaos link relay (python -m pulsenet.chaos.link --mbps), one per subscriber",
+           "payload_bytes": rec.payload_bytes,
            "full_bytes": rec.full_bytes, "encode_s": rec.encode_s, "upload_s": rec.upload_s,
            "published_s": rec.latency_s, "all_verified_s": latency,
            "subscriber_download_s": [sub.stats.last_download_s for sub in subs],
@@ -360,6 +369,42 @@ async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBe
                 "full_checkpoint_link_time_s": rec.full_bytes * 8 / (mbps * 1e6)}
         row["pass"] = latency <= row["budget_s"]
     return row
+
+
+def _links(n: int, endpoint: str | None, mbps: float | None, scratch: Path) -> list[tuple[str | None, subprocess.Popen | None]]:
+    """``n`` links to the store at ``endpoint``: (URL to reach it by, the relay's process). Open
+    links (``mbps`` None) are the endpoint itself; others each a chaos link relay paced to ``mbps``
+    (``python -m pulsenet.chaos.link``; its first line names the address it took), tied to this
+    process so that none outlives it, its output in ``scratch``."""
+    from pulsenet.runtime import spawn_tied
+
+    if mbps is None:
+        return [(endpoint, None)] * n
+    upstream = urlsplit(endpoint or "").netloc
+    out: list[tuple[str | None, subprocess.Popen | None]] = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "pulsenet.chaos.link", "--listen", "127.0.0.1:0", "--upstream", upstream,
+               "--mbps", f"{mbps:g}"]
+        log = scratch / f"link-{i}.log"
+        with log.open("wb") as f:
+            proc = spawn_tied(cmd, f"bench-link-{i}", stdout=f, stderr=subprocess.STDOUT)
+        out.append((None, proc))
+        deadline = time.monotonic() + 60
+        while not (line := _first_line(log)).startswith("link: "):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for _, p in out:
+                    assert p is not None
+                    p.kill()
+                raise RuntimeError(f"the link relay did not start: {log.read_text(errors='replace')[-500:]!r}")
+            time.sleep(0.05)
+        out[-1] = (f"http://{line.split()[1]}", proc)  # link: 127.0.0.1:PORT -> ...
+    return out
+
+
+def _first_line(path: Path) -> str:
+    """``path``'s first line once it is whole, else ""."""
+    text = path.read_text(errors="replace")
+    return text.partition("\n")[0] if "\n" in text else ""
 
 
 def budgets(r: dict, model_bytes: int, threads: int) -> dict:

@@ -25,6 +25,10 @@ downlink). That needs CAP_NET_ADMIN; it exits non-zero when the rate cannot be s
 an unshaped link silently::
 
     python -m pulsenet.chaos.link --listen 0.0.0.0:9000 --upstream minio:9000 --delay-ms 40 --rate 100mbit
+
+``--mbps`` paces the relay itself instead (``throttle``: no privileges, one process per link), as
+``pulsenet bench size`` does for its latency runs. The first line it prints names the address it
+listens on (``--listen`` may ask for port 0: any free one).
 """
 
 from __future__ import annotations
@@ -233,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream", required=True, help="HOST:PORT of the store")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay, each direction")
     p.add_argument("--rate", default="", help="tc rate, e.g. 100mbit; empty: not shaped")
+    p.add_argument("--mbps", type=float, default=None, help="pace the relay itself to this rate (Mbit/s each way)")
     a = p.parse_args(argv)
+    if a.mbps is not None and not a.mbps > 0:
+        p.error(f"--mbps must be > 0, got {a.mbps}")
     if a.rate:
         try:
             for cmd in shape(a.rate):
@@ -242,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"link: cannot shape the link to {a.rate}: {getattr(e, 'stderr', '') or e}", file=sys.stderr)
             return 1
     link = LinkProxy(f"http://{a.upstream}", listen=address(a.listen), delay_s=a.delay_ms / 1000)
-    print(f"link: {a.listen} -> {a.upstream}, {a.delay_ms:g} ms each way, rate {a.rate or 'unshaped'}", flush=True)
+    if a.mbps is not None:
+        link.throttle(a.mbps)
+    rate = f"{a.mbps:g} Mbit/s (paced here)" if a.mbps is not None else a.rate or "unshaped"
+    host, port = link.sock.getsockname()[:2]
+    print(f"link: {host}:{port} -> {a.upstream}, {a.delay_ms:g} ms each way, rate {rate}", flush=True)
     asyncio.run(serve(link))
     return 0
 

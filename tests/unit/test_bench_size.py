@@ -43,7 +43,8 @@ def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
     assert [v["kind"] for v in versions] == ["anchor", "patch", "patch", "patch"]  # latency_repeat: 3
     for v in versions[1:]:
         assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
-        assert v["all_verified_s"] >= v["link_time_s"]  # the link did hold it to 50 Mbit/s
+        assert v["link"].startswith("chaos link relay")  # a relay process per subscriber, the store unthrottled
+        assert v["all_verified_s"] >= v["link_time_s"]  # the relay did hold it to 50 Mbit/s
     b = r["budgets"]
     latencies = sorted(v["all_verified_s"] for v in versions[1:])
     assert b["latency_50mbps"]["value"] == latencies[1] and b["latency_50mbps"]["each"] == [
