@@ -51,6 +51,8 @@ from pulsenet.logs import suppressed
 log = logging.getLogger(__name__)
 
 CHUNK = 64 * 1024
+PACE_SLACK_S = 0.01
+"""A throttled direction may run this far behind its schedule and catch up (``LinkProxy._pace``)."""
 QUEUED = 256
 """Chunks in flight per direction of a delayed connection (16 MiB): a full queue stops reading, as TCP would."""
 
@@ -193,12 +195,16 @@ class LinkProxy:
                 await reader
 
     async def _pace(self, direction: str, n: int) -> None:
-        """Hold ``n`` bytes until a link of ``mbps`` would have carried them (after what it carries already)."""
+        """Hold ``n`` bytes until a link of ``mbps`` would have carried them (after what it carries
+        already). Up to ``PACE_SLACK_S`` that the event loop overslept a chunk's wait is made up by
+        the next ones, not added to the transfer: a paced transfer takes its bytes over the rate,
+        not that plus a millisecond or so per chunk (a bucket that deep, as tc's ``tbf`` has one)."""
         assert self.mbps
         now = time.monotonic()
-        done = max(now, self._next[direction]) + n * 8 / (self.mbps * 1e6)
+        done = max(now - PACE_SLACK_S, self._next[direction]) + n * 8 / (self.mbps * 1e6)
         self._next[direction] = done
-        await asyncio.sleep(done - now)
+        if done > now:
+            await asyncio.sleep(done - now)
 
 
 def shape(rate: str, burst: str = "64kb", latency: str = "100ms") -> list[str]:
