@@ -149,7 +149,6 @@ class InferenceNode:
             t = time.perf_counter()
             if self.engine is None:
                 try:
-                    self._engine_channel = channel
                     self.engine = await asyncio.to_thread(self._make_engine, state=state, digest=digest, version=version)
                 except ConfigError as e:  # the channel's weights do not fit this node's model: stop, named
                     self._fatal = e
@@ -157,8 +156,8 @@ class InferenceNode:
                     raise
             else:
                 same_base = since is not None and since == self.engine.version
-                self._engine_channel = channel  # set first: a failed update may have taken some of its tensors
                 await asyncio.to_thread(self.engine.update, version, state, digest, changed=changed if same_base else None)
+            self._engine_channel = channel  # a refused update leaves the engine with what it held
             self._emit("served", version, digest, apply_s=time.perf_counter() - t)
             if self._start_floor is None or version >= self._start_floor:
                 if self._start_floor is not None and not self._first.is_set():
