@@ -7,7 +7,8 @@ One asyncio loop (``InferenceNode.run``) with, in one TaskGroup:
   publishes every version (bit-identical global weights, so equal digests); following one channel
   downloads each patch once. When the active channel brings nothing newer for ``failover_s`` while
   another channel's signed head announces a newer version, the node switches to that channel (a
-  dead trainer, even the first, costs at most ``failover_s`` of staleness);
+  dead trainer, even the first, costs at most ``failover_s`` of staleness); time spent building a
+  version (``Subscriber.building``: its download, rebuild and the engine taking it) is not stalling;
 - the generation loop: draw problems as a pure function of (node, version, batch), sample G
   completions each on the engine in a thread, score them, write one signed rollout batch, apply
   retention;
@@ -277,7 +278,9 @@ class InferenceNode:
         seen, since = self.state.version, time.monotonic()
         while not stop.is_set() and not task.done():
             await runtime.wait(stop, min(1.0, self.config.failover_s))
-            if self.state.version != seen:
+            if self.state.version != seen or self.subscribers[active].building is not None:
+                # building a version is not stalling: an anchor over a slow link, a vLLM engine's
+                # start or a large model's apply can outlast failover_s; switching would start over
                 seen, since = self.state.version, time.monotonic()
             elif len(self.subscribers) > 1 and time.monotonic() - since > self.config.failover_s:
                 mine = -1 if seen is None else seen

@@ -208,6 +208,8 @@ class Subscriber:
         self._persisted: tuple[int, str | None] | None = None  # (version, digest) in ``state_dir``
         self.resumed_from: int | None = None
         """Version loaded from ``state_dir`` at start, if any."""
+        self.building: int | None = None
+        """The version a round is building now (download, rebuild, hand-over to ``on_update``), else None."""
         self._reader = ManifestReader(store, self.layout, trusted, config.timeout_s, config.max_manifest_bytes)
         self._head: Head | None = None
         self._head_etag: str | None = None
@@ -305,13 +307,7 @@ class Subscriber:
         self.stats.polls += 1
         head = await self._read_head()  # before the listing: a version it names is listed by then
         stale = self._check_head_age(head)
-        if (
-            self._head_trusted
-            and not stale
-            and head is not None
-            and self.version is not None
-            and head.version <= self.version
-        ):
+        if self._head_trusted and not stale and head is not None and self.version is not None and head.version <= self.version:
             self.stats.idle_polls += 1  # the publisher's word: nothing newer to look for
             self.stats.head_missing_version = None
             return None
@@ -349,11 +345,14 @@ class Subscriber:
                 continue
             tried += 1
             try:
+                self.building = target.version
                 await self._update_to(target)
                 return target.version
             except (VerificationError, ObjectNotFound) as e:
                 log.warning("cannot build v%d: %s", v, e)
                 errors.append(e)
+            finally:
+                self.building = None
         if errors:
             raise errors[0]
         return None
@@ -592,8 +591,5 @@ def _takes_keyword(fn: Callable[..., object], name: str) -> bool:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: call it the plain way
         return False
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == name and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        for p in params
-    )
+    named = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD or (p.name == name and p.kind in named) for p in params)

@@ -115,3 +115,44 @@ async def test_inference_keeps_receiving_versions_when_the_followed_trainer_dies
     assert node.engine.weights_digest() == node.engine.digest == survivors[STEPS]
     # t0's channel stopped moving before the end: the last versions came through another channel.
     assert any(s.version == STEPS for s in node.subscribers[1:])
+
+
+@pytest.mark.timeout(120)
+async def test_a_channel_building_a_version_longer_than_failover_s_is_not_stalled(tmp_path: Path) -> None:
+    """Building a version (its download, its rebuild, the engine taking it) may outlast
+    ``failover_s``: an anchor over a slow link, a vLLM engine's start (~40 s for SmolLM2 on two busy
+    cores), a large model's apply. The node must not take that for a stall and switch channels,
+    which would abandon the build and start over on the other channel, forever. Here the engine
+    takes 6x ``failover_s`` to start while the other channel announces the same version: the node
+    serves it from the channel it follows and never follows the other."""
+    from pulsenet.rl.models import BYTE_PAD, build_tiny_model
+    from pulsenet.sync import Publisher
+    from tests.support.peer import RUN, Site, stop_node
+
+    net = Site(tmp_path, "t0", "t1", "i0")
+    state = GRPOTrainer(build_tiny_model(0), GRPOConfig(lr=1e-3, pad_id=BYTE_PAD)).bf16_state()
+    for t in ("t0", "t1"):
+        async with Publisher(net.store(t), net.keys[t], PublisherConfig(run=RUN)) as pub:
+            await pub.publish_now(state, step=0)
+    node = net.inference_node(InferenceConfig(
+        id="i0", run=RUN, prompts=2, group_size=2, task=TaskConfig(max_new_tokens=2), state_dir=tmp_path / "i0",
+        subscribe=SubscriberConfig(interval_s=0.1), failover_s=0.3, status_every_s=0.5,
+    ))  # fmt: skip
+    make, built = node._make_engine, []
+
+    def slow_engine(**kw):
+        built.append(kw["version"])
+        import time
+
+        time.sleep(1.8)  # in the engine's thread, as a vLLM start blocks it
+        return make(**kw)
+
+    node._make_engine = slow_engine
+    stop = asyncio.Event()
+    task = asyncio.create_task(node.run(stop))
+    try:
+        await wait_until(lambda: node.engine is not None and node.engine.version == 0, 60, "v0 served", task=task)
+        await asyncio.sleep(1.0)  # failover_s x 3 with v0 served: no newer version anywhere, no switch either
+    finally:
+        await stop_node(stop, task)
+    assert built == [0] and node._active == 0 and node.subscribers[1].stats.polls == 0
