@@ -129,13 +129,12 @@ class HostMirror:
         check_layout(self.layout, state)
         # A ``changed`` hint spares comparing the other tensors; a hint that misses a change is
         # caught by the digest check below.
-        names = [n for n in self.layout if changed is None or n in changed]
+        host = {n: state[n].detach().cpu().contiguous() for n in self.layout if changed is None or n in changed}
         if self.released:  # no bits to compare with: a tensor whose record differs has changed
-            hashed = {n: _record(n, state[n].detach().cpu().contiguous()) for n in names}
-            records = {n: r for n, r in hashed.items() if r != self.records[n]}
-            tensors = {n: state[n].detach().cpu().contiguous() for n in records}
+            records = {n: r for n, t in host.items() if (r := _record(n, t)) != self.records[n]}
+            tensors = {n: host[n] for n in records}
         else:
-            tensors = {n: state[n].detach().cpu().contiguous() for n in names if not same_bits(self.tensors[n], state[n])}
+            tensors = {n: t for n, t in host.items() if not same_bits(self.tensors[n], t)}
             records = {n: _record(n, t) for n, t in tensors.items()}
         result = model_digest_from_records({**self.records, **records})
         if result != digest:

@@ -376,9 +376,9 @@ class Subscriber:
                 continue  # the weights it would patch were lost with a failed rebuild: anchors only
             fetched, timings = self.cache.bytes_downloaded, {}
             base, consume = self.state, self._may_consume()
-            if consume and self.on_consume is not None and inspect.isawaitable(result := self.on_consume()):
-                await result
             if consume:  # given up to the rebuild, which replaces its tensors one by one (an anchor's at once)
+                if self.on_consume is not None and inspect.isawaitable(result := self.on_consume()):
+                    await result
                 self.state, base = None, base if path.start is not None else None
             try:  # (any other error leaves ``state`` None: the next _update_to reloads it first)
                 state = await rebuild(path, self.cache, base, threads=self.config.threads, bad=self._bad_payloads,
