@@ -42,6 +42,7 @@ import torch
 
 from pulsenet.codec import mask as maskcode
 from pulsenet.codec.bf16 import bits, from_bits
+from pulsenet.codec.buffers import BufferPool
 from pulsenet.codec.coding import (
     compress,
     decompress,
@@ -428,6 +429,7 @@ def iter_apply(
     threads: int = 0,
     window_bytes: int | None = None,
     max_output_bytes: int | None = None,
+    buffers: BufferPool | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rebuild B tensor by tensor, in name order, each SHA-256-verified before it is yielded.
 
@@ -447,6 +449,11 @@ def iter_apply(
     the base); a patch declaring more raises ``PatchSizeLimitError`` before anything is decoded.
     Patch bytes are parsed with the table bounded by ``table_cap`` of the base.
     Rebuilding an anchor of a model over 1 GiB from the empty base needs it set explicitly.
+
+    ``buffers``: where rebuilt tensors' memory comes from (None: fresh memory). A caller that
+    rebuilds version after version passes its own pool, which keeps the window's worth of
+    returned memory for the next tensors: the freed old tensors' memory is reused instead of
+    fresh pages faulted in (``codec/buffers.py``).
     """
     if not isinstance(patch, Patch):
         patch = parse_patch(patch, max_table_raw=table_cap(len(base)))
@@ -467,7 +474,11 @@ def iter_apply(
         raise DigestMismatchError(f"the patch's tensor hashes do not make its target digest {patch.target_digest[:16]}…")
     sizes = [0 if e.op == "keep" else e.numel * e.itemsize for e in patch.tensors]  # keep: shared, no copy
     limit = window_bytes if window_bytes is not None else 2 * max(sizes, default=0)
-    arena = _Arena()
+    if buffers is None:
+        buffers = BufferPool()  # keeps nothing: memory returned goes back to the system
+    else:
+        buffers.keep_at_least(limit + 2 * _Arena.SLAB)
+    arena = _Arena(buffers)
     with ThreadPoolExecutor(threads) as pool:
         window: deque[tuple[Future, int]] = deque()
         ahead, nxt = 0, 0
@@ -491,14 +502,16 @@ def apply_patch(base: StateDict, patch: Patch | bytes, **kw) -> dict[str, torch.
 
 
 class _Arena:
-    """Rebuilt tensors carved from 32 MiB slabs. numpy asks for transparent huge pages on large
-    arrays, so a slab costs a page fault per 2 MiB where a tensor-sized array costs one per 4 KiB:
-    269 MB of 1.8 MB SmolLM2 tensors take 54 ms instead of 230 ms to fault in on our 2-core VM, a
-    third of a decode. A slab is freed with the last tensor carved from it."""
+    """Rebuilt tensors' memory, from ``pool``. Small tensors are carved from 32 MiB slabs: numpy asks
+    for transparent huge pages on large arrays, so a slab costs a page fault per 2 MiB where a
+    tensor-sized array costs one per 4 KiB: 269 MB of 1.8 MB SmolLM2 tensors take 54 ms instead of
+    230 ms to fault in on our 2-core VM, a third of a decode. A slab goes back to the pool with the
+    last tensor carved from it; a large tensor's buffer with the tensor."""
 
     SLAB = 32 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, pool: BufferPool) -> None:
+        self._pool = pool
         self._lock = threading.Lock()
         self._slab = np.empty(0, dtype=np.uint8)
         self._off = 0
@@ -506,10 +519,10 @@ class _Arena:
     def empty(self, like: np.ndarray) -> np.ndarray:
         nbytes = like.nbytes
         if nbytes > self.SLAB // 4:
-            return np.empty_like(like)
+            return self._pool.empty(nbytes).view(like.dtype)
         with self._lock:
             if self._off + nbytes > self._slab.size:
-                self._slab, self._off = np.empty(self.SLAB, dtype=np.uint8), 0
+                self._slab, self._off = self._pool.empty(self.SLAB), 0
             buf = self._slab[self._off : self._off + nbytes]
             self._off += -(-nbytes // 64) * 64
         return buf.view(like.dtype)

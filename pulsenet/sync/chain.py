@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from pulsenet.codec.buffers import BufferPool
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.patch import apply_patch, iter_apply, parse_patch
 from pulsenet.deadlines import SMALL_CALL_S
@@ -407,6 +408,7 @@ async def rebuild(
     timings: dict[str, float] | None = None,
     changed: set[str] | None = None,
     consume: bool = False,
+    buffers: BufferPool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Apply ``path``'s payloads to ``base`` (None for an anchor path) and return verified weights
     (:func:`apply_payloads` says what is checked, raised and ``consume``d).
@@ -420,11 +422,13 @@ async def rebuild(
     t0 = time.perf_counter()
     one_patch = len(path.steps) == 1 and path.steps[0].role == "patch"
     if one_patch and not await asyncio.to_thread(cache.path(path.steps[0].payload).exists):
-        state, t1 = await _stream_patch(path, cache, base, threads=threads, bad=bad, changed=changed, consume=consume)
+        state, t1 = await _stream_patch(path, cache, base, threads=threads, bad=bad, changed=changed, consume=consume,
+                                        buffers=buffers)
     else:
         payloads = await fetch_payloads(path, cache, parallel=parallel, bad=bad)
         t1 = time.perf_counter()
-        state = await apply_payloads(path, payloads, base, threads=threads, bad=bad, changed=changed, consume=consume)
+        state = await apply_payloads(path, payloads, base, threads=threads, bad=bad, changed=changed, consume=consume,
+                                     buffers=buffers)
     if timings is not None:
         timings.update(download_s=t1 - t0, apply_s=time.perf_counter() - t1)
     return state
@@ -493,6 +497,7 @@ async def apply_payloads(
     bad: set[str],
     changed: set[str] | None = None,
     consume: bool = False,
+    buffers: BufferPool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Apply ``path``'s fetched payloads to ``base`` (None for an anchor path), in threads.
 
@@ -507,7 +512,8 @@ async def apply_payloads(
     entries replaced), so the tensor it replaces is freed unless someone else holds it, and a node
     holds one state and the codec's window instead of two states (issue 37). After a failure it
     holds a mix of versions and must be discarded (the subscriber reloads its persisted state).
-    Without ``consume`` the base is only read.
+    Without ``consume`` the base is only read. ``buffers``: the caller's pool for the rebuilt
+    tensors' memory (``iter_apply``).
     """
     state: StateDict = {} if path.start is None else (base if base is not None else {})
     into = consume and path.start is not None and isinstance(state, dict)
@@ -515,7 +521,7 @@ async def apply_payloads(
     for step, payload in zip(path.steps, payloads, strict=True):
         m = step.manifest
         try:
-            state = await asyncio.to_thread(_apply, state, digest, step, payload, threads, changed, into)
+            state = await asyncio.to_thread(_apply, state, digest, step, payload, threads, changed, into, buffers)
         except (PatchError, VerificationError) as e:
             bad.add(step.payload.key)
             raise VerificationError(f"v{m.version} {step.role} payload {step.payload.key}: {e}") from e
@@ -531,6 +537,7 @@ def _apply(
     threads: int,
     changed: set[str] | None = None,
     into: bool = False,
+    buffers: BufferPool | None = None,
 ) -> dict:
     """One payload onto ``state`` (whose verified digest is ``digest``), checked against the manifest;
     adds the names it rewrites to ``changed``. ``into``: replace ``state``'s entries (a dict) as the
@@ -552,11 +559,11 @@ def _apply(
         )
     # An anchor rebuilds from nothing, so the codec's default cap (relative to the base) would refuse
     # a model over 1 GiB; the size a trusted key signed is the exact bound instead.
-    cap = {"max_output_bytes": m.full_bytes} if step.role == "anchor" else {}
+    kw: dict = {"max_output_bytes": m.full_bytes} if step.role == "anchor" else {}
     if not into:
-        return apply_patch(state, patch, base_digest=digest, threads=threads, **cap)
+        return apply_patch(state, patch, base_digest=digest, threads=threads, buffers=buffers, **kw)
     assert isinstance(state, dict)
-    for name, tensor in iter_apply(state, patch, base_digest=digest, threads=threads, **cap):
+    for name, tensor in iter_apply(state, patch, base_digest=digest, threads=threads, buffers=buffers, **kw):
         state[name] = tensor  # the replaced tensor goes now, not after the whole model is rebuilt
     for name in patch.removed:  # iter_apply finished: every tensor and the model digest verified
         del state[name]

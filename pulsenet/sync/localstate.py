@@ -30,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pulsenet.checkpoint import write_safetensors
+from pulsenet.codec.buffers import BufferPool, pooled_copy
 from pulsenet.codec.digest import model_digest
 from pulsenet.codec.dtypes import dtype_name
 from pulsenet.errors import VerificationError
@@ -78,8 +79,10 @@ def _check(version: str, digest: str) -> str:
     return hashlib.sha256(f"{META_FORMAT}\n{version}\n{digest}".encode()).hexdigest()[:32]
 
 
-def load(directory: Path, *, threads: int = 2) -> LocalState | None:
+def load(directory: Path, *, threads: int = 2, buffers: BufferPool | None = None) -> LocalState | None:
     """The persisted state, verified by hashing its values; None if the directory holds none.
+    ``buffers``: the tensors are copied, one at a time, into memory lent by this pool (the
+    subscriber's, whose next rebuild in place then reuses it; codec/buffers.py).
 
     A weights file that is not ours (no pulsenet metadata) counts as none. One whose values do not
     hash to the recorded digest raises VerificationError.
@@ -91,7 +94,8 @@ def load(directory: Path, *, threads: int = 2) -> LocalState | None:
     version, digest = recorded
     try:
         with safe_open(directory / WEIGHTS, framework="pt") as f:
-            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+            names = list(f.keys())
+            state = {n: f.get_tensor(n) if buffers is None else pooled_copy(buffers, f.get_tensor(n)) for n in names}
     except (SafetensorError, ValueError, TypeError, RuntimeError, OSError) as e:
         raise VerificationError(f"{directory / WEIGHTS} is unreadable: {type(e).__name__}: {str(e)[:200]}") from None
     actual = model_digest(state, threads)

@@ -36,6 +36,7 @@ node may act on: failover), never a bare head's number.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import random
@@ -49,6 +50,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from pulsenet import runtime
+from pulsenet.codec.buffers import BufferPool
 from pulsenet.deadlines import SMALL_CALL_S, TRANSFER_S
 from pulsenet.errors import (
     ManifestError,
@@ -223,6 +225,7 @@ class Subscriber:
         self._cache: PayloadCache | None = None
         self._rng = random.Random()
         self._started = False
+        self._buffers = BufferPool()  # an old version's tensor memory goes to the next one's (codec/buffers.py)
 
     @property
     def cache(self) -> PayloadCache:
@@ -251,7 +254,7 @@ class Subscriber:
         await asyncio.to_thread(state_dir.mkdir, parents=True, exist_ok=True)
         await asyncio.to_thread(localstate.sweep, state_dir)
         try:
-            local = await asyncio.to_thread(localstate.load, state_dir, threads=self.config.threads)
+            local = await asyncio.to_thread(localstate.load, state_dir, threads=self.config.threads, buffers=self._buffers)
         except (PulsenetError, OSError, ValueError) as e:
             log.error("local state in %s is unusable (%s): starting from an anchor", state_dir, e)
             return
@@ -383,7 +386,7 @@ class Subscriber:
             try:  # (any other error leaves ``state`` None: the next _update_to reloads it first)
                 state = await rebuild(path, self.cache, base, threads=self.config.threads, bad=self._bad_payloads,
                                       parallel=self.config.parallel_downloads, timings=timings, changed=changed,
-                                      consume=consume)  # fmt: skip
+                                      consume=consume, buffers=self._buffers)  # fmt: skip
             except (VerificationError, ObjectNotFound) as e:
                 if consume:  # ``base`` holds a mix of two versions: freed before the persisted copy is read
                     base = None
@@ -415,7 +418,8 @@ class Subscriber:
         cannot be had, ``state`` stays None: no patch path is offered, the next version is an anchor."""
         where = self.config.state_dir  # set whenever a rebuild in place ran (``_persisted``)
         try:
-            local = await asyncio.to_thread(localstate.load, Path(where), threads=self.config.threads) if where else None
+            load = functools.partial(localstate.load, threads=self.config.threads, buffers=self._buffers)
+            local = await asyncio.to_thread(load, Path(where)) if where else None
         except (PulsenetError, OSError, ValueError) as e:
             local = None
             log.error("reloading v%s from %s failed: %s", self.version, where, e)
