@@ -71,6 +71,9 @@ class SizeBenchSettings(BenchSettings):
     latency_repeat: int = 3
     """Patch versions per link rate: each is reported, the budget judges their median (one
     version's latency on a shared VM swings by a few tenths of a second)."""
+    warmup: int = 1
+    """Versions per link rate before those judged: reported, not judged (a node's first update
+    after a start rebuilds into fresh memory; a running node's, into what its old tensors free)."""
     subscribers: int = 1
     """Subscribers (inference nodes) of the latency runs, each with its own link."""
     workdir: Path | None = None
@@ -249,15 +252,17 @@ def measure_cli(old: Path, new: Path, threads: int, digest_old: str, scratch: Pa
 
 
 async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, scratch: Path) -> dict:
-    """Publish old (the anchor, links open), then new and old alternately as patches, one per rate
-    in ``link_mbps``: the time from ``publish()`` until every subscriber serves it verified.
+    """Publish old (the anchor, links open), then new and old alternately as patches, a session per
+    rate in ``link_mbps``: the time from ``publish()`` until every subscriber serves it verified.
 
-    Each round starts fresh subscribers, each reaching the store through its own link relay at that
-    round's rate (``_links``), which resume from the
-    verified weights the previous round's subscriber persisted (``state_dir``), as a node that has
-    served the previous version: only the new version's patch crosses the link. The publisher
-    writes straight to the store (the trainer beside its bucket; the inference nodes are remote),
-    from weights already in memory (a trainer's at the end of its step), not read from disk.
+    Each session starts fresh subscribers, each reaching the store through its own link relay at
+    that rate (``_links``), which resume from the verified weights the previous session persisted
+    (``state_dir``) and then take ``warmup`` + ``latency_repeat`` versions, as a running node does:
+    only each new version's patch crosses the link. The warm-up versions are reported, not judged:
+    a node's first update after a (re)start rebuilds into fresh memory, the next ones into the
+    memory its old tensors free (``codec/buffers.py``). The publisher writes straight to the store
+    (the trainer beside its bucket; the inference nodes are remote), from weights already in memory
+    (a trainer's at the end of its step), not read from disk.
     """
     import resource
 
@@ -273,20 +278,24 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
     trusted = {key_id(key.public_key()): key.public_key()}
     states = [dict(Checkpoint(old)), dict(Checkpoint(new))]  # in memory, as a trainer's weights are at step end
     sub_threads = max(1, threads // max(1, s.subscribers))
-    rows = []
+    rows: list[dict] = []
     with SeaweedServer(scratch / "s3") as server:
         server.create_buckets("bench")
         pub_store = S3Store("bench", "size", server.config())
         pub = Publisher(pub_store, key, PublisherConfig(anchor_every=10**9, keep_anchors=None, threads=threads,
                                                         transfer_timeout_s=3600.0))
         async with pub:
-            rates = [m for m in s.link_mbps for _ in range(max(1, s.latency_repeat))]
-            for version, mbps in enumerate([None, *rates]):
-                row = await _round(server, pub, states[version % 2], version, mbps, s, sub_threads, trusted, scratch)
-                rows.append(row)
-                print(f"v{version} {row['kind']} link {mbps or 'open'}: "
-                      f"{sum(row['payload_bytes'].values()) / 1e6:.1f} MB, all verified {row['all_verified_s']:.2f}s",
-                      file=sys.stderr)
+            sessions = [(None, 0, 1)] + [(m, s.warmup, max(1, s.latency_repeat)) for m in s.link_mbps]
+            for mbps, warmup, repeat in sessions:
+                pull = _Pull(server, s.subscribers, mbps, sub_threads, trusted, scratch)
+                async with pull:
+                    for i in range(warmup + repeat):
+                        version = len(rows)
+                        row = await pull.version(pub, states[version % 2], version) | {"warmup": i < warmup}
+                        rows.append(row)
+                        print(f"v{version} {row['kind']} link {mbps or 'open'}{' (warm-up)' if row['warmup'] else ''}: "
+                              f"{sum(row['payload_bytes'].values()) / 1e6:.1f} MB, all verified {row['all_verified_s']:.2f}s",
+                              file=sys.stderr)
         await pub_store.close()
     return {"subscribers": s.subscribers, "subscriber_threads": sub_threads, "versions": rows,
             "process_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -294,81 +303,95 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
                     "figures are the CLI's"}
 
 
-async def _round(server, pub, state, version: int, mbps: float | None, s: SizeBenchSettings, sub_threads: int,
-                 trusted, scratch: Path) -> dict:
-    """One version through fresh subscribers on links of ``mbps`` (None: open)."""
-    from pulsenet.store import S3Store
-    from pulsenet.sync import Subscriber, SubscriberConfig
+class _Pull:
+    """One session of ``n`` subscribers, each through its own link at ``mbps`` (None: open)."""
 
-    verified: dict[tuple[int, int], float] = {}
-    saved: set[tuple[int, int]] = set()
-    cond = asyncio.Condition()
+    def __init__(self, server, n: int, mbps: float | None, sub_threads: int, trusted, scratch: Path) -> None:
+        self.server, self.n, self.mbps, self.sub_threads, self.trusted = server, n, mbps, sub_threads, trusted
+        self.scratch = scratch
+        self.verified: dict[tuple[int, int], float] = {}
+        self.saved: set[tuple[int, int]] = set()
+        self.cond = asyncio.Condition()
+        self.stop = asyncio.Event()
+        self.links: list[tuple[str | None, subprocess.Popen | None]] = []
+        self.stores: list = []
+        self.subs: list = []
+        self.tasks: list[asyncio.Task] = []
 
-    def hooks(i: int):
+    def _hooks(self, i: int):
         async def on_update(v: int, _state, _digest: str) -> None:
-            verified[(i, v)] = time.perf_counter()
-            async with cond:
-                cond.notify_all()
+            self.verified[(i, v)] = time.perf_counter()
+            async with self.cond:
+                self.cond.notify_all()
 
         def on_saved(v: int, _digest: str) -> None:
-            saved.add((i, v))
+            self.saved.add((i, v))
 
         return on_update, on_saved
 
-    async def until(pred) -> None:
+    async def until(self, pred) -> None:
         while not pred():
-            async with cond:
+            async with self.cond:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(cond.wait(), 0.2)  # on_saved runs in a thread: poll too
+                    await asyncio.wait_for(self.cond.wait(), 0.2)  # on_saved runs in a thread: poll too
 
-    n = s.subscribers
-    links = _links(n, server.config("reader").endpoint_url, mbps, scratch)
-    stores = [S3Store("bench", "size", dataclasses.replace(server.config("reader"), endpoint_url=url)) for url, _ in links]
-    subs = []
-    for i, st in enumerate(stores):
-        on_update, on_saved = hooks(i)
-        cfg = SubscriberConfig(interval_s=0.05, jitter=0.2, threads=sub_threads, transfer_timeout_s=3600.0,
-                               state_dir=scratch / f"sub{i}" / "state", cache_dir=scratch / f"sub{i}" / "cache")
-        subs.append(Subscriber(st, trusted, cfg, on_update=on_update, on_saved=on_saved))
-    stop = asyncio.Event()
-    try:
-        for sub in subs:
-            await sub.start()  # resume the previous version from disk, outside the measurement
-        if version:
-            await until(lambda: all((i, version - 1) in verified for i in range(n)))
-        await asyncio.to_thread(os.sync)  # the last round's 2 GB state files written back before t0, not during
-        async with asyncio.TaskGroup() as tg:
-            for sub in subs:
-                tg.create_task(sub.run(stop))
-            t0 = time.perf_counter()
-            pub.publish(state, step=version)
-            await until(lambda: all((i, version) in verified for i in range(n)))
-            latency = max(verified[(i, version)] for i in range(n)) - t0
-            await until(lambda: all((i, version) in saved for i in range(n)))
-            stop.set()
-    finally:
-        stop.set()
-        for sub, st in zip(subs, stores, strict=True):
+    async def __aenter__(self) -> _Pull:
+        from pulsenet.store import S3Store
+        from pulsenet.sync import Subscriber, SubscriberConfig
+
+        self.links = _links(self.n, self.server.config("reader").endpoint_url, self.mbps, self.scratch)
+        self.stores = [S3Store("bench", "size", dataclasses.replace(self.server.config("reader"), endpoint_url=url))
+                       for url, _ in self.links]
+        for i, st in enumerate(self.stores):
+            on_update, on_saved = self._hooks(i)
+            cfg = SubscriberConfig(interval_s=0.05, jitter=0.2, threads=self.sub_threads, transfer_timeout_s=3600.0,
+                                   state_dir=self.scratch / f"sub{i}" / "state", cache_dir=self.scratch / f"sub{i}" / "cache")
+            self.subs.append(Subscriber(st, self.trusted, cfg, on_update=on_update, on_saved=on_saved))
+        for sub in self.subs:
+            await sub.start()  # resume the previous session's version from disk, outside the measurement
+        self.tasks = [asyncio.create_task(sub.run(self.stop)) for sub in self.subs]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop.set()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for sub, st in zip(self.subs, self.stores, strict=True):
             await sub.close()
             await st.close()
-        for _, proc in links:
+        for _, proc in self.links:
             if proc is not None:
                 proc.terminate()
                 await asyncio.to_thread(proc.wait, 10)
-    rec = pub.records[-1]
-    row = {"version": version, "kind": rec.kind, "link_mbps": mbps,
-           "link": "open" if mbps is None else "chaos link relay (python -m pulsenet.chaos.link --mbps), one per subscriber",
-           "payload_bytes": rec.payload_bytes,
-           "full_bytes": rec.full_bytes, "encode_s": rec.encode_s, "upload_s": rec.upload_s,
-           "published_s": rec.latency_s, "all_verified_s": latency,
-           "subscriber_download_s": [sub.stats.last_download_s for sub in subs],
-           "subscriber_apply_s": [sub.stats.last_apply_s for sub in subs]}
-    if mbps is not None:
-        link_s = rec.payload_bytes["patch"] * 8 / (mbps * 1e6)
-        row |= {"link_time_s": link_s, "budget_s": 1.25 * link_s + 2.0,
-                "full_checkpoint_link_time_s": rec.full_bytes * 8 / (mbps * 1e6)}
-        row["pass"] = latency <= row["budget_s"]
-    return row
+
+    async def version(self, pub, state, version: int) -> dict:
+        """Publish ``state`` as ``version``; its row once every subscriber serves and persisted it."""
+        n = self.n
+        if version:  # resumed from disk, or taken (and persisted: ``version`` waits for that) here
+            await self.until(lambda: all(sub.version == version - 1 for sub in self.subs))
+        await asyncio.to_thread(os.sync)  # the last version's 2 GB state files written back before t0, not during
+        for task in self.tasks:
+            if task.done():
+                task.result()  # a subscriber that died says why
+        t0 = time.perf_counter()
+        pub.publish(state, step=version)
+        await self.until(lambda: all((i, version) in self.verified for i in range(n)))
+        latency = max(self.verified[(i, version)] for i in range(n)) - t0
+        await self.until(lambda: all((i, version) in self.saved for i in range(n)))
+        rec = pub.records[-1]
+        mbps = self.mbps
+        row = {"version": version, "kind": rec.kind, "link_mbps": mbps,
+               "link": "open" if mbps is None else "chaos link relay (python -m pulsenet.chaos.link --mbps), one per subscriber",
+               "payload_bytes": rec.payload_bytes,
+               "full_bytes": rec.full_bytes, "encode_s": rec.encode_s, "upload_s": rec.upload_s,
+               "published_s": rec.latency_s, "all_verified_s": latency,
+               "subscriber_download_s": [sub.stats.last_download_s for sub in self.subs],
+               "subscriber_apply_s": [sub.stats.last_apply_s for sub in self.subs]}
+        if mbps is not None:
+            link_s = rec.payload_bytes["patch"] * 8 / (mbps * 1e6)
+            row |= {"link_time_s": link_s, "budget_s": 1.25 * link_s + 2.0,
+                    "full_checkpoint_link_time_s": rec.full_bytes * 8 / (mbps * 1e6)}
+            row["pass"] = latency <= row["budget_s"]
+        return row
 
 
 def _links(n: int, endpoint: str | None, mbps: float | None, scratch: Path) -> list[tuple[str | None, subprocess.Popen | None]]:
@@ -424,7 +447,7 @@ def budgets(r: dict, model_bytes: int, threads: int) -> dict:
                             "what": "all-threads rate / (threads x one core's SHA-256 rate)"}
     if r["e2e"]:
         for mbps in sorted({v["link_mbps"] for v in r["e2e"]["versions"] if v["link_mbps"] is not None}):
-            rows = [v for v in r["e2e"]["versions"] if v["link_mbps"] == mbps]
+            rows = [v for v in r["e2e"]["versions"] if v["link_mbps"] == mbps and not v.get("warmup")]
             value, limit = (statistics.median(v[k] for v in rows) for k in ("all_verified_s", "budget_s"))
             out[f"latency_{mbps:g}mbps"] = {"value": value, "limit": limit, "pass": value <= limit,
                                              "what": f"median of {len(rows)} versions",

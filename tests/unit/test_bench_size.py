@@ -40,17 +40,19 @@ def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
         rss = r["cli"][k]["peak_rss_bytes"]
         assert 50e6 < rss < 4e9  # a real child's peak (python + torch), counted by the kernel
     versions = r["e2e"]["versions"]
-    assert [v["kind"] for v in versions] == ["anchor", "patch", "patch", "patch"]  # latency_repeat: 3
+    assert [v["kind"] for v in versions] == ["anchor", "patch", "patch", "patch", "patch"]  # warm-up 1, repeat 3
+    assert [v["warmup"] for v in versions] == [False, True, False, False, False]
     for v in versions[1:]:
         assert v["budget_s"] == pytest.approx(1.25 * v["payload_bytes"]["patch"] * 8 / 50e6 + 2.0)
         assert v["link"].startswith("chaos link relay")  # a relay process per subscriber, the store unthrottled
         assert v["all_verified_s"] >= v["link_time_s"]  # the relay did hold it to 50 Mbit/s
+    judged = versions[2:]  # the warm-up version is reported, not judged
     b = r["budgets"]
-    latencies = sorted(v["all_verified_s"] for v in versions[1:])
+    latencies = sorted(v["all_verified_s"] for v in judged)
     assert b["latency_50mbps"]["value"] == latencies[1] and b["latency_50mbps"]["each"] == [
-        v["all_verified_s"] for v in versions[1:]
+        v["all_verified_s"] for v in judged
     ]
-    assert b["latency_50mbps"]["pass"] == (latencies[1] <= sorted(v["budget_s"] for v in versions[1:])[1])
+    assert b["latency_50mbps"]["pass"] == (latencies[1] <= sorted(v["budget_s"] for v in judged)[1])
     assert {"memory_cli_encode", "memory_cli_apply", "rate_encode_known_base", "rate_apply_verify"} <= set(b)
 
 
