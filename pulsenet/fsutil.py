@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,3 +44,13 @@ def atomic_path(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[Pat
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int = 0o644) -> None:
     with atomic_path(path, mode) as tmp:
         tmp.write_bytes(data)
+
+
+def fresh_scratch(directory: str | os.PathLike[str]) -> Path:
+    """``directory``, created, and emptied of what a killed run left there: a node's own temporary
+    files (a spooled payload, a global state on its way up) die with it at any line, and would pile
+    up, a model's size each, over days of restarts. Only for a directory the node owns alone."""
+    directory = Path(directory)
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory

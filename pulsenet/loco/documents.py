@@ -187,8 +187,10 @@ class RoundStore:
         *,
         run: str = "default",
         max_document: int = MAX_DOCUMENT,
+        scratch_dir: Path | None = None,
     ) -> None:
         self.store = store
+        self.scratch_dir = scratch_dir  # global states, checkpoints on disk in passing (None: system temp)
         self.id = check_trainer_id(trainer_id)
         self.key = key
         self.keys = {check_trainer_id(t): k for t, k in keys.items()}
@@ -335,9 +337,7 @@ class RoundStore:
             base_digest=_str(body, "base_digest", key, limit=64),
         )
         if m.trainer != tid or m.round != round_ or not m.payload.key.startswith(self.layout.round_prefix(tid, round_)):
-            raise ManifestError(
-                f"{key}: manifest claims trainer {m.trainer!r} round {m.round} key {m.payload.key!r}"
-            )
+            raise ManifestError(f"{key}: manifest claims trainer {m.trainer!r} round {m.round} key {m.payload.key!r}")
         return m
 
     async def fetch(self, ref: ObjectRef) -> bytes:
@@ -466,7 +466,7 @@ class RoundStore:
 
     async def publish_state(self, state: GlobalState, digest: str) -> StateRef:
         """Upload the global state and its manifest (create-only); the first one for a round stands."""
-        with tempfile.TemporaryDirectory(prefix="pulseloco-state-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="pulseloco-state-", dir=self.scratch_dir) as tmp:
             path = Path(tmp) / "state.safetensors"
             await asyncio.to_thread(state.save, path)
             sha = await asyncio.to_thread(file_sha256, path)
@@ -514,10 +514,8 @@ class RoundStore:
         """Download, verify (size, SHA-256, shapes, round, digest) and load a global state. A signed
         size over what the model's state can take (``GlobalState.max_size``) is refused unread."""
         if ref.state.size > (limit := GlobalState.max_size(shapes)):
-            raise VerificationError(
-                f"{ref.state.key}: {ref.state.size} bytes claimed, more than the {limit} bytes of this model's state"
-            )
-        with tempfile.TemporaryDirectory(prefix="pulseloco-state-") as tmp:
+            raise VerificationError(f"{ref.state.key}: {ref.state.size} bytes claimed, over this model's state's {limit}")
+        with tempfile.TemporaryDirectory(prefix="pulseloco-state-", dir=self.scratch_dir) as tmp:
             path = Path(tmp) / "state.safetensors"
             await fetch_file(self.store, ref.state, path, timeout=self.t.transfer_s)
             state = await asyncio.to_thread(GlobalState.load, path, shapes)

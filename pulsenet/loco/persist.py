@@ -56,7 +56,7 @@ async def load_resume_point(
         candidates.append(await asyncio.to_thread(TrainerState.load, state_dir / STATE_FILE, shapes))
     remote = await retry(rs.latest_checkpoint, "listing our checkpoints")
     if remote is not None and (not candidates or remote[0] > candidates[0].global_.round):
-        with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="pulseloco-ckpt-", dir=rs.scratch_dir) as tmp:
             path = Path(tmp) / STATE_FILE
             await retry(lambda: rs.fetch_checkpoint(remote[1], path), "fetching our checkpoint")
             candidates.append(await asyncio.to_thread(TrainerState.load, path, shapes))
@@ -73,9 +73,10 @@ async def load_resume_point(
     return ts
 
 
-async def snapshot(path: Path | None, current: Callable[[], TrainerState]) -> Path:
-    """A private copy of the resume point, taken now (the next round mutates the live state)."""
-    snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-")) / STATE_FILE
+async def snapshot(path: Path | None, current: Callable[[], TrainerState], scratch: Path | None = None) -> Path:
+    """A private copy of the resume point, taken now (the next round mutates the live state), in
+    ``scratch`` (None: the system's temporary directory)."""
+    snap = Path(tempfile.mkdtemp(prefix="pulseloco-ckpt-", dir=scratch)) / STATE_FILE
     if path is None:  # no local state dir: the store copy is the only resume point
         await asyncio.to_thread(lambda: current().save(snap))
     else:

@@ -57,6 +57,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from pulsenet.codec import payload as wire
 from pulsenet.errors import ConfigError, RoundError
+from pulsenet.fsutil import fresh_scratch
 from pulsenet.loco import algorithm as alg
 from pulsenet.loco import persist, recovery, update
 from pulsenet.loco.collect import Collector, DecodedPayloads
@@ -104,7 +105,9 @@ class LocoTrainer:
         payload_cache: DecodedPayloads | None = None,
     ) -> None:
         self.config = config = config.for_trainers(len(keys))
-        self.rs = RoundStore(store, trainer_id, key, keys, config.timeouts, run=config.run)
+        self.scratch = Path(state_dir) / "tmp" if state_dir is not None else None
+        """Our temporary files (global states, checkpoints on their way up): emptied at ``start``."""
+        self.rs = RoundStore(store, trainer_id, key, keys, config.timeouts, run=config.run, scratch_dir=self.scratch)
         self.id = self.rs.id
         own = self.rs.keys.get(self.id)
         if own is None or key_id(own) != key_id(key.public_key()):
@@ -183,6 +186,8 @@ class LocoTrainer:
 
     async def start(self) -> None:
         """Load the newest resume point (local disk or own store checkpoint) or genesis; join the run."""
+        if self.scratch is not None:
+            await asyncio.to_thread(fresh_scratch, self.scratch)
         if (resumed := await persist.load_resume_point(self.inner, self.state_dir, self.rs, self._retry)) is not None:
             self.state, self.error = resumed.global_, resumed.error
         else:
@@ -419,7 +424,8 @@ class LocoTrainer:
 
         async with self._phase("persist", r):
             path = await persist.save_local(self.state_dir, current)
-            snap = await persist.snapshot(path, current) if cfg.checkpoint_every and r % cfg.checkpoint_every == 0 else None
+            due = cfg.checkpoint_every and r % cfg.checkpoint_every == 0
+            snap = await persist.snapshot(path, current, self.scratch) if due else None
             writer = r % cfg.state_every == 0 and persist.writes_state(digests, self.id, self.digest)
             state = await asyncio.to_thread(self._state.copy) if writer else None
         if snap is not None:

@@ -29,6 +29,7 @@ import torch
 from pulsenet.engines.factory import make_engine
 from pulsenet.engines.torch_engine import TorchEngine
 from pulsenet.errors import ConfigError
+from pulsenet.fsutil import fresh_scratch
 from pulsenet.loco import LocoTrainer
 from pulsenet.loco.documents import trainer_keys
 from pulsenet.nodes.common import initial_model, key_map, open_site_store, site_map, text_codec
@@ -56,7 +57,7 @@ from pulsenet.settings import to_toml_table
 from pulsenet.signing import load_private_key, trusted_keys
 from pulsenet.store.base import ObjectStore
 from pulsenet.sync.manifest import public_model_config
-from pulsenet.sync.publisher import Publisher
+from pulsenet.sync.publisher import Publisher, PublisherConfig
 from pulsenet.sync.subscriber import OnUpdate, Subscriber
 from pulsenet.tracking import NoTracker, Tracker, make_tracker
 
@@ -191,7 +192,7 @@ def compose_trainer(
         policy=policy,
         task=task,
         assignment=assignment,
-        publisher=Publisher(store, key, c.publish, model_config=architecture(model)),
+        publisher=Publisher(store, key, _spooling(c), model_config=architecture(model)),
         intake=intake,
         digests=digests,
         rounds=rounds,
@@ -204,6 +205,14 @@ def compose_trainer(
         sources=sources,
         stores=stores,
     )
+
+
+def _spooling(c: TrainerConfig) -> PublisherConfig:
+    """The publisher's config, its large payloads spooled in the node's own ``spool`` directory
+    (emptied now: a payload the last run was uploading when it died is a model's size) unless set."""
+    if c.publish.spool_dir is not None:
+        return c.publish
+    return replace(c.publish, spool_dir=fresh_scratch(Path(c.state_dir) / "spool"))
 
 
 def _peer_keys(c: TrainerConfig) -> dict:

@@ -297,3 +297,40 @@ async def test_a_planted_checkpoint_name_never_makes_retention_delete_the_resume
     await store.put(LAYOUT.checkpoint_manifest("t0", 99_999_999), b"junk")
     await rs.delete_own_before(6, reached=8)
     assert (await rs.latest_checkpoint()) is not None and (await rs.latest_checkpoint())[0] == 2
+
+
+@pytest.mark.timeout(120)
+async def test_a_trainer_keeps_its_temporary_files_in_its_state_dir_and_a_restart_clears_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A global state (a model's FP32 size) or checkpoint on its way up passes through disk; a
+    trainer killed there left it in the system's /tmp, 1.1 GB a kill at 135M, piling up over days
+    of restarts (2026-12-07: the disk filled and the embedded store refused every write). Now they
+    go through ``state_dir/tmp``, which the next start empties; nothing goes to the system's."""
+    import tempfile
+
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    keys, pubs = make_keys(tmp_path / "keys", ("a", "b"))
+    cfg = _config(state_every=1, checkpoint_every=1)
+    leftover = tmp_path / "a" / "tmp" / "pulseloco-state-killed" / "state.safetensors"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"\0" * 1024)  # what a kill mid-upload leaves
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def recording(*args, **kw):
+        path = real(*args, **kw)
+        made.append(path)
+        return path
+
+    monkeypatch.setattr(tempfile, "mkdtemp", recording)
+    a = tiny_trainer("a", LocalStore(tmp_path / "store"), keys, pubs, cfg, state_dir=tmp_path / "a")
+    b = tiny_trainer("b", LocalStore(tmp_path / "store"), keys, pubs, cfg, state_dir=tmp_path / "b")
+    await asyncio.gather(a.run(2), b.run(2))
+    assert a.round == b.round == 2 and a.digest == b.digest
+    assert not leftover.exists() and (tmp_path / "a" / "tmp").is_dir()
+    ours = [Path(p) for p in made if Path(p).name.startswith("pulseloco-")]
+    assert {p.parent for p in ours} == {tmp_path / "a" / "tmp", tmp_path / "b" / "tmp"}, made  # states and checkpoints
+    assert not list(system_tmp.glob("pulseloco-*"))

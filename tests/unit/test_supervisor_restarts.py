@@ -94,3 +94,21 @@ async def test_a_restarted_inference_node_generates_nothing_older_than_what_it_c
     served = [e.version for e in read_events(state_dir / "events.jsonl") if e.kind == "served"]
     assert served[-2:] == [1, 4], served  # resumed v1 (served, never generated from), then caught up to v4
     assert second.state.degraded is None  # "catching up" cleared once it did
+
+
+def test_a_trainer_node_spools_payloads_in_its_own_directory_emptied_at_start(tmp_path: Path) -> None:
+    """A payload spooled for upload (an anchor: the model's size) that a killed trainer left behind
+    goes at the next start; a spool directory the user set is theirs and is never emptied."""
+    from pulsenet.nodes.build import _spooling
+    from pulsenet.nodes.config import TrainerConfig
+
+    left = tmp_path / "state" / "spool" / "pulsenet-payload-killed"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"x" * 1024)
+    cfg = _spooling(TrainerConfig(state_dir=tmp_path / "state"))
+    assert cfg.spool_dir == tmp_path / "state" / "spool" and cfg.spool_dir.is_dir() and not left.exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep").write_bytes(b"y")
+    given = _spooling(TrainerConfig(state_dir=tmp_path / "state", publish=PublisherConfig(spool_dir=theirs)))
+    assert given.spool_dir == theirs and (theirs / "keep").exists()
