@@ -30,11 +30,13 @@ pass a reader that shares its reference, and no payload over ``weights_factor x 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import hashlib
 import json
 import random
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
@@ -78,7 +80,10 @@ def _key(tid: str) -> Ed25519PrivateKey:
 
 @functools.cache
 def _dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="pulsenet-fuzz-loco-"))
+    """The run's scratch, removed when the fuzzer exits (each run's names left ~60 MB in /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix="pulsenet-fuzz-loco-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache
@@ -670,7 +675,6 @@ TARGETS.append(
 import asyncio  # noqa: E402
 import contextlib  # noqa: E402
 import logging  # noqa: E402
-import shutil  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 from pulsenet.errors import ManifestError  # noqa: E402
