@@ -4,6 +4,14 @@
 # Layout: tests/unit (in one process, no servers), tests/integration (SeaweedFS, node and CLI processes,
 # `pulsenet up`, torchrun, vLLM), tests/fuzz, tests/golden; helpers in tests/support (`tests.support.x`),
 # fixtures in tests/conftest.py. Arguments go to pytest: `scripts/test.sh tests/unit` runs the unit tests.
+# A full disk fails the suite in confusing places (pip's "No space left on device", the embedded
+# SeaweedFS answering InternalError: "No writable volumes"): say so first.
+for where in "$(dirname "${BASH_SOURCE[0]}")" "${TMPDIR:-/tmp}"; do
+    free_kb=$(df -Pk "$where" 2>/dev/null | awk 'NR==2 {print $4}')
+    if [ -n "$free_kb" ] && [ "$free_kb" -lt $((8 * 1024 * 1024)) ]; then
+        echo "warning: $((free_kb / 1024)) MiB free under $where; the suite (venv, SeaweedFS volumes, vLLM, images) needs about 8 GiB" >&2
+    fi
+done
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh" dev
 echo ">> ruff"
 ruff check pulsenet tests

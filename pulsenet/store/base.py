@@ -119,16 +119,20 @@ class StoreHealth:
     """Failed requests in all."""
     last_error: str | None = None
     """The last failure, ``Type: message`` (bounded)."""
+    last_failure_answered: bool = False
+    """The last failure was the server's own answer (a 5xx, throttling): it is reachable but
+    failing, say out of disk ("No writable volumes"), not gone."""
 
     def ok(self) -> None:
         self.last_ok = time.time()
         self.consecutive_failures = 0
 
-    def failed(self, e: BaseException) -> None:
+    def failed(self, e: BaseException, *, answered: bool = False) -> None:
         self.last_failure = time.time()
         self.consecutive_failures += 1
         self.failures += 1
         self.last_error = f"{type(e).__name__}: {e}"[:500]
+        self.last_failure_answered = answered
 
     def degraded(self, now: float | None = None) -> str | None:
         """None while the last request was answered, else why (for ``/healthz``)."""
@@ -136,10 +140,8 @@ class StoreHealth:
             return None
         now = time.time() if now is None else now
         since = f"{now - self.last_ok:.1f} s ago" if self.last_ok is not None else "never"
-        return (
-            f"store unreachable: {self.consecutive_failures} failed requests in a row, last answer {since}; "
-            f"last error {self.last_error}"
-        )
+        what, last = ("store failing", "last good answer") if self.last_failure_answered else ("store unreachable", "last answer")
+        return f"{what}: {self.consecutive_failures} failed requests in a row, {last} {since}; last error {self.last_error}"
 
     def snapshot(self) -> StoreHealth:
         return dataclasses.replace(self)

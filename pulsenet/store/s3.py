@@ -539,7 +539,7 @@ class S3Store(ObjectStore):
             except (bex.ClientError, bex.BotoCoreError) as e:
                 transient = is_transient(e)
                 if transient:
-                    self.health.failed(e)
+                    self.health.failed(e, answered=isinstance(e, bex.ClientError))  # a 5xx: there, but failing
                 else:
                     self.health.ok()  # a 4xx is an answer
                 if not transient or attempt >= self.config.max_retries:

@@ -105,7 +105,10 @@ class SeaweedServer:
         startup_timeout_s: float = 60.0,
         stop_grace_s: float = 10.0,
         weed: str | os.PathLike[str] | None = None,
+        volume_limits: tuple[int, int] | None = None,
     ) -> None:
+        """``volume_limits``: (volumes, MB each) this server may hold, instead of what its disk
+        allows: a small store that fills up, as a full disk does (tests)."""
         for site in sites:
             if not _SITE.fullmatch(site):
                 raise ConfigError(
@@ -129,6 +132,7 @@ class SeaweedServer:
         self.stop_grace_s = stop_grace_s
         self.weed = Path(weed) if weed is not None else find_weed()
         self._requested_port = port
+        self.volume_limits = volume_limits
         self._ports: dict[str, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
@@ -168,6 +172,9 @@ class SeaweedServer:
             "-s3.iam=false",  # no IAM API on the S3 port: identities come only from -s3.config
             f"-s3.config={self.data_dir / IDENTITIES_FILE}",
         ]
+        if self.volume_limits is not None:
+            volumes, mb = self.volume_limits
+            args += [f"-volume.max={volumes}", f"-master.volumeSizeLimitMB={mb}"]
         # weed mini turns AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and S3_BUCKET) into an extra admin
         # identity and buckets, and WEED_* variables override security.toml: never let the caller's
         # environment widen access.

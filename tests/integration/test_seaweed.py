@@ -599,3 +599,22 @@ def _env_blocks(lines: list[str]) -> dict[str, dict[str, str]]:
             name, value = line.removeprefix("export ").split("=", 1)
             blocks[current][name] = value
     return blocks
+
+
+async def test_a_full_store_is_reported_failing_not_unreachable(tmp_path: Path) -> None:
+    """A server out of room (here: one 1 MB volume; 2026-12-07: a full disk) answers every write
+    with 500 InternalError ("No writable volumes"). The store retries, then raises
+    StoreUnavailable, and ``health`` says the server is there but failing, naming its answer,
+    where it used to say "store unreachable" and send the operator after the network."""
+    with SeaweedServer(tmp_path / "data", volume_limits=(1, 1)) as server:
+        server.create_buckets("full")
+        cfg = server.config(max_retries=1, backoff_base_s=0.01, backoff_cap_s=0.02)
+        async with S3Store("full", "run", cfg) as store:
+            with pytest.raises(StoreUnavailable):
+                for i in range(20):
+                    await store.put(f"k{i}", b"x" * (1 << 20))
+            reason = store.health.degraded()
+            assert reason is not None and reason.startswith("store failing:") and "InternalError" in reason, reason
+            assert store.health.last_failure_answered and "unreachable" not in reason
+            assert await store.get("k0") == b"x" * (1 << 20)  # reads still answered
+            assert store.health.degraded() is None
