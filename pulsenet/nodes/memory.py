@@ -48,6 +48,21 @@ BUDGETS: dict[str, Budget] = {
 """By node kind: ``trainer``, ``inference-<engine>``."""
 
 
+BESIDE: dict[str, Budget] = {
+    "loco": Budget(18, 0),
+    "vllm-engine": Budget(2, 7 * GiB // 2),
+}
+"""What a one-machine network holds beyond its nodes' own budgets (``network_need``, the preflight of
+``pulsenet up``): ``loco``, a PULSELoCo trainer's outer state beside its inner loop (FP32 global
+weights, Nesterov momentum and error feedback, the round's pseudo-gradient and average: 4 bytes a
+parameter each, and the decoded peers' updates); 2026-12-07, two SmolLM2-135M trainers held 7.8 GB
+each, 42 bytes a parameter + 2 GiB, when the OOM killer took them. ``vllm-engine``, vLLM's engine
+core and worker processes beside a vLLM node's own: its copy of the weights (2), the CPU KV cache
+(1 GiB by default), ~2 GiB of worker and ~0.7 GiB of engine-core runtime (3.5-3.7 GB and 0.67 GiB
+at 0.35B, docs/results/memory-2026-12-06.md). On a GPU the weights and KV cache sit in GPU memory:
+there this overcounts the host's."""
+
+
 def budget_for(role: str, engine: str | None = None) -> Budget:
     return BUDGETS["trainer" if role == "trainer" else f"inference-{engine or 'torch'}"]
 
@@ -123,8 +138,12 @@ def available_memory() -> int | None:
 
 
 def network_need(params: int, trainers: int, inference: int, engine: str = "torch") -> int:
-    """Peak memory of a one-machine network at its nodes' budgets (the store's is not counted)."""
-    return trainers * BUDGETS["trainer"].limit(params) + inference * budget_for("inference", engine).limit(params)
+    """Peak memory of a one-machine network at its nodes' budgets, with what runs beside them
+    (``BESIDE``: PULSELoCo's outer state when trainers > 1, vLLM's own processes); the store's is
+    not counted."""
+    trainer = BUDGETS["trainer"].limit(params) + (BESIDE["loco"].limit(params) if trainers > 1 else 0)
+    node = budget_for("inference", engine).limit(params) + (BESIDE["vllm-engine"].limit(params) if engine == "vllm" else 0)
+    return trainers * trainer + inference * node
 
 
 def network_refusal(params: int, trainers: int, inference: int, engine: str, available: int) -> str | None:
@@ -138,10 +157,14 @@ def network_refusal(params: int, trainers: int, inference: int, engine: str, ava
         if network_need(params, t, i, engine) <= available
     ]  # fmt: skip
     t_b, i_b = BUDGETS["trainer"], budget_for("inference", engine)
+    loco = f" + {BESIDE['loco'].bytes_per_param:g} for PULSELoCo's outer state" if trainers > 1 else ""
+    v = BESIDE["vllm-engine"]
+    beside = f", + {v.bytes_per_param:g} + {v.overhead / GiB:g} GiB for vLLM's own processes" if engine == "vllm" else ""
     why = (
         f"{trainers} trainer(s) and {inference} inference node(s) of a {params / 1e6:.1f}M-parameter model need up to "
-        f"{need / GiB:.1f} GiB at peak (a trainer {t_b.bytes_per_param:g} bytes per parameter + {t_b.overhead / GiB:g} GiB, "
-        f"an inference node with the {engine} engine {i_b.bytes_per_param:g} + {i_b.overhead / GiB:g} GiB: "
+        f"{need / GiB:.1f} GiB at peak (a trainer {t_b.bytes_per_param:g} bytes per parameter{loco} "
+        f"+ {t_b.overhead / GiB:g} GiB, "
+        f"an inference node with the {engine} engine {i_b.bytes_per_param:g} + {i_b.overhead / GiB:g} GiB{beside}: "
         f"nodes/memory.py); this machine has {available / GiB:.1f} GiB available"
     )
     if fits:
