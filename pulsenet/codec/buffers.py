@@ -80,12 +80,6 @@ class BufferPool:
                 _, old = self._free.popitem(last=False)
                 self._free_bytes -= old.size
 
-    def clear(self) -> None:
-        """Let every waiting buffer go (memory back to the system)."""
-        with self._lock:
-            self._free.clear()
-            self._free_bytes = 0
-
 
 def pooled_copy(pool: BufferPool, t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in memory lent by ``pool``: weights loaded from disk, so that the first
