@@ -157,11 +157,10 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
     memory as a node holds them (the floor hashes those same tensors): reading the files is the
     CLI's part (``measure_cli``), not the codec's."""
     from pulsenet.bench.e2e import _warm_up_codec
-    from pulsenet.checkpoint import Checkpoint
     from pulsenet.codec.digest import model_digest
     from pulsenet.codec.patch import PatchEncoder, iter_apply, parse_patch
 
-    a, b = dict(Checkpoint(old)), dict(Checkpoint(new))
+    a, b = resident(old), resident(new)
     nbytes = sum(t.numel() * t.element_size() for t in b.values())
     _warm_up_codec()
     t_sha1, _, cpu_sha1 = _best(repeat, lambda: model_digest(b, 1))
@@ -209,6 +208,16 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
         }
     out["digests"] = {"old": digest_old, "new": digest_new}
     return out
+
+
+def resident(path: Path) -> dict:
+    """A model's tensors in memory of the process's own, as a node holds its weights: safetensors
+    maps the file, and mapped pages are the page cache's to evict and read back (at 3B, with the
+    publisher's two states and a subscriber's in one process, each encode read them back from disk:
+    7.8 s where the same encode from memory takes 3.1 s)."""
+    from pulsenet.checkpoint import Checkpoint
+
+    return {n: t.clone() for n, t in Checkpoint(path).items()}
 
 
 def _child(cmd: list[str]) -> dict:
@@ -268,7 +277,6 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from pulsenet.checkpoint import Checkpoint
     from pulsenet.signing import key_id
     from pulsenet.store import S3Store
     from pulsenet.store.seaweed import SeaweedServer
@@ -278,7 +286,7 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
     trusted = {key_id(key.public_key()): key.public_key()}
     # In memory, as a trainer's weights are at step end; ``new`` only once the anchor is through:
     # at 3B both states beside the anchor in transit (encoded, joined, fetched) pass 24 GB.
-    states: list[dict | None] = [dict(Checkpoint(old)), None]
+    states: list[dict | None] = [resident(old), None]
     sub_threads = max(1, threads // max(1, s.subscribers))
     rows: list[dict] = []
     with SeaweedServer(scratch / "s3") as server:
@@ -294,7 +302,7 @@ async def measure_e2e(old: Path, new: Path, s: SizeBenchSettings, threads: int, 
                     for i in range(warmup + repeat):
                         version = len(rows)
                         if (state := states[version % 2]) is None:
-                            state = states[1] = await asyncio.to_thread(lambda: dict(Checkpoint(new)))
+                            state = states[1] = await asyncio.to_thread(resident, new)
                         row = await pull.version(pub, state, version) | {"warmup": i < warmup}
                         rows.append(row)
                         print(f"v{version} {row['kind']} link {mbps or 'open'}{' (warm-up)' if row['warmup'] else ''}: "

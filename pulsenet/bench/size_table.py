@@ -41,7 +41,7 @@ def constants(results: list[dict]) -> dict:
     rest = []
     for r in results:
         for v in (r.get("e2e") or {}).get("versions", []):
-            if v["link_mbps"] is not None:
+            if v["link_mbps"] is not None and not v.get("warmup"):  # warm-up rows are reported, not judged
                 apply_s = r["codec"]["apply_verify"]["all_threads_s"]
                 rest.append(v["all_verified_s"] - v["encode_s"] - max(v["link_time_s"], apply_s))
     out["latency_remainder_s"] = statistics.fmean(rest) if rest else 0.0
@@ -50,8 +50,9 @@ def constants(results: list[dict]) -> dict:
 
 
 def _latency(r: dict, mbps: float) -> str:
-    """The median version latency at ``mbps`` (older JSON: its one version) against its budget."""
-    rows = [v for v in (r.get("e2e") or {}).get("versions", []) if v["link_mbps"] == mbps]
+    """The median version latency at ``mbps`` (older JSON: its one version) against its budget,
+    warm-up versions left out as ``budgets`` leaves them out."""
+    rows = [v for v in (r.get("e2e") or {}).get("versions", []) if v["link_mbps"] == mbps and not v.get("warmup")]
     if not rows:
         return "-"
     value, limit = (statistics.median(v[k] for v in rows) for k in ("all_verified_s", "budget_s"))
