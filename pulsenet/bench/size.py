@@ -5,10 +5,12 @@ shape and an update pair at lr 3e-6, built once and cached):
 
 1. **The SHA-256 floor**: one core hashing the model's BF16 values from the page cache (the rate
    every speed below is compared with, measured in the same run).
-2. **Codec speed** in this process, from the safetensors files (page cache warm): encode with the
-   base digest known (what a publisher does: it published the base) and without it (a cold
-   ``pulsenet patch encode``), and apply + verify (every rebuilt tensor's SHA-256 and the model
-   digest; what a subscriber does), each with 1 thread and with every core. Best of ``repeat``.
+2. **Codec speed** in this process, on the weights in its own memory (as a node holds them): encode
+   with the base digest known (what a publisher does: it published the base) and without it (a
+   cold ``pulsenet patch encode``), and apply + verify (every rebuilt tensor's SHA-256 and the model
+   digest) as a running subscriber does, into the memory its previous version frees (judged), and
+   into fresh memory (``apply_verify_fresh``: a node's first update after a start, or the CLI),
+   each with 1 thread and with every core. Best of ``repeat``.
 3. **Memory**: ``pulsenet patch encode`` and ``apply`` as child processes, their peak RSS from the
    kernel (each child's ``VmHWM``: resident pages of every kind, mmapped weights included).
 4. **Version latency** (``--e2e``): an embedded SeaweedFS, a ``Publisher`` writing straight to it
@@ -98,6 +100,8 @@ def run(s: SizeBenchSettings) -> dict:
     old, new = pair_dir / "old", pair_dir / "new"
     threads = codec_threads(s.threads)
     scratch_parent = pair_dir.parent
+    if s.workdir is not None:
+        s.workdir.mkdir(parents=True, exist_ok=True)  # as every bench's --workdir: created if missing
     with tempfile.TemporaryDirectory(prefix="size-", dir=s.workdir or scratch_parent) as tmp:
         scratch = Path(tmp)
         speed = measure_codec(old, new, threads, s.repeat, scratch)
@@ -157,6 +161,7 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
     memory as a node holds them (the floor hashes those same tensors): reading the files is the
     CLI's part (``measure_cli``), not the codec's."""
     from pulsenet.bench.e2e import _warm_up_codec
+    from pulsenet.codec.buffers import BufferPool
     from pulsenet.codec.digest import model_digest
     from pulsenet.codec.patch import PatchEncoder, iter_apply, parse_patch
 
@@ -177,15 +182,22 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
         t_warm, data, c_warm = _best(repeat, lambda enc=enc: enc.encode(a, b, base_digest=digest_old))
         t_cold, _, c_cold = _best(1, lambda enc=enc: enc.encode(a, b))
 
-        def apply(n=n, data=data) -> int:
+        def apply(n=n, data=data, buffers=None) -> int:
             count = 0
-            for _, _t in iter_apply(a, data, base_digest=digest_old, threads=n):
-                count += 1
+            for _, _t in iter_apply(a, data, base_digest=digest_old, threads=n, buffers=buffers):
+                count += 1  # each tensor dropped as the next comes: its memory goes back to ``buffers``
             return count
 
-        t_apply, _, c_apply = _best(repeat, apply)
+        # A running subscriber rebuilds into the memory its previous version's tensors free (its
+        # BufferPool, warmed by its first update: one untimed apply here); a node's first update
+        # after a start and a one-shot ``pulsenet patch apply`` take fresh pages from the kernel.
+        pool = BufferPool()
+        apply(buffers=pool)
+        t_apply, _, c_apply = _best(repeat, lambda pool=pool: apply(buffers=pool))
+        t_fresh, _, c_fresh = _best(repeat, apply)
         rows[n] = {"encode_known_base_s": t_warm, "encode_hash_base_s": t_cold, "apply_verify_s": t_apply,
-                   "encode_known_base_cpu": c_warm, "encode_hash_base_cpu": c_cold, "apply_verify_cpu": c_apply}
+                   "apply_verify_fresh_s": t_fresh, "encode_known_base_cpu": c_warm, "encode_hash_base_cpu": c_cold,
+                   "apply_verify_cpu": c_apply, "apply_verify_fresh_cpu": c_fresh}
     (scratch / "step.patch").write_bytes(data)
     p = parse_patch(data)
     if p.target_digest != digest_new:
@@ -194,7 +206,7 @@ def measure_codec(old: Path, new: Path, threads: int, repeat: int, scratch: Path
     out["bytes"] = {"model_bf16": nbytes, "patch": len(data), "ratio": nbytes / len(data),
                     "changed_entries": sum(e.nnz for e in p.tensors if e.op == "sparse")}
     out["codec"] = {}
-    for key in ("encode_known_base_s", "encode_hash_base_s", "apply_verify_s"):
+    for key in ("encode_known_base_s", "encode_hash_base_s", "apply_verify_s", "apply_verify_fresh_s"):
         name = key.removesuffix("_s")
         cpu = name + "_cpu"
         out["codec"][name] = {

@@ -59,6 +59,12 @@ def _latency(r: dict, mbps: float) -> str:
     return f"{value:.1f} ({'pass' if value <= limit else 'FAIL'} <= {limit:.1f})"
 
 
+def _fresh(codec: dict) -> str:
+    """Apply into fresh memory (a node's first update after a start), where the run measured it."""
+    f = codec.get("apply_verify_fresh")
+    return f" (fresh memory {f['ratio_to_sha_floor_one_thread']:.2f} / {f['ratio_to_sha_floor_x_threads']:.2f})" if f else ""
+
+
 def table(results: list[dict], projected_changed: float = 0.01) -> str:
     """Markdown: one row per measured size, then the projections."""
     c = constants(results)
@@ -79,7 +85,8 @@ def table(results: list[dict], projected_changed: float = 0.01) -> str:
             f"({p['method']}) | {b['patch'] / 1e6:.1f} MB | {b['ratio']:.0f}x | {e['one_thread_s']:.1f} / "
             f"{e['all_threads_s']:.1f} | {a['one_thread_s']:.1f} / {a['all_threads_s']:.1f} | "
             f"{e['ratio_to_sha_floor_one_thread']:.2f} / {e['ratio_to_sha_floor_x_threads']:.2f}; "
-            f"{a['ratio_to_sha_floor_one_thread']:.2f} / {a['ratio_to_sha_floor_x_threads']:.2f} | {_latency(r, 100.0)} | "
+            f"{a['ratio_to_sha_floor_one_thread']:.2f} / {a['ratio_to_sha_floor_x_threads']:.2f}{_fresh(cd)} | "
+            f"{_latency(r, 100.0)} | "
             f"{_latency(r, 1000.0)} | {full * 8 / 100e6:.0f} / {full * 8 / 1e9:.0f} | {rss} | "
             f"{r['machine']['load_average_start'][0]:.1f} |"
         )
