@@ -87,7 +87,7 @@ def run(s: SizeBenchSettings) -> dict:
     from pulsenet.checkpoint import Checkpoint
     from pulsenet.codec.threads import available_cores, codec_threads
 
-    load0 = os.getloadavg()
+    load0, stolen0 = os.getloadavg(), _stolen_s()
     model_dir, pair_dir = default_dirs(s.params, s.seed)
     build_model_dir(model_dir, params=s.params, seed=s.seed)
     import json
@@ -114,6 +114,7 @@ def run(s: SizeBenchSettings) -> dict:
         "machine": {
             "load_average_start": list(load0),
             "load_average_end": list(os.getloadavg()),
+            "cpu_stolen_s": None if stolen0 is None else _stolen_s() - stolen0,
             "cores_available": available_cores(),
             "threads_used": threads,
             "platform": platform.platform(),
@@ -138,6 +139,16 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _stolen_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this VM since boot, all CPUs (``steal`` in
+    /proc/stat): what a run lost to other guests, so its speeds can be read beside it."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _best(repeat: int, fn):
@@ -386,6 +397,12 @@ class _Pull:
             if proc is not None:
                 proc.terminate()
                 await asyncio.to_thread(proc.wait, 10)
+        # Each subscriber's hooks close over this session, so the two form a cycle that only the
+        # cyclic GC would free, whenever it ran: the next session's subscribers then loaded their
+        # state beside this one's (at 3B a fourth 5.9 GB state, and the OOM killer took the bench).
+        self.subs.clear()
+        self.tasks.clear()
+        self.stores.clear()
 
     async def version(self, pub, state, version: int) -> dict:
         """Publish ``state`` as ``version``; its row once every subscriber serves and persisted it."""

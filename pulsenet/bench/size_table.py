@@ -59,6 +59,12 @@ def _latency(r: dict, mbps: float) -> str:
     return f"{value:.1f} ({'pass' if value <= limit else 'FAIL'} <= {limit:.1f})"
 
 
+def _stolen(machine: dict) -> str:
+    """CPU the hypervisor took during the run, where the run recorded it."""
+    s = machine.get("cpu_stolen_s")
+    return f"; {s:.1f} s stolen" if s is not None else ""
+
+
 def _fresh(codec: dict) -> str:
     """Apply into fresh memory (a node's first update after a start), where the run measured it."""
     f = codec.get("apply_verify_fresh")
@@ -71,7 +77,7 @@ def table(results: list[dict], projected_changed: float = 0.01) -> str:
     head = ("| size | params | BF16 | changed | patch | full/patch | encode s (1 thr / all) | apply+verify s (1 thr / all) "
             "| encode; apply / SHA floor (1 thr / all thr x floor) | latency 100 Mbit/s s | latency 1 Gbit/s s "
             "| full ckpt 100M / 1G s "
-            "| CLI peak RSS enc / apply | load |")
+            "| CLI peak RSS enc / apply | load; CPU stolen |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         p, b, cd = r["fixture"]["pair"], r["bytes"], r["codec"]
@@ -88,7 +94,7 @@ def table(results: list[dict], projected_changed: float = 0.01) -> str:
             f"{a['ratio_to_sha_floor_one_thread']:.2f} / {a['ratio_to_sha_floor_x_threads']:.2f}{_fresh(cd)} | "
             f"{_latency(r, 100.0)} | "
             f"{_latency(r, 1000.0)} | {full * 8 / 100e6:.0f} / {full * 8 / 1e9:.0f} | {rss} | "
-            f"{r['machine']['load_average_start'][0]:.1f} |"
+            f"{r['machine']['load_average_start'][0]:.1f}{_stolen(r['machine'])} |"
         )
     for name, n in PROJECT.items():
         patch = c["bytes_per_changed_entry"] * projected_changed * n

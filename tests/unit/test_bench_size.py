@@ -34,6 +34,7 @@ def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
     assert pair["method"] == "adamw" and len(pair["losses"]) == 2 and 0 < pair["changed_fraction"] < 0.2
     assert r["bytes"]["patch"] < r["bytes"]["model_bf16"] / 5 and r["bytes"]["changed_entries"] == pair["changed"]
     assert r["sha256"]["one_core_GBps"] > 0
+    assert r["machine"]["cpu_stolen_s"] >= 0  # Linux: read from /proc/stat
     assert set(r["codec"]) == {"encode_known_base", "encode_hash_base", "apply_verify", "apply_verify_fresh"}
     for c in r["codec"].values():
         assert c["one_thread_s"] > 0 and c["all_threads_s"] > 0
@@ -79,6 +80,7 @@ def test_scaling_table_fits_and_projects():
     md = table(rows)
     assert "fresh memory" not in md  # older runs did not measure it
     rows[0]["codec"]["apply_verify_fresh"] = {"ratio_to_sha_floor_one_thread": 0.25, "ratio_to_sha_floor_x_threads": 0.3}
-    assert "0.50 / 0.40 (fresh memory 0.25 / 0.30) |" in table(rows)
+    rows[0]["machine"]["cpu_stolen_s"] = 2.3
+    assert "0.50 / 0.40 (fresh memory 0.25 / 0.30) |" in table(rows) and "| 1.0; 2.3 s stolen |" in table(rows)
     assert "| 7B (projected) | 7B | 14 GB | 1% (assumed) | 140 MB |" in md  # 2 B x 1% x 7e9
     assert "- / 70 |" in md and "108 MB" in md
