@@ -3,8 +3,8 @@
 On one machine, for one fixture size (``bench/fixtures.py``: a random-init model at a published
 shape and an update pair at lr 3e-6, built once and cached):
 
-1. **The SHA-256 floor**: one core hashing the model's BF16 values from the page cache (the rate
-   every speed below is compared with, measured in the same run).
+1. **The SHA-256 floor**: one core hashing the model's BF16 values in the process's memory (the
+   rate every speed below is compared with, measured in the same run).
 2. **Codec speed** in this process, on the weights in its own memory (as a node holds them): encode
    with the base digest known (what a publisher does: it published the base) and without it (a
    cold ``pulsenet patch encode``), and apply + verify (every rebuilt tensor's SHA-256 and the model
