@@ -42,7 +42,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from pulsenet.bench import BenchSettings, config_of
-from pulsenet.nodes.memory import GiB, proc_memory
+from pulsenet.errors import ConfigError
+from pulsenet.nodes.memory import GiB, available_memory, proc_memory
 
 SCHEMA = "pulsenet.bench.size/1"
 
@@ -93,6 +94,8 @@ def run(s: SizeBenchSettings) -> dict:
     import json
 
     numel = sum(t.numel() for t in Checkpoint(model_dir).values())
+    if s.e2e and (why := e2e_refusal(2 * numel, available_memory())):
+        raise ConfigError(why)  # before minutes of fixtures and codec runs, not an OOM kill after them
     method = resolve_method(PairSpec(method=s.method), numel)
     steps = s.steps or (2 if method == "adamw" else 1)
     make_pair(model_dir, pair_dir, PairSpec(method=method, steps=steps, seed=s.seed))
@@ -139,6 +142,21 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+E2E_BESIDE = 3 * GiB // 2  # interpreter, torch, numba, the codec's windows: measured peaks less three states
+
+
+def e2e_refusal(model_bytes: int, available: int | None) -> str | None:
+    """Why publish/pull (``--e2e``) cannot run here, or None. It holds three BF16 states in this one
+    process (the publisher's base and new state, a subscriber's), the anchor in transit beside them:
+    at 3B (5.9 GB) 21.1 GiB at peak, at 1B 9.1 GiB (2026-12-07). Three states and 1.5 GiB is less than
+    either, so a run refused here is one the OOM killer would have ended minutes in."""
+    need = 3 * model_bytes + E2E_BESIDE
+    if available is None or need <= available:
+        return None
+    return (f"publish/pull holds three {model_bytes / GiB:.1f} GiB BF16 states in one process, at least "
+            f"{need / GiB:.1f} GiB, and {available / GiB:.1f} GiB is available: run with --no-e2e, or on a larger machine")
 
 
 def _stolen_s() -> float | None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pulsenet.bench import fixtures
+from pulsenet.bench import fixtures, size
 from pulsenet.bench.size import SizeBenchSettings, run
 from pulsenet.codec.threads import codec_threads
+from pulsenet.errors import ConfigError
+from pulsenet.nodes.memory import GiB
 
 TINY = fixtures.Shape("test", 64, 128, 2, 4, 2, 10000.0, 256)
 
@@ -84,3 +86,18 @@ def test_scaling_table_fits_and_projects():
     assert "0.50 / 0.40 (fresh memory 0.25 / 0.30) |" in table(rows) and "| 1.0; 2.3 s stolen |" in table(rows)
     assert "| 7B (projected) | 7B | 14 GB | 1% (assumed) | 140 MB |" in md  # 2 B x 1% x 7e9
     assert "- / 70 |" in md and "108 MB" in md
+
+
+def test_publish_pull_that_cannot_fit_is_refused_at_start_naming_the_flag(tiny_size, tmp_path, monkeypatch):
+    # 3B (5.94 GB of BF16) beside this VM's 22 GiB: runs (it peaked at 21.1 GiB); beside 16 GiB: refused
+    assert size.e2e_refusal(5_940_000_000, 22 * GiB) is None
+    why = size.e2e_refusal(5_940_000_000, 16 * GiB)
+    assert why is not None and "--no-e2e" in why and "18.1 GiB" in why
+    assert size.e2e_refusal(10**12, None) is None  # no /proc/meminfo: nothing to judge by
+
+    monkeypatch.setattr(size, "available_memory", lambda: 1 << 20)
+    with pytest.raises(ConfigError, match="--no-e2e"):
+        run(SizeBenchSettings(params=tiny_size, workdir=tmp_path))
+    assert not (fixtures.CACHE / "test-s0" / "pair").exists()  # refused before the pair was made
+    r = run(SizeBenchSettings(params=tiny_size, repeat=1, cli=False, e2e=False, workdir=tmp_path))
+    assert r["e2e"] is None and r["codec"]["apply_verify"]["all_threads_s"] > 0
