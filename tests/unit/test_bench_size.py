@@ -3,6 +3,8 @@ children's peak memory, publish/pull through throttled link relays): seconds, no
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from pulsenet.bench import fixtures, size
@@ -10,6 +12,7 @@ from pulsenet.bench.size import SizeBenchSettings, run
 from pulsenet.codec.threads import codec_threads
 from pulsenet.errors import ConfigError
 from pulsenet.nodes.memory import GiB
+from pulsenet.sync import Subscriber
 
 TINY = fixtures.Shape("test", 64, 128, 2, 4, 2, 10000.0, 256)
 
@@ -31,7 +34,12 @@ def test_codec_threads_take_the_callers_share(monkeypatch):
 
 @pytest.mark.timeout(300)
 def test_bench_size_end_to_end_at_a_tiny_size(tiny_size, tmp_path):
-    r = run(SizeBenchSettings(params=tiny_size, repeat=1, link_mbps=[50.0], subscribers=2, workdir=tmp_path))
+    gc.disable()  # a session's subscribers must go when it ends, not whenever the cyclic GC runs (a 3B OOM)
+    try:
+        r = run(SizeBenchSettings(params=tiny_size, repeat=1, link_mbps=[50.0], subscribers=2, workdir=tmp_path))
+        assert not [o for o in gc.get_objects() if isinstance(o, Subscriber)]
+    finally:
+        gc.enable()
     pair = r["fixture"]["pair"]
     assert pair["method"] == "adamw" and len(pair["losses"]) == 2 and 0 < pair["changed_fraction"] < 0.2
     assert r["bytes"]["patch"] < r["bytes"]["model_bf16"] / 5 and r["bytes"]["changed_entries"] == pair["changed"]
