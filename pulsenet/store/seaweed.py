@@ -155,6 +155,7 @@ class SeaweedServer:
         p = self._ports
         args = [
             str(self.weed),
+            f"-logdir={self.data_dir}",  # weed's own log files, else one more in /tmp per start
             "mini",
             f"-dir={self.data_dir}",
             "-ip=127.0.0.1",
