@@ -328,8 +328,10 @@ def _subscriber(
             c.subscribe,
             state_dir=Path(c.state_dir) / f"policy-{channel}",
             # One cache per channel: a subscriber prunes its cache, and must never prune
-            # a payload another channel's subscriber has just downloaded.
-            cache_dir=None if c.subscribe.cache_dir is None else Path(c.subscribe.cache_dir) / f"policy-{channel}",
+            # a payload another channel's subscriber has just downloaded. In the node's state dir
+            # unless set, not a temporary directory: what a killed download leaves (up to an
+            # anchor, the model's size) is swept by the next start instead of piling up in /tmp.
+            cache_dir=Path(c.subscribe.cache_dir or Path(c.state_dir) / "cache") / f"policy-{channel}",
         ),
         on_update=on_update,
         on_consume=on_consume,

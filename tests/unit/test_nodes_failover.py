@@ -156,3 +156,35 @@ async def test_a_channel_building_a_version_longer_than_failover_s_is_not_stalle
     finally:
         await stop_node(stop, task)
     assert built == [0] and node._active == 0 and node.subscribers[1].stats.polls == 0
+
+
+async def test_an_inference_nodes_downloads_go_through_its_state_dir_and_a_restart_sweeps_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A channel's payload cache defaults to ``state_dir/cache/policy-<k>``, not a temporary
+    directory: a node killed mid-download (an anchor: the model's size) left the partial file in
+    the system's /tmp, where nothing ever removed it. Now the next start sweeps it."""
+    import tempfile
+
+    from pulsenet.nodes.build import _subscriber
+    from pulsenet.store.local import TMP_PREFIX
+    from pulsenet.sync.publisher import Publisher
+    from tests.support.sync_support import keypair, train_states
+
+    system_tmp = tmp_path / "system-tmp"
+    system_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+    key, trusted = keypair()
+    store = LocalStore(tmp_path / "s3" / "t0")
+    async with Publisher(store, key, PublisherConfig(anchor_every=100)) as pub:
+        published = [await pub.publish_now(s) for s in train_states(2)]
+    leftover = tmp_path / "i0" / "cache" / "policy-0" / "pulsenet-payloads" / f"{TMP_PREFIX}0123456789abcdef"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"\0" * 1024)  # what a kill mid-download leaves
+    c = InferenceConfig(id="i0", state_dir=tmp_path / "i0", subscribe=SubscriberConfig(interval_s=0.1, threads=1))
+    async with _subscriber(c, [store], trusted, 0, lambda *a, **kw: None, lambda: None) as sub:
+        assert sub.cache.dir == leftover.parent and not leftover.exists()
+        await sub.sync_once()
+        assert (sub.version, sub.digest) == (published[-1].version, published[-1].digest)
+        assert sub.cache.downloaded  # the anchor went through this cache
+    assert not list(system_tmp.iterdir())
