@@ -11,6 +11,8 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +56,32 @@ def fresh_scratch(directory: str | os.PathLike[str]) -> Path:
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
     return directory
+
+
+def private_scratch(parent: str | os.PathLike[str] | None, prefix: str) -> Path:
+    """A new private directory (``mkdtemp``: 0700) named ``<prefix><pid>-…`` in ``parent`` (None:
+    the temporary directory), made after removing the ones of the same prefix and owner whose
+    process is gone. For a shared parent (``fresh_scratch`` is for a directory owned alone): a
+    killed process cleans nothing up, and in /dev/shm what it left holds memory until a reboot. A
+    directory whose pid is alive, reused or not, is left alone."""
+    root = Path(parent if parent is not None else tempfile.gettempdir())
+    with contextlib.suppress(FileNotFoundError):
+        for d in root.iterdir():
+            pid, dash, _ = d.name.removeprefix(prefix).partition("-")
+            if not d.name.startswith(prefix) or not dash or not pid.isdigit() or _alive(int(pid)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = d.lstat()
+                if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                    shutil.rmtree(d, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

@@ -66,7 +66,6 @@ import inspect
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -86,6 +85,7 @@ from pulsenet.engines.vllm_config import (
 )
 from pulsenet.engines.vllm_worker import PARENT_ENV, REFUSED, layer_groups
 from pulsenet.errors import ConfigError, EngineError
+from pulsenet.fsutil import private_scratch
 from pulsenet.logs import suppressed
 
 WORKER_EXTENSION = "pulsenet.engines.vllm_worker.PulsenetWorkerExtension"
@@ -199,10 +199,11 @@ class VLLMEngine(Engine):
         self._update_lock = threading.Lock()
         self._dirty: set[str] = set()  # sent by an update that failed while loading: resent next time
         # The handoff directory (vllm_worker.py): private (mkdtemp: 0700), in memory where /dev/shm
-        # holds a full update (a container's is often 64 MiB), else the temporary directory.
+        # holds a full update (a container's is often 64 MiB), else the temporary directory; one a
+        # killed node left (a whole update, in memory) goes at the next engine's start.
         shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.layout.values())
         in_memory = shm.is_dir() and shutil.disk_usage(shm).free > need
-        self._handoff_dir = Path(tempfile.mkdtemp(prefix="pulsenet-vllm-", dir=shm if in_memory else None))
+        self._handoff_dir = private_scratch(shm if in_memory else None, "pulsenet-vllm-")
         self._handoffs = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="pulsenet-vllm-loop", daemon=True)
