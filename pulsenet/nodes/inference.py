@@ -228,6 +228,8 @@ class InferenceNode:
             for sub in self.subscribers:
                 await sub.close()
             await asyncio.to_thread(self.task.close)  # the reward worker process
+            if self.engine is not None:  # vLLM: its engine core process and handoff directory
+                await asyncio.to_thread(self.engine.close)
 
     async def _start_writer(self) -> None:
         """Continue this node's batch sequence from what its own key signed; names in its bucket
