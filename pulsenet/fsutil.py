@@ -59,22 +59,34 @@ def fresh_scratch(directory: str | os.PathLike[str]) -> Path:
 
 
 def private_scratch(parent: str | os.PathLike[str] | None, prefix: str) -> Path:
-    """A new private directory (``mkdtemp``: 0700) named ``<prefix><pid>-…`` in ``parent`` (None:
-    the temporary directory), made after removing the ones of the same prefix and owner whose
-    process is gone. For a shared parent (``fresh_scratch`` is for a directory owned alone): a
-    killed process cleans nothing up, and in /dev/shm what it left holds memory until a reboot. A
-    directory whose pid is alive, reused or not, is left alone."""
+    """A new private directory (``mkdtemp``: 0700) named ``<prefix><pid namespace>.<pid>-…`` in
+    ``parent`` (None: the temporary directory), made after removing the ones of the same prefix,
+    owner and PID namespace whose process is gone. For a shared parent (``fresh_scratch`` is for a
+    directory owned alone): a killed process cleans nothing up, and in /dev/shm what it left holds
+    memory until a reboot. A directory whose pid is alive (reused or not), or that another PID
+    namespace made (containers sharing a /dev/shm), is left alone."""
     root = Path(parent if parent is not None else tempfile.gettempdir())
+    ns = _pid_namespace()
     with contextlib.suppress(FileNotFoundError):
         for d in root.iterdir():
-            pid, dash, _ = d.name.removeprefix(prefix).partition("-")
-            if not d.name.startswith(prefix) or not dash or not pid.isdigit() or _alive(int(pid)):
+            owner, dash, _ = d.name.removeprefix(prefix).partition("-")
+            d_ns, dot, pid = owner.partition(".")
+            if not (d.name.startswith(prefix) and dash and dot and pid.isdigit() and d_ns == str(ns)) or _alive(int(pid)):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 st = d.lstat()
                 if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
                     shutil.rmtree(d, ignore_errors=True)
-    return Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=root))
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{ns}.{os.getpid()}-", dir=root))
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode; 0 where there is no /proc): a pid names the same
+    process only inside one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _alive(pid: int) -> bool:
@@ -82,6 +94,6 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True

@@ -200,7 +200,7 @@ class VLLMEngine(Engine):
         self._dirty: set[str] = set()  # sent by an update that failed while loading: resent next time
         # The handoff directory (vllm_worker.py): private (mkdtemp: 0700), in memory where /dev/shm
         # holds a full update (a container's is often 64 MiB), else the temporary directory; one a
-        # killed node left (a whole update, in memory) goes at the next engine's start.
+        # killed node left (a whole update, in memory) goes at the next engine start in its PID namespace.
         shm, need = Path("/dev/shm"), 2 * sum(t.numel() * t.element_size() for t in self.mirror.layout.values())
         in_memory = shm.is_dir() and shutil.disk_usage(shm).free > need
         self._handoff_dir = private_scratch(shm if in_memory else None, "pulsenet-vllm-")
